@@ -1,0 +1,26 @@
+# Two commands do all the set-up: `make train` (the main job on the embedded default) and `make test`.
+# Each creates the virtual environment with the pinned versions of constraints.txt when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: train test bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+train: $(VENV)/.installed
+	$(VENV)/bin/pipetrain train
+
+test: $(VENV)/.installed
+	bash scripts/slurm-up.sh
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/pipetrain bench
+
+clean:
+	rm -rf $(VENV) runs bench-out

@@ -1,0 +1,1 @@
+echo "slurm-up: placeholder during setup"

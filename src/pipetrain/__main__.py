@@ -1,0 +1,7 @@
+"""`python -m pipetrain` runs the command-line interface."""
+
+import sys
+
+from pipetrain.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,46 @@
+"""The `pipetrain` command: one sub-command per module of this package, errors printed once."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from pipetrain.errors import PipetrainError
+
+__all__ = ["main"]
+
+#: verb -> module under pipetrain.cli providing add_parser(subparsers) and run(args) -> int
+VERBS = ("train", "bench", "sbatch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipetrain", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
+    for verb in VERBS:
+        module = importlib.import_module(f"pipetrain.cli.{verb}")
+        module.add_parser(sub).set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
+    )
+    try:
+        return int(args.run(args) or 0)
+    except PipetrainError as err:
+        print(f"pipetrain: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pipetrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Frozen, keyword-only configuration dataclasses, one per component, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetrain.errors import ConfigError
+
+__all__ = [
+    "SCHEDULES",
+    "CHECKPOINT_POLICIES",
+    "DP_MODES",
+    "PARTITION_METHODS",
+    "PipelineConfig",
+    "ParallelConfig",
+    "schedule_is_multi_stage",
+]
+
+#: Schedule name -> number of stages each pipeline rank holds by default.
+SCHEDULES: dict[str, int] = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved-1f1b": 2,
+    "zero-bubble": 2,
+}
+CHECKPOINT_POLICIES = ("never", "except_last", "always")
+DP_MODES = ("ddp", "fsdp")
+PARTITION_METHODS = ("parameters", "uniform")
+
+
+def schedule_is_multi_stage(schedule: str) -> bool:
+    """True for the schedules that put several (virtual) stages on each rank."""
+    return SCHEDULES[schedule] > 1
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...] | dict[str, int]) -> None:
+    if value not in allowed:
+        raise ConfigError(
+            f"unknown {name} {value!r}", hint=f"choose one of: {', '.join(allowed)}"
+        )
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}", hint=f"pass {name} >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How the model is cut and scheduled across the `pp` ranks of one pipeline.
+
+    `n_microbatches` is the seed's "chunks": 1 is naive model parallelism.
+    `balance`, when given, is the number of blocks of each stage (pp * stages_per_rank entries).
+    """
+
+    pp: int = 1
+    schedule: str = "gpipe"
+    n_microbatches: int = 1
+    checkpoint: str = "never"
+    stages_per_rank: int | None = None
+    balance: tuple[int, ...] | None = None
+    partition: str = "parameters"
+
+    def __post_init__(self) -> None:
+        _positive("pp", self.pp)
+        _positive("n_microbatches (--chunks)", self.n_microbatches)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("checkpoint policy", self.checkpoint, CHECKPOINT_POLICIES)
+        _choice("partition method", self.partition, PARTITION_METHODS)
+        if self.stages_per_rank is not None:
+            _positive("stages_per_rank", self.stages_per_rank)
+            if self.stages_per_rank > 1 and not schedule_is_multi_stage(self.schedule):
+                raise ConfigError(
+                    f"schedule {self.schedule!r} runs one stage per rank, got stages_per_rank={self.stages_per_rank}",
+                    hint="use --schedule interleaved-1f1b or zero-bubble for virtual stages",
+                )
+            if self.stages_per_rank < 2 and schedule_is_multi_stage(self.schedule):
+                raise ConfigError(
+                    f"schedule {self.schedule!r} needs at least 2 stages per rank, got {self.stages_per_rank}",
+                    hint="leave stages_per_rank unset or pass 2 or more",
+                )
+        if self.schedule == "1f1b" and self.n_microbatches < self.pp:
+            raise ConfigError(
+                f"schedule '1f1b' needs at least as many micro-batches as stages: "
+                f"chunks={self.n_microbatches} < pp={self.pp}",
+                hint=f"pass --chunks {self.pp} or more, or use --schedule gpipe",
+            )
+        if schedule_is_multi_stage(self.schedule) and self.n_microbatches % self.pp:
+            raise ConfigError(
+                f"schedule {self.schedule!r} needs chunks to be a multiple of pp: "
+                f"chunks={self.n_microbatches}, pp={self.pp}",
+                hint=f"pass --chunks {self.pp * max(1, self.n_microbatches // self.pp)}",
+            )
+        if self.balance is not None:
+            if len(self.balance) != self.num_stages:
+                raise ConfigError(
+                    f"balance {list(self.balance)} has {len(self.balance)} entries for {self.num_stages} stages",
+                    hint=f"give one block count per stage ({self.num_stages} numbers)",
+                )
+            if any((not isinstance(b, int)) or b < 1 for b in self.balance):
+                raise ConfigError(
+                    f"balance {list(self.balance)} has a stage with no block",
+                    hint="every stage needs at least one block",
+                )
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages held by each pipeline rank."""
+        return self.stages_per_rank or SCHEDULES[self.schedule]
+
+    @property
+    def num_stages(self) -> int:
+        """Stages in the whole pipeline."""
+        return self.pp * self.virtual_stages
+
+    def check_blocks(self, num_blocks: int) -> None:
+        """Raise if the model has too few blocks for this pipeline, or a balance of the wrong total."""
+        if num_blocks < self.num_stages:
+            raise ConfigError(
+                f"pp={self.pp} with {self.virtual_stages} stage(s) per rank needs {self.num_stages} blocks, "
+                f"but the model has {num_blocks}",
+                hint=f"use --pp {max(1, num_blocks // self.virtual_stages)} or fewer, or a deeper model",
+            )
+        if self.balance is not None and sum(self.balance) != num_blocks:
+            raise ConfigError(
+                f"balance {list(self.balance)} sums to {sum(self.balance)} but the model has {num_blocks} blocks",
+                hint="make the block counts add up to the number of blocks",
+            )
+
+    def check_batch(self, batch_size: int) -> None:
+        """Raise if a batch cannot be cut into this many micro-batches."""
+        if self.n_microbatches > batch_size:
+            raise ConfigError(
+                f"chunks={self.n_microbatches} is larger than the batch size {batch_size}",
+                hint=f"pass --chunks {batch_size} or fewer, or a larger --batch-size",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The device mesh: `dp` replicas (or shards) of a `pp`-rank pipeline; world size = dp * pp."""
+
+    dp: int = 1
+    dp_mode: str = "ddp"
+    pipeline: PipelineConfig = PipelineConfig()
+
+    def __post_init__(self) -> None:
+        _positive("dp", self.dp)
+        _choice("dp mode", self.dp_mode, DP_MODES)
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pipeline.pp
+
+    def check_world(self, world_size: int) -> None:
+        """Raise if the job has a different number of ranks than the mesh uses."""
+        if world_size != self.world_size:
+            raise ConfigError(
+                f"dp={self.dp} x pp={self.pp} = {self.world_size} ranks, but the job has {world_size}",
+                hint=f"launch {self.world_size} ranks, or choose dp and pp with dp * pp = {world_size}",
+            )
+
+    def check_global_batch(self, batch_size: int) -> None:
+        """Raise if the global batch does not split evenly over the replicas."""
+        if batch_size % self.dp:
+            raise ConfigError(
+                f"global batch size {batch_size} is not divisible by dp={self.dp}",
+                hint=f"pass --batch-size {self.dp * max(1, batch_size // self.dp)}",
+            )
+        self.pipeline.check_batch(batch_size // self.dp)
