@@ -1,1 +1,6 @@
-"""pipetrain."""
+"""Partitioning: which contiguous blocks of a model each pipeline stage holds."""
+
+from pipetrain.partition.cost import parameter_costs, resolve_balance
+from pipetrain.partition.solver import balance_bounds, solve_balance, uniform_balance
+
+__all__ = ["balance_bounds", "parameter_costs", "resolve_balance", "solve_balance", "uniform_balance"]

@@ -1,1 +1,7 @@
-"""pipetrain."""
+"""Pipeline parallelism: the only package that uses `torch.distributed.pipelining`."""
+
+from pipetrain.pipeline.engine import PipelineEngine, StepResult
+from pipetrain.pipeline.plan import Run, plan_runs
+from pipetrain.pipeline.recompute import recomputes
+
+__all__ = ["PipelineEngine", "StepResult", "Run", "plan_runs", "recomputes"]

@@ -1,0 +1,161 @@
+"""Memory for the bench: a per-process limit (so CPU cells can run "out of memory"), OOM recognition, peaks.
+
+CPU limit. `apply_memory_limit` lowers the soft ``RLIMIT_DATA`` of the calling process to
+*baseline + limit_mb*, where baseline is the process's data size (``VmData``) at call time: the limit
+counts what the cell allocates after the call (model, optimizer, activations), not the interpreter and
+torch, which is the closest analogue of a GPU's memory. Call it in the rank process after importing
+torch and before building the model. An allocation past the limit fails with ENOMEM, which torch turns
+into ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...`` (Python objects: MemoryError);
+the process survives and `is_oom_error` recognises both. Measured on Linux 6.18 / torch 2.13:
+``RLIMIT_AS`` fails the same way, but it counts address space that is only reserved: each new thread's
+malloc arena reserves 64 MB (8 threads: +577 MB VmSize versus +65 MB VmData), so the budget would
+depend on the thread count. ``RLIMIT_DATA`` counts private writable mappings (heap, anonymous mmap,
+thread stacks of 8 MB each; a gloo process group costs ~32 MB) whether touched or not: a
+``torch.empty`` counts in full.
+
+CPU peak. `peak_memory_mb` reads ``VmHWM`` from /proc/self/status: the peak resident set size of the
+whole process (interpreter and torch's ~250 MB included, shared-library pages that are resident
+included), in MB (2**20 bytes). `reset_peak_memory` writes "5" to /proc/self/clear_refs, which resets
+VmHWM to the current RSS (verified here). Without /proc, the figure is ``ru_maxrss`` (never reset).
+
+CUDA. The limit is ``torch.cuda.set_per_process_memory_fraction(limit / total)``: an absolute cap on
+the caching allocator, which does not count the CUDA context; the peak is ``max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from pipetrain.errors import ConfigError
+
+__all__ = [
+    "apply_memory_limit",
+    "is_oom_error",
+    "oom_reason",
+    "peak_memory_mb",
+    "current_memory_mb",
+    "reset_peak_memory",
+]
+
+_MB = 1024 * 1024
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory", "out of memory")
+
+
+def _device(device: torch.device | str) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _proc_status_mb(field: str) -> float | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def apply_memory_limit(limit_mb: int | None, device: torch.device | str) -> None:
+    """Cap the memory this process may use for `device` at `limit_mb` MB (None: no limit; see module doc)."""
+    if limit_mb is None:
+        return
+    if isinstance(limit_mb, bool) or not isinstance(limit_mb, int) or limit_mb < 1:
+        raise ConfigError(f"memory limit must be a positive number of MB, got {limit_mb!r}", hint="e.g. --mem 2048")
+    dev = _device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        if limit_mb * _MB > total:
+            raise ConfigError(
+                f"memory limit {limit_mb} MB is more than the {total // _MB} MB of {dev}",
+                hint=f"pass a limit of at most {total // _MB} MB, or none",
+            )
+        torch.cuda.set_per_process_memory_fraction(limit_mb * _MB / total, index)
+        return
+    if dev.type != "cpu":
+        raise ConfigError(f"cannot limit memory on device type {dev.type!r}", hint="use cpu or cuda, or no limit")
+    if not sys.platform.startswith("linux"):
+        raise ConfigError("the CPU memory limit needs Linux (RLIMIT_DATA)", hint="run without a memory limit")
+    baseline = _proc_status_mb("VmData")
+    if baseline is None:
+        raise ConfigError("cannot read VmData from /proc/self/status", hint="run without a memory limit")
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    wanted = int((baseline + limit_mb) * _MB)
+    if hard != resource.RLIM_INFINITY and wanted > hard:
+        raise ConfigError(
+            f"memory limit {limit_mb} MB + baseline {baseline:.0f} MB exceeds the hard RLIMIT_DATA "
+            f"({hard // _MB} MB)",
+            hint="pass a smaller limit or raise `ulimit -d`",
+        )
+    resource.setrlimit(resource.RLIMIT_DATA, (wanted, hard))
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True if `exc` (or an exception it was raised from) is an out-of-memory failure on CPU or CUDA."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in _OOM_MESSAGES):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.ENOMEM:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def oom_reason(exc: BaseException, device: torch.device | str) -> str:
+    """A one-line reason for a cell result: what ran out, and the limit in force if one was set."""
+    dev = _device(device)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "DefaultCPUAllocator" in first:
+        first = first[first.index("DefaultCPUAllocator"):]
+    if dev.type == "cpu":
+        soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
+        if soft != resource.RLIM_INFINITY:
+            return (f"out of CPU memory: the bench memory limit (RLIMIT_DATA = {soft // _MB} MB, "
+                    f"process baseline at start included) was exceeded: {first}")
+        return f"out of CPU memory: {first}"
+    return f"out of memory on {dev}: {first}"
+
+
+def peak_memory_mb(device: torch.device | str) -> float:
+    """Peak since the last reset, MB: CUDA max allocated by tensors; CPU peak RSS of the process (VmHWM)."""
+    dev = _device(device)
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / _MB
+    hwm = _proc_status_mb("VmHWM")
+    if hwm is not None:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / _MB if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB on Linux
+
+
+def current_memory_mb(device: torch.device | str) -> float:
+    """Memory in use now, MB: CUDA allocated by tensors; CPU resident set size (VmRSS), 0 if unknown."""
+    dev = _device(device)
+    if dev.type == "cuda":
+        return torch.cuda.memory_allocated(dev) / _MB
+    return _proc_status_mb("VmRSS") or 0.0
+
+
+def reset_peak_memory(device: torch.device | str) -> bool:
+    """Restart the peak measurement; False when the platform cannot (CPU without /proc/self/clear_refs)."""
+    dev = _device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return True
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True

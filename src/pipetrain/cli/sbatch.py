@@ -1,0 +1,118 @@
+"""The `pipetrain sbatch` verb: render a Slurm batch script that runs `pipetrain train` on every rank."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pipetrain.config import SCHEDULES
+from pipetrain.errors import ConfigError
+from pipetrain.launch.sbatch import SbatchRequest, render_sbatch
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger(__name__)
+
+_EPILOG = """\
+Arguments after `--` go to `pipetrain train` unchanged, e.g.
+  pipetrain sbatch --nodes 2 --gpus-per-node 4 --pp 4 --dp 2 --output job.sh -- --preset tiny --epochs 1
+The script runs `<this python> -m pipetrain train`, so it works from the same virtual environment.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `sbatch` verb and its flags."""
+    parser = subparsers.add_parser(
+        "sbatch",
+        help="write a Slurm batch script for a training run",
+        description=__doc__,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    job = parser.add_argument_group("resources")
+    job.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
+    job.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 renders a CPU job (default)")
+    job.add_argument(
+        "--ntasks-per-node",
+        type=int,
+        default=None,
+        help="Slurm tasks per node (default: one per GPU, or dp*pp/nodes on CPU, or 1 with --one-task-per-node)",
+    )
+    job.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per task (default 1)")
+    job.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS (default 01:00:00)")
+    job.add_argument("--partition", default=None, help="Slurm partition")
+    job.add_argument("--account", default=None, help="Slurm account (project allocation)")
+    job.add_argument("--job-name", default="pipetrain", help="job name (default pipetrain)")
+    job.add_argument("--log", default="%x-%j.out", help="stdout+stderr file pattern (default %%x-%%j.out)")
+    job.add_argument(
+        "--one-task-per-node",
+        action="store_true",
+        help="one Slurm task per node that spawns the node's ranks (default: one task per rank)",
+    )
+    job.add_argument("--ranks-per-node", type=int, default=None, help="ranks each node spawns with --one-task-per-node")
+    mesh = parser.add_argument_group("training layout (appended to the training command)")
+    mesh.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    mesh.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
+    mesh.add_argument("--schedule", choices=tuple(SCHEDULES), default=None, help="pipeline schedule")
+    mesh.add_argument("--chunks", type=int, default=None, help="micro-batches per batch")
+    out = parser.add_argument_group("script")
+    out.add_argument("--setup", default=None, help="one shell line run before srun, e.g. 'module load pytorch'")
+    out.add_argument("--python", default=sys.executable, help="interpreter the job runs (default: this one)")
+    out.add_argument("--output", "-o", type=Path, default=None, help="write the script here (default: stdout)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for `pipetrain train`")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Render the script and write it to --output or stdout; returns the exit code."""
+    train_args = list(args.train_args)
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    elif train_args:
+        raise ConfigError(
+            f"unexpected arguments {' '.join(train_args)!r}",
+            hint="put arguments meant for `pipetrain train` after `--`",
+        )
+    request = SbatchRequest(
+        command=[str(Path(args.python).absolute()), "-m", "pipetrain", "train", *train_args],
+        job_name=args.job_name,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tasks_per_node=_tasks_per_node(args),
+        cpus_per_task=args.cpus_per_task,
+        time=args.time,
+        dp=args.dp,
+        pp=args.pp,
+        schedule=args.schedule,
+        chunks=args.chunks,
+        partition=args.partition,
+        account=args.account,
+        output=args.log,
+        setup=args.setup,
+        one_task_per_node=args.one_task_per_node,
+        ranks_per_node=args.ranks_per_node,
+    )
+    script = render_sbatch(request)
+    if args.output is None:
+        sys.stdout.write(script)
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(script)
+    os.chmod(args.output, 0o755)
+    log.info("wrote %s (%d ranks on %d node(s)); submit with: sbatch %s", args.output, request.world_size,
+             request.nodes, args.output)
+    return 0
+
+
+def _tasks_per_node(args: argparse.Namespace) -> int:
+    """The --ntasks-per-node default: 1 task per node, one per GPU, or the CPU ranks spread over the nodes."""
+    if args.ntasks_per_node is not None:
+        return int(args.ntasks_per_node)
+    if args.one_task_per_node:
+        return 1
+    if args.gpus_per_node > 0:
+        return int(args.gpus_per_node)
+    return max(1, (args.dp * args.pp) // max(1, args.nodes))

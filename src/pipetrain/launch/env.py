@@ -1,0 +1,325 @@
+"""Cluster environment: where this process's rank comes from (torchrun or Slurm variables), read in one place.
+
+This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* and SLURM_* variables. It never
+creates processes; launchers use what `detect` reports, or spawn the ranks themselves when it reports None.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from pipetrain.errors import LaunchError
+
+__all__ = [
+    "ClusterEnv",
+    "detect",
+    "expand_for_local_ranks",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "free_port",
+    "slurm_port",
+]
+
+_PORT_BASE = 20000
+_PORT_SPAN = 20000
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")  # one entry inside brackets: "07" or "01-04"
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # "2" or "2(x3)"
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """The position of one process in a job: global and per-node ranks, and the rendezvous address."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    source: Literal["torchrun", "slurm"]
+
+    @property
+    def one_task_per_node(self) -> bool:
+        """True when each node runs a single process (Slurm `--ntasks-per-node=1` pattern)."""
+        return self.local_world_size == 1 and self.world_size == self.num_nodes
+
+    def torch_environ(self) -> dict[str, str]:
+        """The variables `torch.distributed.init_process_group(init_method="env://")` reads, for this rank."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
+    """Read the rank layout from torchrun's variables, else from a Slurm step's, else return None.
+
+    None means no launcher placed this process: pipetrain spawns its ranks itself.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _from_torchrun(env)
+    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return _from_slurm(env)
+    return None
+
+
+def expand_for_local_ranks(env: ClusterEnv, ranks_per_node: int) -> list[ClusterEnv]:
+    """Turn the one process of a node into `ranks_per_node` ranks: global = node_rank * ranks_per_node + local."""
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise LaunchError(
+            f"ranks per node must be a positive integer, got {ranks_per_node!r}", hint="pass --ranks-per-node 1 or more"
+        )
+    if not env.one_task_per_node:
+        raise LaunchError(
+            f"--ranks-per-node needs one task per node, but this job runs {env.local_world_size} task(s) on "
+            f"node {env.node_rank} and {env.world_size} task(s) on {env.num_nodes} node(s)",
+            hint="launch with --ntasks-per-node=1, or drop --ranks-per-node and run one task per rank",
+        )
+    return [
+        replace(
+            env,
+            rank=env.node_rank * ranks_per_node + local,
+            world_size=env.num_nodes * ranks_per_node,
+            local_rank=local,
+            local_world_size=ranks_per_node,
+        )
+        for local in range(ranks_per_node)
+    ]
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (for ranks spawned on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def slurm_port(job_id: int) -> int:
+    """The rendezvous port every task of Slurm job `job_id` agrees on without talking: in [20000, 40000)."""
+    return _PORT_BASE + job_id % _PORT_SPAN
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm host list such as ``node[01-04,07]`` or ``a[1-2],b3`` into host names, padding kept."""
+    text = nodelist.strip()
+    if not text:
+        raise LaunchError("empty Slurm node list", hint="check SLURM_JOB_NODELIST, e.g. node[01-04]")
+    hosts: list[str] = []
+    for item in _split_top_level(text, nodelist):
+        names = [""]
+        rest = item
+        while rest:
+            start = rest.find("[")
+            if start < 0:
+                names = [n + rest for n in names]
+                break
+            end = rest.find("]", start)  # brackets were checked balanced and flat by _split_top_level
+            suffixes = _expand_ranges(rest[start + 1 : end], nodelist)
+            names = [n + rest[:start] + s for n in names for s in suffixes]
+            rest = rest[end + 1 :]
+        bad = next((n for n in names if not _HOST.fullmatch(n)), None)
+        if bad is not None:
+            raise _bad_nodelist(nodelist, f"{bad!r} is not a host name")
+        hosts.extend(names)
+    return hosts
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand Slurm's tasks-per-node notation, e.g. ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for item in spec.strip().split(","):
+        match = _TASKS.fullmatch(item.strip())
+        if match is None:
+            raise LaunchError(
+                f"cannot read Slurm tasks per node {spec!r}", hint="expected a form like '4' or '2(x3),1'"
+            )
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _split_top_level(text: str, original: str) -> list[str]:
+    items, depth, current = [], 0, []
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            raise _bad_nodelist(original, "unbalanced brackets")
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth:
+        raise _bad_nodelist(original, "unbalanced '['")
+    items.append("".join(current))
+    if any(not item.strip() or item != item.strip() for item in items):
+        raise _bad_nodelist(original, "empty entry or stray space")
+    return items
+
+
+def _expand_ranges(body: str, original: str) -> list[str]:
+    out: list[str] = []
+    for part in body.split(","):
+        match = _RANGE.fullmatch(part)
+        if match is None:
+            raise _bad_nodelist(original, f"bad range {part!r}")
+        first, last = match.group(1), match.group(2) or match.group(1)
+        if int(last) < int(first):
+            raise _bad_nodelist(original, f"range {part!r} goes backwards")
+        out.extend(str(i).zfill(len(first)) for i in range(int(first), int(last) + 1))
+    return out
+
+
+def _bad_nodelist(nodelist: str, why: str) -> LaunchError:
+    return LaunchError(
+        f"malformed Slurm node list {nodelist!r}: {why}", hint="expected a form like node[01-04,07],gpu3"
+    )
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None, *, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None:
+        if default is None:
+            raise LaunchError(f"{name} is not set", hint=f"the launcher should export {name}; check the job script")
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not an integer", hint=f"unset {name} or give it a whole number") from None
+    if value < minimum:
+        raise LaunchError(f"{name}={value} is below {minimum}", hint=f"unset {name} or give it a value >= {minimum}")
+    return value
+
+
+def _below(small: str, small_value: int, big: str, big_value: int) -> None:
+    if small_value >= big_value:
+        raise LaunchError(
+            f"{small}={small_value} is not below {big}={big_value}",
+            hint=f"{small} counts from 0 to {big}-1; unset stale variables or fix the launcher",
+        )
+
+
+def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise LaunchError(f"{given} is set but {missing} is not", hint="set both (torchrun does) or neither")
+    rank = _int(env, "RANK")
+    world_size = _int(env, "WORLD_SIZE", minimum=1)
+    _below("RANK", rank, "WORLD_SIZE", world_size)
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size, minimum=1)
+    if local_world_size > world_size:
+        raise LaunchError(
+            f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}",
+            hint="a node cannot run more ranks than the job has",
+        )
+    local_rank = _int(env, "LOCAL_RANK", rank if local_world_size == world_size else None)
+    _below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
+    num_nodes = _int(env, "GROUP_WORLD_SIZE", -(-world_size // local_world_size), minimum=1)
+    node_rank = _int(env, "GROUP_RANK", rank // local_world_size)
+    _below("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE", num_nodes)
+    if world_size > 1 and "MASTER_PORT" not in env:
+        raise LaunchError(
+            f"WORLD_SIZE={world_size} but MASTER_PORT is not set",
+            hint="launch with torchrun, or export MASTER_ADDR and MASTER_PORT for every rank",
+        )
+    if num_nodes > 1 and "MASTER_ADDR" not in env:
+        raise LaunchError(
+            f"{num_nodes} nodes but MASTER_ADDR is not set", hint="export MASTER_ADDR=<host of rank 0>"
+        )
+    return ClusterEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_port(env, "MASTER_PORT", 29500),
+        source="torchrun",
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
+    rank = _int(env, "SLURM_PROCID")
+    tasks_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    world_size = _int(env, tasks_name, minimum=1)
+    _below("SLURM_PROCID", rank, tasks_name, world_size)
+    nodes_name = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES"
+    num_nodes = _int(env, nodes_name, 1, minimum=1)
+    node_rank = _int(env, "SLURM_NODEID", 0)
+    _below("SLURM_NODEID", node_rank, nodes_name, num_nodes)
+
+    per_node_name = next(
+        (n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE") if n in env), None
+    )
+    if per_node_name is None:
+        local_world_size = world_size if num_nodes == 1 else 0
+        if not local_world_size:
+            raise LaunchError(
+                f"{num_nodes} nodes but no SLURM_STEP_TASKS_PER_NODE", hint="launch the ranks with srun"
+            )
+    else:
+        counts = expand_tasks_per_node(env[per_node_name])
+        if len(counts) == 1:
+            counts *= num_nodes
+        if len(counts) != num_nodes or sum(counts) != world_size:
+            raise LaunchError(
+                f"{per_node_name}={env[per_node_name]!r} does not describe {world_size} tasks "
+                f"({tasks_name}) on {num_nodes} nodes ({nodes_name})",
+                hint="unset stale SLURM_* variables; launch with srun inside the allocation",
+            )
+        local_world_size = counts[node_rank]
+    local_rank = _int(env, "SLURM_LOCALID", 0)
+    if local_rank >= local_world_size:
+        raise LaunchError(
+            f"SLURM_LOCALID={local_rank} but node {node_rank} runs {local_world_size} task(s) "
+            f"({per_node_name or tasks_name})",
+            hint="SLURM_LOCALID counts the tasks of one node from 0; unset stale SLURM_* variables",
+        )
+
+    master_addr = env.get("MASTER_ADDR")
+    if master_addr is None:
+        list_name = next(
+            (n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if n in env), None
+        )
+        if list_name is None:
+            raise LaunchError(
+                "cannot find rank 0's host: no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST",
+                hint="export MASTER_ADDR=<host of rank 0>",
+            )
+        master_addr = expand_nodelist(env[list_name])[0]
+    if "MASTER_PORT" in env:
+        master_port = _port(env, "MASTER_PORT", 0)
+    else:
+        master_port = slurm_port(_int(env, "SLURM_JOB_ID"))
+    return ClusterEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        source="slurm",
+    )
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> int:
+    port = _int(env, name, default, minimum=1)
+    if port > 65535:
+        raise LaunchError(f"{name}={port} is not a TCP port", hint=f"pick {name} between 1024 and 65535")
+    return port

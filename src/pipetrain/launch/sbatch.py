@@ -1,0 +1,198 @@
+"""Slurm batch scripts: a validated request and the ready-to-submit script it renders (Jean Zay conventions)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.errors import ConfigError
+
+__all__ = ["SbatchRequest", "render_sbatch"]
+
+_TIME = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:@%/+=-]+")
+#: Field name -> the `pipetrain sbatch` flag that sets it, where they differ.
+_FLAGS = {"tasks_per_node": "--ntasks-per-node"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SbatchRequest:
+    """What a batch job asks Slurm for and the training command each task runs.
+
+    One task per rank by default (`tasks_per_node` ranks per node, one GPU each when `gpus_per_node` > 0).
+    With `one_task_per_node`, Slurm starts one task per node and pipetrain spawns `ranks_per_node` ranks in
+    it (default: one per GPU). `gpus_per_node=0` renders the CPU variant (no ``--gres``).
+    """
+
+    command: Sequence[str]
+    job_name: str = "pipetrain"
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    time: str = "01:00:00"
+    dp: int = 1
+    pp: int = 1
+    schedule: str | None = None
+    chunks: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    output: str = "%x-%j.out"
+    error: str | None = None
+    setup: str | None = None
+    one_task_per_node: bool = False
+    ranks_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "command", tuple(str(a) for a in self.command))
+        for name in ("nodes", "tasks_per_node", "cpus_per_task", "dp", "pp"):
+            _count(name, getattr(self, name), minimum=1)
+        _count("gpus_per_node", self.gpus_per_node, minimum=0)
+        if self.ranks_per_node is not None:
+            _count("ranks_per_node", self.ranks_per_node, minimum=1)
+        for name in ("job_name", "partition", "account", "output", "error"):
+            value = getattr(self, name)
+            if value is not None and not _PLAIN.fullmatch(value):
+                raise ConfigError(
+                    f"{name} {value!r} is empty or has characters other than letters, digits and _.,:@%/+=-",
+                    hint=f"use a plain {name.replace('_', ' ')} such as 'pipetrain'",
+                )
+        if not _TIME.fullmatch(self.time):
+            raise ConfigError(
+                f"time limit {self.time!r} is not HH:MM:SS", hint="pass --time 01:30:00 (or D-HH:MM:SS)"
+            )
+        if self.setup is not None and "\n" in self.setup.strip():
+            raise ConfigError("the setup line spans several lines", hint="pass one shell line, joined with '&&'")
+        if not self.command:
+            raise ConfigError("the training command is empty", hint="give the argv of `pipetrain train ...`")
+        appended = set(self._layout_flags()[::2])
+        owned = [a for a in self.command if a.split("=", 1)[0] in appended]
+        if owned:
+            raise ConfigError(
+                f"the training command already sets {', '.join(owned)}",
+                hint="pass these to `pipetrain sbatch` itself, not after `--`; they are appended for you",
+            )
+        self._check_layout()
+        pipeline = PipelineConfig(
+            pp=self.pp, schedule=self.schedule or "gpipe", n_microbatches=self.chunks or self.pp
+        )
+        ParallelConfig(dp=self.dp, pipeline=pipeline).check_world(self.world_size)
+
+    def _check_layout(self) -> None:
+        if self.one_task_per_node:
+            if self.tasks_per_node != 1:
+                raise ConfigError(
+                    f"one task per node, but tasks_per_node={self.tasks_per_node}",
+                    hint="leave --ntasks-per-node at 1 with --one-task-per-node",
+                )
+            if self.ranks_per_node is None and not self.gpus_per_node:
+                raise ConfigError(
+                    "one task per node without GPUs needs the number of ranks each node spawns",
+                    hint="pass --ranks-per-node N",
+                )
+            if self.gpus_per_node and self.local_world_size > self.gpus_per_node:
+                raise ConfigError(
+                    f"{self.local_world_size} ranks per node but only {self.gpus_per_node} GPUs per node",
+                    hint=f"pass --ranks-per-node {self.gpus_per_node} or fewer (one rank per GPU)",
+                )
+            return
+        if self.ranks_per_node is not None:
+            raise ConfigError(
+                "ranks_per_node only applies to one task per node",
+                hint="add --one-task-per-node, or set the ranks with --ntasks-per-node",
+            )
+        if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
+            raise ConfigError(
+                f"{self.tasks_per_node} tasks per node but only {self.gpus_per_node} GPUs per node",
+                hint=f"pass --ntasks-per-node {self.gpus_per_node} or fewer (one task per GPU)",
+            )
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on each node."""
+        if self.one_task_per_node:
+            return self.ranks_per_node or self.gpus_per_node
+        return self.tasks_per_node
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole job."""
+        return self.nodes * self.local_world_size
+
+    def train_argv(self) -> list[str]:
+        """The command each Slurm task runs: the given argv plus the layout flags of this request."""
+        return [*self.command, *self._layout_flags()]
+
+    def _layout_flags(self) -> list[str]:
+        flags = ["--dp", str(self.dp), "--pp", str(self.pp)]
+        if self.schedule is not None:
+            flags += ["--schedule", self.schedule]
+        if self.chunks is not None:
+            flags += ["--chunks", str(self.chunks)]
+        if self.one_task_per_node:
+            flags += ["--ranks-per-node", str(self.local_world_size)]
+        return flags
+
+
+def render_sbatch(req: SbatchRequest) -> str:
+    """A complete batch script for `req`, ready for ``sbatch``."""
+    directives = [
+        f"--job-name={req.job_name}",
+        f"--nodes={req.nodes}",
+        f"--ntasks-per-node={req.tasks_per_node}",
+    ]
+    if req.gpus_per_node:
+        directives.append(f"--gres=gpu:{req.gpus_per_node}")
+    directives += [
+        f"--cpus-per-task={req.cpus_per_task}",
+        "--hint=nomultithread",
+        f"--time={req.time}",
+        f"--output={req.output}",
+        f"--error={req.error or req.output}",
+    ]
+    if req.partition:
+        directives.append(f"--partition={req.partition}")
+    if req.account:
+        directives.append(f"--account={req.account}")
+
+    device = f"{req.gpus_per_node} GPU(s)" if req.gpus_per_node else "CPU only"
+    layout = (
+        f"one task per node spawning {req.local_world_size} ranks"
+        if req.one_task_per_node
+        else f"one task per rank, {req.tasks_per_node} per node"
+    )
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
+    lines += [
+        f"# Rendered by `pipetrain sbatch`: dp={req.dp} x pp={req.pp} = {req.world_size} ranks on "
+        f"{req.nodes} node(s), {layout}, {device}.",
+        "# Submit with: sbatch <this file>",
+        "set -euo pipefail",
+        "",
+    ]
+    if req.setup and req.setup.strip():
+        lines += [req.setup.strip(), ""]
+    if req.one_task_per_node and req.local_world_size > 1:
+        n = req.local_world_size
+        lines += [
+            f"# The task's CPUs are shared by its {n} ranks.",
+            f"export OMP_NUM_THREADS=$(( SLURM_CPUS_PER_TASK >= {n} ? SLURM_CPUS_PER_TASK / {n} : 1 ))",
+        ]
+    else:
+        lines.append("export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK")
+    lines += [
+        "",
+        "srun --kill-on-bad-exit=1 " + shlex.join(req.train_argv()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _count(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            f"{name} must be an integer >= {minimum}, got {value!r}",
+            hint=f"pass {_FLAGS.get(name, '--' + name.replace('_', '-'))} {max(minimum, 1)} or more",
+        )

@@ -1,0 +1,83 @@
+"""The process group and the dp × pp device mesh: which device, backend and groups each rank uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["Mesh", "pick_device", "init_process_group", "build_mesh"]
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """`cuda:<local_rank>` when CUDA is there, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float = 600.0,
+    cpu_threads: int | None = 1,
+) -> None:
+    """Join the job's process group: NCCL on CUDA, gloo on the CPU (with `cpu_threads` intra-op threads)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the dp × pp mesh (rank = dp_rank * pp + pp_rank: a pipeline is contiguous ranks)."""
+
+    device_mesh: DeviceMesh
+    dp_rank: int
+    pp_rank: int
+
+    @property
+    def dp(self) -> int:
+        return self.device_mesh.size(0)
+
+    @property
+    def pp(self) -> int:
+        return self.device_mesh.size(1)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group("pp")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.device_mesh["dp"]
+
+
+def build_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
+    """The dp × pp mesh over the initialised world (whose size must be dp * pp)."""
+    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    rank = dist.get_rank()
+    return Mesh(device_mesh=mesh, dp_rank=rank // pp, pp_rank=rank % pp)

@@ -1,0 +1,50 @@
+"""Activation recomputation per micro-batch, with the semantics of the old `torch.distributed.pipeline.sync.Pipe`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["recomputes", "RecomputeWrapper"]
+
+
+def recomputes(policy: str, index: int, count: int) -> bool:
+    """Whether micro-batch `index` of `count` drops its activations and recomputes them in backward.
+
+    `never`: none; `always`: all; `except_last`: all but the last (so a single micro-batch recomputes nothing),
+    because the last micro-batch's backward starts right after its forward and would gain nothing.
+    """
+    if policy == "always":
+        return True
+    if policy == "except_last":
+        return index < count - 1
+    return False
+
+
+class RecomputeWrapper(nn.Module):
+    """Runs the wrapped stage module under `checkpoint` for the micro-batches the policy selects.
+
+    The engine calls `start_step(count)` before each step; forwards then arrive in micro-batch order
+    (true of every pipeline schedule: a stage runs its forwards in order).
+    """
+
+    def __init__(self, module: nn.Module, policy: str) -> None:
+        super().__init__()
+        self.module = module
+        self.policy = policy
+        self._count = 1
+        self._calls = 0
+
+    def start_step(self, count: int) -> None:
+        """Reset the micro-batch counter for a step of `count` micro-batches."""
+        self._count = count
+        self._calls = 0
+
+    def forward(self, *args: Any) -> Any:
+        index = self._calls
+        self._calls += 1
+        if self.training and recomputes(self.policy, index, self._count):
+            return checkpoint(self.module, *args, use_reentrant=False)
+        return self.module(*args)

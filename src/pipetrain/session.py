@@ -1,0 +1,75 @@
+"""One rank's distributed session: joins the process group, builds the dp × pp mesh and the pipeline engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipetrain.blocks import BlockModel
+from pipetrain.config import ParallelConfig
+from pipetrain.launch.spawn import RankSpec
+from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
+from pipetrain.pipeline import PipelineEngine
+
+__all__ = ["Session", "open_session", "close_session"]
+
+
+@dataclass(frozen=True)
+class Session:
+    """What a rank trains with: its device, its place in the mesh and its pipeline engine."""
+
+    device: torch.device
+    mesh: Mesh
+    engine: PipelineEngine
+
+    @property
+    def is_main(self) -> bool:
+        """True on the one rank that prints progress (global rank 0)."""
+        return dist.get_rank() == 0
+
+
+def open_session(
+    spec: RankSpec,
+    model: BlockModel,
+    parallel: ParallelConfig,
+    *,
+    seed: int = 0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    cpu_threads: int | None = 1,
+    timeout_s: float = 600.0,
+) -> Session:
+    """Join the job described by `spec` and build this rank's stages of `model` for the `parallel` mesh."""
+    parallel.check_world(spec.world_size)
+    device = pick_device(spec.local_rank)
+    init_process_group(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+        device=device,
+        timeout_s=timeout_s,
+        cpu_threads=cpu_threads,
+    )
+    mesh = build_mesh(parallel.dp, parallel.pp, device)
+    wrap = data_parallel_wrapper(parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages)
+    engine = PipelineEngine(
+        model,
+        parallel.pipeline,
+        device=device,
+        pp_group=mesh.pp_group,
+        loss_fn=loss_fn,
+        seed=seed,
+        dp=parallel.dp,
+        wrap=wrap,
+    )
+    return Session(device=device, mesh=mesh, engine=engine)
+
+
+def close_session() -> None:
+    """Leave the process group (safe to call when none was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,156 @@
+"""Batch script rendering: directives of the GPU and CPU variants, refusals, and the `pipetrain sbatch` verb."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import sbatch as cli
+from pipetrain.errors import ConfigError
+from pipetrain.launch.sbatch import SbatchRequest, render_sbatch
+
+TRAIN = ["/opt/venv/bin/python", "-m", "pipetrain", "train", "--preset", "tiny"]
+
+
+def directives(script: str) -> dict[str, str]:
+    found = {}
+    for line in script.splitlines():
+        if line.startswith("#SBATCH "):
+            key, _, value = line.removeprefix("#SBATCH ").partition("=")
+            found[key] = value
+    return found
+
+
+def srun_argv(script: str) -> list[str]:
+    (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    return shlex.split(line)
+
+
+def test_gpu_one_task_per_gpu() -> None:
+    req = SbatchRequest(
+        command=TRAIN, job_name="imdb", nodes=2, gpus_per_node=4, tasks_per_node=4, cpus_per_task=10,
+        time="02:00:00", dp=2, pp=4, schedule="1f1b", chunks=8, partition="gpu_p13", account="xyz@v100",
+        setup="module load pytorch-gpu/py3/2.3.0",
+    )
+    script = render_sbatch(req)
+    assert script.startswith("#!/bin/bash\n")
+    assert directives(script) == {
+        "--job-name": "imdb", "--nodes": "2", "--ntasks-per-node": "4", "--gres": "gpu:4",
+        "--cpus-per-task": "10", "--hint": "nomultithread", "--time": "02:00:00", "--output": "%x-%j.out",
+        "--error": "%x-%j.out", "--partition": "gpu_p13", "--account": "xyz@v100",
+    }
+    body = script.split("set -euo pipefail", 1)[1]
+    assert "module load pytorch-gpu/py3/2.3.0" in body
+    assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK" in body
+    argv = srun_argv(script)
+    assert argv[:2] == ["srun", "--kill-on-bad-exit=1"]
+    assert argv[2:] == [*TRAIN, "--dp", "2", "--pp", "4", "--schedule", "1f1b", "--chunks", "8"]
+    assert req.world_size == 8
+
+
+def test_cpu_variant_has_no_gres_nor_optional_directives() -> None:
+    script = render_sbatch(SbatchRequest(command=TRAIN, tasks_per_node=2, pp=2, chunks=2, error="job.err"))
+    found = directives(script)
+    assert "--gres" not in found and "--partition" not in found and "--account" not in found
+    assert found["--ntasks-per-node"] == "2" and found["--error"] == "job.err"
+    assert srun_argv(script)[-6:] == ["--dp", "1", "--pp", "2", "--chunks", "2"]
+
+
+def test_one_task_per_node_passes_ranks_per_node() -> None:
+    gpu = SbatchRequest(command=TRAIN, nodes=2, gpus_per_node=4, one_task_per_node=True, dp=2, pp=4)
+    script = render_sbatch(gpu)
+    assert directives(script)["--ntasks-per-node"] == "1" and directives(script)["--gres"] == "gpu:4"
+    assert srun_argv(script)[-2:] == ["--ranks-per-node", "4"]
+    cpu = SbatchRequest(command=TRAIN, nodes=3, one_task_per_node=True, ranks_per_node=2, cpus_per_task=4, pp=6)
+    script = render_sbatch(cpu)
+    assert "SLURM_CPUS_PER_TASK / 2" in script
+    assert srun_argv(script)[-2:] == ["--ranks-per-node", "2"] and cpu.world_size == 6
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tasks_per_node": 2, "dp": 1, "pp": 4}, "dp=1 x pp=4 = 4 ranks, but the job has 2"),
+        ({"gpus_per_node": 2, "tasks_per_node": 4, "pp": 4}, "4 tasks per node but only 2 GPUs"),
+        ({"one_task_per_node": True}, "--ranks-per-node"),
+        ({"one_task_per_node": True, "tasks_per_node": 2, "ranks_per_node": 2}, "tasks_per_node=2"),
+        ({"one_task_per_node": True, "gpus_per_node": 2, "ranks_per_node": 4, "pp": 4}, "only 2 GPUs"),
+        ({"ranks_per_node": 2}, "only applies to one task per node"),
+        ({"time": "90 minutes"}, "HH:MM:SS"),
+        ({"time": "01:75:00"}, "HH:MM:SS"),
+        ({"nodes": 0}, "nodes must be an integer >= 1"),
+        ({"gpus_per_node": -1}, "gpus_per_node"),
+        ({"tasks_per_node": True}, "tasks_per_node"),
+        ({"job_name": "my job"}, "job_name"),
+        ({"partition": "gpu;rm"}, "partition"),
+        ({"command": []}, "command is empty"),
+        ({"command": [*TRAIN, "--pp", "2"]}, "already sets --pp"),
+        ({"command": [*TRAIN, "--chunks=4"], "chunks": 2}, "already sets --chunks=4"),
+        ({"command": [*TRAIN, "--ranks-per-node", "2"], "one_task_per_node": True, "gpus_per_node": 1}, "already sets"),
+        ({"tasks_per_node": 2, "pp": 2, "schedule": "1f1b", "chunks": 1}, "at least as many micro-batches"),
+        ({"setup": "module purge\nmodule load x"}, "several lines"),
+    ],
+)
+def test_refusals(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        SbatchRequest(**{"command": TRAIN, **fields})
+    assert message in str(info.value)
+    assert info.value.hint
+
+
+def test_schedule_and_chunks_may_stay_in_the_command() -> None:
+    req = SbatchRequest(command=[*TRAIN, "--chunks", "2"], tasks_per_node=2, pp=2)
+    assert srun_argv(render_sbatch(req))[-6:] == ["--chunks", "2", "--dp", "1", "--pp", "2"]
+
+
+def test_request_is_frozen_and_keyword_only() -> None:
+    req = SbatchRequest(command=TRAIN)
+    assert isinstance(req.command, tuple) and req.time == "01:00:00"
+    with pytest.raises(AttributeError):
+        req.nodes = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SbatchRequest(TRAIN)  # type: ignore[misc]
+    assert SbatchRequest(command=TRAIN, time="1-12:00:00").time == "1-12:00:00"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pipetrain")
+    cli.add_parser(parser.add_subparsers(dest="verb")).set_defaults(run=cli.run)
+    return parser.parse_args(argv)
+
+
+def test_cli_prints_script_with_this_interpreter(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["sbatch", "--pp", "2", "--chunks", "2", "--", "--preset", "tiny", "--max-steps", "5"])
+    assert cli.run(args) == 0
+    script = capsys.readouterr().out
+    assert directives(script)["--ntasks-per-node"] == "2"
+    argv = srun_argv(script)
+    assert argv[2:6] == [str(Path(sys.executable).absolute()), "-m", "pipetrain", "train"]
+    assert argv[6:] == ["--preset", "tiny", "--max-steps", "5", "--dp", "1", "--pp", "2", "--chunks", "2"]
+
+
+def test_cli_writes_file(tmp_path: Path) -> None:
+    target = tmp_path / "jobs" / "train.sh"
+    args = parse(
+        ["sbatch", "--nodes", "2", "--gpus-per-node", "4", "--dp", "2", "--pp", "4", "--time", "00:20:00",
+         "--partition", "gpu_p2", "--account", "abc@a100", "--job-name", "sweep", "--log", "logs/%j.out",
+         "--output", str(target)]
+    )
+    assert cli.run(args) == 0
+    found = directives(target.read_text())
+    assert (found["--ntasks-per-node"], found["--gres"], found["--job-name"]) == ("4", "gpu:4", "sweep")
+    assert found["--output"] == "logs/%j.out" and found["--time"] == "00:20:00"
+    assert target.stat().st_mode & 0o100
+
+
+def test_cli_refusals() -> None:
+    with pytest.raises(ConfigError, match="after `--`"):
+        cli.run(parse(["sbatch", "stray"]))
+    with pytest.raises(ConfigError, match="already sets --dp"):
+        cli.run(parse(["sbatch", "--", "--dp", "2"]))
+    with pytest.raises(ConfigError, match="but the job has 3"):
+        cli.run(parse(["sbatch", "--pp", "2", "--ntasks-per-node", "3"]))
