@@ -4,4 +4,5 @@ import sys
 
 from pipetrain.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned ranks re-import this module as __mp_main__
+    sys.exit(main())

@@ -59,7 +59,7 @@ class PipelineConfig:
     checkpoint: str = "never"
     stages_per_rank: int | None = None
     balance: tuple[int, ...] | None = None
-    partition: str = "parameters"
+    partition: str = "uniform"
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)

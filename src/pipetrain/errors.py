@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PipetrainError", "ConfigError", "DataError", "LaunchError", "RankFailedError"]
+__all__ = ["PipetrainError", "ConfigError", "DataError", "LaunchError", "RankFailedError", "RankTimeoutError"]
 
 
 class PipetrainError(Exception):
@@ -28,3 +28,7 @@ class LaunchError(PipetrainError):
 
 class RankFailedError(PipetrainError):
     """Another rank failed; this rank stopped because of it."""
+
+
+class RankTimeoutError(RankFailedError):
+    """The ranks did not finish within the time they were given and were stopped."""

@@ -56,8 +56,8 @@ def test_resolve_uniform():
 
 def test_resolve_by_parameters():
     # costs [40, 0, 72, 0, 18]: the 72 is the bottleneck, the first part takes the 40 and a 0.
-    assert resolve_balance(small_model(), PipelineConfig(pp=2)) == [2, 3]
-    assert resolve_balance(small_model(), PipelineConfig(pp=3)) == [2, 2, 1]
+    assert resolve_balance(small_model(), PipelineConfig(pp=2, partition="parameters")) == [2, 3]
+    assert resolve_balance(small_model(), PipelineConfig(pp=3, partition="parameters")) == [2, 2, 1]
 
 
 def test_resolve_counts_virtual_stages():
@@ -67,7 +67,7 @@ def test_resolve_counts_virtual_stages():
 
 def test_resolve_transformer_by_parameters_isolates_the_embedding():
     model = TransformerClassifier(PRESETS["tiny"])
-    balance = resolve_balance(model, PipelineConfig(pp=2))
+    balance = resolve_balance(model, PipelineConfig(pp=2, partition="parameters"))
     assert balance[0] == 1 and sum(balance) == model.num_blocks
 
 

@@ -3,8 +3,9 @@
 A cell is one point of the seed's benchmark: `pp` pipeline ranks, `dp` replicas, a *global* batch size, a
 number of micro-batches (`chunks`, 1 is naive model parallelism), a schedule, a checkpoint policy, a
 workload preset and an optional memory limit. `pp=1` is the single-rank baseline: the whole model on one
-device, no pipeline, so the schedule means nothing there and only `gpipe` is accepted (other schedules
-would be duplicates of the same run; `cell_problem` reports them as invalid rather than running them twice).
+device, no pipeline, so the schedule means nothing there and only `gpipe` with chunks=1 is accepted
+(other schedules, or micro-batches that would only accumulate gradients on one rank, would be duplicates of
+the same computation; `cell_problem` reports them as invalid rather than running them).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ def cell_problem(cell: Cell, *, max_ranks: int | None = None) -> str | None:
     """
     if cell.pp == 1 and cell.schedule != "gpipe":
         return f"pp=1 is the single-rank baseline; schedule {cell.schedule!r} only applies to pp >= 2"
+    if cell.pp == 1 and cell.chunks != 1:
+        return "pp=1 is the single-rank baseline, measured with chunks=1 (micro-batches on one rank only accumulate)"
     if max_ranks is not None and cell.world_size > max_ranks:
         return f"dp*pp = {cell.world_size} ranks but only {max_ranks} available"
     try:

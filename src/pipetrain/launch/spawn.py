@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from pipetrain.errors import PipetrainError, RankFailedError
+from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
 
 __all__ = ["RankSpec", "spawn"]
 
@@ -58,11 +58,13 @@ def spawn(
     master_port: int,
     args: tuple = (),
     first_local_rank: int = 0,
+    timeout_s: float | None = None,
 ) -> None:
     """Run `fn(RankSpec, *args)` in one fresh process per rank in `ranks`; return when all succeed.
 
     When a rank fails, every other rank is stopped at once and `RankFailedError` carries the first
-    failure (its message, or its traceback for an unexpected error), reported once.
+    failure (its message, or its traceback for an unexpected error), reported once. After `timeout_s`
+    seconds all ranks are stopped and `RankTimeoutError` is raised.
     """
     ctx = mp.get_context("spawn")
     errors: mp.Queue = ctx.Queue()
@@ -74,8 +76,13 @@ def spawn(
         processes.append(process)
     try:
         pending = {process.sentinel: process for process in processes}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            for sentinel in wait(list(pending)):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            ready = wait(list(pending), timeout=remaining)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise RankTimeoutError(f"ranks still running after {timeout_s:g} s", hint="raise the timeout")
+            for sentinel in ready:
                 process = pending.pop(sentinel)
                 process.join()
                 if process.exitcode != 0:

@@ -56,7 +56,8 @@ class ReviewDataset:
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.tokens.dtype != torch.long:
             raise DataError(
-                f"review tokens must be a 2-D int64 tensor, got {self.tokens.dtype} of shape {tuple(self.tokens.shape)}",
+                f"review tokens must be a 2-D int64 tensor, "
+                f"got {self.tokens.dtype} of shape {tuple(self.tokens.shape)}",
                 hint="encode the reviews to [num_reviews, seq_len] token ids",
             )
         if self.labels.shape != (self.tokens.shape[0],) or self.labels.dtype != torch.long:
@@ -260,7 +261,7 @@ def _check_batching(batch_size: int, replica: int, replicas: int) -> None:
     if batch_size % replicas:
         raise ConfigError(
             f"global batch size {batch_size} is not divisible by {replicas} replicas",
-            hint=f"pass a batch size that is a multiple of {replicas}, e.g. {replicas * max(1, batch_size // replicas)}",
+            hint=f"pass a multiple of {replicas}, e.g. --batch-size {replicas * max(1, batch_size // replicas)}",
         )
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
         raise ConfigError(
@@ -296,7 +297,9 @@ def batches(
     Consecutive global batches of `batch_size` samples are cut into `replicas` equal, contiguous parts,
     so every sample is seen once per epoch by exactly one replica. The last global batch may be short:
     it is dropped when `drop_last`, or when it has fewer samples than replicas (a replica must never get
-    an empty batch); otherwise it is split as evenly as possible, the first replicas getting one more.
+    an empty batch); otherwise every replica gets the same share, `len // replicas` samples, and the
+    fewer than `replicas` samples left over are skipped this epoch. Equal shares keep data-parallel
+    gradient averaging exact (every replica's mean carries the same weight).
     """
     _check_batching(batch_size, replica, replicas)
     size = len(dataset)
@@ -306,5 +309,6 @@ def batches(
         order = torch.arange(size)
     for index in range(num_batches(size, batch_size, replicas=replicas, drop_last=drop_last)):
         global_batch = order[index * batch_size : (index + 1) * batch_size]
-        part = torch.tensor_split(global_batch, replicas)[replica]
+        share = len(global_batch) // replicas
+        part = global_batch[replica * share : (replica + 1) * share]
         yield dataset.tokens[part], dataset.labels[part]

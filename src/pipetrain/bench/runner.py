@@ -1,0 +1,77 @@
+"""The grid runner: each cell in fresh processes, with a timeout, out-of-memory capture and resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipetrain.bench.cell import measure_rank
+from pipetrain.bench.grid import Cell, cell_problem
+from pipetrain.bench.results import CellResult, ResultStore
+from pipetrain.errors import RankFailedError, RankTimeoutError
+from pipetrain.launch.env import free_port
+from pipetrain.launch.spawn import spawn
+from pipetrain.workloads.imdb import num_batches
+
+__all__ = ["run_cell", "run_grid"]
+
+log = logging.getLogger("pipetrain")
+
+#: training-set size used for the time-per-epoch column (IMDB's 25,000 training reviews)
+EPOCH_SAMPLES = 25_000
+
+
+def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float) -> CellResult:
+    """Measure one cell in fresh rank processes; failures become "oom", "error" or "timeout" results."""
+    problem = cell_problem(cell)
+    if problem:
+        return CellResult.failed(cell, "invalid", problem)
+    work = Path(tempfile.mkdtemp(prefix="pipetrain-cell-"))
+    try:
+        spawn(measure_rank, ranks=range(cell.world_size), world_size=cell.world_size, master_addr="127.0.0.1",
+              master_port=free_port(), args=(cell, warmup, steps, str(work)), timeout_s=timeout_s)
+        measured = json.loads((work / "result.json").read_text())
+        return CellResult.from_steps(
+            cell,
+            measured["step_times_s"],
+            steps_per_epoch=num_batches(EPOCH_SAMPLES, cell.batch_size),
+            peak_mem_mb_per_stage=measured["peak_mem_mb_per_stage"],
+        )
+    except RankTimeoutError:
+        return CellResult.failed(cell, "timeout", f"not finished after {timeout_s:g} s")
+    except RankFailedError as err:
+        reports = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
+        oom = [r for r in reports if r["status"] == "oom"]
+        first = (oom or reports or [{"status": "error", "reason": err.message.splitlines()[-1]}])[0]
+        return CellResult.failed(cell, first["status"], first["reason"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_grid(
+    cells: Sequence[Cell], store: ResultStore, *, warmup: int, steps: int, timeout_s: float, progress: bool = True
+) -> dict[str, CellResult]:
+    """Measure every cell not already in `store`, appending each result as soon as it is known.
+
+    An interrupt (Ctrl-C) stops the sweep between or inside cells; every finished cell is already saved.
+    """
+    done = store.done_keys()
+    todo = [cell for cell in cells if cell.key not in done]
+    if len(todo) < len(cells):
+        log.info("resuming: %d of %d cells already measured in %s", len(cells) - len(todo), len(cells), store.path)
+    bar = tqdm(total=len(todo), unit="cell", disable=not progress, dynamic_ncols=True)
+    try:
+        for cell in todo:
+            bar.set_description(f"pp={cell.pp} batch={cell.batch_size} chunks={cell.chunks}")
+            result = run_cell(cell, warmup=warmup, steps=steps, timeout_s=timeout_s)
+            store.append(result)
+            bar.update()
+    finally:
+        bar.close()
+    return store.load()

@@ -1,0 +1,77 @@
+"""`pipetrain bench`: the seed's benchmark (stages × batch size × chunks), time and memory per cell, OOM cells."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from pipetrain.bench.grid import GridSpec, default_axes
+from pipetrain.bench.report import collect_environment, summary_lines, write_reports
+from pipetrain.bench.results import ResultStore, compute_speedups
+from pipetrain.bench.runner import run_grid
+from pipetrain.errors import ConfigError
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger("pipetrain")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help=__doc__, description=__doc__)
+    parser.add_argument("--grid", action="append", default=[], metavar="AXIS=V1,V2",
+                        help="replace an axis of the default grid, e.g. batch=32,64 chunks=1,4 pp=2 "
+                             "schedule=gpipe,1f1b checkpoint=never,except_last mem=2048 (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="a small grid on the tiny model (about a minute)")
+    parser.add_argument("--mem-limit", type=int, default=None, metavar="MB",
+                        help="emulate a device of this much memory per rank (cells beyond it are OOM)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per cell (default: 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per cell (default: 5)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per cell (default: 180)")
+    parser.add_argument("--fresh", action="store_true", help="measure every cell again instead of resuming")
+    return parser
+
+
+def _check_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write to the output folder {str(out)!r}: {err.strerror}",
+                          hint="pass --out with a folder you can write to") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("warmup", "steps"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            raise ConfigError(f"--{name} {getattr(args, name)} is too small", hint=f"pass --{name} 1 or more")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides = list(args.grid) + ([f"mem={args.mem_limit}"] if args.mem_limit is not None else [])
+    cells = GridSpec(default_axes(device, args.quick)).with_overrides(overrides).cells()
+    _check_out(args.out)
+    store = ResultStore(args.out / "cells.jsonl")
+    if args.fresh and store.path.exists():
+        store.path.unlink()
+    environment = collect_environment(sys.argv, device=device)
+    environment["data"] = "synthetic"
+    log.info("pipetrain bench: %d cells on %s -> %s", len(cells), device, args.out)
+    interrupted = False
+    try:
+        run_grid(cells, store, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout,
+                 progress=sys.stderr.isatty())
+    except KeyboardInterrupt:
+        interrupted = True
+        log.info("interrupted: every finished cell is kept in %s; run the same command again to resume", store.path)
+    keys = {cell.key for cell in cells}
+    results = compute_speedups([r for k, r in store.load().items() if k in keys])
+    paths = write_reports(results, args.out, environment=environment)
+    for line in summary_lines(results):
+        print(line)
+    print("reports: " + ", ".join(str(p) for p in paths))
+    return 130 if interrupted else 0

@@ -1,0 +1,133 @@
+"""`pipetrain train`: train the reference Transformer on IMDB (or its synthetic stand-in) over dp × pp ranks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
+from pipetrain.errors import PipetrainError
+from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
+from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
+from pipetrain.workloads.transformer import PRESETS
+
+__all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config"]
+
+
+def _balance(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"balance must be comma-separated block counts like 3,5, got {text!r}") from None
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The mesh and pipeline flags shared by the verbs that train."""
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--pp", type=int, default=2, help="pipeline ranks (stages) (default: 2)")
+    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
+    group.add_argument("--dp-mode", default="ddp", help=f"{' | '.join(DP_MODES)} (default: ddp)")
+    group.add_argument("--schedule", default="1f1b", help=f"{' | '.join(SCHEDULES)} (default: 1f1b)")
+    group.add_argument("--chunks", "--n-microbatches", dest="chunks", type=int, default=4,
+                       help="micro-batches per batch; 1 is naive model parallelism (default: 4)")
+    group.add_argument("--checkpoint", default="never",
+                       help=f"activation recomputation: {' | '.join(CHECKPOINT_POLICIES)} (default: never)")
+    group.add_argument("--stages-per-rank", type=int, default=None, help="virtual stages per rank (interleaved schedules)")
+    group.add_argument("--balance", type=_balance, default=None, help="blocks per stage, e.g. 3,5")
+    group.add_argument("--partition", default="uniform",
+                       help=f"split without --balance: {' | '.join(PARTITION_METHODS)} (default: uniform)")
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """The validated mesh configuration of parsed arguments."""
+    pipeline = PipelineConfig(
+        pp=args.pp,
+        schedule=args.schedule,
+        n_microbatches=args.chunks,
+        checkpoint=args.checkpoint,
+        stages_per_rank=args.stages_per_rank,
+        balance=args.balance,
+        partition=args.partition,
+    )
+    return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("train", help=__doc__, description=__doc__)
+    add_parallel_arguments(parser)
+    group = parser.add_argument_group("training")
+    group.add_argument("--preset", default="cpu", help=f"model size: {' | '.join(PRESETS)} (default: cpu)")
+    group.add_argument("--data", type=Path, default=None,
+                       help="aclImdb folder (train|test/pos|neg/*.txt); default: a synthetic IMDB-like corpus")
+    group.add_argument("--train-samples", type=int, default=6000, help="synthetic training reviews (default: 6000)")
+    group.add_argument("--test-samples", type=int, default=2000, help="synthetic test reviews (default: 2000)")
+    group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
+    group.add_argument("--epochs", type=int, default=3)
+    group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
+    group.add_argument("--ranks-per-node", type=int, default=None,
+                       help="under Slurm with one task per node: local ranks this task spawns")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        parallel=parallel_config(args),
+        preset=args.preset,
+        data=args.data,
+        train_samples=args.train_samples,
+        test_samples=args.test_samples,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        lr=args.lr,
+        seed=args.seed,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+
+
+def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    reports = train_rank(spec, config, data)
+    if metrics is not None and spec.rank == 0:
+        metrics.write_text(json.dumps(report_dicts(reports), indent=2) + "\n")
+
+
+def _spec(env: ClusterEnv) -> RankSpec:
+    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    env = detect()
+    if env is None:  # nobody launched us: spawn the whole job here
+        data = load_data(config)
+        world = config.parallel.world_size
+        spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
+              args=(config, data, args.metrics))
+        return 0
+    if args.ranks_per_node:  # one task per node (Slurm): this task spawns its node's ranks
+        ranks = expand_for_local_ranks(env, args.ranks_per_node)
+        config.parallel.check_world(ranks[0].world_size)
+        data = load_data(config)
+        spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
+              master_addr=env.master_addr, master_port=env.master_port, args=(config, data, args.metrics))
+        return 0
+    # one process per rank (torchrun, srun): a configuration error is the same on every rank; say it once
+    try:
+        config.parallel.check_world(env.world_size)
+        _rank_main(_spec(env), config, None, args.metrics)
+    except PipetrainError:
+        if env.rank != 0:
+            return 2
+        raise
+    return 0
+
+
