@@ -15,7 +15,7 @@ from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.pipeline import PipelineEngine
 
-__all__ = ["Session", "open_session", "close_session"]
+__all__ = ["Session", "join_job", "build_session", "open_session", "close_session"]
 
 
 @dataclass(frozen=True)
@@ -32,18 +32,8 @@ class Session:
         return dist.get_rank() == 0
 
 
-def open_session(
-    spec: RankSpec,
-    model: BlockModel,
-    parallel: ParallelConfig,
-    *,
-    seed: int = 0,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-    cpu_threads: int | None = 1,
-    timeout_s: float = 600.0,
-) -> Session:
-    """Join the job described by `spec` and build this rank's stages of `model` for the `parallel` mesh."""
-    parallel.check_world(spec.world_size)
+def join_job(spec: RankSpec, *, cpu_threads: int | None = 1, timeout_s: float = 600.0) -> torch.device:
+    """Join the process group of the job described by `spec`; returns this rank's device."""
     device = pick_device(spec.local_rank)
     init_process_group(
         rank=spec.rank,
@@ -54,6 +44,19 @@ def open_session(
         timeout_s=timeout_s,
         cpu_threads=cpu_threads,
     )
+    return device
+
+
+def build_session(
+    model: BlockModel,
+    parallel: ParallelConfig,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+) -> Session:
+    """Build the dp × pp mesh over the joined world and this rank's stages of `model`."""
+    parallel.check_world(dist.get_world_size())
     mesh = build_mesh(parallel.dp, parallel.pp, device)
     wrap = data_parallel_wrapper(parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages)
     engine = PipelineEngine(
@@ -67,6 +70,22 @@ def open_session(
         wrap=wrap,
     )
     return Session(device=device, mesh=mesh, engine=engine)
+
+
+def open_session(
+    spec: RankSpec,
+    model: BlockModel,
+    parallel: ParallelConfig,
+    *,
+    seed: int = 0,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    cpu_threads: int | None = 1,
+    timeout_s: float = 600.0,
+) -> Session:
+    """Join the job described by `spec` and build this rank's stages of `model` for the `parallel` mesh."""
+    parallel.check_world(spec.world_size)
+    device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
+    return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn)
 
 
 def close_session() -> None:

@@ -1,4 +1,8 @@
-"""Parity harness: runs a few optimizer steps on spawned gloo ranks and on one process, for comparison."""
+"""Parity harness: a few optimizer steps on spawned gloo ranks and on one process, for comparison.
+
+One spawned job runs many configurations in turn (a fresh mesh and engine each), so the suite pays
+for process start-up once per world size rather than once per case.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,11 @@ from pipetrain.blocks import build_sequential
 from pipetrain.config import ParallelConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
-from pipetrain.session import close_session, open_session
+from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
 
 SEED = 3
 LR = 0.05
-
-
 # the tiny preset with 6 encoder layers: 8 blocks, enough for pp=4 with 2 virtual stages per rank
 MODEL_CONFIG = replace(PRESETS["tiny"], nlayers=6)
 
@@ -29,11 +31,11 @@ def make_model() -> TransformerClassifier:
 
 
 def make_batches(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Deterministic token batches (the last may be short)."""
+    """Deterministic token batches (the last ones may be short)."""
     gen = torch.Generator().manual_seed(7)
-    cfg = MODEL_CONFIG
     return [
-        (torch.randint(0, cfg.vocab_size, (n, cfg.seq_len), generator=gen), torch.randint(0, 2, (n,), generator=gen))
+        (torch.randint(0, MODEL_CONFIG.vocab_size, (n, MODEL_CONFIG.seq_len), generator=gen),
+         torch.randint(0, 2, (n,), generator=gen))
         for n in sizes
     ]
 
@@ -43,8 +45,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference_run(batches) -> dict:
-    """Single process, whole batch, plain mean loss: the ground truth."""
-    torch.manual_seed(0)
+    """Single process, whole batch, plain mean loss, SGD: the ground truth."""
     model = build_sequential(make_model(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
@@ -58,33 +59,37 @@ def reference_run(batches) -> dict:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _worker(spec: RankSpec, parallel: ParallelConfig, batches, out: str) -> None:
-    torch.manual_seed(0)
-    session = open_session(spec, make_model(), parallel, seed=SEED)
+def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
+    session = build_session(make_model(), parallel, device, seed=SEED)
+    engine, mesh = session.engine, session.mesh
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    losses, grads = [], []
+    for x, y in batches:
+        share = x.shape[0] // parallel.dp
+        part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+        opt.zero_grad()
+        losses.append(engine.step(x[part], y[part]).loss)
+        grads.append({name: _full(p.grad).clone() for name, p in engine.named_parameters()})
+        opt.step()
+    params = {name: _full(p.detach()).clone() for name, p in engine.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def _worker(spec: RankSpec, cases: dict[str, tuple[ParallelConfig, list]], out: str) -> None:
+    device = join_job(spec)
     try:
-        engine, mesh = session.engine, session.mesh
-        opt = torch.optim.SGD(engine.parameters(), lr=LR)
-        losses, grads = [], []
-        for x, y in batches:
-            n = x.shape[0] // parallel.dp
-            part = slice(mesh.dp_rank * n, (mesh.dp_rank + 1) * n)
-            opt.zero_grad()
-            result = engine.step(x[part], y[part], global_batch_size=n * parallel.dp)
-            losses.append(result.loss)
-            grads.append({name: _full(p.grad).clone() for name, p in engine.named_parameters()})
-            opt.step()
-        params = {name: _full(p.detach()).clone() for name, p in engine.named_parameters()}
-        torch.save({"losses": losses, "grads": grads, "params": params}, Path(out) / f"rank{spec.rank}.pt")
+        records = {name: _train(parallel, batches, device) for name, (parallel, batches) in cases.items()}
+        torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
 
-def parallel_run(parallel: ParallelConfig, batches, out: Path) -> list[dict]:
-    """The same steps on dp × pp spawned ranks; returns each rank's record."""
-    world = parallel.world_size
-    spawn(_worker, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
-          args=(parallel, batches, str(out)))
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+def parallel_runs(world_size: int, cases: dict[str, tuple[ParallelConfig, list]], out: Path) -> dict[str, list[dict]]:
+    """Run every case (name -> (mesh config, batches)) on one spawned job; returns name -> per-rank records."""
+    spawn(_worker, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1",
+          master_port=free_port(), args=(cases, str(out)), timeout_s=600)
+    per_rank = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+    return {name: [records[name] for records in per_rank] for name in cases}
 
 
 def assert_parity(ref: dict, records: list[dict], *, rtol: float, atol: float) -> None:
@@ -95,9 +100,10 @@ def assert_parity(ref: dict, records: list[dict], *, rtol: float, atol: float) -
         for step, grads in enumerate(record["grads"]):
             for name, grad in grads.items():
                 torch.testing.assert_close(grad, ref["grads"][step][name], rtol=rtol, atol=atol,
-                                           msg=lambda m: f"step {step} grad {name}: {m}")
+                                           msg=lambda m: f"step {step} gradient of {name}: {m}")
         for name, value in record["params"].items():
-            torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol, msg=lambda m: f"param {name}: {m}")
+            torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"parameter {name}: {m}")
             seen.add(name)
     missing = set(ref["params"]) - seen
     if missing:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -177,14 +178,31 @@ class PipelineEngine:
         for run in runs:
             part = slice(offset, offset + run.samples)
             offset += run.samples
+            fresh = (train, run) not in self._schedules
             schedule = self._schedule(run, train)
             args = (inputs[part],) if inputs is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
-            out = schedule.step(*args, target=target) if train else schedule.eval(*args)
+            with self._grads_kept(fresh):
+                out = schedule.step(*args, target=target) if train else schedule.eval(*args)
             if self.has_last_stage:
                 outputs.append(out)
         merged = torch.cat(outputs) if outputs else None
         return self._metrics(merged, targets, batch_size)
+
+    @contextmanager
+    def _grads_kept(self, fresh: bool) -> Iterator[None]:
+        """Keep the gradients already accumulated across the first run of a new schedule.
+
+        torch 2.13 sets the `.grad` of FSDP modules to None when a schedule initialises its stages, even
+        with static shapes (`_post_metadata_inference_cleanup`), which would drop the first run's gradients
+        of a step made of two runs, or gradients the user accumulates over several steps.
+        """
+        kept = [(p, p.grad) for p in self.parameters() if p.grad is not None] if fresh else []
+        for param, _ in kept:
+            param.grad = None
+        yield
+        for param, grad in kept:
+            param.grad = grad if param.grad is None else param.grad + grad
 
     def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # mean loss of the micro-batch times its share of the global batch (times dp, which DDP/FSDP divide by)
