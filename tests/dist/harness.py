@@ -69,9 +69,9 @@ def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
         part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         opt.zero_grad()
         losses.append(engine.step(x[part], y[part]).loss)
-        grads.append({name: _full(p.grad).clone() for name, p in engine.named_parameters()})
+        grads.append({name: _full(p.grad).cpu().clone() for name, p in engine.named_parameters()})
         opt.step()
-    params = {name: _full(p.detach()).clone() for name, p in engine.named_parameters()}
+    params = {name: _full(p.detach()).cpu().clone() for name, p in engine.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
+from pipetrain.launch.env import free_port
 
-__all__ = ["RankSpec", "spawn"]
+__all__ = ["RankSpec", "spawn", "launch_local"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +113,9 @@ def _failure(process: mp.process.BaseProcess, errors: mp.Queue) -> RankFailedErr
     if unexpected:
         return RankFailedError(f"rank {rank} failed:\n{detail.rstrip()}")
     return RankFailedError(detail)
+
+
+def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeout_s: float | None = None) -> None:
+    """Run `fn(RankSpec, *args)` on `world_size` local ranks (127.0.0.1, a free port); raise if one fails."""
+    spawn(fn, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1", master_port=free_port(),
+          args=args, timeout_s=timeout_s)

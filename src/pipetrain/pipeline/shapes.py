@@ -20,7 +20,7 @@ def boundary_tensors(
     inputs (which would move BatchNorm statistics and the dropout RNG).
     """
     with torch.device("meta"):
-        blocks = [model.build_block(i) for i in range(model.num_blocks)]
+        blocks = [model.build_block(i).to("meta") for i in range(model.num_blocks)]
         x = model.example_input(batch_size).to("meta")
         boundaries = [x]
         for start, stop in bounds:
