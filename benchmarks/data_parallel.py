@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from interleave import (
-    Step, add_common_args, finish, markdown_table, median_s, paired_ratio, reference_batch, resolve_defaults, run_job,
+    Step, add_common_args, cpu_per_step, finish, markdown_table, median_s, paired_ratio, reference_batch,
+    resolve_defaults, run_job,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
@@ -86,14 +87,16 @@ def measure(spec: RankSpec, device: torch.device, args: argparse.Namespace) -> d
 # ---- report ---------------------------------------------------------------------------------------------
 
 
-def summarize(times: dict[str, list[list[float]]], batch_size: int) -> list[dict]:
+def summarize(report: dict, batch_size: int) -> list[dict]:
     """One record per configuration: median step, global samples/s and speed-up over dp=1."""
+    times = report["times_s"]
     base = median_s(times[BASELINE])
     records = []
     for name in config_names():
         t = median_s(times[name])
         records.append({
-            "name": name, "median_step_s": t, "samples_per_s": batch_size / t, "speedup_vs_dp1": base / t,
+            "name": name, "median_step_s": t, "samples_per_s": batch_size / t,
+            "cpu_step_s": cpu_per_step(report, name), "speedup_vs_dp1": base / t,
             "speedup_vs_dp1_paired": 1 / paired_ratio(times[name], times[BASELINE]),
         })
     return records
@@ -107,9 +110,10 @@ def _verdict(mode: str, speedup: float) -> str:
 
 
 def render(records: list[dict], args: argparse.Namespace) -> str:
-    headers = ["config", "per-rank batch", "median step (ms)", "samples/s (global)", "dp2 / dp1 (paired)"]
+    headers = ["config", "per-rank batch", "median step (ms)", "samples/s (global)", "CPU/step (ms)",
+               "dp2 / dp1 (paired)"]
     rows = [[r["name"], args.batch_size if r["name"] == BASELINE else args.batch_size // WORLD,
-             f"{r['median_step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.1f}",
+             f"{r['median_step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.1f}", f"{r['cpu_step_s'] * 1e3:.0f}",
              "-" if r["name"] == BASELINE else f"{r['speedup_vs_dp1']:.2f}x ({r['speedup_vs_dp1_paired']:.2f}x)"]
             for r in records]
     ratios = [f"- {r['name'].split()[0]}: dp{WORLD}/dp1 throughput {r['speedup_vs_dp1']:.2f}x "
@@ -122,7 +126,8 @@ def render(records: list[dict], args: argparse.Namespace) -> str:
         "",
         "Step = zero_grad + engine.step (forward/backward, gradient all-reduce or reduce-scatter, metrics "
         "all-reduce) + AdamW step, timed on rank 0. dp2/dp1 is the ratio of median step times at the same "
-        "global batch (= throughput ratio); `paired` is the median of per-round ratios.",
+        "global batch (= throughput ratio); `paired` is the median of per-round ratios. CPU/step is the CPU "
+        "time of one step summed over the ranks that run it (median per rank): the work done.",
         "",
         "### Throughput ratios",
         *ratios,
@@ -142,7 +147,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     report = run_job(measure, args, world_size=WORLD)
-    report["configs"] = summarize(report["times_s"], args.batch_size)
+    report["configs"] = summarize(report, args.batch_size)
     finish(report, render(report["configs"], args), args.json)
 
 

@@ -34,9 +34,11 @@ from pipetrain.workloads.transformer import PRESETS
 
 __all__ = [
     "Step", "add_common_args", "resolve_defaults", "reference_batch", "run_job", "time_rounds",
-    "median_s", "round_medians", "paired_ratio", "markdown_table", "finish",
+    "cpu_per_step", "median_s", "round_medians", "paired_ratio", "markdown_table", "finish",
 ]
 
+#: Times of each configuration's steps: name -> one list of step times per round.
+Rounds = dict[str, list[list[float]]]
 #: One training step of a configuration on this rank (None: the configuration does not run here).
 Step = Callable[[], object] | None
 #: `measure(spec, device, args)` builds this rank's steps (configuration name -> step) once the job is joined.
@@ -75,45 +77,53 @@ def _rank_main(spec: RankSpec, measure: Measure, args: argparse.Namespace, out_d
     device = join_job(spec)  # gloo, torch.set_num_threads(1)
     try:
         steps = measure(spec, device, args)
-        times = time_rounds(steps, rounds=args.rounds, per_visit=args.steps, warmup=args.warmup)
+        timings = time_rounds(steps, rounds=args.rounds, per_visit=args.steps, warmup=args.warmup)
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, timings)
         if spec.rank == 0:
-            (Path(out_dir) / "times.json").write_text(json.dumps(times))
+            (Path(out_dir) / "timings.json").write_text(json.dumps(per_rank))
     finally:
         close_session()
 
 
 def run_job(measure: Measure, args: argparse.Namespace, *, world_size: int) -> dict[str, Any]:
-    """Spawn `world_size` ranks once, time `measure`'s steps on them; rank 0's times plus machine context."""
+    """Spawn `world_size` ranks once and time `measure`'s steps on them; every rank's times plus machine context.
+
+    `times_s` holds rank 0's wall-clock step times (the ones compared), `ranks` every rank's wall and CPU times.
+    """
     load_before = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipetrain-benchmark-") as work:
         spawn(_rank_main, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1",
               master_port=free_port(), args=(measure, args, work), timeout_s=3600)
-        times = json.loads((Path(work) / "times.json").read_text())
+        per_rank = json.loads((Path(work) / "timings.json").read_text())
     return {
         "environment": collect_environment(sys.argv, device="cpu"),
         "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "wall_s": time.perf_counter() - started,
         "load_avg_before": list(load_before),
         "load_avg_after": list(os.getloadavg()),
-        "times_s": times,
+        "times_s": per_rank[0]["wall_s"],
+        "ranks": per_rank,
     }
 
 
-def _visit(step: Step, steps: int) -> list[float]:
+def _visit(step: Step, steps: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and CPU (this process, all threads) seconds of `steps` timed steps after one untimed one."""
     if step is None:
-        return []
+        return [], []
     step()  # re-warm after the previous configuration; not timed
-    times = []
+    walls, cpus = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - start)
-    return times
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return walls, cpus
 
 
-def time_rounds(steps: Mapping[str, Step], *, rounds: int, per_visit: int, warmup: int) -> dict[str, list[list[float]]]:
-    """Times (seconds) of each configuration's steps on this rank: name -> one list per round.
+def time_rounds(steps: Mapping[str, Step], *, rounds: int, per_visit: int, warmup: int) -> dict[str, Rounds]:
+    """This rank's step times: {"wall_s": name -> one list per round, "cpu_s": the same in CPU seconds}.
 
     Every rank must call it with the same names in the same order.
     """
@@ -122,14 +132,21 @@ def time_rounds(steps: Mapping[str, Step], *, rounds: int, per_visit: int, warmu
         dist.barrier()
         for _ in range(warmup if steps[name] is not None else 0):
             steps[name]()
-    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    timings: dict[str, Rounds] = {"wall_s": {name: [] for name in names}, "cpu_s": {name: [] for name in names}}
     for index in range(rounds):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            times[name].append(_visit(steps[name], per_visit))
+            walls, cpus = _visit(steps[name], per_visit)
+            timings["wall_s"][name].append(walls)
+            timings["cpu_s"][name].append(cpus)
     dist.barrier()
-    return times
+    return timings
+
+
+def cpu_per_step(report: Mapping[str, Any], name: str) -> float:
+    """CPU seconds one step of configuration `name` costs, summed over the ranks it runs on (medians)."""
+    return sum(median_s(rank["cpu_s"][name]) for rank in report["ranks"] if any(rank["cpu_s"][name]))
 
 
 def median_s(rounds: Sequence[Sequence[float]]) -> float:

@@ -24,6 +24,8 @@ SEED = 3
 LR = 0.05
 # the tiny preset with 6 encoder layers: 8 blocks, enough for pp=4 with 2 virtual stages per rank
 MODEL_CONFIG = replace(PRESETS["tiny"], nlayers=6)
+# forward-only passes after training: a full batch, then a smaller one (torch alone returns stale shapes)
+EVAL_BATCHES = [8, 3]
 
 
 def make_model() -> TransformerClassifier:
@@ -56,7 +58,11 @@ def reference_run(batches) -> dict:
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    model.eval()
+    with torch.no_grad():
+        evals = [(F.cross_entropy(model(x), y).item(), model(x)) for x, y in make_batches(EVAL_BATCHES)]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
 def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
@@ -72,7 +78,11 @@ def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
         grads.append({name: _full(p.grad).cpu().clone() for name, p in engine.named_parameters()})
         opt.step()
     params = {name: _full(p.detach()).cpu().clone() for name, p in engine.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    evals = []
+    for x, y in make_batches(EVAL_BATCHES):
+        result = engine.evaluate(x, y)  # every replica evaluates the whole batch here
+        evals.append((result.loss, None if result.outputs is None else result.outputs.cpu()))
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
 def _worker(spec: RankSpec, cases: dict[str, tuple[ParallelConfig, list]], out: str) -> None:
@@ -105,6 +115,12 @@ def assert_parity(ref: dict, records: list[dict], *, rtol: float, atol: float) -
             torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
                                        msg=lambda m: f"parameter {name}: {m}")
             seen.add(name)
+        for (loss, outputs), (ref_loss, ref_outputs) in zip(record["evals"], ref["evals"], strict=True):
+            torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+            if outputs is not None:
+                torch.testing.assert_close(outputs, ref_outputs, rtol=rtol, atol=atol)
+    if not any(outputs is not None for record in records for _, outputs in record["evals"]):
+        raise AssertionError("evaluate() returned the outputs on no rank")
     missing = set(ref["params"]) - seen
     if missing:
         raise AssertionError(f"parameters held by no rank: {sorted(missing)}")

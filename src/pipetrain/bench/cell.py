@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.bench.grid import Cell
-from pipetrain.bench.memory import apply_memory_limit, is_oom_error, oom_reason, peak_memory_mb, reset_peak_memory
+from pipetrain.bench.memory import (
+    apply_memory_limit,
+    is_oom_error,
+    lift_memory_limit,
+    oom_reason,
+    peak_memory_mb,
+    reset_peak_memory,
+)
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import pick_device
@@ -36,6 +43,7 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
     except Exception as exc:
         status = "oom" if is_oom_error(exc) else "error"
         reason = oom_reason(exc, device) if status == "oom" else f"{type(exc).__name__}: {exc}".splitlines()[0]
+        lift_memory_limit(device)  # reporting needs a little memory and a thread (the launcher's error queue)
         (out / f"rank{spec.rank}.json").write_text(json.dumps({"status": status, "reason": reason}))
         raise
     if spec.rank == 0:

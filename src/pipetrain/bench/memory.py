@@ -6,7 +6,10 @@ counts what the cell allocates after the call (model, optimizer, activations), n
 torch, which is the closest analogue of a GPU's memory. Call it in the rank process after importing
 torch and before building the model. An allocation past the limit fails with ENOMEM, which torch turns
 into ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...`` (Python objects: MemoryError);
-the process survives and `is_oom_error` recognises both. Measured on Linux 6.18 / torch 2.13:
+the process survives and `is_oom_error` recognises both. Thread stacks count too, so under a tight limit
+starting a thread fails instead (``RuntimeError: Resource temporarily unavailable`` from C++, e.g. the
+TCPStore of the process group; ``can't start new thread`` from Python): while a CPU limit is in force
+`is_oom_error` counts those as out of memory as well. Measured on Linux 6.18 / torch 2.13:
 ``RLIMIT_AS`` fails the same way, but it counts address space that is only reserved: each new thread's
 malloc arena reserves 64 MB (8 threads: +577 MB VmSize versus +65 MB VmData), so the budget would
 depend on the thread count. ``RLIMIT_DATA`` counts private writable mappings (heap, anonymous mmap,
@@ -35,6 +38,7 @@ from pipetrain.errors import ConfigError
 
 __all__ = [
     "apply_memory_limit",
+    "lift_memory_limit",
     "is_oom_error",
     "oom_reason",
     "peak_memory_mb",
@@ -46,6 +50,7 @@ _MB = 1024 * 1024
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory", "out of memory")
+_THREAD_MESSAGES = ("Resource temporarily unavailable", "can't start new thread")
 
 
 def _device(device: torch.device | str) -> torch.device:
@@ -97,15 +102,33 @@ def apply_memory_limit(limit_mb: int | None, device: torch.device | str) -> None
     resource.setrlimit(resource.RLIMIT_DATA, (wanted, hard))
 
 
+def lift_memory_limit(device: torch.device | str) -> None:
+    """Undo `apply_memory_limit` (CPU: soft limit raised to the hard one), so a failed rank can still report."""
+    dev = _device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, dev.index if dev.index is not None else None)
+    elif dev.type == "cpu" and sys.platform.startswith("linux"):
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+
+
+def _cpu_limited() -> bool:
+    return sys.platform.startswith("linux") and resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+
+
 def is_oom_error(exc: BaseException) -> bool:
-    """True if `exc` (or an exception it was raised from) is an out-of-memory failure on CPU or CUDA."""
+    """True if `exc` (or an exception it was raised from) is an out-of-memory failure on CPU or CUDA.
+
+    Under a CPU limit (RLIMIT_DATA), a thread that cannot start (no room for its stack) counts as well.
+    """
     seen: set[int] = set()
     current: BaseException | None = exc
+    messages = _OOM_MESSAGES + (_THREAD_MESSAGES if _cpu_limited() else ())
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
             return True
-        if isinstance(current, RuntimeError) and any(m in str(current) for m in _OOM_MESSAGES):
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in messages):
             return True
         if isinstance(current, OSError) and current.errno == errno.ENOMEM:
             return True
@@ -119,6 +142,8 @@ def oom_reason(exc: BaseException, device: torch.device | str) -> str:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if "DefaultCPUAllocator" in first:
         first = first[first.index("DefaultCPUAllocator"):]
+    elif any(m in first for m in _THREAD_MESSAGES):
+        first = f"no room for a new thread's stack ({first})"
     if dev.type == "cpu":
         soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
         if soft != resource.RLIM_INFINITY:

@@ -60,6 +60,7 @@ def run_grid(
     """Measure every cell not already in `store`, appending each result as soon as it is known.
 
     An interrupt (Ctrl-C) stops the sweep between or inside cells; every finished cell is already saved.
+    Without a progress bar (`progress` False, e.g. output not a terminal), each finished cell is logged.
     """
     done = store.done_keys()
     todo = [cell for cell in cells if cell.key not in done]
@@ -67,11 +68,20 @@ def run_grid(
         log.info("resuming: %d of %d cells already measured in %s", len(cells) - len(todo), len(cells), store.path)
     bar = tqdm(total=len(todo), unit="cell", disable=not progress, dynamic_ncols=True)
     try:
-        for cell in todo:
+        for index, cell in enumerate(todo, 1):
             bar.set_description(f"pp={cell.pp} batch={cell.batch_size} chunks={cell.chunks}")
             result = run_cell(cell, warmup=warmup, steps=steps, timeout_s=timeout_s)
             store.append(result)
             bar.update()
+            if not progress:
+                level = logging.DEBUG if result.status == "invalid" else logging.INFO
+                log.log(level, "cell %d/%d %s: %s", index, len(todo), cell.key, _outcome(result))
     finally:
         bar.close()
     return store.load()
+
+
+def _outcome(result: CellResult) -> str:
+    if result.ok:
+        return f"{result.median_step_s:.3g} s/step, peak {result.peak_mem_mb:.0f} MB"
+    return f"{result.status} ({result.reason})"

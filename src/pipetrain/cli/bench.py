@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("warmup", "steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ConfigError(f"--{name} {getattr(args, name)} is too small", hint=f"pass --{name} 1 or more")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g} is not a positive number of seconds", hint="e.g. --timeout 180")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = list(args.grid) + ([f"mem={args.mem_limit}"] if args.mem_limit is not None else [])
     cells = GridSpec(default_axes(device, args.quick)).with_overrides(overrides).cells()
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     store = ResultStore(args.out / "cells.jsonl")
     if args.fresh and store.path.exists():
         store.path.unlink()
-    environment = collect_environment(sys.argv, device=device)
+    environment = collect_environment(["pipetrain", *sys.argv[1:]], device=device)  # argv[0] may be __main__.py
     environment["data"] = "synthetic"
     log.info("pipetrain bench: %d cells on %s -> %s", len(cells), device, args.out)
     interrupted = False

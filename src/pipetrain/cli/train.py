@@ -5,17 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import ConfigError, DataError, PipetrainError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
 from pipetrain.workloads.transformer import PRESETS
 
 __all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config"]
+
+#: Seconds a rank that stays silent about an error (another rank prints it) waits before exiting. torchrun and
+#: `srun --kill-on-bad-exit` stop every rank at the first failed one: a silent rank exiting first would get the
+#: rank that prints killed before it says anything. The launcher ends the wait when the printing rank exits.
+QUIET_RANK_GRACE_S = 20.0
 
 
 def _balance(text: str) -> tuple[int, ...]:
@@ -104,30 +111,49 @@ def _spec(env: ClusterEnv) -> RankSpec:
     return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port)
 
 
+def _check_metrics(metrics: Path | None) -> None:
+    """Fail now, not after training, when the metrics file cannot be written."""
+    if metrics is None:
+        return
+    folder = metrics.parent
+    if metrics.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        why = "is a folder" if metrics.is_dir() else f"its folder {str(folder)!r} is missing or not writable"
+        raise ConfigError(f"cannot write the metrics file {str(metrics)!r}: {why}",
+                          hint="pass --metrics with a file path in an existing folder you can write to")
+
+
+def _says_it(env: ClusterEnv, err: PipetrainError) -> bool:
+    """Whether this process prints an error raised before training: a configuration error is the same on every
+    rank, so rank 0 prints it; a data error depends on each node's files, so the first rank of each node does."""
+    return env.local_rank == 0 if isinstance(err, DataError) else env.rank == 0
+
+
 def run(args: argparse.Namespace) -> int:
-    config = _config(args)
     env = detect()
-    if env is None:  # nobody launched us: spawn the whole job here
+    if env is None:  # nobody launched us: validate everything here, then spawn the whole job
+        config = _config(args)
+        _check_metrics(args.metrics)
         data = load_data(config)
         world = config.parallel.world_size
         spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
               args=(config, data, args.metrics))
         return 0
-    if args.ranks_per_node:  # one task per node (Slurm): this task spawns its node's ranks
-        ranks = expand_for_local_ranks(env, args.ranks_per_node)
-        config.parallel.check_world(ranks[0].world_size)
+    # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
+    try:
+        config = _config(args)
+        ranks = expand_for_local_ranks(env, args.ranks_per_node) if args.ranks_per_node else None
+        config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
+        if env.rank == 0:  # the process that writes the metrics file
+            _check_metrics(args.metrics)
         data = load_data(config)
+    except PipetrainError as err:
+        if _says_it(env, err):
+            raise
+        time.sleep(QUIET_RANK_GRACE_S)
+        return 2
+    if ranks:  # one task per node (Slurm): this task spawns its node's ranks
         spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
               master_addr=env.master_addr, master_port=env.master_port, args=(config, data, args.metrics))
         return 0
-    # one process per rank (torchrun, srun): a configuration error is the same on every rank; say it once
-    try:
-        config.parallel.check_world(env.world_size)
-        _rank_main(_spec(env), config, None, args.metrics)
-    except PipetrainError:
-        if env.rank != 0:
-            return 2
-        raise
+    _rank_main(_spec(env), config, data, args.metrics)  # an error from here on is this rank's own: it says it
     return 0
-
-

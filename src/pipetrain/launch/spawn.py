@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
 from pipetrain.launch.env import free_port
@@ -26,15 +27,21 @@ class RankSpec:
     master_port: int
 
 
-def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, errors: mp.Queue) -> None:
+#: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).
+_SETTLE_S = 0.5
+#: One rank's failure report: (time.monotonic() when raised, rank, message or traceback, unexpected error?).
+Report = tuple[float, int, str, bool]
+
+
+def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection) -> None:
     try:
         fn(spec, *args)
     except PipetrainError as err:  # a user error: its message says it all
-        errors.put((time.monotonic(), spec.rank, str(err), False))
+        report.send((time.monotonic(), spec.rank, str(err), False))
         raise SystemExit(2) from None
     except BaseException as err:  # anything else: keep the traceback of this rank only
         detail = "".join(traceback.format_exception(err))
-        errors.put((time.monotonic(), spec.rank, detail, True))
+        report.send((time.monotonic(), spec.rank, detail, True))
         raise SystemExit(1) from None
 
 
@@ -64,49 +71,96 @@ def spawn(
     """Run `fn(RankSpec, *args)` in one fresh process per rank in `ranks`; return when all succeed.
 
     When a rank fails, every other rank is stopped at once and `RankFailedError` carries the first
-    failure (its message, or its traceback for an unexpected error), reported once. After `timeout_s`
-    seconds all ranks are stopped and `RankTimeoutError` is raised.
+    failure (its message, or its traceback for an unexpected error), reported once. A rank's report is
+    acted on when it is sent, not when the rank's process has ended (tearing down a process group can
+    take long). After `timeout_s` seconds all ranks are stopped and `RankTimeoutError` is raised.
     """
     ctx = mp.get_context("spawn")
-    errors: mp.Queue = ctx.Queue()
-    processes = []
-    for local, rank in enumerate(ranks):
-        spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port)
-        process = ctx.Process(target=_child, args=(fn, spec, args, errors), name=f"pipetrain-rank{rank}")
-        process.start()
-        processes.append(process)
+    processes: list[mp.process.BaseProcess] = []
+    readers: list[Connection] = []  # one pipe per rank, for its failure report
+    running: dict[int, tuple[int, mp.process.BaseProcess]] = {}  # sentinel -> (rank, process)
     try:
-        pending = {process.sentinel: process for process in processes}
+        for local, rank in enumerate(ranks):
+            spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port)
+            reader, writer = ctx.Pipe(duplex=False)
+            readers.append(reader)
+            process = ctx.Process(target=_child, args=(fn, spec, args, writer), name=f"pipetrain-rank{rank}")
+            process.start()
+            writer.close()
+            processes.append(process)
+            running[process.sentinel] = (rank, process)
+        listening = set(readers)  # the readers of ranks that have not closed their end yet
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
+        while running:
             remaining = None if deadline is None else deadline - time.monotonic()
-            ready = wait(list(pending), timeout=remaining)
+            ready = wait([*listening, *running], timeout=remaining)
             if not ready and deadline is not None and time.monotonic() >= deadline:
                 raise RankTimeoutError(f"ranks still running after {timeout_s:g} s", hint="raise the timeout")
-            for sentinel in ready:
-                process = pending.pop(sentinel)
-                process.join()
-                if process.exitcode != 0:
-                    raise _failure(process, errors)
+            for handle in ready:
+                if handle in listening:
+                    try:
+                        first = handle.recv()
+                    except EOFError:  # closed without a report: this rank is ending, its sentinel tells how
+                        listening.discard(handle)
+                        continue
+                    deaths = _deaths(running, settle_s=_SETTLE_S)  # first: a rank's report precedes its death
+                    raise _failure([first, *_reports(readers)], deaths)
+                if handle in running:
+                    rank, process = running.pop(handle)
+                    process.join()
+                    if process.exitcode != 0:
+                        raise _failure(_reports(readers), [(rank, process)])
     except BaseException:
         _stop(processes)
         raise
     finally:
-        errors.close()
+        for reader in readers:
+            reader.close()
 
 
-def _failure(process: mp.process.BaseProcess, errors: mp.Queue) -> RankFailedError:
+def _reports(readers: Sequence[Connection]) -> list[Report]:
+    """The reports already sent by any rank (a report is in its pipe before the rank's process ends)."""
     reports = []
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
+    for reader in readers:
         try:
-            reports.append(errors.get(timeout=0.1))
-        except Exception:  # queue.Empty: keep waiting briefly for the report of the failed rank
-            if reports:
-                break
-    if not reports:
+            if reader.poll():
+                reports.append(reader.recv())
+        except (EOFError, OSError):
+            pass
+    return reports
+
+
+def _deaths(
+    running: dict[int, tuple[int, mp.process.BaseProcess]], *, settle_s: float
+) -> list[tuple[int, mp.process.BaseProcess]]:
+    """The ranks of `running` that end in failure within `settle_s` seconds, as (rank, process)."""
+    deaths = []
+    deadline = time.monotonic() + settle_s
+    while running:
+        ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for sentinel in ready:
+            rank, process = running.pop(sentinel)
+            process.join()
+            if process.exitcode != 0:
+                deaths.append((rank, process))
+    return deaths
+
+
+def _failure(reports: list[Report], deaths: list[tuple[int, mp.process.BaseProcess]]) -> RankFailedError:
+    """The first failure: a rank that ended in failure without a report, else the earliest report.
+
+    A rank that ends without a report (a signal, the out-of-memory killer) is the cause: its peers see their
+    connections to it close as it dies and may report that before its death is seen, but those are consequences.
+    """
+    reported = {report[1] for report in reports}
+    silent = [process for rank, process in deaths if rank not in reported]
+    if silent:
+        code = silent[0].exitcode
+        how = f"{code} ({signal.Signals(-code).name})" if code is not None and -code in signal.valid_signals() else code
         return RankFailedError(
-            f"{process.name} exited with code {process.exitcode} without a report",
+            f"{silent[0].name} exited with code {how} without a report",
             hint="it was probably killed (out of memory?); see the system log",
         )
     _, rank, detail, unexpected = min(reports)

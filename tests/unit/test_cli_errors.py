@@ -1,0 +1,235 @@
+"""Bad input on the command line: one message with the value and a hint, exit code 2, no traceback, no rank started.
+
+Most cases call the CLI's `main()` in this process with the launcher patched to fail if called: that proves the
+error is raised in the parent before any rank exists, and keeps each case to milliseconds instead of the
+seconds `import pipetrain` (torch.distributed.pipelining) costs a new interpreter. A few cases then run the real
+`python -m pipetrain` end to end. Launches with torchrun live in tests/dist/test_launch.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipetrain.cli import bench as bench_cli
+from pipetrain.cli import main as cli_main
+from pipetrain.cli import train as train_cli
+
+TRAIN = ["train", "--preset", "tiny", "--train-samples", "64", "--test-samples", "32", "--epochs", "1", "--no-progress"]
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "MASTER_ADDR", "MASTER_PORT")
+#: seconds the CLI may spend on bad input once imported (it builds the tiny model to count its blocks)
+FAIL_FAST_S = 10.0
+
+
+def clean_environ() -> dict[str, str]:
+    """This process's environment without any launcher's rank variables."""
+    return {k: v for k, v in os.environ.items()
+            if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run `pipetrain ARGV` in this process: (exit code, stdout, stderr, seconds). Spawning a rank fails the test."""
+    for name in list(os.environ):
+        if name in LAUNCHER_VARIABLES or name.startswith(("SLURM_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("the CLI started ranks instead of rejecting its input")
+
+    monkeypatch.setattr(train_cli, "spawn", no_ranks)
+    monkeypatch.setattr(train_cli, "_rank_main", no_ranks)
+    monkeypatch.setattr(bench_cli, "run_grid", no_ranks)
+    capsys.readouterr()
+
+    def run(argv: list[str]) -> tuple[int, str, str, float]:
+        start = time.perf_counter()
+        code = cli_main.main(argv)
+        seconds = time.perf_counter() - start
+        out, err = capsys.readouterr()
+        return code, out, err, seconds
+
+    return run
+
+
+def assert_one_error(code: int, out: str, err: str, *expected: str) -> str:
+    """Exit code 2, nothing on stdout, and stderr is one `pipetrain: error: ... (hint: ...)` line naming `expected`."""
+    assert "Traceback" not in out + err
+    assert code == 2, err
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("pipetrain: error: ") and "(hint: " in line, line
+    for text in expected:
+        assert text in line, f"{text!r} not in {line!r}"
+    return line
+
+
+@pytest.fixture
+def regular_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a-file"
+    path.write_text("not a folder\n")
+    return path
+
+
+# argv, then texts the message must contain; "{tmp}" and "{file}" are replaced by a fresh folder and a regular file
+CASES = {
+    "pp-over-blocks": (
+        TRAIN + ["--pp", "7", "--schedule", "gpipe", "--chunks", "1"],
+        ["pp=7", "needs 7 blocks", "the model has 6", "hint: use --pp 6 or fewer"],
+    ),
+    "pp-over-blocks-1f1b": (TRAIN + ["--pp", "7"], ["pp=7", "chunks=4"]),
+    "chunks-over-batch": (
+        TRAIN + ["--schedule", "gpipe", "--batch-size", "8", "--chunks", "16"],
+        ["chunks=16", "batch size 8", "hint: pass --chunks 8 or fewer"],
+    ),
+    "chunks-over-replica-batch": (
+        TRAIN + ["--schedule", "gpipe", "--dp", "2", "--pp", "1", "--batch-size", "8", "--chunks", "8"],
+        ["chunks=8", "batch size 4"],
+    ),
+    "1f1b-fewer-chunks-than-stages": (
+        TRAIN + ["--schedule", "1f1b", "--pp", "2", "--chunks", "1"],
+        ["'1f1b'", "chunks=1 < pp=2", "hint: pass --chunks 2 or more"],
+    ),
+    "unknown-schedule": (TRAIN + ["--schedule", "pipedream"], ["'pipedream'", "hint: choose one of: gpipe, 1f1b"]),
+    "unknown-checkpoint": (
+        TRAIN + ["--checkpoint", "sometimes"], ["'sometimes'", "hint: choose one of: never, except_last, always"],
+    ),
+    "unknown-dp-mode": (TRAIN + ["--dp-mode", "zero9"], ["'zero9'", "hint: choose one of: ddp, fsdp"]),
+    "unknown-preset": (TRAIN + ["--preset", "huge"], ["'huge'", "hint: choose one of:"]),
+    "missing-data": (TRAIN + ["--data", "/nonexistent/aclImdb"], ["/nonexistent/aclImdb", "does not exist"]),
+    "malformed-data": (TRAIN + ["--data", "{tmp}"], ["{tmp}", "is missing", "hint: expected the aclImdb layout"]),
+    "data-is-a-file": (TRAIN + ["--data", "{file}"], ["{file}", "not a folder"]),
+    "batch-not-divisible-by-dp": (
+        TRAIN + ["--dp", "2", "--pp", "1", "--schedule", "gpipe", "--chunks", "1", "--batch-size", "15"],
+        ["global batch size 15", "dp=2", "hint: pass --batch-size 14"],
+    ),
+    "metrics-unwritable": (
+        TRAIN + ["--metrics", "{file}/metrics.json"], ["{file}/metrics.json", "hint: pass --metrics"],
+    ),
+    "bench-unknown-axis": (["bench", "--grid", "foo=1"], ["'foo'", "hint: valid axes: preset, mem, pp"]),
+    "bench-bad-value": (["bench", "--grid", "chunks=x"], ["'x'", "'chunks'", "positive integer", "hint: e.g. chunks="]),
+    "bench-bad-schedule": (["bench", "--grid", "schedule=gpipe,nope"], ["'nope'", "hint: choose among: gpipe"]),
+    "bench-unwritable-out": (
+        ["bench", "--quick", "--out", "{file}/out"], ["{file}/out", "Not a directory", "hint: pass --out"],
+    ),
+    "bench-zero-steps": (["bench", "--quick", "--steps", "0"], ["--steps 0", "hint: pass --steps 1 or more"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_message_before_any_rank(case, cli, tmp_path, regular_file):
+    argv, expected = CASES[case]
+    fill = {"{tmp}": str(tmp_path), "{file}": str(regular_file)}
+
+    def filled(text: str) -> str:
+        for key, value in fill.items():
+            text = text.replace(key, value)
+        return text
+
+    code, out, err, seconds = cli([filled(a) for a in argv])
+    assert_one_error(code, out, err, *map(filled, expected))
+    assert seconds < FAIL_FAST_S
+
+
+def test_bench_out_is_not_created_for_a_bad_grid(cli, tmp_path):
+    out = tmp_path / "bench-out"
+    assert_one_error(*cli(["bench", "--grid", "chunks=0", "--out", str(out)])[:3], "'0'")
+    assert not out.exists()
+
+
+# A job launched once per rank (torchrun, srun): rank 0 says it, the others stay silent and linger (see run())
+
+def _launched(monkeypatch, **variables: str) -> list[float]:
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    waits: list[float] = []
+    monkeypatch.setattr(train_cli, "time", SimpleNamespace(sleep=waits.append), raising=False)
+    return waits
+
+
+WORLD_MISMATCH = TRAIN + ["--dp", "1", "--pp", "1", "--schedule", "gpipe", "--chunks", "1"]
+
+
+def test_world_size_mismatch_is_said_by_rank_0(cli, monkeypatch):
+    waits = _launched(monkeypatch, RANK="0", WORLD_SIZE="2", MASTER_PORT="29500")
+    assert_one_error(*cli(WORLD_MISMATCH)[:3], "dp=1 x pp=1 = 1 ranks, but the job has 2", "hint: launch 1 ranks")
+    assert waits == []
+
+
+def test_world_size_mismatch_is_silent_on_other_ranks_until_rank_0_is_done(cli, monkeypatch):
+    waits = _launched(monkeypatch, RANK="1", WORLD_SIZE="2", MASTER_PORT="29500")
+    code, out, err, _ = cli(WORLD_MISMATCH)
+    assert (code, out, err) == (2, "", "")
+    assert waits == [train_cli.QUIET_RANK_GRACE_S] and 0 < train_cli.QUIET_RANK_GRACE_S <= 60
+
+
+def test_config_error_under_torchrun_is_silent_on_other_ranks(cli, monkeypatch):
+    """Before the fix, a bad flag was printed by every rank of a torchrun job."""
+    _launched(monkeypatch, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+              MASTER_PORT="29500")
+    assert cli(TRAIN + ["--schedule", "pipedream"])[:3] == (2, "", "")
+
+
+def test_data_error_is_said_once_per_node(cli, monkeypatch):
+    """Data lives on each node's file system: the first rank of each node says what is missing there."""
+    common = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    argv = TRAIN + ["--dp", "2", "--data", "/nonexistent/aclImdb"]
+    waits = _launched(monkeypatch, RANK="2", LOCAL_RANK="0", **common)
+    assert_one_error(*cli(argv)[:3], "/nonexistent/aclImdb")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli(argv)[:3] == (2, "", "")
+    assert len(waits) == 1
+
+
+SLURM_NODE = {"SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_ID": "0",
+              "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_one_task_per_node_says_a_config_error_on_node_0_only(cli, monkeypatch, node):
+    waits = _launched(monkeypatch, SLURM_PROCID=str(node), SLURM_NODEID=str(node), **SLURM_NODE)
+    result = cli(TRAIN + ["--ranks-per-node", "2", "--dp", "1", "--pp", "2"])[:3]
+    if node == 0:
+        assert_one_error(*result, "dp=1 x pp=2 = 2 ranks, but the job has 4", "hint:")
+    else:
+        assert result == (2, "", "") and len(waits) == 1
+
+
+def test_ranks_per_node_needs_one_task_per_node(cli, monkeypatch):
+    _launched(monkeypatch, RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
+    assert_one_error(*cli(TRAIN + ["--ranks-per-node", "2"])[:3], "--ranks-per-node needs one task per node")
+
+
+# The real command, end to end, both verbs at once (each new interpreter pays seconds for `import pipetrain`)
+
+END_TO_END = {
+    "pp-over-blocks": (TRAIN + ["--pp", "7", "--schedule", "gpipe", "--chunks", "1"], "the model has 6"),
+    "bench-bad-value": (["bench", "--grid", "chunks=x"], "'x'"),
+}
+
+
+def test_command_line_end_to_end():
+    env = clean_environ() | {"OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    runs = {name: subprocess.Popen([sys.executable, "-m", "pipetrain", *argv], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, (argv, _) in END_TO_END.items()}
+    try:
+        for name, process in runs.items():
+            out, err = process.communicate(timeout=max(1.0, 120 - (time.monotonic() - start)))
+            assert_one_error(process.returncode, out, err, END_TO_END[name][1])
+    finally:
+        for process in runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
