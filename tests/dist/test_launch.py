@@ -73,12 +73,14 @@ def _tree(root: int) -> list[int]:
 
 
 def _kill_trees(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL every process not yet waited for, with its descendants (found before any is killed)."""
+    doomed = [pid for process in processes if process.returncode is None for pid in _tree(process.pid)]
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     for process in processes:
-        for pid in _tree(process.pid) if process.poll() is None else []:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         process.wait()
 
 
@@ -92,11 +94,15 @@ def run_together(commands: list[tuple[list[str], dict[str, str]]], folder: Path,
                 processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                   start_new_session=True))
         deadline = time.monotonic() + timeout_s
-        for process, log in zip(processes, logs):
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while any(process.poll() is None for process in processes):
+            if any(process.returncode for process in processes):
+                break  # one failed: the others would wait for it in vain (the finally clause ends them)
+            if time.monotonic() > deadline:
                 pytest.fail(f"still running after {timeout_s:g} s:\n" + "\n".join(p.read_text()[-3000:] for p in logs))
+            try:
+                next(process for process in processes if process.returncode is None).wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         _kill_trees(processes)
     return [(process.returncode, log.read_text()) for process, log in zip(processes, logs)]

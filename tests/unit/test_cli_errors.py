@@ -205,6 +205,12 @@ def test_one_task_per_node_says_a_config_error_on_node_0_only(cli, monkeypatch, 
         assert result == (2, "", "") and len(waits) == 1
 
 
+def test_ranks_per_node_must_be_positive(cli, monkeypatch):
+    """Before the fix, --ranks-per-node 0 was taken for "not given" and the task ran as a single rank."""
+    _launched(monkeypatch, SLURM_PROCID="0", SLURM_NODEID="0", **SLURM_NODE)
+    assert_one_error(*cli(TRAIN + ["--ranks-per-node", "0"])[:3], "got 0", "hint: pass --ranks-per-node 1 or more")
+
+
 def test_ranks_per_node_needs_one_task_per_node(cli, monkeypatch):
     _launched(monkeypatch, RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
     assert_one_error(*cli(TRAIN + ["--ranks-per-node", "2"])[:3], "--ranks-per-node needs one task per node")

@@ -40,7 +40,7 @@ def test_parameter_costs_use_no_memory():
     costs = parameter_costs(TransformerClassifier(config))
     assert len(costs) == config.nlayers + 2
     assert costs[0] == config.vocab_size * config.emsize
-    assert costs[-1] == config.emsize * config.num_classes + config.num_classes
+    assert costs[-1] == 2 * config.emsize + config.emsize * config.num_classes + config.num_classes  # norm + linear
     assert len(set(costs[1:-1])) == 1
 
 

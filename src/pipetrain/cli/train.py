@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
         config = _config(args)
-        ranks = expand_for_local_ranks(env, args.ranks_per_node) if args.ranks_per_node else None
+        ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
         if env.rank == 0:  # the process that writes the metrics file
             _check_metrics(args.metrics)
