@@ -120,3 +120,18 @@ def test_thread_start_failure_is_oom_only_under_a_cpu_limit(monkeypatch: pytest.
     assert is_oom_error(exc) and is_oom_error(RuntimeError("can't start new thread"))
     reason = oom_reason(exc, "cpu")
     assert "RLIMIT_DATA = 400 MB" in reason and "thread's stack" in reason
+
+
+def test_oom_reason_names_the_allocation_a_stage_wrapped() -> None:
+    try:
+        try:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 67108864 bytes.")
+        except RuntimeError as inner:
+            raise RuntimeError("[Stage 0] failed to run forward:\nstage summary") from inner
+    except RuntimeError as exc:
+        wrapped = exc
+    assert is_oom_error(wrapped)
+    reason = oom_reason(wrapped, "cpu")
+    assert "\n" not in reason and "you tried to allocate 67108864 bytes" in reason
+    assert reason.endswith("(in: [Stage 0] failed to run forward)")

@@ -43,7 +43,7 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
     except Exception as exc:
         status = "oom" if is_oom_error(exc) else "error"
         reason = oom_reason(exc, device) if status == "oom" else f"{type(exc).__name__}: {exc}".splitlines()[0]
-        lift_memory_limit(device)  # reporting needs a little memory and a thread (the launcher's error queue)
+        lift_memory_limit(device)  # so that writing this report and the launcher's one cannot fail in turn
         (out / f"rank{spec.rank}.json").write_text(json.dumps({"status": status, "reason": reason}))
         raise
     if spec.rank == 0:

@@ -116,34 +116,50 @@ def _cpu_limited() -> bool:
     return sys.platform.startswith("linux") and resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
 
 
-def is_oom_error(exc: BaseException) -> bool:
-    """True if `exc` (or an exception it was raised from) is an out-of-memory failure on CPU or CUDA.
-
-    Under a CPU limit (RLIMIT_DATA), a thread that cannot start (no room for its stack) counts as well.
-    """
+def _oom_in_chain(exc: BaseException) -> BaseException | None:
+    """The first exception of `exc`'s chain (itself, then what it was raised from) that is out of memory."""
     seen: set[int] = set()
     current: BaseException | None = exc
     messages = _OOM_MESSAGES + (_THREAD_MESSAGES if _cpu_limited() else ())
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
-            return True
+            return current
         if isinstance(current, RuntimeError) and any(m in str(current) for m in messages):
-            return True
+            return current
         if isinstance(current, OSError) and current.errno == errno.ENOMEM:
-            return True
+            return current
         current = current.__cause__ or current.__context__
-    return False
+    return None
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True if `exc` (or an exception it was raised from) is an out-of-memory failure on CPU or CUDA.
+
+    Under a CPU limit (RLIMIT_DATA), a thread that cannot start (no room for its stack) counts as well.
+    """
+    return _oom_in_chain(exc) is not None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def oom_reason(exc: BaseException, device: torch.device | str) -> str:
-    """A one-line reason for a cell result: what ran out, and the limit in force if one was set."""
+    """A one-line reason for a cell result: what ran out, and the limit in force if one was set.
+
+    The message is that of the out-of-memory exception in `exc`'s chain (a pipeline stage wraps it in
+    "[Stage 0] failed to run forward"), followed by the wrapper's first line when there is one.
+    """
     dev = _device(device)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    cause = _oom_in_chain(exc) or exc
+    first = _first_line(cause)
     if "DefaultCPUAllocator" in first:
         first = first[first.index("DefaultCPUAllocator"):]
     elif any(m in first for m in _THREAD_MESSAGES):
         first = f"no room for a new thread's stack ({first})"
+    if cause is not exc:
+        first += f" (in: {_first_line(exc).rstrip(':')})"
     if dev.type == "cpu":
         soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
         if soft != resource.RLIM_INFINITY:

@@ -111,7 +111,9 @@ def summary_lines(results: Iterable[CellResult]) -> list[str]:
             if naive is None or naive.status == "invalid":  # e.g. 1f1b: naive is the gpipe chunks=1 cell
                 naive = by_key.get(replace(ok[best].cell, chunks=1, schedule="gpipe").key, naive)
             gain = ok[best].speedup_vs_chunks1
-            if best == 1:
+            if best == 1 and all(r.status == "invalid" for c, r in row.items() if c != 1):  # e.g. pp=1
+                lines.append(prefix + f"{_fmt_time(t_best)} s/step at chunks=1, the only valid chunk count here")
+            elif best == 1:
                 lines.append(prefix + f"best chunks=1 (naive, {_fmt_time(t_best)} s/step); micro-batching did not help")
             elif gain is not None:
                 lines.append(prefix + f"best chunks={best}, {gain:.2g}x faster than naive (chunks=1)")
@@ -129,6 +131,16 @@ def _memory_title(environment: dict[str, Any]) -> str:
     return "peak RSS of a rank process (MB, max over ranks; interpreter and torch included)"
 
 
+def _limit_note(results: Iterable[CellResult], environment: dict[str, Any]) -> str | None:
+    """What the memory limit of the cells was and what it counts, or None when no cell had one."""
+    limits = sorted({r.cell.mem_limit_mb for r in results if r.cell.mem_limit_mb is not None})
+    if not limits:
+        return None
+    what = ("a cap on the caching allocator" if str(environment.get("device", "cpu")).startswith("cuda")
+            else "allocated memory (RLIMIT_DATA) above the rank process's size at start, so not the RSS shown")
+    return f"memory limit {', '.join(map(str, limits))} MB per rank: {what}"
+
+
 def markdown_report(results: Sequence[CellResult], environment: dict[str, Any]) -> str:
     """The markdown text: environment, one "time / memory" table per group, legend and summary."""
     results = compute_speedups(results)
@@ -138,6 +150,9 @@ def markdown_report(results: Sequence[CellResult], environment: dict[str, Any]) 
     out += ["", f"Each cell: median step time (s) / {_memory_title(environment)}.",
             "OOM = out of memory, — = invalid combination, err = error, timeout = over the time limit, "
             "blank = not run."]
+    limit = _limit_note(results, environment)
+    if limit:
+        out.append(limit[0].upper() + limit[1:] + ".")
     hidden = sum(1 for r in results if _group_of(r) not in grouped)
     if hidden:
         out.append(f"{hidden} cells of groups with no valid combination are not shown (see results.csv).")
@@ -178,9 +193,10 @@ def write_reports(results: Iterable[CellResult], out_dir: Path, *, environment: 
     grouped = _grouped(results)
     panels = {_label(g, grouped): cells for g, cells in grouped.items()}
     note = "preset " + ",".join(sorted({r.cell.preset for r in results}))
+    limit = _limit_note(results, environment)
     for metric in ("step_time", "peak_memory", "speedup"):
         path = out_dir / f"heatmap_{metric}.png"
-        _draw_heatmap(panels, metric, path, environment, note)
+        _draw_heatmap(panels, metric, path, environment, note, limit)
         paths.append(path)
     return paths
 
@@ -201,13 +217,20 @@ _FAILED_STYLE = {  # status -> (face colour, hatch, text) of a cell without a va
 }
 
 
+def _ratio_ticks(span: float) -> list[float]:
+    """Colour-bar ticks for ratios in [1/span, span]: powers of two, or finer steps for a narrow range."""
+    steps = [2.0**k for k in range(-8, 9)] if span >= 4 else [0.5, 2 / 3, 0.8, 1 / 1.1, 1.0, 1.1, 1.25, 1.5, 2.0]
+    return [t for t in steps if 0.9999 / span <= t <= 1.0001 * span]
+
+
 def _draw_heatmap(panels: dict[str, dict[tuple[int, int], CellResult]], metric: str, path: Path,
-                  environment: dict[str, Any], note: str) -> None:
-    """One subplot per group, rows = batch, columns = chunks, values written in the cells."""
+                  environment: dict[str, Any], note: str, limit: str | None = None) -> None:
+    """One subplot per group, rows = batch, columns = chunks, values written in the cells; `limit` is
+    the memory-limit note, a line of the title when given."""
     import matplotlib
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import Normalize, TwoSlopeNorm
+    from matplotlib.colors import LogNorm, Normalize
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
@@ -217,9 +240,9 @@ def _draw_heatmap(panels: dict[str, dict[tuple[int, int], CellResult]], metric: 
         title = memory[0].upper() + memory[1:]
     values = [v for cells in panels.values() for r in cells.values() if r.ok and (v := value(r)) is not None]
     vmin, vmax = (min(values), max(values)) if values else (0.0, 1.0)
-    if metric == "speedup":
-        span = max(abs(vmax - 1), abs(1 - vmin), 0.05)
-        norm: Normalize = TwoSlopeNorm(vcenter=1.0, vmin=1 - span, vmax=1 + span)
+    if metric == "speedup":  # a ratio: 0.5x is as far from 1 as 2x, so the colours are log-symmetric around 1
+        span = max(vmax, 1 / vmin if vmin > 0 else 1.0, 1.1)
+        norm: Normalize = LogNorm(vmin=1 / span, vmax=span)
     else:
         norm = Normalize(vmin=vmin, vmax=vmax if vmax > vmin else vmin + 1)
     cmap = matplotlib.colormaps[cmap_name].with_extremes(bad="white")
@@ -266,14 +289,17 @@ def _draw_heatmap(panels: dict[str, dict[tuple[int, int], CellResult]], metric: 
         ax.set_ylabel("global batch size")
         ax.set_title(label, fontsize=10)
     if image is not None:
-        fig.colorbar(image, ax=fig.axes, shrink=0.9, label=title.split(" (")[0])
+        bar = fig.colorbar(image, ax=fig.axes, shrink=0.9, label=title.split(" (")[0])
+        if metric == "speedup":
+            bar.ax.minorticks_off()
+            bar.set_ticks(_ratio_ticks(span), labels=[f"{t:.3g}x" for t in _ratio_ticks(span)])
     device = f"{environment.get('device', '?')} ({environment.get('device_name', 'unknown')})"
     notes = [f"device: {device}", note]
     if environment.get("data"):
         notes.append(f"{environment['data']} data")
     if environment.get("torch"):
         notes.append(f"torch {environment['torch']}")
-    fig.suptitle(f"{title}\n{', '.join(notes)}", fontsize=11)
+    fig.suptitle("\n".join([title, ", ".join(notes)] + ([limit] if limit else [])), fontsize=11)
     fig.supxlabel("OOM (hatched) = out of memory; invalid = combination that cannot run; "
                   "err / timeout = failed; n/a = no value; blank = not run", fontsize=8, color="#505050")
     fig.savefig(path, dpi=110)
