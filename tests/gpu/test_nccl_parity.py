@@ -1,12 +1,12 @@
-"""The parity check on CUDA/NCCL: the same transparency test as tests/dist, on real GPUs (skipped without them)."""
+"""The parity check on CUDA/NCCL: the same transparency test as tests/distributed, on real GPUs (skipped without them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.dist.harness import assert_parity, make_batches, parallel_runs, reference_run
-from tests.dist.test_parity import DP_BATCHES, PIPELINE_BATCHES, _pipe
+from tests.distributed.harness import assert_parity, make_batches, parallel_runs, reference_run
+from tests.distributed.test_parity import DP_BATCHES, PIPELINE_BATCHES, _pipe
 
 pytestmark = [
     pytest.mark.gpu,

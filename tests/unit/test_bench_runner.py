@@ -1,7 +1,7 @@
 """Tests of the bench runner without processes: resume, results saved as they come, failure classification.
 
 `spawn` and `run_cell` are replaced in the runner module, so these tests check the runner's own logic; the
-real cells (OOM capture, Ctrl-C, the CLI sweep) are in tests/dist/test_bench_sweep.py.
+real cells (OOM capture, Ctrl-C, the CLI sweep) are in tests/distributed/test_bench_sweep.py.
 """
 
 from __future__ import annotations

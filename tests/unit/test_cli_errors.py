@@ -3,7 +3,7 @@
 Most cases call the CLI's `main()` in this process with the launcher patched to fail if called: that proves the
 error is raised in the parent before any rank exists, and keeps each case to milliseconds instead of the
 seconds `import pipetrain` (torch.distributed.pipelining) costs a new interpreter. A few cases then run the real
-`python -m pipetrain` end to end. Launches with torchrun live in tests/dist/test_launch.py.
+`python -m pipetrain` end to end. Launches with torchrun live in tests/distributed/test_launch.py.
 """
 
 from __future__ import annotations

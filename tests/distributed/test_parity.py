@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.config import ParallelConfig, PipelineConfig
-from tests.dist.harness import assert_parity, make_batches, parallel_runs, reference_run
+from tests.distributed.harness import assert_parity, make_batches, parallel_runs, reference_run
 
 RTOL, ATOL = 1e-5, 4e-5
 # 8, then a short batch that 4 chunks do not divide (4 x 1 + a remainder of 2), then one smaller than 4
