@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from interleave import (
-    Step, add_common_args, cpu_per_step, finish, markdown_table, median_s, paired_ratio, reference_batch,
-    resolve_defaults, run_job,
+    CPU_NOTE, Step, add_common_args, cpu_cell, cpu_per_rank, cpu_per_step, engine_step, finish, markdown_table,
+    median_s, paired_ratio, reference_batch, resolve_defaults, run_job,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
@@ -46,18 +46,6 @@ def config_names() -> list[str]:
     return [BASELINE, *(f"{mode} dp{WORLD}" for mode in MODES)]
 
 
-def _training_step(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor) -> Step:
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=LR)
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = engine.step(x, y).loss
-        optimizer.step()
-        return loss
-
-    return step
-
-
 def single_rank_step(model: TransformerClassifier, args: argparse.Namespace, device: torch.device,
                      rank: int) -> Step:
     """dp=1 on rank 0 over a group of its own; None on the other ranks (which still join the new group)."""
@@ -65,7 +53,7 @@ def single_rank_step(model: TransformerClassifier, args: argparse.Namespace, dev
     if rank != 0:
         return None
     engine = PipelineEngine(model, PipelineConfig(pp=1), device=device, pp_group=solo, metrics_group=solo, seed=SEED)
-    return _training_step(engine, *reference_batch(args.preset, args.batch_size))
+    return engine_step(engine, *reference_batch(args.preset, args.batch_size), lr=LR)
 
 
 def data_parallel_step(model: TransformerClassifier, mode: str, args: argparse.Namespace,
@@ -73,7 +61,7 @@ def data_parallel_step(model: TransformerClassifier, mode: str, args: argparse.N
     """dp=2 over both ranks; each trains on its half of the global batch."""
     session = build_session(model, ParallelConfig(dp=WORLD, dp_mode=mode), device, seed=SEED)
     share = reference_batch(args.preset, args.batch_size, replica=session.mesh.dp_rank, replicas=WORLD)
-    return _training_step(session.engine, *share)
+    return engine_step(session.engine, *share, lr=LR)
 
 
 def measure(spec: RankSpec, device: torch.device, args: argparse.Namespace) -> dict[str, Step]:
@@ -88,16 +76,22 @@ def measure(spec: RankSpec, device: torch.device, args: argparse.Namespace) -> d
 
 
 def summarize(report: dict, batch_size: int) -> list[dict]:
-    """One record per configuration: median step, global samples/s and speed-up over dp=1."""
+    """One record per configuration: median step, global samples/s and speed-ups over dp=1.
+
+    `speedup_vs_dp1` is paired (median over rounds of the per-round ratio), so that a change of machine
+    load during the run, which shifts whole rounds, cancels; the ratio of the medians is kept beside it.
+    """
     times = report["times_s"]
-    base = median_s(times[BASELINE])
+    base, base_cpu = median_s(times[BASELINE]), cpu_per_step(report, BASELINE)
     records = []
     for name in config_names():
         t = median_s(times[name])
         records.append({
             "name": name, "median_step_s": t, "samples_per_s": batch_size / t,
-            "cpu_step_s": cpu_per_step(report, name), "speedup_vs_dp1": base / t,
-            "speedup_vs_dp1_paired": 1 / paired_ratio(times[name], times[BASELINE]),
+            "cpu_step_s": cpu_per_step(report, name),
+            "speedup_vs_dp1": paired_ratio(times[BASELINE], times[name]),
+            "speedup_vs_dp1_of_medians": base / t,
+            "cpu_bound_speedup": base_cpu / max(cpu_per_rank(report, name)),
         })
     return records
 
@@ -109,25 +103,33 @@ def _verdict(mode: str, speedup: float) -> str:
     return f"(target >= {target}x: {'ok' if speedup >= target else 'BELOW TARGET'})"
 
 
+def _row(r: dict, batch_size: int) -> list:
+    base = r["name"] == BASELINE
+    return [r["name"], batch_size if base else batch_size // WORLD, f"{r['median_step_s'] * 1e3:.1f}",
+            f"{r['samples_per_s']:.1f}", cpu_cell(r["cpu_step_s"], r["median_step_s"]),
+            "-" if base else f"{r['speedup_vs_dp1']:.2f}x ({r['speedup_vs_dp1_of_medians']:.2f}x)",
+            "-" if base else f"{r['cpu_bound_speedup']:.2f}x"]
+
+
 def render(records: list[dict], args: argparse.Namespace) -> str:
     headers = ["config", "per-rank batch", "median step (ms)", "samples/s (global)", "CPU/step (ms)",
-               "dp2 / dp1 (paired)"]
-    rows = [[r["name"], args.batch_size if r["name"] == BASELINE else args.batch_size // WORLD,
-             f"{r['median_step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.1f}", f"{r['cpu_step_s'] * 1e3:.0f}",
-             "-" if r["name"] == BASELINE else f"{r['speedup_vs_dp1']:.2f}x ({r['speedup_vs_dp1_paired']:.2f}x)"]
-            for r in records]
+               "dp2 / dp1 (of medians)", "CPU-bound dp2 / dp1"]
     ratios = [f"- {r['name'].split()[0]}: dp{WORLD}/dp1 throughput {r['speedup_vs_dp1']:.2f}x "
-              f"{_verdict(r['name'].split()[0], r['speedup_vs_dp1'])}" for r in records if r["name"] != BASELINE]
+              f"{_verdict(r['name'].split()[0], r['speedup_vs_dp1'])}; CPU-bound {r['cpu_bound_speedup']:.2f}x"
+              for r in records if r["name"] != BASELINE]
     return "\n".join([
         f"## Data parallelism: preset {args.preset}, global batch {args.batch_size}, pp=1, gloo, 1 thread/rank; "
         f"{args.rounds} rounds x {args.steps} timed steps per configuration",
         "",
-        markdown_table(headers, rows),
+        markdown_table(headers, [_row(r, args.batch_size) for r in records]),
         "",
         "Step = zero_grad + engine.step (forward/backward, gradient all-reduce or reduce-scatter, metrics "
-        "all-reduce) + AdamW step, timed on rank 0. dp2/dp1 is the ratio of median step times at the same "
-        "global batch (= throughput ratio); `paired` is the median of per-round ratios. CPU/step is the CPU "
-        "time of one step summed over the ranks that run it (median per rank): the work done.",
+        "all-reduce) + AdamW step, timed on rank 0. dp2/dp1 is the throughput ratio at the same global batch, "
+        "paired: the median over rounds of the ratio of the two configurations' median step times in that "
+        "round, so that load changes during the run cancel (in brackets: the ratio of the overall medians).",
+        CPU_NOTE,
+        "CPU-bound dp2/dp1 = dp1's CPU per step / the busiest dp2 rank's: the speed-up if every rank had a "
+        "core to itself and never waited (roughly what the wall-clock ratio reaches on an idle machine).",
         "",
         "### Throughput ratios",
         *ratios,

@@ -4,7 +4,8 @@ Absolute times are unstable on a shared 2-core machine, so the scripts never com
 apart. One job of spawned ranks builds every configuration once, then times them in rounds: each round
 visits every configuration (in an order rotated by one per round, so none always runs first or last),
 and each visit is one untimed step, to re-warm caches after the previous configuration, then `steps`
-timed steps. Machine noise thus hits all configurations alike, and ratios of medians are what count.
+timed steps. Machine noise thus hits all configurations alike; ratios are taken per round (`paired_ratio`),
+so that a change of load during the run, which shifts whole rounds, cancels too.
 A configuration may run on some ranks only (its step is None elsewhere): those ranks wait at the barrier
 that starts every visit. Every step trains on one fixed batch of the reference workload's synthetic IMDB data.
 """
@@ -28,13 +29,15 @@ import torch.distributed as dist
 from pipetrain.bench.report import collect_environment
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.pipeline import PipelineEngine
 from pipetrain.session import close_session, join_job
 from pipetrain.workloads.imdb import batches, synthetic_imdb
 from pipetrain.workloads.transformer import PRESETS
 
 __all__ = [
-    "Step", "add_common_args", "resolve_defaults", "reference_batch", "run_job", "time_rounds",
-    "cpu_per_step", "median_s", "round_medians", "paired_ratio", "markdown_table", "finish",
+    "Step", "add_common_args", "resolve_defaults", "reference_batch", "engine_step", "run_job", "time_rounds",
+    "cpu_per_rank", "cpu_per_step", "CPU_NOTE", "cpu_cell", "median_s", "round_medians", "paired_ratio",
+    "markdown_table", "finish",
 ]
 
 #: Times of each configuration's steps: name -> one list of step times per round.
@@ -71,6 +74,19 @@ def reference_batch(preset: str, batch_size: int, *, replica: int = 0, replicas:
     train, _ = synthetic_imdb(num_train=batch_size, num_test=1, seq_len=config.seq_len,
                               vocab_size=config.vocab_size, seed=seed)
     return next(batches(train, batch_size, shuffle=False, seed=seed, epoch=0, replica=replica, replicas=replicas))
+
+
+def engine_step(engine: PipelineEngine, x: torch.Tensor, y: torch.Tensor, *, lr: float = 1e-4) -> Step:
+    """A pipetrain training step on one fixed batch: zero_grad, `engine.step` (returns the loss), AdamW step."""
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=lr)
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = engine.step(x, y).loss
+        optimizer.step()
+        return loss
+
+    return step
 
 
 def _rank_main(spec: RankSpec, measure: Measure, args: argparse.Namespace, out_dir: str) -> None:
@@ -144,9 +160,14 @@ def time_rounds(steps: Mapping[str, Step], *, rounds: int, per_visit: int, warmu
     return timings
 
 
+def cpu_per_rank(report: Mapping[str, Any], name: str) -> list[float]:
+    """Median CPU seconds of one step of configuration `name` on each rank it runs on."""
+    return [median_s(rank["cpu_s"][name]) for rank in report["ranks"] if any(rank["cpu_s"][name])]
+
+
 def cpu_per_step(report: Mapping[str, Any], name: str) -> float:
-    """CPU seconds one step of configuration `name` costs, summed over the ranks it runs on (medians)."""
-    return sum(median_s(rank["cpu_s"][name]) for rank in report["ranks"] if any(rank["cpu_s"][name]))
+    """CPU seconds one step of configuration `name` costs, summed over the ranks it runs on: the work done."""
+    return sum(cpu_per_rank(report, name))
 
 
 def median_s(rounds: Sequence[Sequence[float]]) -> float:
@@ -162,6 +183,19 @@ def round_medians(rounds: Sequence[Sequence[float]]) -> list[float]:
 def paired_ratio(numerator: Sequence[Sequence[float]], denominator: Sequence[Sequence[float]]) -> float:
     """Median over rounds of the ratio of the two configurations' medians in that round (neighbours in time)."""
     return statistics.median(a / b for a, b in zip(round_medians(numerator), round_medians(denominator)))
+
+
+#: What the CPU column of both scripts' tables means.
+CPU_NOTE = (
+    "CPU/step is the CPU time of one step summed over the ranks that run it (median per rank): the work done, "
+    "which machine load disturbs far less than wall time; `cores` = CPU/step / median step time, how many "
+    "cores the configuration kept busy on average (1.0: its ranks never computed at the same time)."
+)
+
+
+def cpu_cell(cpu_s: float, wall_s: float) -> str:
+    """The CPU column: milliseconds of CPU per step and the cores kept busy."""
+    return f"{cpu_s * 1e3:.0f} ({cpu_s / wall_s:.2f} cores)"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

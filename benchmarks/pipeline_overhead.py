@@ -30,8 +30,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from interleave import (
-    Step, add_common_args, cpu_per_step, finish, markdown_table, median_s, paired_ratio, reference_batch,
-    resolve_defaults, run_job,
+    CPU_NOTE, Step, add_common_args, cpu_cell, cpu_per_step, engine_step, finish, markdown_table, median_s,
+    paired_ratio, reference_batch, resolve_defaults, run_job,
 )
 from pipetrain.bench.results import ideal_speedup
 from pipetrain.blocks import build_blocks, build_sequential
@@ -91,16 +91,8 @@ def single_step(model: TransformerClassifier, x: torch.Tensor, y: torch.Tensor, 
 def pipetrain_step(model: TransformerClassifier, config: Config, x: torch.Tensor, y: torch.Tensor,
                    device: torch.device) -> Step:
     pipeline = PipelineConfig(pp=PP, schedule=config.schedule, n_microbatches=config.chunks)
-    engine = build_session(model, ParallelConfig(pipeline=pipeline), device, seed=SEED).engine
-    optimizer = torch.optim.AdamW(engine.parameters(), lr=LR)
-
-    def step() -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = engine.step(x, y).loss
-        optimizer.step()
-        return loss
-
-    return step
+    session = build_session(model, ParallelConfig(pipeline=pipeline), device, seed=SEED)
+    return engine_step(session.engine, x, y, lr=LR)
 
 
 def torch_step(model: TransformerClassifier, config: Config, x: torch.Tensor, y: torch.Tensor,
@@ -144,72 +136,82 @@ def measure(spec: RankSpec, device: torch.device, args: argparse.Namespace) -> d
 # ---- report ---------------------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def summarize(report: dict, chunks: list[int], batch_size: int) -> list[dict]:
-    """One record per configuration: median step, throughput and the speed-ups/ratios that concern it."""
+    """One record per configuration: median step, throughput and the ratios that concern it.
+
+    Ratios are paired (median over rounds of the per-round ratio), so that a change of machine load during
+    the run, which shifts whole rounds, cancels; `pipetrain_over_torch_of_medians` is kept for comparison.
+    """
     times = report["times_s"]
-    medians = {name: median_s(rounds) for name, rounds in times.items()}
+
+    def ratio(numerator: str, denominator: str) -> float:
+        return paired_ratio(times[numerator], times[denominator])
+
     records = []
     for config in configs(chunks):
-        t = medians[config.name]
+        name, t = config.name, median_s(times[config.name])
         naive = Config(config.impl, "gpipe", 1).name
         twin = Config("torch", config.schedule, config.chunks).name
-        is_pipe = config.impl != "single"
+        pipelined, pipetrain = config.impl != "single", config.impl == "pipetrain"
         records.append({
-            "name": config.name, "impl": config.impl, "schedule": config.schedule, "chunks": config.chunks,
-            "median_step_s": t, "samples_per_s": batch_size / t, "cpu_step_s": cpu_per_step(report, config.name),
-            "speedup_vs_single": medians["single"] / t,
-            "speedup_vs_chunks1": medians[naive] / t if is_pipe and naive in medians else None,
-            "ideal_speedup_vs_chunks1": ideal_speedup(PP, config.chunks, config.schedule) if is_pipe else None,
-            "pipetrain_over_torch": t / medians[twin] if config.impl == "pipetrain" else None,
-            "pipetrain_over_torch_paired": paired_ratio(times[config.name], times[twin])
-            if config.impl == "pipetrain" else None,
-            "pipetrain_over_torch_cpu": cpu_per_step(report, config.name) / cpu_per_step(report, twin)
-            if config.impl == "pipetrain" else None,
+            "name": name, "impl": config.impl, "schedule": config.schedule, "chunks": config.chunks,
+            "median_step_s": t, "samples_per_s": batch_size / t, "cpu_step_s": cpu_per_step(report, name),
+            "speedup_vs_single": ratio("single", name),
+            "speedup_vs_chunks1": ratio(naive, name) if pipelined else None,
+            "ideal_speedup_vs_chunks1": ideal_speedup(PP, config.chunks, config.schedule) if pipelined else None,
+            "pipetrain_over_torch": ratio(name, twin) if pipetrain else None,
+            "pipetrain_over_torch_of_medians": t / median_s(times[twin]) if pipetrain else None,
+            "pipetrain_over_torch_cpu": cpu_per_step(report, name) / cpu_per_step(report, twin) if pipetrain else None,
         })
     return records
+
+
+def _row(r: dict) -> list[str]:
+    pipelined = r["impl"] != "single"
+    return [r["name"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.1f}",
+            cpu_cell(r["cpu_step_s"], r["median_step_s"]), f"{r['speedup_vs_single']:.2f}x",
+            f"{r['speedup_vs_chunks1']:.2f}x ({r['ideal_speedup_vs_chunks1']:.2f}x)" if pipelined else "-",
+            "-" if r["pipetrain_over_torch"] is None else f"{r['pipetrain_over_torch']:.3f}"]
+
+
+def _overhead_line(r: dict) -> str:
+    verdict = "ok" if r["pipetrain_over_torch"] <= OVERHEAD_TARGET else "ABOVE TARGET"
+    return (f"- {r['name']} / torch: {r['pipetrain_over_torch']:.3f} {verdict} (ratio of medians "
+            f"{r['pipetrain_over_torch_of_medians']:.3f}; CPU per step {r['pipetrain_over_torch_cpu']:.3f})")
+
+
+def _speedup_line(r: dict, by_name: dict[str, dict]) -> str:
+    verdict = "ok" if r["speedup_vs_chunks1"] >= SPEEDUP_TARGET else "BELOW TARGET"
+    torch_twin = by_name[Config("torch", r["schedule"], r["chunks"]).name]
+    return (f"- {r['name']}: {r['speedup_vs_chunks1']:.2f}x {verdict} (ideal {r['ideal_speedup_vs_chunks1']:.2f}x, "
+            f"raw torch {torch_twin['speedup_vs_chunks1']:.2f}x)")
 
 
 def render(records: list[dict], args: argparse.Namespace) -> str:
     headers = ["config", "median step (ms)", "samples/s", "CPU/step (ms)", "vs single", "vs chunks 1 (ideal)",
                "pipetrain / torch"]
-    rows = [[r["name"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.1f}", f"{r['cpu_step_s'] * 1e3:.0f}",
-             f"{r['speedup_vs_single']:.2f}x",
-             "-" if r["impl"] == "single" else
-             f"{_fmt(r['speedup_vs_chunks1'])}x ({_fmt(r['ideal_speedup_vs_chunks1'])}x)",
-             "-" if r["pipetrain_over_torch"] is None else
-             f"{r['pipetrain_over_torch']:.3f} (paired {r['pipetrain_over_torch_paired']:.3f})"]
-            for r in records]
+    by_name = {r["name"]: r for r in records}
     pipetrain = [r for r in records if r["impl"] == "pipetrain"]
-    overhead = [f"- {r['name']} / torch: {r['pipetrain_over_torch']:.3f} "
-                f"{'ok' if r['pipetrain_over_torch'] <= OVERHEAD_TARGET else 'ABOVE TARGET'} "
-                f"(paired {r['pipetrain_over_torch_paired']:.3f}; CPU per step {r['pipetrain_over_torch_cpu']:.3f})"
-                for r in pipetrain]
-    speedup = [f"- {r['name']}: {_fmt(r['speedup_vs_chunks1'])}x "
-               f"{'ok' if (r['speedup_vs_chunks1'] or 0) >= SPEEDUP_TARGET else 'BELOW TARGET'}"
-               for r in pipetrain if r["chunks"] >= 4]
+    speedups = [_speedup_line(r, by_name) for r in pipetrain if r["chunks"] >= 4]
     return "\n".join([
         f"## Pipeline overhead: preset {args.preset}, batch {args.batch_size}, pp={PP} (uniform split), gloo, "
         f"1 thread/rank; {args.rounds} rounds x {args.steps} timed steps per configuration",
         "",
-        markdown_table(headers, rows),
+        markdown_table(headers, [_row(r) for r in records]),
         "",
-        "Step = zero_grad + forward/backward + AdamW step, timed on rank 0. `vs` columns are speed-ups "
-        "(ratio of median step times, >1 is faster). pipetrain/torch is the ratio of medians; `paired` is the "
-        "median over rounds of the per-round ratio (the two run back to back in every round). CPU/step is the "
-        "CPU time of one step summed over the ranks that run it (median per rank): the work done, which "
-        "machine load disturbs far less than wall time.",
+        "Step = zero_grad + forward/backward + AdamW step, timed on rank 0. `vs` columns are speed-ups (>1 is "
+        "faster; `vs chunks 1` is against the same implementation's naive gpipe x1), pipetrain/torch a "
+        "slow-down (>1 is slower). Both are paired: the median over rounds of the ratio of the two "
+        "configurations' medians in that round, so that load changes during the run cancel.",
+        CPU_NOTE,
         "Per step, pipetrain's engine.step also all-reduces loss/accuracy over the job (every rank gets them); "
         "the hand-written torch loop returns the mean micro-batch loss on the last stage only.",
         "",
         f"### pipetrain / raw torch, same schedule and chunks (target <= {OVERHEAD_TARGET})",
-        *overhead,
+        *map(_overhead_line, pipetrain),
         "",
         f"### pipetrain speed-up of chunks >= 4 over chunks 1 (target >= {SPEEDUP_TARGET}x)",
-        *(speedup or ["- (no configuration with chunks >= 4 and chunks 1)"]),
+        *(speedups or ["- (no configuration with chunks >= 4)"]),
     ])
 
 
@@ -221,6 +223,9 @@ def parse_args() -> argparse.Namespace:
     resolve_defaults(args, full=FULL, quick=QUICK)
     if 1 not in args.chunks:
         args.chunks = [1, *args.chunks]  # chunks 1 is the naive baseline of the speed-ups
+    if any(args.batch_size % chunks for chunks in args.chunks):
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of every --chunks value (torch's "
+                     "schedules need equal micro-batches)")
     return args
 
 

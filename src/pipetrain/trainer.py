@@ -33,7 +33,7 @@ class TrainConfig:
     train_samples: int = 6000
     test_samples: int = 2000
     batch_size: int = 64
-    epochs: int = 3
+    epochs: int = 2
     max_steps: int | None = None
     lr: float = 1e-3
     seed: int = 0

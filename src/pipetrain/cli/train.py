@@ -73,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--train-samples", type=int, default=6000, help="synthetic training reviews (default: 6000)")
     group.add_argument("--test-samples", type=int, default=2000, help="synthetic test reviews (default: 2000)")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
-    group.add_argument("--epochs", type=int, default=3)
+    group.add_argument("--epochs", type=int, default=2)
     group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     group.add_argument("--seed", type=int, default=0)
