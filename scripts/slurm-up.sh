@@ -78,16 +78,26 @@ mkdir -p /run/munge /var/lib/munge /var/log/munge
 chown munge:munge /etc/munge/munge.key /run/munge /var/lib/munge /var/log/munge
 chmod 0400 /etc/munge/munge.key
 chmod 0755 /run/munge
+munge_works() {
+    for _ in $(seq 1 20); do
+        munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
+        sleep 0.25
+    done
+    return 1
+}
 munged_pid="$(cat /run/munge/munged.pid 2>/dev/null || true)"
 if ! [[ $munged_pid =~ ^[0-9]+$ ]] || [[ "$(cat "/proc/$munged_pid/comm" 2>/dev/null)" != munged ]]; then
     say "starting munged"
-    runuser -u munge -- /usr/sbin/munged || fail "munged did not start"
+    # --force: a daemon killed without cleanup (as at the end of a session) leaves its socket and pid file
+    runuser -u munge -- /usr/sbin/munged --force || fail "munged did not start"
 fi
-for _ in $(seq 1 20); do
-    munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break
-    sleep 0.25
-done
-munge -n </dev/null | unmunge >/dev/null 2>&1 || fail "munge credentials do not round-trip"
+if ! munge_works; then  # a dying or wedged munged: replace it
+    say "munge does not answer; restarting munged"
+    [[ $munged_pid =~ ^[0-9]+$ ]] && kill -9 "$munged_pid" 2>/dev/null || true
+    rm -f /run/munge/munged.pid /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock
+    runuser -u munge -- /usr/sbin/munged --force || fail "munged did not start"
+    munge_works || fail "munge credentials do not round-trip"
+fi
 
 # 3. slurm.conf ---------------------------------------------------------------------------------
 # Hardware as slurmd sees it; 90% of the memory is offered, and SlurmdParameters=config_overrides
