@@ -1,8 +1,9 @@
-"""The training loop of the reference workload: a Transformer classifier on IMDB reviews, on one rank of the mesh."""
+"""The training loop on one rank of the mesh, for any registered workload (model, data and loss from the registry)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,21 +14,21 @@ from tqdm import tqdm
 from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec
-from pipetrain.pipeline import PipelineEngine
+from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.session import close_session, open_session
-from pipetrain.workloads.imdb import ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
 
-__all__ = ["TrainConfig", "EpochReport", "load_data", "train_rank"]
+__all__ = ["TrainConfig", "EpochReport", "MetricTotals", "load_data", "train_rank", "report_dicts"]
 
 log = logging.getLogger("pipetrain")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One training job: the model preset, the data, the optimisation and the parallel layout."""
+    """One training job: the workload and its preset, the data, the optimisation and the parallel layout."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    workload: str = "classifier"
     preset: str = "cpu"
     data: Path | None = None
     train_samples: int = 6000
@@ -40,8 +41,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {self.preset!r}", hint=f"choose one of: {', '.join(PRESETS)}")
+        self.task().check_preset(self.preset)
         for name in ("batch_size", "epochs", "train_samples", "test_samples"):
             value = getattr(self, name)
             if value < 1:
@@ -53,13 +53,19 @@ class TrainConfig:
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
 
-    def model(self) -> TransformerClassifier:
-        return TransformerClassifier(PRESETS[self.preset])
+    def task(self) -> Workload:
+        """The registered workload this job trains."""
+        return get_workload(self.workload)
+
+    def model(self):
+        """The workload's model for this preset (a `BlockModel`)."""
+        return self.task().model(self.preset)
 
 
 @dataclass(frozen=True)
 class EpochReport:
-    """What one epoch measured (global figures, identical on every rank)."""
+    """What one epoch measured (global figures, identical on every rank). Accuracy is per sample for a
+    classifier and per token for a language model; perplexity is None unless the workload reports it."""
 
     epoch: int
     steps: int
@@ -69,66 +75,81 @@ class EpochReport:
     test_accuracy: float
     seconds: float
     synthetic: bool
+    data: str = ""
+    train_perplexity: float | None = None
+    test_perplexity: float | None = None
 
     def line(self, epochs: int) -> str:
-        data = "synthetic IMDB-like data" if self.synthetic else "IMDB"
+        def ppl(value: float | None) -> str:
+            return "" if value is None else f" ppl {value:.2f}"
+
         return (
-            f"epoch {self.epoch}/{epochs}  train loss {self.train_loss:.4f} acc {self.train_accuracy:.3f}  "
-            f"test loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}  "
-            f"time {self.seconds:.1f}s  steps {self.steps}  ({data})"
+            f"epoch {self.epoch}/{epochs}  train loss {self.train_loss:.4f} acc {self.train_accuracy:.3f}"
+            f"{ppl(self.train_perplexity)}  test loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
+            f"{ppl(self.test_perplexity)}  time {self.seconds:.1f}s  steps {self.steps}  ({self.data})"
         )
 
 
-def load_data(config: TrainConfig) -> tuple[ReviewDataset, ReviewDataset]:
-    """The real aclImdb folder when `config.data` is set, else the deterministic synthetic corpus."""
-    preset = PRESETS[config.preset]
-    if config.data is not None:
-        train, test, _ = load_aclimdb(config.data, seq_len=preset.seq_len, vocab_size=preset.vocab_size)
-        return train, test
-    return synthetic_imdb(
-        num_train=config.train_samples,
-        num_test=config.test_samples,
-        seq_len=preset.seq_len,
-        vocab_size=preset.vocab_size,
-        seed=config.seed,
-    )
+class MetricTotals:
+    """Running means of loss and accuracy over steps, each step weighted by what its loss averages over."""
+
+    def __init__(self) -> None:
+        self.loss = self.correct = self.count = 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.loss += result.loss * result.count
+        self.correct += (result.accuracy or 0.0) * result.count
+        self.count += result.count
+
+    def means(self) -> tuple[float, float]:
+        count = max(self.count, 1.0)
+        return self.loss / count, self.correct / count
 
 
-def _evaluate(engine: PipelineEngine, test: ReviewDataset, config: TrainConfig, dp_rank: int) -> tuple[float, float]:
-    dp = config.parallel.dp
-    loss = correct = count = 0.0
-    for x, y in batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0, replica=dp_rank, replicas=dp):
-        result = engine.evaluate(x, y)
-        loss += result.loss * result.samples
-        correct += (result.accuracy or 0.0) * result.samples
-        count += result.samples
-    return loss / max(count, 1), correct / max(count, 1)
+def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
+    """The workload's data: the folder/file `config.data` when set, else its deterministic synthetic corpus."""
+    request = DataRequest(preset=config.preset, path=config.data, train_samples=config.train_samples,
+                          test_samples=config.test_samples, seed=config.seed)
+    return config.task().load_data(request)
 
 
-def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[ReviewDataset, ReviewDataset] | None = None) -> list[EpochReport]:
+def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int) -> MetricTotals:
+    totals = MetricTotals()
+    for x, y in workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
+                                 replica=dp_rank, replicas=config.parallel.dp):
+        totals.add(engine.evaluate(x, y))
+    return totals
+
+
+def _perplexity(workload: Workload, loss: float) -> float | None:
+    return math.exp(min(loss, 700.0)) if "perplexity" in workload.metrics else None
+
+
+def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset] | None = None) -> list[EpochReport]:
     """Train on this rank (one of dp × pp); every rank returns the same epoch reports."""
+    workload = config.task()
     train, test = data if data is not None else load_data(config)
-    session = open_session(spec, config.model(), config.parallel, seed=config.seed)
+    session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=workload.loss())
     try:
         engine, mesh = session.engine, session.mesh
         optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr)
         dp = config.parallel.dp
-        per_epoch = num_batches(train, config.batch_size, replicas=dp)
+        per_epoch = workload.num_batches(train, config.batch_size, replicas=dp)
         if session.is_main:
             log.info(
-                "pipetrain: %s | preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
+                "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
                 "balance %s | device %s",
-                train.source, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
+                train.source, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
                 config.parallel.pipeline.checkpoint, engine.balance, session.device,
             )
         reports, steps = [], 0
         for epoch in range(1, config.epochs + 1):
             start = time.perf_counter()
-            loss = correct = count = 0.0
+            totals = MetricTotals()
             total = per_epoch if config.max_steps is None else min(per_epoch, config.max_steps - steps)
-            stream = batches(train, config.batch_size, shuffle=True, seed=config.seed, epoch=epoch,
-                             replica=mesh.dp_rank, replicas=dp)
+            stream = workload.batches(train, config.batch_size, shuffle=True, seed=config.seed, epoch=epoch,
+                                      replica=mesh.dp_rank, replicas=dp)
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", disable=not (session.is_main and config.progress),
                        leave=False, dynamic_ncols=True)
             for (x, y), _ in zip(stream, range(total)):
@@ -136,15 +157,15 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[ReviewDataset, R
                 result = engine.step(x, y)
                 optimizer.step()
                 steps += 1
-                loss += result.loss * result.samples
-                correct += (result.accuracy or 0.0) * result.samples
-                count += result.samples
+                totals.add(result)
                 bar.set_postfix(loss=f"{result.loss:.4f}")
                 bar.update()
             bar.close()
-            test_loss, test_accuracy = _evaluate(engine, test, config, mesh.dp_rank)
-            report = EpochReport(epoch, steps, loss / max(count, 1), correct / max(count, 1), test_loss,
-                                 test_accuracy, time.perf_counter() - start, train.synthetic)
+            tested = _evaluate(engine, workload, test, config, mesh.dp_rank)
+            (train_loss, train_accuracy), (test_loss, test_accuracy) = totals.means(), tested.means()
+            report = EpochReport(epoch, steps, train_loss, train_accuracy, test_loss, test_accuracy,
+                                 time.perf_counter() - start, train.synthetic, workload.describe_data(train),
+                                 _perplexity(workload, train_loss), _perplexity(workload, test_loss))
             reports.append(report)
             if session.is_main:
                 log.info(report.line(config.epochs))

@@ -1,4 +1,4 @@
-"""`pipetrain train`: train the reference Transformer on IMDB (or its synthetic stand-in) over dp × pp ranks."""
+"""`pipetrain train`: train a registered workload (default: the reference Transformer classifier) over dp × pp ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipetrain.errors import ConfigError, DataError, PipetrainError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
-from pipetrain.workloads.transformer import PRESETS
+from pipetrain.workloads.registry import workload_names
 
 __all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config"]
 
@@ -67,11 +67,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser("train", help=__doc__, description=__doc__)
     add_parallel_arguments(parser)
     group = parser.add_argument_group("training")
-    group.add_argument("--preset", default="cpu", help=f"model size: {' | '.join(PRESETS)} (default: cpu)")
+    group.add_argument("--workload", default="classifier",
+                       help=f"what to train: {' | '.join(workload_names())} (default: classifier)")
+    group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     group.add_argument("--data", type=Path, default=None,
-                       help="aclImdb folder (train|test/pos|neg/*.txt); default: a synthetic IMDB-like corpus")
-    group.add_argument("--train-samples", type=int, default=6000, help="synthetic training reviews (default: 6000)")
-    group.add_argument("--test-samples", type=int, default=2000, help="synthetic test reviews (default: 2000)")
+                       help="classifier: an aclImdb folder (train|test/pos|neg/*.txt); "
+                            "default: the workload's synthetic corpus")
+    group.add_argument("--train-samples", type=int, default=6000, help="synthetic training samples (default: 6000)")
+    group.add_argument("--test-samples", type=int, default=2000, help="synthetic test samples (default: 2000)")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
     group.add_argument("--epochs", type=int, default=2)
     group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -87,6 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         parallel=parallel_config(args),
+        workload=args.workload,
         preset=args.preset,
         data=args.data,
         train_samples=args.train_samples,

@@ -43,14 +43,16 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class StepResult:
     """Metrics of one step or evaluation, identical on every rank (reduced over the whole job).
 
-    `loss` is the mean over the samples; `accuracy` is None unless outputs are class logits.
-    `outputs` holds the last stage's merged outputs on the rank(s) that own it (None elsewhere).
+    `loss` is the mean over what the loss counts (`count`: the samples, or the non-padding tokens of a
+    token loss); `accuracy` is None unless outputs are class logits. `outputs` holds the last stage's
+    merged outputs on the rank(s) that own it (None elsewhere).
     """
 
     loss: float
     accuracy: float | None
     samples: int
     outputs: torch.Tensor | None = None
+    count: int = 0
 
 
 class PipelineEngine:
@@ -226,6 +228,7 @@ class PipelineEngine:
             accuracy=correct / count if classified else None,
             samples=int(count),
             outputs=outputs,
+            count=int(count),
         )
 
     # ---- stages and schedules, one set per micro-batch shape ----------------------------------------

@@ -1,0 +1,57 @@
+"""The reference workload: the Transformer classifier on IMDB reviews (a real aclImdb folder or synthetic)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from pipetrain.workloads.imdb import ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
+from pipetrain.workloads.registry import Batch, DataRequest, Workload
+from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+
+__all__ = ["ClassifierWorkload"]
+
+
+class ClassifierWorkload(Workload):
+    """Sentiment of a review: `TransformerClassifier`, cross-entropy over the two classes, accuracy."""
+
+    name = "classifier"
+    summary = "Transformer classifier on IMDB reviews (synthetic IMDB-like corpus without --data)"
+    presets = PRESETS
+    metrics = ("accuracy",)
+    data_help = "aclImdb folder (train|test/pos|neg/*.txt)"
+
+    def model(self, preset: str) -> TransformerClassifier:
+        self.check_preset(preset)
+        return TransformerClassifier(PRESETS[preset])
+
+    def load_data(self, request: DataRequest) -> tuple[ReviewDataset, ReviewDataset]:
+        config = PRESETS[request.preset]
+        if request.path is not None:
+            train, test, _ = load_aclimdb(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size)
+            return train, test
+        return synthetic_imdb(
+            num_train=request.train_samples,
+            num_test=request.test_samples,
+            seq_len=config.seq_len,
+            vocab_size=config.vocab_size,
+            seed=request.seed,
+        )
+
+    def batches(
+        self, dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
+        replica: int, replicas: int, bucket: bool = False,
+    ) -> Iterator[Batch]:
+        # every review is already cut/padded to the preset's seq_len: `bucket` changes nothing here
+        return batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica, replicas=replicas)
+
+    def num_batches(self, dataset: ReviewDataset, batch_size: int, *, replicas: int) -> int:
+        return num_batches(dataset, batch_size, replicas=replicas)
+
+    def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return F.cross_entropy
+
+    def describe_data(self, dataset: ReviewDataset) -> str:
+        return "synthetic IMDB-like data" if dataset.synthetic else "IMDB"

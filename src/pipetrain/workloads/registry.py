@@ -1,0 +1,124 @@
+"""The workload registry: name -> `Workload` (model presets, data streams, loss and metrics) for the trainer.
+
+The trainer knows no workload by name: it asks `get_workload(config.workload)` for a `BlockModel`, the
+train/test datasets, their batches, the loss the engine minimises and which metrics to report. Built-in
+workloads are imported only when asked for (so an optional one, e.g. needing `transformers`, costs
+nothing until used); `register` adds one under a new name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from pipetrain.blocks import BlockModel
+from pipetrain.errors import ConfigError
+
+__all__ = ["Batch", "Dataset", "DataRequest", "Workload", "register", "get_workload", "workload_names"]
+
+#: One batch: the first stage's input(s) (a tensor or a tuple of tensors) and the last stage's targets.
+Batch = tuple["torch.Tensor | tuple[torch.Tensor, ...]", torch.Tensor]
+
+
+class Dataset(Protocol):
+    """What the trainer needs to know about a dataset; the workload's `batches` reads the rest."""
+
+    synthetic: bool
+    source: str
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataRequest:
+    """Which data the trainer wants: a folder/file (`path`) or, when None, the synthetic corpus of this size."""
+
+    preset: str
+    path: Path | None
+    train_samples: int
+    test_samples: int
+    seed: int
+
+
+class Workload(ABC):
+    """One kind of training job. Subclasses set `name`, `summary`, `presets` and `metrics`.
+
+    `metrics` names the `StepResult` fields the trainer reports besides the loss (e.g. `accuracy`,
+    `perplexity`). `batches` yields this replica's share of each global batch, in the same number on every
+    replica (see `num_batches`); `bucket` asks for batches of similar lengths where the data has lengths.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    presets: ClassVar[Mapping[str, Any]]
+    metrics: ClassVar[tuple[str, ...]] = ("accuracy",)
+    data_help: ClassVar[str] = ""
+
+    def check_preset(self, preset: str) -> None:
+        """Raise ConfigError unless `preset` is one of this workload's presets."""
+        if preset not in self.presets:
+            raise ConfigError(
+                f"unknown preset {preset!r} for workload {self.name!r}", hint=f"choose one of: {', '.join(self.presets)}"
+            )
+
+    @abstractmethod
+    def model(self, preset: str) -> BlockModel:
+        """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank)."""
+
+    @abstractmethod
+    def load_data(self, request: DataRequest) -> tuple[Dataset, Dataset]:
+        """The train and test datasets (real when `request.path` is set, else synthetic and deterministic)."""
+
+    @abstractmethod
+    def batches(
+        self, dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
+        replica: int, replicas: int, bucket: bool = False,
+    ) -> Iterator[Batch]:
+        """One epoch of this replica's `(inputs, targets)` batches; `batch_size` is the global batch."""
+
+    @abstractmethod
+    def num_batches(self, dataset: Dataset, batch_size: int, *, replicas: int) -> int:
+        """How many batches `batches` yields per epoch to each replica."""
+
+    @abstractmethod
+    def loss(self) -> Callable[..., torch.Tensor]:
+        """The loss the pipeline engine minimises (a mean-reducing function, or a token loss)."""
+
+    def describe_data(self, dataset: Dataset) -> str:
+        """A short label of the data for progress lines."""
+        return "synthetic data" if dataset.synthetic else "real data"
+
+
+#: Built-in workloads, imported on first use: name -> "module:class".
+_BUILTIN: dict[str, str] = {
+    "classifier": "pipetrain.workloads.classifier:ClassifierWorkload",
+}
+_REGISTERED: dict[str, Callable[[], Workload]] = {}
+
+
+def register(name: str, factory: Callable[[], Workload]) -> None:
+    """Make `get_workload(name)` return `factory()`; a name already taken raises ConfigError."""
+    if name in _BUILTIN or name in _REGISTERED:
+        raise ConfigError(f"workload {name!r} is already registered", hint="register it under another name")
+    _REGISTERED[name] = factory
+
+
+def workload_names() -> tuple[str, ...]:
+    """Every name `get_workload` accepts, built-in first."""
+    return (*_BUILTIN, *_REGISTERED)
+
+
+def get_workload(name: str) -> Workload:
+    """The workload registered as `name`; an unknown name raises ConfigError listing the known ones."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]()
+    if name not in _BUILTIN:
+        raise ConfigError(f"unknown workload {name!r}", hint=f"choose one of: {', '.join(workload_names())}")
+    module, _, cls = _BUILTIN[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
