@@ -1,0 +1,66 @@
+"""The one place that touches private names of `torch.distributed.pipelining` (torch 2.13); keep additions here.
+
+`torch_schedule_order` asks torch's own schedule classes for the order of actions of each rank, without a
+process group or stages: the order methods only read a few sizes from `self`, so they are called on a
+plain namespace holding those sizes. `tests/unit/test_pipeline_compat.py` fails loudly when any of these
+private names moves or changes shape.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from torch.distributed.pipelining import schedules as _schedules
+
+__all__ = ["torch_schedule_order", "PRIVATE_NAMES"]
+
+#: Every private torch name this module relies on (the compat test checks each still exists).
+PRIVATE_NAMES = (
+    "ScheduleGPipe._get_pipeline_order",
+    "Schedule1F1B._get_pipeline_order",
+    "ScheduleInterleaved1F1B._calculate_single_rank_operations",
+    "ScheduleInterleavedZeroBubble._calculate_single_rank_operations",
+    "ScheduleInterleavedZeroBubble._add_bubbles_to_actions",
+    "_Action",
+    "_ComputationType",
+    "_add_reduce_grad",
+)
+
+
+def _plain(order: dict[int, list]) -> list[list[tuple[int, str, int]]]:
+    """torch's `{rank: [_Action | None]}` as plain `(stage, kind, microbatch)` lists, idle slots dropped."""
+    out = []
+    for rank in sorted(order):
+        actions = []
+        for action in order[rank]:
+            if action is None:
+                continue
+            mb = -1 if action.microbatch_index is None else int(action.microbatch_index)
+            kind = str(action.computation_type.value)
+            actions.append((int(action.stage_index), "R" if kind == "REDUCE_GRAD" else kind, mb))
+        out.append(actions)
+    return out
+
+
+def torch_schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_stages: int = 1) -> list[list[tuple[int, str, int]]]:
+    """torch's order of actions for `schedule` (pipetrain's name), one list per rank; REDUCE_GRAD as "R"."""
+    if schedule in ("gpipe", "1f1b"):
+        cls = _schedules.ScheduleGPipe if schedule == "gpipe" else _schedules.Schedule1F1B
+        fake = SimpleNamespace(_num_stages=pp, _n_microbatches=n_microbatches)
+        return _plain(cls._get_pipeline_order(fake))
+    if schedule not in ("interleaved-1f1b", "zero-bubble"):
+        raise ValueError(f"no torch order for schedule {schedule!r}")
+    cls = _schedules.ScheduleInterleaved1F1B if schedule == "interleaved-1f1b" else _schedules.ScheduleInterleavedZeroBubble
+    rounds = max(1, n_microbatches // pp)
+    fake = SimpleNamespace(
+        n_local_stages=virtual_stages,
+        pp_group_size=pp,
+        _n_microbatches=n_microbatches,
+        number_of_rounds=rounds,
+        microbatches_per_round=n_microbatches // rounds,
+    )
+    order = {rank: cls._calculate_single_rank_operations(fake, rank) for rank in range(pp)}
+    if schedule == "zero-bubble":
+        fake.pipeline_order = order
+        order = cls._add_bubbles_to_actions(fake, virtual_stages * pp)
+    return _plain({rank: _schedules._add_reduce_grad(actions, n_microbatches) for rank, actions in order.items()})
