@@ -25,7 +25,7 @@ SCHEDULES: dict[str, int] = {
 }
 CHECKPOINT_POLICIES = ("never", "except_last", "always")
 DP_MODES = ("ddp", "fsdp")
-PARTITION_METHODS = ("parameters", "uniform")
+PARTITION_METHODS = ("parameters", "uniform", "time", "memory")
 
 
 def schedule_is_multi_stage(schedule: str) -> bool:

@@ -8,16 +8,23 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError, DataError, PipetrainError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.partition import cost_balance
+from pipetrain.partition.profile import load_profile
+from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
+from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
 from pipetrain.workloads.registry import workload_names
 
-__all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config"]
+__all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config", "cost_balanced"]
+
+log = logging.getLogger("pipetrain")
 
 #: Seconds a rank that stays silent about an error (another rank prints it) waits before exiting. torchrun and
 #: `srun --kill-on-bad-exit` stop every rank at the first failed one: a silent rank exiting first would get the
@@ -45,8 +52,14 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"activation recomputation: {' | '.join(CHECKPOINT_POLICIES)} (default: never)")
     group.add_argument("--stages-per-rank", type=int, default=None, help="virtual stages per rank (interleaved schedules)")
     group.add_argument("--balance", type=_balance, default=None, help="blocks per stage, e.g. 3,5")
-    group.add_argument("--partition", default="uniform",
-                       help=f"split without --balance: {' | '.join(PARTITION_METHODS)} (default: uniform)")
+    group.add_argument("--partition", default=None,
+                       help=f"split without --balance: {' | '.join(PARTITION_METHODS)} (default: uniform; time "
+                            "with --mem-cap); time and memory use measured per-block costs")
+    group.add_argument("--mem-cap", type=float, default=None, metavar="MB",
+                       help="with --partition time: the fastest balance whose predicted memory per rank fits MB")
+    group.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                       help="per-block costs for --partition time|memory (from `pipetrain profile`); "
+                            "default: measure the blocks at start")
 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -58,9 +71,43 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         checkpoint=args.checkpoint,
         stages_per_rank=args.stages_per_rank,
         balance=args.balance,
-        partition=args.partition,
+        partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline)
+
+
+def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:
+    """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs.
+
+    Costs come from `--profile`, else the blocks are measured here (not on a launched rank: every rank
+    must split the model the same way, so ranks started by torchrun or srun need `--profile`).
+    """
+    pipeline = config.parallel.pipeline
+    if pipeline.partition not in COST_METHODS:
+        for flag, value in (("--mem-cap", args.mem_cap), ("--profile", args.profile)):
+            if value is not None:
+                raise ConfigError(f"{flag} is only used by --partition time|memory, not {pipeline.partition!r}",
+                                  hint=f"add --partition time, or drop {flag}")
+        return config
+    if pipeline.balance is not None:
+        raise ConfigError(f"--balance {','.join(map(str, pipeline.balance))} and --partition {pipeline.partition} "
+                          "both choose the split", hint="pass one of them")
+    if args.profile is None and launched:
+        raise ConfigError(f"--partition {pipeline.partition} on ranks started by a launcher needs --profile FILE "
+                          "(each rank measuring on its own could split the model differently)",
+                          hint="write one first with `pipetrain profile --output FILE` and pass --profile FILE")
+    check_mem_cap(pipeline.partition, args.mem_cap)
+    profile = load_profile(args.profile) if args.profile is not None else None
+    micro = plan_runs(config.batch_size // config.parallel.dp, pipeline.n_microbatches)[0].size
+    if say and profile is None:
+        log.info("pipetrain: measuring each block at micro-batch size %d for --partition %s "
+                 "(pass --profile FILE to reuse a profile)", micro, pipeline.partition)
+    pipeline, choice = cost_balance(config.model(), pipeline, micro_batch_size=micro, profile=profile,
+                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}")
+    if say:
+        for line in choice.lines():
+            log.info("pipetrain: %s", line)
+    return replace(config, parallel=replace(config.parallel, pipeline=pipeline))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -135,7 +182,7 @@ def _says_it(env: ClusterEnv, err: PipetrainError) -> bool:
 def run(args: argparse.Namespace) -> int:
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
-        config = _config(args)
+        config = cost_balanced(_config(args), args, launched=False)
         _check_metrics(args.metrics)
         data = load_data(config)
         world = config.parallel.world_size
@@ -144,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
-        config = _config(args)
+        config = cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
         if env.rank == 0:  # the process that writes the metrics file

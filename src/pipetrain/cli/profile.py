@@ -1,0 +1,60 @@
+"""`pipetrain profile`: measure each block's time and memory for one micro-batch and write the profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from pipetrain.errors import ConfigError
+from pipetrain.partition.measure import profile_model
+from pipetrain.partition.profile import ModelProfile, save_profile
+from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+
+__all__ = ["add_parser", "run", "profile_lines"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("profile", help=__doc__, description=__doc__)
+    parser.add_argument("--preset", default="cpu", help=f"model size: {' | '.join(PRESETS)} (default: cpu)")
+    parser.add_argument("--micro-batch-size", type=int, default=16,
+                        help="samples per micro-batch = batch size / dp / chunks (default: 16)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per block; the median is kept (default: 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per block first (default: 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads while measuring (default: 1, as each training rank uses)")
+    parser.add_argument("--output", "-o", type=Path, default=Path("profile.json"),
+                        help="profile JSON to write (default: profile.json)")
+    return parser
+
+
+def profile_lines(profile: ModelProfile) -> list[str]:
+    """A readable table of `profile`, one line per block plus a total."""
+    lines = [f"{'block':>5} {'name':<24} {'fwd ms':>8} {'bwd ms':>8} {'params MB':>10} {'act MB':>8} {'out MB':>8}"]
+    for b in profile.blocks:
+        lines.append(
+            f"{b.index:>5} {b.name[:24]:<24} {b.forward_s * 1e3:>8.3f} {b.backward_s * 1e3:>8.3f} "
+            f"{b.param_bytes / 2**20:>10.3f} {b.activation_bytes / 2**20:>8.3f} {b.output_bytes / 2**20:>8.3f}"
+        )
+    total_ms = sum(b.time_s for b in profile.blocks) * 1e3
+    lines.append(f"total forward+backward {total_ms:.2f} ms per micro-batch of {profile.micro_batch_size} on {profile.device}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.preset not in PRESETS:
+        raise ConfigError(f"unknown preset {args.preset!r}", hint=f"choose one of: {', '.join(PRESETS)}")
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} is too small", hint="pass --threads 1 or more")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
+    model = TransformerClassifier(PRESETS[args.preset])
+    profile = profile_model(model, args.micro_batch_size, device=device, repeats=args.repeats,
+                            warmup=args.warmup, name=f"classifier:{args.preset}")
+    save_profile(profile, args.output)
+    for line in profile_lines(profile):
+        print(line)
+    print(f"profile: {args.output}")
+    return 0

@@ -1,0 +1,166 @@
+"""Measure a per-block profile of any `BlockModel` on the local device (no torch.distributed).
+
+Each block is built on its own, fed the previous block's output for one micro-batch, and timed: forward
+in training mode, then backward from a fixed random output gradient. Bytes saved for backward are
+counted with `torch.autograd.graph.saved_tensors_hooks` (each storage once, parameters excluded).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.blocks import BlockModel, build_blocks
+from pipetrain.errors import ConfigError
+from pipetrain.partition.profile import BlockProfile, ModelProfile, fingerprint_of
+
+__all__ = ["model_fingerprint", "profile_model"]
+
+
+def model_fingerprint(model: BlockModel) -> str:
+    """The profile fingerprint of `model`: block classes and parameter names, shapes and dtypes (meta build)."""
+    described = []
+    for index in range(model.num_blocks):
+        with torch.device("meta"):
+            block = model.build_block(index)
+        params = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in block.named_parameters()]
+        described.append((type(block).__name__, params))
+        del block
+    return fingerprint_of(described)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _as_inputs(value: Any) -> tuple[Any, ...]:
+    """The next block's call arguments: detached copies (floating tensors require grad), as a tuple."""
+
+    def leaf(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            fresh = item.detach().clone()
+            return fresh.requires_grad_(fresh.is_floating_point())
+        return item
+
+    items = value if isinstance(value, tuple) else (value,)
+    return tuple(leaf(item) for item in items)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure_block(
+    block: nn.Module, inputs: tuple[Any, ...], device: torch.device, repeats: int, warmup: int
+) -> tuple[float, float, int, Any]:
+    """(median forward s, median backward s, bytes saved for backward, one output) of `block` on `inputs`."""
+    param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    forwards, backwards, saved_bytes = [], [], 0
+    output: Any = None
+    grads: list[torch.Tensor] | None = None
+    for iteration in range(warmup + repeats):
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in param_storages and tensor.device.type != "meta":
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        _sync(device)
+        start = time.perf_counter()
+        if iteration == 0:  # the counting pass (hooks cost time, so it is never a timed one)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = block(*inputs)
+            saved_bytes = sum(saved.values())
+        else:
+            output = block(*inputs)
+        _sync(device)
+        middle = time.perf_counter()
+        differentiable = [t for t in _tensors(output) if t.requires_grad]
+        if grads is None:
+            generator = torch.Generator(device="cpu").manual_seed(0)
+            grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in differentiable]
+        if differentiable:
+            torch.autograd.backward(differentiable, grads)
+        _sync(device)
+        stop = time.perf_counter()
+        block.zero_grad(set_to_none=True)
+        if iteration >= warmup:
+            forwards.append(middle - start)
+            backwards.append(stop - middle)
+    return statistics.median(forwards), statistics.median(backwards), saved_bytes, output
+
+
+def profile_model(
+    model: BlockModel,
+    micro_batch_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    repeats: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    name: str | None = None,
+) -> ModelProfile:
+    """Measure each block of `model` for one micro-batch of `micro_batch_size` samples on `device`.
+
+    Times are medians over `repeats` runs after `warmup` untimed ones (the first run also counts the bytes
+    saved for backward). Blocks are built one at a time, so the model never needs to fit whole.
+    """
+    for label, value, least in (("micro_batch_size", micro_batch_size, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"profile {label} must be a whole number >= {least}, got {value!r}",
+                              hint=f"pass {label} >= {least}")
+    device = torch.device(device)
+    # a counting pass needs one run: iteration 0 is never timed, so at least one warm-up is required
+    warmup = max(warmup, 1)
+    example = model.example_input(micro_batch_size)
+    inputs = _as_inputs(example.to(device) if isinstance(example, torch.Tensor) else example)
+    blocks: list[BlockProfile] = []
+    dtype = None
+    for index in range(model.num_blocks):
+        (block,) = build_blocks(model, [index], seed=seed, device=device)
+        block.train(True)
+        params = list({id(p): p for p in block.parameters()}.values())
+        if dtype is None and params:
+            dtype = str(params[0].dtype).removeprefix("torch.")
+        forward_s, backward_s, saved_bytes, output = _measure_block(block, inputs, device, repeats, warmup)
+        outputs = _tensors(output)
+        blocks.append(
+            BlockProfile(
+                index=index,
+                name=type(block).__name__,
+                forward_s=forward_s,
+                backward_s=backward_s,
+                param_bytes=_nbytes(params),
+                activation_bytes=saved_bytes,
+                output_bytes=_nbytes(outputs),
+            )
+        )
+        inputs = _as_inputs(output if isinstance(output, tuple) else output)
+        del block, output
+    return ModelProfile(
+        model=name or type(model).__name__,
+        fingerprint=model_fingerprint(model),
+        micro_batch_size=micro_batch_size,
+        device=str(device),
+        dtype=dtype or "float32",
+        repeats=repeats,
+        blocks=tuple(blocks),
+    )
