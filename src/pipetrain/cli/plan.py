@@ -1,0 +1,194 @@
+"""`pipetrain plan`: choose dp, pp, schedule, chunks, recomputation and balance before a job is submitted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, SCHEDULES
+from pipetrain.errors import ConfigError
+from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, default_calibration_path,
+                                     load_calibration, save_calibration)
+from pipetrain.plan.model import BlockCost, profile_blocks, transformer_blocks
+from pipetrain.plan.predict import Prediction
+from pipetrain.plan.search import SearchResult, SearchSpace, search
+from pipetrain.workloads.transformer import PRESETS
+
+__all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args"]
+
+log = logging.getLogger("pipetrain")
+_GB = 2**30
+
+
+def _names(allowed) -> callable:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(allowed)}")
+        return values
+    return parse
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `plan` and `tune` share."""
+    gpus = parser.add_argument_group("devices")
+    gpus.add_argument("--gpus", type=int, default=None, help="devices (ranks) in the job")
+    gpus.add_argument("--nodes", type=int, default=None, help="nodes (with --gpus-per-node; instead of --gpus)")
+    gpus.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
+    gpus.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
+                      help="memory per device in GB (default: the calibrated device's)")
+    gpus.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                      help=f"device/network figures (default: {default_calibration_path()}; "
+                           "built-in A100-class figures when missing)")
+    gpus.add_argument("--calibrate", action="store_true",
+                      help="measure this machine first (2 ranks, about a minute) and store it in the calibration file")
+    model = parser.add_argument_group("model and batch")
+    model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
+    model.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                       help="per-block profile from `pipetrain profile` (instead of the analytic model)")
+    model.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--schedules", type=_names(tuple(SCHEDULES)), default=tuple(SCHEDULES),
+                        help="schedules to consider, comma-separated (default: all)")
+    limits.add_argument("--checkpoints", type=_names(CHECKPOINT_POLICIES), default=CHECKPOINT_POLICIES,
+                        help="recomputation policies to consider (default: all)")
+    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")
+    limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
+    limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
+    limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("plan", help=__doc__, description=__doc__)
+    add_plan_arguments(parser)
+    return parser
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and not value > 0:
+        raise ConfigError(f"--{name} must be positive, got {value}", hint=f"pass --{name} 1 or more")
+
+
+def _devices(args: argparse.Namespace) -> tuple[int, int]:
+    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "gpu_mem"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.gpus is not None and args.nodes is not None:
+        raise ConfigError("both --gpus and --nodes given", hint="pass --gpus N, or --nodes N --gpus-per-node G")
+    if args.nodes is not None:
+        if args.gpus_per_node is None:
+            raise ConfigError("--nodes needs --gpus-per-node", hint="e.g. --nodes 2 --gpus-per-node 8")
+        return args.nodes * args.gpus_per_node, args.gpus_per_node
+    if args.gpus is None:
+        raise ConfigError("how many devices?", hint="pass --gpus N, or --nodes N --gpus-per-node G")
+    return args.gpus, args.gpus_per_node or 0
+
+
+def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
+    """The block costs and a description of where they come from."""
+    if args.profile is not None:
+        if args.preset is not None:
+            raise ConfigError("both --preset and --profile given", hint="pass one of them")
+        from pipetrain.partition.profile import load_profile
+
+        profile = load_profile(args.profile)
+        return profile_blocks(profile), (f"profile {args.profile} ({profile.model}, measured at micro-batch "
+                                         f"{profile.micro_batch_size}, times rescaled linearly)")
+    preset = args.preset or "cpu"
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}", hint=f"choose one of: {', '.join(PRESETS)}, or pass --profile")
+    c = PRESETS[preset]
+    blocks = transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
+                                nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
+    return blocks, f"analytic reference Transformer, preset {preset!r}"
+
+
+def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
+    """The calibration to plan with (measured now with --calibrate), and where it came from."""
+    path = args.calibration or default_calibration_path()
+    if args.calibrate:
+        from pipetrain.bench.calibrate import calibrate
+
+        c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
+        log.info("calibrating this machine (2 ranks)...")
+        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid))
+        save_calibration(measured, path)
+        return measured, f"measured now, stored in {path}"
+    if path.exists() or args.calibration is not None:
+        return load_calibration(path), f"{path} ({load_calibration(path).measured})"
+    return Calibration(device=DEFAULT_DEVICE, network=DEFAULT_NETWORK, backend="nccl (assumed)",
+                       measured="built-in"), "built-in A100-class figures (no calibration file; see --calibrate)"
+
+
+def planned(args: argparse.Namespace) -> tuple[SearchResult, dict]:
+    """Run the search for parsed `plan`/`tune` arguments; returns the result and what it was based on."""
+    gpus, per_node = _devices(args)
+    blocks, source = model_blocks(args)
+    calib, calib_source = calibration(args)
+    device = calib.device
+    if args.gpu_mem is not None:
+        from dataclasses import replace
+
+        device = replace(device, memory_bytes=args.gpu_mem * _GB)
+    space = SearchSpace(schedules=tuple(args.schedules), checkpoints=tuple(args.checkpoints),
+                        dp_modes=tuple(args.dp_modes), max_chunks=args.max_chunks, max_pp=args.max_pp)
+    start = time.perf_counter()
+    result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,
+                    gpus_per_node=per_node, top=args.top)
+    info = {"gpus": gpus, "gpus_per_node": per_node, "model": source, "calibration": calib_source,
+            "memory_gb": device.memory_bytes / _GB, "seconds": time.perf_counter() - start}
+    return result, info
+
+
+def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
+    """`pipetrain train` flags for a predicted layout (layout flags included)."""
+    lay = prediction.layout
+    out = ["--pp", str(lay.pp), "--dp", str(lay.dp), "--dp-mode", lay.dp_mode, "--schedule", lay.schedule,
+           "--chunks", str(lay.chunks), "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
+    if lay.virtual > 1:
+        out += ["--stages-per-rank", str(lay.virtual)]
+    if lay.balance == "time" and len(prediction.balance) > 1:
+        out += ["--balance", ",".join(str(b) for b in prediction.balance)]
+    out += ["--profile", str(args.profile)] if args.profile else ["--preset", args.preset or "cpu"]
+    return out
+
+
+def _row(rank: int, p: Prediction) -> str:
+    lay = p.layout
+    schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
+    memory = "/".join(f"{m / _GB:.2f}" for m in p.memory_bytes) if len(p.memory_bytes) <= 4 else \
+        f"max {max(p.memory_bytes) / _GB:.2f}"
+    return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
+            f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
+            f"{100 * p.bubble:>6.1f}% {memory}")
+
+
+def run(args: argparse.Namespace) -> int:
+    result, info = planned(args)
+    print(f"pipetrain plan: {info['gpus']} devices, {info['memory_gb']:.1f} GB each, global batch {args.batch}")
+    print(f"  model: {info['model']}\n  device/network: {info['calibration']}")
+    print(f"  {result.enumerated} layouts, {result.simulated} simulated, {info['seconds']:.3f} s")
+    print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
+          f"{'balance':<7} {'step s':>10} {'samples/s':>10} {'bubble':>7} memory GB per stage")
+    for rank, prediction in enumerate(result.best, 1):
+        print(_row(rank, prediction))
+    if result.too_big:
+        print(f"\nfaster but too big for {info['memory_gb']:.1f} GB ({len(result.too_big)} simulated):")
+        for p in result.too_big[:3]:
+            worst = max(range(len(p.memory_bytes)), key=lambda i: p.memory_bytes[i])
+            print(_row(0, p).replace("  0", "  -", 1) +
+                  f"  <- stage {worst} needs {p.memory_bytes[worst] / _GB:.2f} GB")
+    best = result.best[0]
+    flags = train_args(best, args)
+    python = sys.executable
+    print("\nbest layout:\n  pipetrain train " + " ".join(flags))
+    layout_flags = {"--pp", "--dp", "--schedule", "--chunks"}
+    rest = [f for i, f in enumerate(flags) if f not in layout_flags and (i == 0 or flags[i - 1] not in layout_flags)]
+    nodes = max(1, info["gpus"] // info["gpus_per_node"]) if info["gpus_per_node"] else 1
+    per_node = info["gpus_per_node"] or info["gpus"]
+    print(f"  pipetrain sbatch --nodes {nodes} --gpus-per-node {per_node} --dp {best.layout.dp} --pp {best.layout.pp} "
+          f"--schedule {best.layout.schedule} --chunks {best.layout.chunks} --python {python} -- " + " ".join(rest))
+    return 0

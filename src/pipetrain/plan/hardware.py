@@ -1,0 +1,118 @@
+"""Device and network descriptions for the planner, and the calibration file that stores measured ones.
+
+The calibration file (JSON, `pipetrain-calibration/1`) is written by `pipetrain plan --calibrate` and read
+by `plan` and `tune`. Default location: `~/.cache/pipetrain/calibration.json`; `--calibration PATH`
+overrides it. Without a file the planner uses `DEFAULT_DEVICE` / `DEFAULT_NETWORK` (an A100-class GPU on
+NVLink within a node, 200 Gb/s InfiniBand across nodes) and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["Device", "Network", "Calibration", "DEFAULT_DEVICE", "DEFAULT_NETWORK", "default_calibration_path",
+           "load_calibration", "save_calibration", "CALIBRATION_FORMAT"]
+
+CALIBRATION_FORMAT = "pipetrain-calibration/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One device: effective FLOP rate, memory traffic rate, per-kernel and per-schedule-action overheads,
+    the optimizer's time per parameter, its memory, and (CPU) the memory a rank uses before the model."""
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+    kernel_overhead_s: float
+    action_overhead_s: float
+    optimizer_s_per_param: float
+    memory_bytes: float
+    baseline_bytes: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """Point-to-point latency and bandwidth within and across nodes, and the collectives' (ring) figures."""
+
+    p2p_latency_s: float
+    p2p_bytes_per_s: float
+    inter_latency_s: float
+    inter_bytes_per_s: float
+    collective_latency_s: float
+    collective_bytes_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A measured device and network, with where and how they were measured."""
+
+    device: Device
+    network: Network
+    backend: str
+    measured: str
+
+
+DEFAULT_DEVICE = Device(name="gpu-a100-class (assumed)", flops_per_s=150e12, bytes_per_s=1.5e12,
+                        kernel_overhead_s=5e-6, action_overhead_s=2e-4, optimizer_s_per_param=1e-11,
+                        memory_bytes=80 * 2**30)
+DEFAULT_NETWORK = Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_latency_s=5e-6, inter_bytes_per_s=20e9,
+                          collective_latency_s=2e-5, collective_bytes_per_s=100e9)
+
+
+def default_calibration_path() -> Path:
+    """`~/.cache/pipetrain/calibration.json`."""
+    return Path.home() / ".cache" / "pipetrain" / "calibration.json"
+
+
+def _numbers(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} is not an object")
+    values = {}
+    for field in fields(cls):
+        value = data.get(field.name, None if field.default is MISSING else field.default)
+        if field.name == "name":
+            values["name"] = str(value if value is not None else "calibrated")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}.{field.name} is {value!r}, expected a number >= 0")
+        values[field.name] = float(value)
+    return cls(**values)
+
+
+def load_calibration(path: Path) -> Calibration:
+    """Read a calibration file; ConfigError naming the file and the problem when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(f"its format is not {CALIBRATION_FORMAT!r}")
+        return Calibration(device=_numbers(Device, data.get("device"), "device"),
+                           network=_numbers(Network, data.get("network"), "network"),
+                           backend=str(data.get("backend", "?")), measured=str(data.get("measured", "?")))
+    except OSError as err:
+        raise ConfigError(f"cannot read the calibration file {str(path)!r}: {err.strerror}",
+                          hint="run `pipetrain plan --calibrate` first, or pass --calibration PATH") from None
+    except ValueError as err:
+        raise ConfigError(f"the calibration file {str(path)!r} is malformed: {err}",
+                          hint="run `pipetrain plan --calibrate` again to rewrite it") from None
+
+
+def save_calibration(calibration: Calibration, path: Path) -> None:
+    """Write atomically (a temporary file renamed over `path`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"format": CALIBRATION_FORMAT, "backend": calibration.backend, "measured": calibration.measured,
+            "device": asdict(calibration.device), "network": asdict(calibration.network)}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)

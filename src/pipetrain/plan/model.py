@@ -1,0 +1,112 @@
+"""Per-block costs of a model for the planner: an analytic model of the reference Transformer, or a profile file.
+
+A `BlockCost` gives, per sample of a micro-batch, the forward FLOPs and memory traffic (turned into seconds
+by a `Device`), or measured seconds per sample (from a `pipetrain profile` file, rescaled linearly from
+its micro-batch size, which the planner says), plus parameter, activation and output bytes.
+
+Analytic Transformer (`nn.TransformerEncoderLayer`, hidden h, feed-forward f, sequence s, a heads),
+forward matrix-multiply FLOPs per sample: QKV 6sh², scores and weighted values 4s²h, output projection
+2sh², feed-forward 4shf; backward is twice the forward (Narayanan et al. 2021, eq. 3, with f = 4h:
+24sh² + 4s²h per sample). Activations kept for backward per layer follow Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", section 4.1: s·b·h·(34 + 5·a·s/h)
+bytes with 2-byte activations, 1-byte dropout masks and f = 4h; `transformer_activation_bytes` is the
+same count for any element size, feed-forward width and dropout, and reduces to the paper's formulas:
+34·s·b·h + 5·a·s²·b (none), 34·s·b·h (selective: attention core recomputed), 2·s·b·h (full: the
+layer input only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["BlockCost", "transformer_activation_bytes", "transformer_blocks", "profile_blocks", "ELEMENT_BYTES"]
+
+#: Bytes per element of each supported dtype name.
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCost:
+    """One block's costs per sample (plus `fixed_*` per micro-batch). FLOPs and bytes are for the forward."""
+
+    name: str
+    params: int
+    param_bytes: float
+    activation_bytes: float
+    output_bytes: float
+    forward_flops: float = 0.0
+    forward_traffic: float = 0.0
+    kernels: int = 0
+    fixed_backward_traffic: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+
+def transformer_activation_bytes(s: int, b: int, h: int, a: int, *, ffn: int | None = None, element: int = 2,
+                                 dropout: bool = True, recompute: str = "none") -> float:
+    """Bytes one encoder layer keeps for backward (Korthikanti et al. 2022, generalised; see module doc).
+
+    recompute: "none", "selective" (the attention core s² terms are recomputed) or "full" (only the input).
+    """
+    f = 4 * h if ffn is None else ffn
+    d = 1 if dropout else 0
+    sbh = s * b * h
+    if recompute == "full":
+        return float(element * sbh)
+    # attention: QKV input, Q and K, V, projection input (5e) + projection dropout mask; layer norms (2e);
+    # MLP: input (e) + activation input and output (2e·f/h) + dropout mask
+    linear = (8 * element + 2 * d) * sbh + 2 * element * s * b * f
+    if recompute == "selective":
+        return float(linear)
+    if recompute != "none":
+        raise ConfigError(f"unknown recomputation {recompute!r}", hint="use none, selective or full")
+    # softmax output (e), its dropout mask (1) and output (e, only with dropout)
+    core = (element * (1 + d) + d) * a * s * s * b
+    return float(linear + core)
+
+
+def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int, nhid: int, nlayers: int,
+                       num_classes: int, dropout: float, dtype: str = "float32") -> list[BlockCost]:
+    """The analytic costs of the reference Transformer classifier's `nlayers + 2` blocks."""
+    e = ELEMENT_BYTES[dtype]
+    s, h, f, a = seq_len, emsize, nhid, nhead
+    d = 1 if dropout > 0 else 0
+    sh = s * h
+    embed_params = vocab_size * h
+    blocks = [BlockCost(
+        name="EmbeddingBlock", params=embed_params, param_bytes=e * embed_params,
+        activation_bytes=float(d * sh + 8 * s), output_bytes=float(e * sh),
+        forward_traffic=float(4 * e * sh), kernels=5,
+        # dense embedding gradient: the whole table is zeroed and written once per micro-batch
+        fixed_backward_traffic=float(2 * e * embed_params),
+    )]
+    layer_params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    layer_flops = 8 * s * h * h + 4 * s * s * h + 4 * s * h * f
+    layer_traffic = e * (16 * sh + 4 * s * f + 4 * a * s * s)  # norms, residuals, softmax, dropout, activation
+    layer_act = transformer_activation_bytes(s, 1, h, a, ffn=f, element=e, dropout=bool(d))
+    for index in range(nlayers):
+        blocks.append(BlockCost(
+            name=f"TransformerEncoderLayer{index}", params=layer_params, param_bytes=e * layer_params,
+            activation_bytes=layer_act, output_bytes=float(e * sh), forward_flops=float(layer_flops),
+            forward_traffic=float(layer_traffic), kernels=24,
+        ))
+    head_params = 2 * h + h * num_classes + num_classes
+    blocks.append(BlockCost(
+        name="HeadBlock", params=head_params, param_bytes=e * head_params, activation_bytes=float(2 * e * sh),
+        output_bytes=float(e * num_classes), forward_flops=float(2 * h * num_classes),
+        forward_traffic=float(3 * e * sh), kernels=6,
+    ))
+    return blocks
+
+
+def profile_blocks(profile) -> list[BlockCost]:
+    """Block costs from a `pipetrain.partition.profile.ModelProfile` (times and bytes per sample, linear)."""
+    mbs = profile.micro_batch_size
+    e = ELEMENT_BYTES.get(profile.dtype, 4)
+    return [BlockCost(
+        name=block.name, params=block.param_bytes // e, param_bytes=float(block.param_bytes),
+        activation_bytes=block.activation_bytes / mbs, output_bytes=block.output_bytes / mbs,
+        forward_s=block.forward_s / mbs, backward_s=block.backward_s / mbs,
+    ) for block in profile.blocks]

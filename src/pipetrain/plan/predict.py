@@ -1,0 +1,163 @@
+"""Predict one layout's step time, throughput, per-stage peak memory and bubble (pure: plain data in and out).
+
+Step time = the simulated schedule (`simulate` on the schedule's real order, with per-stage compute from
+the block costs and the device, point-to-point transfers and the data-parallel gradient reduction from
+the network) + the optimizer step (AdamW over the rank's parameters) + one small collective (the step's
+metrics). Memory per rank = parameters, gradients and the two AdamW moments (4 copies of the parameter
+bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharded over dp; DDP adds its
+gradient buckets) + the simulated activation peak + the receive buffers torch's stages allocate per
+micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory before the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pipetrain.errors import ConfigError
+from pipetrain.partition.solver import solve_balance, uniform_balance
+from pipetrain.plan.hardware import Device, Network
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.schedules import Action, schedule_order
+from pipetrain.plan.simulate import StageCost, recomputed_microbatches, simulate
+
+__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "order_of", "reduce_s"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run the job. `balance` "uniform" (equal block counts) or "time" (solver on block times)."""
+
+    dp: int
+    pp: int
+    batch: int
+    chunks: int
+    schedule: str = "1f1b"
+    virtual: int = 1
+    checkpoint: str = "never"
+    dp_mode: str = "ddp"
+    balance: str = "uniform"
+    gpus_per_node: int = 0  # 0: every rank on one node
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures of one layout: seconds, samples per second, bytes per pipeline rank."""
+
+    layout: Layout
+    step_s: float
+    samples_per_s: float
+    memory_bytes: tuple[float, ...]
+    bubble: float
+    balance: tuple[int, ...]
+
+
+@lru_cache(maxsize=4096)
+def order_of(schedule: str, pp: int, chunks: int, virtual: int) -> tuple[tuple[Action, ...], ...]:
+    """`schedule_order`, cached (the order depends only on these four numbers)."""
+    return tuple(tuple(actions) for actions in schedule_order(schedule, pp, chunks, virtual))
+
+
+def block_times(block: BlockCost, samples: int, device: Device) -> tuple[float, float]:
+    """(forward, backward) seconds of one block on a micro-batch of `samples`."""
+    per_sample = block.forward_flops / device.flops_per_s + block.forward_traffic / device.bytes_per_s
+    forward = block.kernels * device.kernel_overhead_s + samples * (per_sample + block.forward_s)
+    backward = (2 * block.kernels * device.kernel_overhead_s + samples * (2 * per_sample + block.backward_s)
+                + block.fixed_backward_traffic / device.bytes_per_s)
+    return forward, backward
+
+
+def _balance(blocks: Sequence[BlockCost], layout: Layout, samples: int, device: Device) -> list[int]:
+    stages = layout.pp * layout.virtual
+    if stages > len(blocks):
+        raise ConfigError(f"pp={layout.pp} x {layout.virtual} virtual stages needs {stages} blocks, the model has "
+                          f"{len(blocks)}", hint=f"use pp <= {len(blocks) // layout.virtual}")
+    if layout.balance == "time":
+        return list(_time_balance(tuple(sum(block_times(b, samples, device)) for b in blocks), stages))
+    return uniform_balance(len(blocks), stages)
+
+
+@lru_cache(maxsize=4096)
+def _time_balance(times: tuple[float, ...], stages: int) -> tuple[int, ...]:
+    return tuple(solve_balance(times, stages))
+
+
+def _crosses_node(stage: int, layout: Layout) -> bool:
+    """Whether the hop from `stage` to `stage + 1` leaves the node (pipeline ranks are contiguous)."""
+    if layout.gpus_per_node <= 0:
+        return False
+    rank, nxt = stage % layout.pp, (stage + 1) % layout.pp
+    return rank // layout.gpus_per_node != nxt // layout.gpus_per_node
+
+
+def reduce_s(param_bytes: float, layout: Layout, network: Network) -> float:
+    """Ring all-reduce (DDP) or reduce-scatter + two all-gathers (FSDP) of one stage over dp replicas."""
+    n = layout.dp
+    if n == 1:
+        return 0.0
+    across = layout.gpus_per_node > 0 and layout.world_size > layout.gpus_per_node
+    bandwidth = network.inter_bytes_per_s if across else network.collective_bytes_per_s
+    latency = network.inter_latency_s if across else network.collective_latency_s
+    volume = (3.0 if layout.dp_mode == "fsdp" else 2.0) * (n - 1) / n * param_bytes
+    return volume / bandwidth + 2 * (n - 1) * latency
+
+
+def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network,
+                bounds: Sequence[tuple[int, int]]) -> list[StageCost]:
+    """The per-micro-batch cost of each stage (stage s holds blocks `bounds[s]`)."""
+    samples = layout.batch // layout.dp // layout.chunks
+    costs = []
+    for stage, (start, stop) in enumerate(bounds):
+        part = blocks[start:stop]
+        times = [block_times(b, samples, device) for b in part]
+        out_bytes = part[-1].output_bytes * samples
+        across = _crosses_node(stage, layout)
+        latency = network.inter_latency_s if across else network.p2p_latency_s
+        bandwidth = network.inter_bytes_per_s if across else network.p2p_bytes_per_s
+        costs.append(StageCost(
+            forward_s=sum(t[0] for t in times),
+            backward_s=sum(t[1] for t in times),
+            activation_bytes=samples * sum(b.activation_bytes for b in part),
+            input_bytes=samples * (blocks[start - 1].output_bytes if start else 0.0),
+            send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
+            reduce_s=reduce_s(sum(b.param_bytes for b in part), layout, network),
+        ))
+    return costs
+
+
+def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> Prediction:
+    """Simulate `layout` on the model `blocks` (see the module docstring for what is counted)."""
+    local = layout.batch // layout.dp
+    if layout.batch % layout.dp or local % layout.chunks:
+        raise ConfigError(f"batch {layout.batch} does not split into dp={layout.dp} x chunks={layout.chunks} "
+                          "equal micro-batches", hint="choose a batch divisible by dp * chunks")
+    samples = local // layout.chunks
+    balance = _balance(blocks, layout, samples, device)
+    bounds, start = [], 0
+    for count in balance:
+        bounds.append((start, start + count))
+        start += count
+    costs = stage_costs(blocks, layout, device, network, bounds)
+    order = order_of(layout.schedule, layout.pp, layout.chunks, layout.virtual)
+    timeline = simulate(order, costs, recomputed=recomputed_microbatches(layout.checkpoint, layout.chunks),
+                        overhead_s=device.action_overhead_s)
+    memory, optimizer = [], 0.0
+    for rank in range(layout.pp):
+        mine = [blocks[i] for s in range(rank, len(bounds), layout.pp) for i in range(*bounds[s])]
+        param_bytes = sum(b.param_bytes for b in mine)
+        params = sum(b.params for b in mine)
+        if layout.dp_mode == "fsdp" and layout.dp > 1:
+            static = 2 * param_bytes + 4 * param_bytes / layout.dp
+            params /= layout.dp
+        else:
+            static = (5 if layout.dp > 1 else 4) * param_bytes
+        buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in range(rank, len(bounds), layout.pp))
+        memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
+        optimizer = max(optimizer, params * device.optimizer_s_per_param)
+    step = timeline.span_s + optimizer + network.collective_latency_s
+    return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))

@@ -1,0 +1,138 @@
+"""The layout search: enumerate every layout of a GPU count, drop those that do not fit, rank the rest.
+
+Exact and fast by branch and bound: each candidate gets a cheap lower bound on its step time (the busiest
+rank's compute, its gradient reduction and its optimizer step: a rank runs its actions one at a time, so
+the simulated span is never shorter); candidates are simulated in order of that bound, and the search
+stops when the next bound is slower than the `top`-th best fitting layout found. Every layout that was
+simulated and does not fit is reported with its memory per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from pipetrain.errors import ConfigError
+from pipetrain.plan.hardware import Device, Network
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.predict import Layout, Prediction, block_times, predict, reduce_s
+
+__all__ = ["SearchSpace", "SearchResult", "enumerate_layouts", "search", "lower_bound_s"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """What may vary. `max_chunks` bounds micro-batches per replica; `virtual` the interleaved depths."""
+
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    checkpoints: tuple[str, ...] = ("never", "except_last", "always")
+    dp_modes: tuple[str, ...] = ("ddp", "fsdp")
+    balances: tuple[str, ...] = ("uniform", "time")
+    virtual: tuple[int, ...] = (2, 4)
+    max_chunks: int = 64
+    max_pp: int | None = None
+
+
+@dataclass
+class SearchResult:
+    """The best fitting predictions (fastest first), the fastest ones that did not fit, and the counts."""
+
+    best: list[Prediction]
+    too_big: list[Prediction] = field(default_factory=list)
+    enumerated: int = 0
+    simulated: int = 0
+
+
+def _chunk_options(local: int, pp: int, space: SearchSpace) -> list[int]:
+    return [c for c in (1 << k for k in range(0, 31)) if c <= min(local, space.max_chunks) and local % c == 0]
+
+
+def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace, gpus_per_node: int = 0) -> list[Layout]:
+    """Every valid layout of exactly `gpus` ranks (dp * pp = gpus) for a global `batch`."""
+    layouts = []
+    for pp in range(1, min(num_blocks, space.max_pp or num_blocks, gpus) + 1):
+        if gpus % pp or batch % (gpus // pp):
+            continue
+        dp = gpus // pp
+        local = batch // dp
+        for schedule in space.schedules:
+            multi = schedule in ("interleaved-1f1b", "zero-bubble")
+            if pp == 1 and schedule != "gpipe":
+                continue  # one stage: every schedule is the same computation
+            for v in (space.virtual if multi else (1,)):
+                if pp * v > num_blocks:
+                    continue
+                for chunks in _chunk_options(local, pp, space):
+                    if schedule == "1f1b" and chunks < pp or multi and chunks % pp:
+                        continue
+                    for checkpoint in space.checkpoints:
+                        for mode in space.dp_modes if dp > 1 else ("ddp",):
+                            for balance in space.balances if pp * v > 1 else ("uniform",):
+                                layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
+                                                      virtual=v, checkpoint=checkpoint, dp_mode=mode, balance=balance,
+                                                      gpus_per_node=gpus_per_node))
+    return layouts
+
+
+def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> float:
+    """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer."""
+    samples = layout.batch // layout.dp // layout.chunks
+    work = sum(sum(block_times(b, samples, device)) for b in blocks)
+    if layout.checkpoint != "never":
+        again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
+        work += again / layout.chunks * sum(block_times(b, samples, device)[0] for b in blocks)
+    actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
+    params = sum(b.params for b in blocks) / (layout.dp if layout.dp_mode == "fsdp" else 1)
+    reduce = reduce_s(sum(b.param_bytes for b in blocks), layout, network)
+    return (layout.chunks * work + reduce + params * device.optimizer_s_per_param) / layout.pp + actions
+
+
+def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device, network: Network,
+           space: SearchSpace = SearchSpace(), gpus_per_node: int = 0, top: int = 10) -> SearchResult:
+    """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
+    layouts = enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node)
+    if not layouts:
+        raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
+    bounded = sorted(((lower_bound_s(blocks, layout, device, network), i) for i, layout in enumerate(layouts)))
+    result = SearchResult(best=[], enumerated=len(layouts))
+    seen_balance: set[tuple] = set()
+    for bound, index in bounded:
+        if len(result.best) >= top and bound > result.best[-1].step_s:
+            break
+        layout = layouts[index]
+        prediction = predict(blocks, layout, device, network)
+        result.simulated += 1
+        key = (replace(layout, balance="uniform"), prediction.balance)
+        if key in seen_balance:
+            continue  # "time" gave the uniform split: the same layout twice
+        seen_balance.add(key)
+        if max(prediction.memory_bytes) > device.memory_bytes:
+            result.too_big.append(prediction)
+            continue
+        result.best.append(prediction)
+        result.best.sort(key=lambda p: p.step_s)
+        del result.best[top:]
+    if not result.best:
+        smallest = min(max(predict(blocks, layout, device, network).memory_bytes) for layout in layouts)
+        raise ConfigError(
+            f"no layout of {gpus} GPUs fits in {device.memory_bytes / 2**30:.1f} GB per GPU "
+            f"(the leanest needs {smallest / 2**30:.2f} GB per GPU)",
+            hint=f"pass --gpu-mem {smallest / 2**30:.2f} or more, more GPUs, or a smaller --batch",
+        )
+    result.too_big.sort(key=lambda p: p.step_s)
+    return result
+
+
+def _no_layout(num_blocks: int, gpus: int, batch: int) -> str:
+    return (f"no layout of {gpus} GPUs: dp x pp must equal {gpus} with pp <= {num_blocks} (the model's blocks) "
+            f"and dp dividing the global batch {batch}")
+
+
+def _gpu_hint(num_blocks: int, gpus: int, batch: int) -> str:
+    def works(n: int) -> bool:
+        return any(n % pp == 0 and batch % (n // pp) == 0 for pp in range(1, min(num_blocks, n) + 1))
+
+    below = next((n for n in range(gpus - 1, 0, -1) if works(n)), None)
+    above = next((n for n in range(gpus + 1, 2 * gpus + 2) if works(n)), None)
+    options = " or ".join(str(n) for n in (below, above) if n)
+    return f"use {options} GPUs, or a batch divisible by more GPU counts"

@@ -1,0 +1,53 @@
+"""`pipetrain plan`: the table, ready command lines whose flags exist, and one clear message per bad input."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from pipetrain.cli.main import build_parser, main
+
+
+
+def _plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([*argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_prints_table_and_commands_that_parse(capsys, tmp_path):
+    code, out, _ = _plan(capsys, "plan", "--gpus", "8", "--preset", "gpu", "--gpu-mem", "80", "--batch", "128",
+                         "--top", "3", "--calibration", str(tmp_path / "none.json"))
+    assert code == 2  # a missing explicit calibration file is an error
+    code, out, err = _plan(capsys, "plan", "--nodes", "2", "--gpus-per-node", "4", "--preset", "gpu", "--gpu-mem", "80",
+                           "--batch", "128", "--top", "3")
+    assert code == 0, err
+    assert "step s" in out and "samples/s" in out and "bubble" in out
+    train = next(line for line in out.splitlines() if line.strip().startswith("pipetrain train"))
+    sbatch = next(line for line in out.splitlines() if line.strip().startswith("pipetrain sbatch"))
+    args = build_parser().parse_args(shlex.split(train)[1:])
+    assert args.dp * args.pp == 8
+    sb = build_parser().parse_args(shlex.split(sbatch)[1:])
+    assert sb.nodes == 2 and sb.gpus_per_node == 4 and sb.dp * sb.pp == 8
+    build_parser().parse_args(["train", *sb.train_args[1:]])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpus", "17", "--preset", "gpu", "--batch", "256"], "no layout of 17 GPUs"),
+    (["--gpus", "2", "--preset", "gpu", "--gpu-mem", "0.5", "--batch", "16"], "the leanest needs"),
+    (["--gpus", "2", "--preset", "huge"], "unknown preset 'huge'"),
+    (["--preset", "gpu"], "how many devices"),
+    (["--gpus", "0"], "--gpus must be positive"),
+])
+def test_bad_input_one_clear_message(capsys, argv, needle):
+    code, out, err = _plan(capsys, "plan", *argv)
+    assert code == 2
+    assert needle in err and err.count("pipetrain: error") == 1 and "Traceback" not in err
+
+
+def test_malformed_profile(capsys, tmp_path):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"format": "pipetrain-profile/1", "blocks": "many"}')
+    code, _, err = _plan(capsys, "plan", "--gpus", "2", "--profile", str(bad))
+    assert code == 2 and str(bad) in err and err.count("pipetrain: error") == 1
