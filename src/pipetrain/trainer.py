@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.pipeline import PipelineEngine, StepResult
+from pipetrain.pipeline.timeline import span
 from pipetrain.session import close_session, open_session
+from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
 
 __all__ = ["TrainConfig", "EpochReport", "MetricTotals", "load_data", "train_rank", "report_dicts"]
@@ -39,6 +42,9 @@ class TrainConfig:
     lr: float = 1e-3
     seed: int = 0
     progress: bool = True
+    trace: Path | None = None
+    trace_steps: int = 3
+    trace_warmup: int = 2
 
     def __post_init__(self) -> None:
         self.task().check_preset(self.preset)
@@ -48,6 +54,13 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be positive, got {value}", hint=f"pass a {name} of 1 or more")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
+        if self.trace is not None and (self.trace_steps < 1 or self.trace_warmup < 0):
+            raise ConfigError(f"--trace with {self.trace_steps} traced step(s) after {self.trace_warmup} warm-up "
+                              "step(s) records nothing", hint="pass --trace-steps 1 or more and --trace-warmup 0 or more")
+        if self.trace is not None and self.max_steps is not None and self.max_steps <= self.trace_warmup:
+            raise ConfigError(f"--trace records no step: --max-steps {self.max_steps} ends within the "
+                              f"{self.trace_warmup} warm-up step(s) before tracing",
+                              hint=f"pass --max-steps {self.trace_warmup + self.trace_steps} or more, or lower --trace-warmup")
         if self.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.lr}", hint="pass e.g. --lr 1e-3")
         self.parallel.check_global_batch(self.batch_size)
@@ -143,6 +156,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
                 config.parallel.pipeline.checkpoint, engine.balance, session.device,
             )
+        tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
+                  if config.trace is not None else None)
         reports, steps = [], 0
         for epoch in range(1, config.epochs + 1):
             start = time.perf_counter()
@@ -153,9 +168,11 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", disable=not (session.is_main and config.progress),
                        leave=False, dynamic_ncols=True)
             for (x, y), _ in zip(stream, range(total)):
-                optimizer.zero_grad(set_to_none=True)
-                result = engine.step(x, y)
-                optimizer.step()
+                with tracer.step() if tracer is not None else nullcontext():
+                    optimizer.zero_grad(set_to_none=True)
+                    result = engine.step(x, y)
+                    with span("optimizer"):
+                        optimizer.step()
                 steps += 1
                 totals.add(result)
                 bar.set_postfix(loss=f"{result.loss:.4f}")
@@ -171,6 +188,11 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                 log.info(report.line(config.epochs))
             if config.max_steps is not None and steps >= config.max_steps:
                 break
+        files = tracer.close() if tracer is not None else None
+        if files is not None:
+            for line in [f"trace of {tracer.traced_steps} step(s): {files.trace} (open in ui.perfetto.dev), {files.gantt}",
+                         *files.lines()]:
+                log.info("pipetrain: %s", line)
         return reports
     finally:
         close_session()

@@ -139,3 +139,17 @@ def test_cli_bad_profile_and_cap_inputs(cli, tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     code, err = cli([*TRAIN, "--partition", "time", "--profile", str(tmp_path / "bad.json")])
     assert code == 2 and "not a valid" in err
+
+
+def test_cli_bad_trace_inputs(cli, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, err = cli([*TRAIN, "--trace", str(blocker / "trace")])
+    assert code == 2 and "cannot write the trace folder" in err and err.count("error") == 1
+    code, err = cli([*TRAIN, "--trace", str(tmp_path / "t"), "--trace-steps", "0"])
+    assert code == 2 and "0 traced step(s)" in err
+    code, err = cli([*TRAIN, "--trace", str(tmp_path / "t"), "--max-steps", "2"])
+    assert code == 2 and "records no step" in err
+    # 64 samples at batch 8: 8 steps, all within 10 warm-up steps
+    code, err = cli([*TRAIN, "--trace", str(tmp_path / "t"), "--trace-warmup", "10"])
+    assert code == 2 and "the run has 8 step(s)" in err

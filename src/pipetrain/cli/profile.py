@@ -10,14 +10,16 @@ import torch
 from pipetrain.errors import ConfigError
 from pipetrain.partition.measure import profile_model
 from pipetrain.partition.profile import ModelProfile, save_profile
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.registry import get_workload, workload_names
 
 __all__ = ["add_parser", "run", "profile_lines"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("profile", help=__doc__, description=__doc__)
-    parser.add_argument("--preset", default="cpu", help=f"model size: {' | '.join(PRESETS)} (default: cpu)")
+    parser.add_argument("--workload", default="classifier",
+                        help=f"whose model: {' | '.join(workload_names())} (default: classifier)")
+    parser.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     parser.add_argument("--micro-batch-size", type=int, default=16,
                         help="samples per micro-batch = batch size / dp / chunks (default: 16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per block; the median is kept (default: 5)")
@@ -43,16 +45,14 @@ def profile_lines(profile: ModelProfile) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown preset {args.preset!r}", hint=f"choose one of: {', '.join(PRESETS)}")
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is too small", hint="pass --threads 1 or more")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(args.threads)
-    model = TransformerClassifier(PRESETS[args.preset])
+    model = get_workload(args.workload).model(args.preset)
     profile = profile_model(model, args.micro_batch_size, device=device, repeats=args.repeats,
-                            warmup=args.warmup, name=f"classifier:{args.preset}")
+                            warmup=args.warmup, name=f"{args.workload}:{args.preset}")
     save_profile(profile, args.output)
     for line in profile_lines(profile):
         print(line)

@@ -19,10 +19,11 @@ from pipetrain.partition import cost_balance
 from pipetrain.partition.profile import load_profile
 from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.plan import plan_runs
+from pipetrain.trace.report import check_trace_dir
 from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
-from pipetrain.workloads.registry import workload_names
+from pipetrain.workloads.registry import Dataset, workload_names
 
-__all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config", "cost_balanced"]
+__all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config", "cost_balanced", "check_trace"]
 
 log = logging.getLogger("pipetrain")
 
@@ -131,7 +132,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
     group.add_argument("--ranks-per-node", type=int, default=None,
                        help="under Slurm with one task per node: local ranks this task spawns")
+    tracing = parser.add_argument_group("tracing")
+    tracing.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                         help="record a few steps on every rank after a warm-up: DIR/trace.json (Perfetto), "
+                              "DIR/gantt.png, DIR/summary.txt (busy, bubble, comm wait, ideal bubble)")
+    tracing.add_argument("--trace-steps", type=int, default=3, help="steps to record with --trace (default: 3)")
+    tracing.add_argument("--trace-warmup", type=int, default=2,
+                         help="steps run before recording with --trace (default: 2)")
     return parser
+
+
+def check_trace(config: TrainConfig, train: Dataset) -> None:
+    """Fail before training when `--trace` cannot write its folder or would record no step."""
+    if config.trace is None:
+        return
+    check_trace_dir(config.trace)
+    per_epoch = config.task().num_batches(train, config.batch_size, replicas=config.parallel.dp)
+    total = per_epoch * config.epochs if config.max_steps is None else min(per_epoch * config.epochs, config.max_steps)
+    if total <= config.trace_warmup:
+        raise ConfigError(f"--trace records no step: the run has {total} step(s), all within the "
+                          f"{config.trace_warmup} warm-up step(s)",
+                          hint="train more steps (more samples, --epochs) or lower --trace-warmup")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -148,6 +169,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
+        trace=args.trace,
+        trace_steps=args.trace_steps,
+        trace_warmup=args.trace_warmup,
     )
 
 
@@ -185,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         config = cost_balanced(_config(args), args, launched=False)
         _check_metrics(args.metrics)
         data = load_data(config)
+        check_trace(config, data[0])
         world = config.parallel.world_size
         spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
               args=(config, data, args.metrics))
@@ -194,9 +219,11 @@ def run(args: argparse.Namespace) -> int:
         config = cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
-        if env.rank == 0:  # the process that writes the metrics file
+        if env.rank == 0:  # the process that writes the metrics file and the trace
             _check_metrics(args.metrics)
         data = load_data(config)
+        if env.rank == 0:
+            check_trace(config, data[0])
     except PipetrainError as err:
         if _says_it(env, err):
             raise

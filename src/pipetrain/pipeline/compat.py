@@ -8,11 +8,15 @@ private names moves or changes shape.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 from torch.distributed.pipelining import schedules as _schedules
 
-__all__ = ["torch_schedule_order", "PRIVATE_NAMES"]
+__all__ = ["torch_schedule_order", "PRIVATE_NAMES", "timed_p2p_waits"]
 
 #: Every private torch name this module relies on (the compat test checks each still exists).
 PRIVATE_NAMES = (
@@ -24,6 +28,7 @@ PRIVATE_NAMES = (
     "_Action",
     "_ComputationType",
     "_add_reduce_grad",
+    "_wait_batch_p2p",
 )
 
 
@@ -64,3 +69,26 @@ def torch_schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_st
         fake.pipeline_order = order
         order = cls._add_bubbles_to_actions(fake, virtual_stages * pp)
     return _plain({rank: _schedules._add_reduce_grad(actions, n_microbatches) for rank, actions in order.items()})
+
+
+@contextmanager
+def timed_p2p_waits(record: Callable[[int, int], None]) -> Iterator[None]:
+    """While inside, every wait of the schedules on their P2P sends/receives calls `record(start_ns, end_ns)`.
+
+    torch's schedules wait through the module-level `_wait_batch_p2p` (looked up at each call), so it is
+    swapped for a timed version here and restored on exit.
+    """
+    original = _schedules._wait_batch_p2p
+
+    def timed(work: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return original(work)
+        finally:
+            record(start, time.perf_counter_ns())
+
+    _schedules._wait_batch_p2p = timed
+    try:
+        yield
+    finally:
+        _schedules._wait_batch_p2p = original

@@ -26,6 +26,7 @@ from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors
+from pipetrain.pipeline.timeline import span
 
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
 
@@ -220,7 +221,8 @@ class PipelineEngine:
                 totals[1] = (outputs_.argmax(dim=1) == targets).sum()
                 totals[3] = 1
         if dist.is_initialized():
-            dist.all_reduce(totals, group=self.metrics_group)
+            with span("metrics"):
+                dist.all_reduce(totals, group=self.metrics_group)
         loss_sum, correct, count, classified = totals.tolist()
         count = max(count, 1.0)
         return StepResult(
