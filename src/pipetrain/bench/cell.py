@@ -22,9 +22,13 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import pick_device
 from pipetrain.session import close_session, open_session
+from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
 
-__all__ = ["measure_rank", "parallel_config"]
+__all__ = ["measure_rank", "parallel_config", "TRACED_STEPS"]
+
+#: Steps traced after the timed ones, for the measured-bubble column (not part of the step times).
+TRACED_STEPS = 2
 
 
 def parallel_config(cell: Cell) -> ParallelConfig:
@@ -33,13 +37,16 @@ def parallel_config(cell: Cell) -> ParallelConfig:
     return ParallelConfig(dp=cell.dp, pipeline=pipeline)
 
 
-def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: str) -> None:
-    """Run the cell's steps on this rank; rank 0 writes `result.json`, a failing rank its `rank<N>.json`."""
+def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: str, trace_dir: str | None = None) -> None:
+    """Run the cell's steps on this rank; rank 0 writes `result.json`, a failing rank its `rank<N>.json`.
+
+    After the timed steps, `TRACED_STEPS` more are traced for the measured bubble (their files go to
+    `trace_dir` when given)."""
     device = pick_device(spec.local_rank)
     out = Path(out_dir)
     apply_memory_limit(cell.mem_limit_mb, device)
     try:
-        times, peaks = _measure(spec, cell, warmup, steps, device)
+        times, peaks, bubble = _measure(spec, cell, warmup, steps, device, trace_dir)
     except Exception as exc:
         status = "oom" if is_oom_error(exc) else "error"
         reason = oom_reason(exc, device) if status == "oom" else f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -47,10 +54,13 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
         (out / f"rank{spec.rank}.json").write_text(json.dumps({"status": status, "reason": reason}))
         raise
     if spec.rank == 0:
-        (out / "result.json").write_text(json.dumps({"step_times_s": times, "peak_mem_mb_per_stage": peaks}))
+        (out / "result.json").write_text(json.dumps({"step_times_s": times, "peak_mem_mb_per_stage": peaks,
+                                                     "measured_bubble": bubble}))
 
 
-def _measure(spec: RankSpec, cell: Cell, warmup: int, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+def _measure(
+    spec: RankSpec, cell: Cell, warmup: int, steps: int, device: torch.device, trace_dir: str | None
+) -> tuple[list[float], list[float], float | None]:
     preset = PRESETS[cell.preset]
     session = open_session(spec, TransformerClassifier(preset), parallel_config(cell), seed=0)
     try:
@@ -74,6 +84,14 @@ def _measure(spec: RankSpec, cell: Cell, warmup: int, steps: int, device: torch.
         peaks: list[float] = [0.0] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_memory_mb(device))
         per_stage = [max(peaks[r] for r in range(pp_rank, len(peaks), cell.pp)) for pp_rank in range(cell.pp)]
-        return times, per_stage
+        tracer = Tracer(engine, trace_dir, steps=TRACED_STEPS, warmup=0)
+        for _ in range(TRACED_STEPS):
+            with tracer.step():
+                optimizer.zero_grad(set_to_none=True)
+                engine.step(x, y)
+                with tracer.span("optimizer"):
+                    optimizer.step()
+        traced = tracer.close()
+        return times, per_stage, traced.mean_bubble if traced is not None else None
     finally:
         close_session()

@@ -31,7 +31,8 @@ __all__ = ["write_reports", "collect_environment", "summary_lines", "markdown_re
 CSV_COLUMNS = (
     "key", "preset", "mem_limit_mb", "pp", "dp", "schedule", "checkpoint", "batch_size", "chunks",
     "status", "reason", "median_step_s", "step_s_spread", "samples_per_s", "epoch_s", "peak_mem_mb",
-    "peak_mem_mb_per_stage", "speedup_vs_chunks1", "speedup_vs_pp1", "ideal_speedup",
+    "peak_mem_mb_per_stage", "speedup_vs_chunks1", "speedup_vs_pp1", "ideal_speedup", "measured_bubble",
+    "ideal_bubble",
 )
 _SHORT = {"oom": "OOM", "invalid": "—", "error": "err", "timeout": "timeout"}
 _WORD = {"ok": "ok", "oom": "OOM", "invalid": "invalid", "error": "error", "timeout": "timeout"}
@@ -86,7 +87,11 @@ def _cell_text(r: CellResult | None) -> str:
     if not r.ok:
         return _SHORT[r.status]
     mem = f" / {r.peak_mem_mb:.0f} MB" if r.peak_mem_mb is not None else ""
-    return f"{_fmt_time(r.median_step_s or 0.0)} s{mem}"
+    bubble = ""
+    if r.measured_bubble is not None and r.cell.pp > 1:
+        ideal = f" (ideal {100 * r.ideal_bubble:.0f}%)" if r.ideal_bubble is not None else ""
+        bubble = f" / bubble {100 * r.measured_bubble:.0f}%{ideal}"
+    return f"{_fmt_time(r.median_step_s or 0.0)} s{mem}{bubble}"
 
 
 def summary_lines(results: Iterable[CellResult]) -> list[str]:
@@ -147,7 +152,9 @@ def markdown_report(results: Sequence[CellResult], environment: dict[str, Any]) 
     grouped = _grouped(results)
     out = ["# pipetrain bench", ""]
     out += [f"- **{k}**: {v}" for k, v in environment.items()]
-    out += ["", f"Each cell: median step time (s) / {_memory_title(environment)}.",
+    out += ["", f"Each cell: median step time (s) / {_memory_title(environment)} / measured bubble "
+                "(share of the pipeline window a rank computes nothing, from traced steps after the timed ones; "
+                "ideal (p-1)/(m+p-1) in brackets).",
             "OOM = out of memory, — = invalid combination, err = error, timeout = over the time limit, "
             "blank = not run."]
     limit = _limit_note(results, environment)
@@ -178,7 +185,9 @@ def _csv_row(r: CellResult) -> dict[str, Any]:
 
 
 def write_reports(results: Iterable[CellResult], out_dir: Path, *, environment: dict[str, Any]) -> list[Path]:
-    """Write results.csv, results.json, results.md and three heatmap PNGs into `out_dir`; return the paths."""
+    """Write results.csv, results.json, results.md and the heatmap PNGs into `out_dir`; return the paths.
+
+    The bubble heatmap is drawn only when some cell has a measured bubble."""
     results = compute_speedups(results)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +203,10 @@ def write_reports(results: Iterable[CellResult], out_dir: Path, *, environment: 
     panels = {_label(g, grouped): cells for g, cells in grouped.items()}
     note = "preset " + ",".join(sorted({r.cell.preset for r in results}))
     limit = _limit_note(results, environment)
-    for metric in ("step_time", "peak_memory", "speedup"):
+    metrics = ["step_time", "peak_memory", "speedup"]
+    if any(r.measured_bubble is not None and r.cell.pp > 1 for r in results):
+        metrics.append("bubble")
+    for metric in metrics:
         path = out_dir / f"heatmap_{metric}.png"
         _draw_heatmap(panels, metric, path, environment, note, limit)
         paths.append(path)
@@ -206,6 +218,8 @@ _METRICS = {  # metric -> (title, colormap, value getter); "lower is better" map
     "peak_memory": ("", "YlOrRd", lambda r: r.peak_mem_mb),
     "speedup": ("Speed-up over naive model parallelism (chunks=1, same pp and batch)", "RdYlGn",
                 lambda r: r.speedup_vs_chunks1),
+    "bubble": ("Measured bubble (% of the pipeline window a rank computes nothing; ideal in brackets)", "YlOrRd",
+               lambda r: r.measured_bubble if r.cell.pp > 1 else None),
 }
 
 
@@ -272,6 +286,8 @@ def _draw_heatmap(panels: dict[str, dict[tuple[int, int], CellResult]], metric: 
                 red, green, blue, _ = cmap(norm(v))
                 dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
                 text = f"{v:.2f}x" if metric == "speedup" else (f"{v:.0f}" if metric == "peak_memory" else _fmt_time(v))
+                if metric == "bubble":
+                    text = f"{100 * v:.0f}%" + (f"\n({100 * r.ideal_bubble:.0f}%)" if r.ideal_bubble is not None else "")
                 ax.text(x, y, text, ha="center", va="center", fontsize=9, color="white" if dark else "black")
                 continue
             if r.ok:  # finished, but this metric has no value (e.g. no naive reference to compare with)

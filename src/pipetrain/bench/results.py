@@ -25,6 +25,7 @@ from typing import Any
 from pipetrain.bench.grid import Cell
 from pipetrain.config import SCHEDULES
 from pipetrain.errors import ConfigError
+from pipetrain.trace.summary import ideal_bubble
 
 __all__ = ["STATUSES", "CellResult", "ResultStore", "ideal_speedup", "compute_speedups"]
 
@@ -40,6 +41,10 @@ def ideal_speedup(pp: int, chunks: int, schedule: str = "gpipe") -> float | None
     return pp * chunks / (chunks + (pp - 1) / virtual)
 
 
+def _ideal_bubble(cell: Cell) -> float | None:
+    return ideal_bubble(cell.schedule, cell.pp, cell.chunks, SCHEDULES[cell.schedule]) if cell.schedule in SCHEDULES else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CellResult:
     """What one cell measured. Times are seconds, memory MB (2**20 bytes).
@@ -49,6 +54,8 @@ class CellResult:
     median step time × steps per epoch of the training set. `peak_mem_mb_per_stage` has one value per
     pipeline rank (see `pipetrain.bench.memory.peak_memory_mb` for what it counts on CPU and CUDA).
     Speed-ups are ratios of median step times (>1 means this cell is faster); None when unavailable.
+    `measured_bubble` is the traced bubble fraction averaged over the ranks (see `pipetrain.trace.summary`),
+    from steps traced after the timed ones; `ideal_bubble` the schedule's (p-1)/(m+p-1) counterpart.
     """
 
     cell: Cell
@@ -62,6 +69,8 @@ class CellResult:
     speedup_vs_chunks1: float | None = None
     speedup_vs_pp1: float | None = None
     ideal_speedup: float | None = None
+    measured_bubble: float | None = None
+    ideal_bubble: float | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -89,6 +98,7 @@ class CellResult:
         *,
         steps_per_epoch: int,
         peak_mem_mb_per_stage: Sequence[float],
+        measured_bubble: float | None = None,
     ) -> CellResult:
         """An "ok" result from the measured step times (warm-up already removed)."""
         if not step_times_s:
@@ -109,6 +119,8 @@ class CellResult:
             epoch_s=median * steps_per_epoch,
             peak_mem_mb_per_stage=[float(m) for m in peak_mem_mb_per_stage],
             ideal_speedup=ideal_speedup(cell.pp, cell.chunks, cell.schedule),
+            measured_bubble=measured_bubble,
+            ideal_bubble=_ideal_bubble(cell),
         )
 
     @classmethod
@@ -117,7 +129,7 @@ class CellResult:
         if status == "ok":
             raise ConfigError("a failed cell cannot have status 'ok'", hint="use CellResult.from_steps")
         return cls(cell=cell, status=status, reason=reason,
-                   ideal_speedup=ideal_speedup(cell.pp, cell.chunks, cell.schedule))
+                   ideal_speedup=ideal_speedup(cell.pp, cell.chunks, cell.schedule), ideal_bubble=_ideal_bubble(cell))
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (the cell nested under "cell")."""

@@ -19,7 +19,7 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import spawn
 from pipetrain.workloads.imdb import num_batches
 
-__all__ = ["run_cell", "run_grid"]
+__all__ = ["run_cell", "run_grid", "trace_folder"]
 
 log = logging.getLogger("pipetrain")
 
@@ -27,21 +27,25 @@ log = logging.getLogger("pipetrain")
 EPOCH_SAMPLES = 25_000
 
 
-def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float) -> CellResult:
-    """Measure one cell in fresh rank processes; failures become "oom", "error" or "timeout" results."""
+def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir: Path | None = None) -> CellResult:
+    """Measure one cell in fresh rank processes; failures become "oom", "error" or "timeout" results.
+
+    With `trace_dir`, the traced steps' files go to `trace_dir/<cell folder>` (see `trace_folder`)."""
     problem = cell_problem(cell)
     if problem:
         return CellResult.failed(cell, "invalid", problem)
     work = Path(tempfile.mkdtemp(prefix="pipetrain-cell-"))
     try:
         spawn(measure_rank, ranks=range(cell.world_size), world_size=cell.world_size, master_addr="127.0.0.1",
-              master_port=free_port(), args=(cell, warmup, steps, str(work)), timeout_s=timeout_s)
+              master_port=free_port(), args=(cell, warmup, steps, str(work), None if trace_dir is None else str(trace_folder(trace_dir, cell))),
+              timeout_s=timeout_s)
         measured = json.loads((work / "result.json").read_text())
         return CellResult.from_steps(
             cell,
             measured["step_times_s"],
             steps_per_epoch=num_batches(EPOCH_SAMPLES, cell.batch_size),
             peak_mem_mb_per_stage=measured["peak_mem_mb_per_stage"],
+            measured_bubble=measured.get("measured_bubble"),
         )
     except RankTimeoutError:
         return CellResult.failed(cell, "timeout", f"not finished after {timeout_s:g} s")
@@ -54,8 +58,14 @@ def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float) -> CellRe
         shutil.rmtree(work, ignore_errors=True)
 
 
+def trace_folder(trace_dir: Path, cell: Cell) -> Path:
+    """The folder of one cell's trace files, named after its key (e.g. `pp=2,batch=64,chunks=4`)."""
+    return Path(trace_dir) / cell.key.replace("=", "-").replace(",", "_")
+
+
 def run_grid(
-    cells: Sequence[Cell], store: ResultStore, *, warmup: int, steps: int, timeout_s: float, progress: bool = True
+    cells: Sequence[Cell], store: ResultStore, *, warmup: int, steps: int, timeout_s: float, progress: bool = True,
+    trace_dir: Path | None = None,
 ) -> dict[str, CellResult]:
     """Measure every cell not already in `store`, appending each result as soon as it is known.
 
@@ -70,7 +80,7 @@ def run_grid(
     try:
         for index, cell in enumerate(todo, 1):
             bar.set_description(f"pp={cell.pp} batch={cell.batch_size} chunks={cell.chunks}")
-            result = run_cell(cell, warmup=warmup, steps=steps, timeout_s=timeout_s)
+            result = run_cell(cell, warmup=warmup, steps=steps, timeout_s=timeout_s, trace_dir=trace_dir)
             store.append(result)
             bar.update()
             if not progress:
@@ -83,5 +93,7 @@ def run_grid(
 
 def _outcome(result: CellResult) -> str:
     if result.ok:
-        return f"{result.median_step_s:.3g} s/step, peak {result.peak_mem_mb:.0f} MB"
+        bubble = "" if result.measured_bubble is None or result.cell.pp == 1 else (
+            f", bubble {100 * result.measured_bubble:.0f}% (ideal {100 * (result.ideal_bubble or 0):.0f}%)")
+        return f"{result.median_step_s:.3g} s/step, peak {result.peak_mem_mb:.0f} MB{bubble}"
     return f"{result.status} ({result.reason})"

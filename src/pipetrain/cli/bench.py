@@ -14,6 +14,7 @@ from pipetrain.bench.report import collect_environment, summary_lines, write_rep
 from pipetrain.bench.results import ResultStore, compute_speedups
 from pipetrain.bench.runner import run_grid
 from pipetrain.errors import ConfigError
+from pipetrain.trace.report import check_trace_dir
 
 __all__ = ["add_parser", "run"]
 
@@ -34,6 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--steps", type=int, default=5, help="timed steps per cell (default: 5)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per cell (default: 180)")
     parser.add_argument("--fresh", action="store_true", help="measure every cell again instead of resuming")
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="also write each cell's traced steps (trace.json, gantt.png, summary) to DIR/<cell>; "
+                             "the measured-bubble column is always computed from 2 steps traced after the timed ones")
     return parser
 
 
@@ -58,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.grid) + ([f"mem={args.mem_limit}"] if args.mem_limit is not None else [])
     cells = GridSpec(default_axes(device, args.quick)).with_overrides(overrides).cells()
     _check_out(args.out)
+    if args.trace is not None:
+        check_trace_dir(args.trace)
     store = ResultStore(args.out / "cells.jsonl")
     if args.fresh and store.path.exists():
         store.path.unlink()
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         run_grid(cells, store, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout,
-                 progress=sys.stderr.isatty())
+                 progress=sys.stderr.isatty(), trace_dir=args.trace)
     except KeyboardInterrupt:
         interrupted = True
         log.info("interrupted: every finished cell is kept in %s; run the same command again to resume", store.path)

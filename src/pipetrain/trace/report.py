@@ -15,21 +15,31 @@ from pipetrain.trace.gantt import write_gantt
 from pipetrain.trace.spans import Span
 from pipetrain.trace.summary import RankSummary, summarize, summary_lines
 
-__all__ = ["TraceFiles", "check_trace_dir", "write_trace_files"]
+__all__ = ["TraceFiles", "check_trace_dir", "write_trace_files", "trace_result"]
 
 
 @dataclass(frozen=True)
 class TraceFiles:
-    """Where a traced run's files are, and its per-rank summary."""
+    """A traced run's per-rank summary and where its files are (None when no files were asked for)."""
 
-    trace: Path
-    gantt: Path
-    summary: Path
+    trace: Path | None
+    gantt: Path | None
+    summary: Path | None
     summaries: tuple[RankSummary, ...]
     ideal_bubble: float | None
 
     def lines(self) -> list[str]:
         return summary_lines(self.summaries, self.ideal_bubble)
+
+    @property
+    def mean_bubble(self) -> float | None:
+        """The measured bubble averaged over the ranks."""
+        return sum(s.bubble for s in self.summaries) / len(self.summaries) if self.summaries else None
+
+
+def trace_result(spans: Sequence[Span], *, ideal_bubble: float | None = None) -> TraceFiles:
+    """The summary of `spans` without writing any file."""
+    return TraceFiles(None, None, None, tuple(summarize(spans)), ideal_bubble)
 
 
 def check_trace_dir(path: Path) -> None:

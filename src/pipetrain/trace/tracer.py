@@ -9,6 +9,8 @@
                 optimizer.step()
     files = tracer.close()   # on rank 0: TraceFiles (trace.json, gantt.png, summary); None elsewhere
 
+With `out_dir=None` nothing is written: rank 0 gets the summary only (as `pipetrain bench` uses it).
+
 Every rank must call `step()` the same number of times and `close()` once (it gathers over the job).
 """
 
@@ -26,7 +28,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.timeline import Recorder, span
-from pipetrain.trace.report import TraceFiles, check_trace_dir, write_trace_files
+from pipetrain.trace.report import TraceFiles, check_trace_dir, trace_result, write_trace_files
 from pipetrain.trace.spans import Span
 from pipetrain.trace.summary import ideal_bubble
 
@@ -36,14 +38,15 @@ __all__ = ["Tracer"]
 class Tracer:
     """Records steps `warmup` .. `warmup + steps - 1` (counted from 0) of `engine`'s loop on this rank."""
 
-    def __init__(self, engine: PipelineEngine, out_dir: str | Path, *, steps: int = 3, warmup: int = 2,
+    def __init__(self, engine: PipelineEngine, out_dir: str | Path | None, *, steps: int = 3, warmup: int = 2,
                  title: str = "") -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"--trace-steps {steps!r} traces no step", hint="pass --trace-steps 1 or more")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ConfigError(f"--trace-warmup {warmup!r} is not a step count", hint="pass --trace-warmup 0 or more")
-        self.out_dir = Path(out_dir)
-        check_trace_dir(self.out_dir)
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        if self.out_dir is not None:
+            check_trace_dir(self.out_dir)
         self.steps, self.warmup = steps, warmup
         self.engine = engine
         config = engine.config
@@ -99,6 +102,8 @@ class Tracer:
         metadata = {"schedule": config.schedule, "pp": config.pp, "chunks": config.n_microbatches,
                     "stages_per_rank": config.virtual_stages, "traced_steps": self.traced_steps,
                     "warmup_steps": self.warmup, "world_size": world}
+        if self.out_dir is None:
+            return trace_result(spans, ideal_bubble=ideal)
         return write_trace_files(spans, self.out_dir, ideal_bubble=ideal, title=self.title, metadata=metadata)
 
 
