@@ -9,12 +9,34 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["BlockModel", "ModuleListModel", "build_blocks", "build_sequential", "block_seed"]
+__all__ = [
+    "BlockModel",
+    "BlockSequential",
+    "ModuleListModel",
+    "Tensors",
+    "as_tuple",
+    "build_blocks",
+    "build_sequential",
+    "block_seed",
+]
+
+#: What a block takes and returns: one tensor, or a tuple of tensors.
+Tensors = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 @runtime_checkable
 class BlockModel(Protocol):
-    """What pipetrain needs from a model: how many blocks, how to build block `i`, and a sample input."""
+    """What pipetrain needs from a model: how many blocks, how to build block `i`, and a sample input.
+
+    Several tensors may flow between blocks: a block is called as `block(*tensors)` and returns one tensor
+    or a tuple of tensors, which the next block receives positionally, whether it runs on the same stage
+    or on the next one (e.g. `(hidden, padding_mask)` -> `(hidden, padding_mask)`). The first block receives
+    the batch's input(s) the same way (a tuple of inputs is several arguments). Integer and boolean tensors
+    (masks, positions) cross stages without gradients; float tensors carry gradients when they depend on
+    parameters. Every tensor's first dimension is the batch (micro-batches are cut along it). The last
+    block returns the one tensor the loss reads. Only tensors cross a stage: a block returning anything
+    else (a Python number, None, a dict) is refused with an error naming it.
+    """
 
     @property
     def num_blocks(self) -> int:
@@ -25,9 +47,29 @@ class BlockModel(Protocol):
         """Build block `index` (on the current default device; may be the meta device)."""
         ...
 
-    def example_input(self, batch_size: int) -> torch.Tensor:
-        """A first-block input of `batch_size` samples (its values may be garbage; only shape/dtype count)."""
+    def example_input(self, batch_size: int) -> Tensors:
+        """The first block's input(s) for `batch_size` samples: one tensor or a tuple (values may be garbage;
+        only shapes and dtypes count)."""
         ...
+
+
+def as_tuple(value: Tensors) -> tuple[torch.Tensor, ...]:
+    """`value` as a tuple of tensors (a single tensor becomes a 1-tuple)."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+class BlockSequential(nn.Sequential):
+    """`nn.Sequential` that passes tuples between blocks positionally (`block(*tensors)`), see `BlockModel`.
+
+    With one tensor between blocks it computes exactly what `nn.Sequential` does; parameter names are the
+    same (`<index>.<name in block>`).
+    """
+
+    def forward(self, *inputs: torch.Tensor) -> Tensors:
+        values: Tensors = inputs
+        for block in self:
+            values = block(*as_tuple(values))
+        return values
 
 
 class ModuleListModel:
@@ -37,7 +79,7 @@ class ModuleListModel:
     `build_block` constructs only the requested block.
     """
 
-    def __init__(self, modules: Sequence[nn.Module] | nn.Sequential, example_input: torch.Tensor) -> None:
+    def __init__(self, modules: Sequence[nn.Module] | nn.Sequential, example_input: Tensors) -> None:
         self._modules = list(modules)
         self._example = example_input
 
@@ -48,10 +90,15 @@ class ModuleListModel:
     def build_block(self, index: int) -> nn.Module:
         return copy.deepcopy(self._modules[index])
 
-    def example_input(self, batch_size: int) -> torch.Tensor:
-        reps = [1] * self._example.dim()
-        reps[0] = -(-batch_size // self._example.shape[0])
-        return self._example.repeat(*reps)[:batch_size]
+    def example_input(self, batch_size: int) -> Tensors:
+        def repeat(example: torch.Tensor) -> torch.Tensor:
+            reps = [1] * example.dim()
+            reps[0] = -(-batch_size // example.shape[0])
+            return example.repeat(*reps)[:batch_size]
+
+        if isinstance(self._example, tuple):
+            return tuple(repeat(example) for example in self._example)
+        return repeat(self._example)
 
 
 def block_seed(seed: int, index: int) -> int:
@@ -71,6 +118,9 @@ def build_blocks(
     return blocks
 
 
-def build_sequential(model: BlockModel, *, seed: int, device: torch.device | str = "cpu") -> nn.Sequential:
-    """The whole model on one device: the single-process reference the pipelined runs must match."""
-    return nn.Sequential(*build_blocks(model, range(model.num_blocks), seed=seed, device=device))
+def build_sequential(model: BlockModel, *, seed: int, device: torch.device | str = "cpu") -> BlockSequential:
+    """The whole model on one device: the single-process reference the pipelined runs must match.
+
+    Call it like the first block: `model(*inputs)` when `example_input` is a tuple.
+    """
+    return BlockSequential(*build_blocks(model, range(model.num_blocks), seed=seed, device=device))

@@ -51,6 +51,8 @@ class PipelineConfig:
 
     `n_microbatches` is the seed's "chunks": 1 is naive model parallelism.
     `balance`, when given, is the number of blocks of each stage (pp * stages_per_rank entries).
+    `shape_cache` bounds the schedules kept, one per micro-batch shape (e.g. sequence length); the least
+    recently used is rebuilt when needed again.
     """
 
     pp: int = 1
@@ -60,9 +62,11 @@ class PipelineConfig:
     stages_per_rank: int | None = None
     balance: tuple[int, ...] | None = None
     partition: str = "uniform"
+    shape_cache: int = 16
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)
+        _positive("shape_cache (--shape-cache)", self.shape_cache)
         _positive("n_microbatches (--chunks)", self.n_microbatches)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("checkpoint policy", self.checkpoint, CHECKPOINT_POLICIES)

@@ -13,7 +13,7 @@ from pipetrain.blocks import BlockModel
 from pipetrain.config import ParallelConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
-from pipetrain.pipeline import PipelineEngine
+from pipetrain.pipeline import Loss, PipelineEngine
 
 __all__ = ["Session", "join_job", "build_session", "open_session", "close_session"]
 
@@ -53,7 +53,7 @@ def build_session(
     device: torch.device,
     *,
     seed: int = 0,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    loss_fn: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ) -> Session:
     """Build the dp × pp mesh over the joined world and this rank's stages of `model`."""
     parallel.check_world(dist.get_world_size())
@@ -67,6 +67,7 @@ def build_session(
         loss_fn=loss_fn,
         seed=seed,
         dp=parallel.dp,
+        dp_group=mesh.dp_group,
         wrap=wrap,
     )
     return Session(device=device, mesh=mesh, engine=engine)
@@ -78,7 +79,7 @@ def open_session(
     parallel: ParallelConfig,
     *,
     seed: int = 0,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    loss_fn: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     cpu_threads: int | None = 1,
     timeout_s: float = 600.0,
 ) -> Session:

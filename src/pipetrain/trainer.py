@@ -41,13 +41,18 @@ class TrainConfig:
     max_steps: int | None = None
     lr: float = 1e-3
     seed: int = 0
+    bucket: bool = False
     progress: bool = True
     trace: Path | None = None
     trace_steps: int = 3
     trace_warmup: int = 2
 
     def __post_init__(self) -> None:
-        self.task().check_preset(self.preset)
+        workload = self.task()
+        workload.check_preset(self.preset)
+        if self.bucket and not workload.buckets:
+            raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
+                              hint="drop --bucket, or use --workload lm")
         for name in ("batch_size", "epochs", "train_samples", "test_samples"):
             value = getattr(self, name)
             if value < 1:
@@ -129,7 +134,7 @@ def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
 def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int) -> MetricTotals:
     totals = MetricTotals()
     for x, y in workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
-                                 replica=dp_rank, replicas=config.parallel.dp):
+                                 replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket):
         totals.add(engine.evaluate(x, y))
     return totals
 
@@ -164,7 +169,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
             totals = MetricTotals()
             total = per_epoch if config.max_steps is None else min(per_epoch, config.max_steps - steps)
             stream = workload.batches(train, config.batch_size, shuffle=True, seed=config.seed, epoch=epoch,
-                                      replica=mesh.dp_rank, replicas=dp)
+                                      replica=mesh.dp_rank, replicas=dp, bucket=config.bucket)
             bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", disable=not (session.is_main and config.progress),
                        leave=False, dynamic_ncols=True)
             for (x, y), _ in zip(stream, range(total)):

@@ -17,7 +17,9 @@ from pipetrain.blocks import build_sequential
 from pipetrain.config import ParallelConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
 from pipetrain.session import build_session, close_session, join_job
+from pipetrain.workloads.gpt import GPT_PRESETS, PAD_ID, GPTModel
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
 
 SEED = 3
@@ -28,8 +30,44 @@ MODEL_CONFIG = replace(PRESETS["tiny"], nlayers=6)
 EVAL_BATCHES = [8, 3]
 
 
+# the tiny causal decoder with 6 layers: (hidden, padding mask) cross every stage, token-level loss
+GPT_CONFIG = replace(GPT_PRESETS["tiny"], nlayers=6, seq_len=12)
+
+
 def make_model() -> TransformerClassifier:
     return TransformerClassifier(MODEL_CONFIG)
+
+
+def make_gpt() -> GPTModel:
+    return GPTModel(GPT_CONFIG)
+
+
+def _reference_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # the ground truth: the mean over every non-padding token of the whole (global) batch
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def make_token_batches(sizes: list[int], seed: int = 11) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic right-padded token batches (lengths 2..seq_len, so micro-batches hold unequal token
+    counts) with next-token targets, padding targets set to the ignore index."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        length = GPT_CONFIG.seq_len + 1
+        tokens = torch.randint(1, GPT_CONFIG.vocab_size, (n, length), generator=gen)
+        lengths = torch.randint(2, length + 1, (n,), generator=gen)
+        tokens[torch.arange(length)[None, :] >= lengths[:, None]] = PAD_ID
+        targets = tokens[:, 1:].clone()
+        targets[targets == PAD_ID] = IGNORE_INDEX
+        out.append((tokens[:, :-1], targets))
+    return out
+
+
+#: model name -> (BlockModel factory, loss given to the engine, loss of the single-process reference, eval batches)
+MODELS = {
+    "classifier": (make_model, F.cross_entropy, F.cross_entropy, lambda: make_batches(EVAL_BATCHES)),
+    "gpt": (make_gpt, TokenCrossEntropy(), _reference_token_loss, lambda: make_token_batches(EVAL_BATCHES, seed=5)),
+}
 
 
 def make_batches(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,27 +84,29 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference_run(batches) -> dict:
+def reference_run(batches, model_name: str = "classifier") -> dict:
     """Single process, whole batch, plain mean loss, SGD: the ground truth."""
-    model = build_sequential(make_model(), seed=SEED)
+    factory, _, loss_fn, eval_batches = MODELS[model_name]
+    model = build_sequential(factory(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for x, y in batches:
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     model.eval()
     with torch.no_grad():
-        evals = [(F.cross_entropy(model(x), y).item(), model(x)) for x, y in make_batches(EVAL_BATCHES)]
+        evals = [(loss_fn(model(x), y).item(), model(x)) for x, y in eval_batches()]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
-def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
-    session = build_session(make_model(), parallel, device, seed=SEED)
+def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: str = "classifier") -> dict:
+    factory, loss, _, eval_batches = MODELS[model_name]
+    session = build_session(factory(), parallel, device, seed=SEED, loss_fn=loss)
     engine, mesh = session.engine, session.mesh
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads = [], []
@@ -79,23 +119,24 @@ def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
         opt.step()
     params = {name: _full(p.detach()).cpu().clone() for name, p in engine.named_parameters()}
     evals = []
-    for x, y in make_batches(EVAL_BATCHES):
+    for x, y in eval_batches():
         result = engine.evaluate(x, y)  # every replica evaluates the whole batch here
         evals.append((result.loss, None if result.outputs is None else result.outputs.cpu()))
     return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
-def _worker(spec: RankSpec, cases: dict[str, tuple[ParallelConfig, list]], out: str) -> None:
+def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:
     device = join_job(spec)
     try:
-        records = {name: _train(parallel, batches, device) for name, (parallel, batches) in cases.items()}
+        records = {name: _train(parallel, batches, device, *model) for name, (parallel, batches, *model) in cases.items()}
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
 
-def parallel_runs(world_size: int, cases: dict[str, tuple[ParallelConfig, list]], out: Path) -> dict[str, list[dict]]:
-    """Run every case (name -> (mesh config, batches)) on one spawned job; returns name -> per-rank records."""
+def parallel_runs(world_size: int, cases: dict[str, tuple], out: Path) -> dict[str, list[dict]]:
+    """Run every case (name -> (mesh config, batches[, model name of MODELS])) on one spawned job; returns
+    name -> per-rank records."""
     spawn(_worker, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1",
           master_port=free_port(), args=(cases, str(out)), timeout_s=600)
     per_rank = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.config import ParallelConfig, PipelineConfig
-from tests.distributed.harness import assert_parity, make_batches, parallel_runs, reference_run
+from tests.distributed.harness import assert_parity, make_batches, make_token_batches, parallel_runs, reference_run
 
 RTOL, ATOL = 1e-5, 4e-5
 # 8, then a short batch that 4 chunks do not divide (4 x 1 + a remainder of 2), then one smaller than 4
@@ -38,24 +38,46 @@ WORLD_CASES = {
         "dp2xpp2-interleaved-1f1b-fsdp": (_pipe(2, "interleaved-1f1b", dp=2, dp_mode="fsdp"), DP_BATCHES),
     },
 }
+# The causal decoder: (hidden states, boolean padding mask) cross every stage boundary; the loss is per token
+# with padding ignored, over micro-batches holding unequal numbers of tokens (and replicas too, with dp=2).
+GPT_CASES = {
+    2: {f"gpt-pp2-{s}": (_pipe(2, s, "except_last"), PIPELINE_BATCHES) for s in ("gpipe", "1f1b", "interleaved-1f1b")},
+    4: {
+        **{f"gpt-pp4-{s}": (_pipe(4, s), PIPELINE_BATCHES) for s in ("gpipe", "1f1b", "interleaved-1f1b")},
+        "gpt-dp2xpp2-1f1b-fsdp": (_pipe(2, "1f1b", dp=2, dp_mode="fsdp"), DP_BATCHES),
+    },
+}
+ALL_CASES = {world: {**WORLD_CASES[world], **GPT_CASES[world]} for world in WORLD_CASES}
+
+
+def _model(name: str) -> str:
+    return "gpt" if name.startswith("gpt-") else "classifier"
+
+
+def _batches(model: str, sizes: list[int]):
+    return make_token_batches(sizes) if model == "gpt" else make_batches(sizes)
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {sizes: reference_run(make_batches(list(sizes))) for sizes in (tuple(PIPELINE_BATCHES), tuple(DP_BATCHES))}
+    return {
+        (model, tuple(sizes)): reference_run(_batches(model, sizes), model)
+        for model in ("classifier", "gpt") for sizes in (PIPELINE_BATCHES, DP_BATCHES)
+    }
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     """name -> per-rank records, for every case of every world size (one job per world size)."""
     cases = {}
-    for world, world_cases in WORLD_CASES.items():
-        batches = {name: (parallel, make_batches(sizes)) for name, (parallel, sizes) in world_cases.items()}
+    for world, world_cases in ALL_CASES.items():
+        batches = {name: (parallel, _batches(_model(name), sizes), _model(name))
+                   for name, (parallel, sizes) in world_cases.items()}
         cases.update(parallel_runs(world, batches, tmp_path_factory.mktemp(f"world{world}")))
     return cases
 
 
-@pytest.mark.parametrize("name", [name for world_cases in WORLD_CASES.values() for name in world_cases])
+@pytest.mark.parametrize("name", [name for world_cases in ALL_CASES.values() for name in world_cases])
 def test_matches_single_process(name, records, references):
-    sizes = next(c[1] for w in WORLD_CASES.values() for n, c in w.items() if n == name)
-    assert_parity(references[tuple(sizes)], records[name], rtol=RTOL, atol=ATOL)
+    sizes = next(c[1] for w in ALL_CASES.values() for n, c in w.items() if n == name)
+    assert_parity(references[_model(name), tuple(sizes)], records[name], rtol=RTOL, atol=ATOL)

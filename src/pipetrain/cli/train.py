@@ -61,6 +61,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile", type=Path, default=None, metavar="FILE",
                        help="per-block costs for --partition time|memory (from `pipetrain profile`); "
                             "default: measure the blocks at start")
+    group.add_argument("--shape-cache", type=int, default=16,
+                       help="schedules kept, one per micro-batch shape (sequence length); least recently used "
+                            "dropped (default: 16)")
 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -73,6 +76,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         stages_per_rank=args.stages_per_rank,
         balance=args.balance,
         partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
+        shape_cache=args.shape_cache,
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline)
 
@@ -119,8 +123,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"what to train: {' | '.join(workload_names())} (default: classifier)")
     group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     group.add_argument("--data", type=Path, default=None,
-                       help="classifier: an aclImdb folder (train|test/pos|neg/*.txt); "
+                       help="classifier: an aclImdb folder (train|test/pos|neg/*.txt); lm: a plain-text file "
+                            "(paragraphs split by blank lines) or a folder of .txt files; "
                             "default: the workload's synthetic corpus")
+    group.add_argument("--bucket", action="store_true",
+                       help="lm: batch documents of similar lengths together (less padding)")
     group.add_argument("--train-samples", type=int, default=6000, help="synthetic training samples (default: 6000)")
     group.add_argument("--test-samples", type=int, default=2000, help="synthetic test samples (default: 2000)")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
@@ -168,6 +175,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         max_steps=args.max_steps,
         lr=args.lr,
         seed=args.seed,
+        bucket=args.bucket,
         progress=not args.no_progress and sys.stderr.isatty(),
         trace=args.trace,
         trace_steps=args.trace_steps,

@@ -1,7 +1,8 @@
 """Pipeline parallelism: the only package that uses `torch.distributed.pipelining`."""
 
 from pipetrain.pipeline.engine import PipelineEngine, StepResult
+from pipetrain.pipeline.loss import IGNORE_INDEX, Loss, SampleMeanLoss, TokenCrossEntropy
 from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import recomputes
 
-__all__ = ["PipelineEngine", "StepResult", "Run", "plan_runs", "recomputes"]
+__all__ = ["PipelineEngine", "StepResult", "Loss", "SampleMeanLoss", "TokenCrossEntropy", "IGNORE_INDEX", "Run", "plan_runs", "recomputes"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -10,32 +11,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-)
 
-from pipetrain.blocks import BlockModel, build_blocks
+from pipetrain.blocks import BlockModel, BlockSequential, Tensors, as_tuple, build_blocks
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
+from pipetrain.pipeline.loss import Loss, as_loss
 from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
-from pipetrain.pipeline.shapes import boundary_tensors
+from pipetrain.pipeline.shapes import boundary_tensors, meta_blocks, signature
+from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule
 from pipetrain.pipeline.timeline import span
 
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
-
-SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zero-bubble": ScheduleInterleavedZeroBubble,
-}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -45,8 +33,9 @@ class StepResult:
     """Metrics of one step or evaluation, identical on every rank (reduced over the whole job).
 
     `loss` is the mean over what the loss counts (`count`: the samples, or the non-padding tokens of a
-    token loss); `accuracy` is None unless outputs are class logits. `outputs` holds the last stage's
-    merged outputs on the rank(s) that own it (None elsewhere).
+    token loss); `accuracy` is the fraction of them predicted right (None unless outputs are logits of
+    integer targets); `perplexity` is exp(loss) for a token cross-entropy (else None). `outputs` holds the
+    last stage's merged outputs on the rank(s) that own it (None elsewhere).
     """
 
     loss: float
@@ -54,15 +43,21 @@ class StepResult:
     samples: int
     outputs: torch.Tensor | None = None
     count: int = 0
+    perplexity: float | None = None
 
 
 class PipelineEngine:
     """Runs one pipeline (`config.pp` ranks of `pp_group`) over a `BlockModel`, building only local blocks.
 
-    Every rank of the pipeline calls `step`/`evaluate` with the same batch; the first stage reads `inputs`,
-    the last reads `targets`. `loss_fn` reduces by mean (like `F.cross_entropy`). `wrap` (e.g. DDP or FSDP
-    over the data-parallel group) is applied to each local stage module; `dp` is the number of replicas
-    whose gradients it averages, so that the loss of every micro-batch gets its exact share of the global batch.
+    Every rank of the pipeline calls `step`/`evaluate` with the same batch; the first stage reads `inputs`
+    (a tensor, or a tuple of tensors for a first block with several arguments), the last reads `targets`.
+    Pass the inputs on every rank when their shape varies between batches (sequence lengths): the shape
+    picks the schedule. `loss_fn` is a `Loss` (e.g. `TokenCrossEntropy`) or a mean-reducing function (like
+    `F.cross_entropy`, counted per sample). `wrap` (e.g. DDP or FSDP over the data-parallel group) is applied
+    to each local stage module; `dp` is the number of replicas whose gradients it averages and `dp_group`
+    their group, over which the count of a step (samples or non-padding tokens) is summed, so that the
+    gradients are those of the mean over the global batch. One schedule is kept per micro-batch shape, at
+    most `config.shape_cache` of them (least recently used dropped).
     """
 
     def __init__(
@@ -72,18 +67,20 @@ class PipelineEngine:
         *,
         device: torch.device,
         pp_group: dist.ProcessGroup | None = None,
-        loss_fn: LossFn = F.cross_entropy,
+        loss_fn: Loss | LossFn = F.cross_entropy,
         seed: int = 0,
         dp: int = 1,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         metrics_group: dist.ProcessGroup | None = None,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.device = device
-        self.loss_fn = loss_fn
+        self.loss = as_loss(loss_fn)
         self.dp = dp
         self.pp_group = pp_group
+        self.dp_group = dp_group
         self.metrics_group = metrics_group
         group_size = dist.get_world_size(pp_group)
         if group_size != config.pp:
@@ -100,11 +97,12 @@ class PipelineEngine:
         for stage_id in self.stage_ids:
             start, stop = self._bounds[stage_id]
             blocks = build_blocks(model, range(start, stop), seed=seed, device=device)
-            wrapper = RecomputeWrapper(nn.Sequential(*blocks), config.checkpoint)
+            wrapper = RecomputeWrapper(BlockSequential(*blocks), config.checkpoint)
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
-        self._schedules: dict[tuple[bool, Run], object] = {}
-        self._loss_denominator = 1
+        self.schedules = ScheduleCache(config.shape_cache)
+        self._meta_blocks: list[nn.Module] | None = None
+        self._loss_denominator = 1.0
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
 
@@ -139,51 +137,45 @@ class PipelineEngine:
 
     # ---- running -------------------------------------------------------------------------------------
 
-    def step(
-        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, global_batch_size: int | None = None
-    ) -> StepResult:
+    def step(self, inputs: Tensors | None, targets: torch.Tensor | None, *, global_count: int | None = None) -> StepResult:
         """Forward and backward of one batch; gradients are left in `parameters()` for the optimizer.
 
-        `global_batch_size` is the batch summed over data-parallel replicas (default: this batch × dp).
+        `global_count` is what the loss counts (samples, or non-padding tokens) summed over the data-parallel
+        replicas; by default it is summed over `dp_group` (or this batch's count × dp without a group).
         """
         self.train(True)
-        return self._run(inputs, targets, train=True, global_batch_size=global_batch_size)
+        return self._run(inputs, targets, train=True, global_count=global_count)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepResult:
-        """Forward-only pass of one batch in eval mode; returns the loss/accuracy on every rank."""
+    def evaluate(self, inputs: Tensors | None, targets: torch.Tensor | None) -> StepResult:
+        """Forward-only pass of one batch in eval mode; returns the metrics on every rank."""
         self.train(False)
         try:
-            return self._run(inputs, targets, train=False, global_batch_size=None)
+            return self._run(inputs, targets, train=False, global_count=None)
         finally:
             self.train(True)
 
-    def _run(
-        self,
-        inputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        *,
-        train: bool,
-        global_batch_size: int | None,
-    ) -> StepResult:
-        reference = inputs if inputs is not None else targets
+    def _run(self, inputs: Tensors | None, targets: torch.Tensor | None, *, train: bool,
+             global_count: int | None) -> StepResult:
+        inputs = as_tuple(inputs) if inputs is not None else None
+        reference = inputs[0] if inputs else targets
         if reference is None:
             raise ConfigError("step() got neither inputs nor targets", hint="pass the batch on every rank")
         batch_size = reference.shape[0]
         runs = plan_runs(batch_size, self.config.n_microbatches)
-        self._loss_denominator = global_batch_size or batch_size * self.dp
+        targets = targets.to(self.device) if targets is not None else None
+        if train and self.has_last_stage:
+            self._loss_denominator = self._global_count(targets, global_count) / self.dp
         for wrapper in self._recompute:
             wrapper.start_step(sum(run.count for run in runs))
-        inputs = inputs.to(self.device) if inputs is not None and self.has_first_stage else None
-        targets = targets.to(self.device) if targets is not None else None
+        local = tuple(t.to(self.device) for t in inputs) if inputs is not None and self.has_first_stage else None
         outputs = []
         offset = 0
         for run in runs:
             part = slice(offset, offset + run.samples)
             offset += run.samples
-            fresh = (train, run) not in self._schedules
-            schedule = self._schedule(run, train)
-            args = (inputs[part],) if inputs is not None else ()
+            schedule, fresh = self._schedule(run, train, inputs)
+            args = tuple(t[part] for t in local) if local is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
             with self._grads_kept(fresh):
                 out = schedule.step(*args, target=target) if train else schedule.eval(*args)
@@ -191,6 +183,22 @@ class PipelineEngine:
                 outputs.append(out)
         merged = torch.cat(outputs) if outputs else None
         return self._metrics(merged, targets, batch_size)
+
+    def _global_count(self, targets: torch.Tensor | None, given: int | None) -> float:
+        """What the loss of this step is averaged over, across the data-parallel replicas."""
+        if given is not None:
+            return float(given)
+        if targets is None:
+            raise ConfigError("the last pipeline stage got no targets", hint="pass the targets on every rank")
+        count = torch.tensor([float(self.loss.count(targets))], dtype=torch.float64, device=self.device)
+        if self.dp > 1 and self.dp_group is not None:
+            dist.all_reduce(count, group=self.dp_group)
+        else:
+            count *= self.dp
+        if count.item() == 0:
+            raise ConfigError("every target of this batch is padding (ignore_index): nothing to learn from",
+                              hint="drop batches without any non-padding target")
+        return count.item()
 
     @contextmanager
     def _grads_kept(self, fresh: bool) -> Iterator[None]:
@@ -208,61 +216,47 @@ class PipelineEngine:
             param.grad = grad if param.grad is None else param.grad + grad
 
     def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # mean loss of the micro-batch times its share of the global batch (times dp, which DDP/FSDP divide by)
-        return self.loss_fn(output, target) * (output.shape[0] * self.dp / self._loss_denominator)
+        # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
+        return self.loss.total(output, target) / self._loss_denominator
 
     def _metrics(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int) -> StepResult:
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(5, dtype=torch.float64, device=self.device)
         if outputs is not None and targets is not None:
             outputs_ = outputs.detach()
-            totals[0] = self.loss_fn(outputs_, targets).double() * batch_size
+            totals[0] = self.loss.total(outputs_, targets).double()
+            totals[1] = self.loss.count(targets)
             totals[2] = batch_size
-            if outputs_.dim() == 2 and not targets.is_floating_point():
-                totals[1] = (outputs_.argmax(dim=1) == targets).sum()
-                totals[3] = 1
+            correct = self.loss.correct(outputs_, targets)
+            if correct is not None:
+                totals[3], totals[4] = correct, 1
         if dist.is_initialized():
             with span("metrics"):
                 dist.all_reduce(totals, group=self.metrics_group)
-        loss_sum, correct, count, classified = totals.tolist()
-        count = max(count, 1.0)
+        loss_sum, count, samples, correct, classified = totals.tolist()
+        loss = loss_sum / max(count, 1.0)
         return StepResult(
-            loss=loss_sum / count,
-            accuracy=correct / count if classified else None,
-            samples=int(count),
+            loss=loss,
+            accuracy=correct / max(count, 1.0) if classified else None,
+            samples=int(samples),
             outputs=outputs,
             count=int(count),
+            perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
         )
 
     # ---- stages and schedules, one set per micro-batch shape ----------------------------------------
 
-    def _schedule(self, run: Run, train: bool):
-        key = (train, run)
-        if key not in self._schedules:
-            self._schedules[key] = self._build_schedule(run, train)
-        return self._schedules[key]
+    def _schedule(self, run: Run, train: bool, inputs: tuple[torch.Tensor, ...] | None):
+        """The schedule of this run's micro-batch shape (built, and cached, on its first use)."""
+        example = self.model.example_input(run.size) if inputs is None else tuple(t[: run.size] for t in inputs)
+        key = (train, run, signature(as_tuple(example)))
+        return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
 
-    def _build_schedule(self, run: Run, train: bool):
-        boundaries = boundary_tensors(self.model, self._bounds, run.size)
-        stages = []
-        for stage_id, module in zip(self.stage_ids, self.modules):
-            example_in = torch.empty_like(boundaries[stage_id], device=self.device)
-            example_in.requires_grad_(train and stage_id > 0 and example_in.is_floating_point())
-            example_out = torch.empty_like(boundaries[stage_id + 1], device=self.device).requires_grad_(train)
-            stages.append(
-                PipelineStage(
-                    module,
-                    stage_id,
-                    self.num_stages,
-                    self.device,
-                    input_args=example_in,
-                    output_args=example_out,
-                    group=self.pp_group,
-                )
-            )
-        multi = len(stages) > 1
-        if run.fallback or not train:
-            cls = ScheduleLoopedBFS if multi else ScheduleGPipe
-        else:
-            cls = SCHEDULE_CLASSES[self.config.schedule]
-        loss_fn = self._weighted_loss if train else None
-        return cls(stages if multi else stages[0], n_microbatches=run.count, loss_fn=loss_fn, scale_grads=False)
+    def _build_schedule(self, run: Run, train: bool, example: Tensors):
+        if self._meta_blocks is None:
+            self._meta_blocks = meta_blocks(self.model)
+        boundaries = boundary_tensors(self._meta_blocks, self._bounds, example, train=train)
+        return build_schedule(
+            modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,
+            device=self.device, group=self.pp_group, schedule=self.config.schedule, run=run, train=train,
+            loss_fn=self._weighted_loss if train else None,
+        )

@@ -59,6 +59,8 @@ class Workload(ABC):
     presets: ClassVar[Mapping[str, Any]]
     metrics: ClassVar[tuple[str, ...]] = ("accuracy",)
     data_help: ClassVar[str] = ""
+    #: whether `batches(..., bucket=True)` groups samples by length (else --bucket is refused)
+    buckets: ClassVar[bool] = False
 
     def check_preset(self, preset: str) -> None:
         """Raise ConfigError unless `preset` is one of this workload's presets."""
@@ -98,6 +100,7 @@ class Workload(ABC):
 #: Built-in workloads, imported on first use: name -> "module:class".
 _BUILTIN: dict[str, str] = {
     "classifier": "pipetrain.workloads.classifier:ClassifierWorkload",
+    "lm": "pipetrain.workloads.language_model:LanguageModelWorkload",
 }
 _REGISTERED: dict[str, Callable[[], Workload]] = {}
 

@@ -1,0 +1,93 @@
+"""Losses as sums and counts, so the engine can normalise them over the global batch exactly.
+
+A pipeline computes the loss one micro-batch at a time, on every data-parallel replica. The mean over
+the global batch is the sum of every micro-batch's loss total divided by the global count (samples, or
+non-padding tokens), which the engine knows before the step. A mean of per-micro-batch means would
+weight tokens unequally as soon as micro-batches hold different numbers of non-padding tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Loss", "SampleMeanLoss", "TokenCrossEntropy", "as_loss", "IGNORE_INDEX"]
+
+#: The target value a token loss skips (padding); `F.cross_entropy`'s default.
+IGNORE_INDEX = -100
+
+
+@runtime_checkable
+class Loss(Protocol):
+    """A loss the engine can normalise: `total` sums over what `count` counts."""
+
+    #: whether exp(mean loss) is a perplexity (cross-entropies)
+    perplexity: bool
+
+    def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss summed over the counted units of this (micro-)batch (a scalar tensor)."""
+        ...
+
+    def count(self, target: torch.Tensor) -> int:
+        """How many units (samples, non-padding tokens) `total` sums over."""
+        ...
+
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
+        """How many counted units the output predicts right (None when accuracy means nothing)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SampleMeanLoss:
+    """A mean-reducing loss function (`F.cross_entropy`, `F.mse_loss`, ...) counted per sample.
+
+    Accuracy is reported when outputs are class logits `[batch, classes]` of integer labels `[batch]`.
+    """
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @property
+    def perplexity(self) -> bool:
+        return False
+
+    def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.fn(output, target) * output.shape[0]
+
+    def count(self, target: torch.Tensor) -> int:
+        return target.shape[0]
+
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
+        if output.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+            return None
+        return int((output.argmax(dim=1) == target).sum())
+
+
+@dataclass(frozen=True)
+class TokenCrossEntropy:
+    """Cross-entropy per token: logits `[..., vocab]`, integer targets `[...]` (any shape, e.g. `[batch, seq]`).
+
+    Targets equal to `ignore_index` (padding) count for nothing: the loss and its gradients are the mean
+    over the non-padding tokens of the global batch. Accuracy is per non-padding token.
+    """
+
+    ignore_index: int = IGNORE_INDEX
+    perplexity: bool = True
+
+    def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = output.reshape(-1, output.shape[-1])
+        return F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="sum")
+
+    def count(self, target: torch.Tensor) -> int:
+        return int((target != self.ignore_index).sum())
+
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
+        return int(((output.argmax(dim=-1) == target) & (target != self.ignore_index)).sum())
+
+
+def as_loss(loss: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Loss:
+    """`loss` itself when it is a `Loss`, else the mean-reducing function `loss` counted per sample."""
+    return loss if isinstance(loss, Loss) else SampleMeanLoss(loss)

@@ -1,0 +1,151 @@
+"""A GPT-style causal decoder written as a `BlockModel` whose blocks pass (hidden states, padding mask).
+
+Blocks, in order: the embedding (token ids `[batch, seq]` -> learned token + position embeddings, and the
+boolean mask of non-padding tokens), `nlayers` pre-norm decoder layers (causal self-attention that also
+skips padding keys, then a GELU MLP), and the head (final LayerNorm and a linear layer to next-token
+logits `[batch, seq, vocab]`). The mask crosses every stage boundary with the hidden states: a
+two-tensor pipeline, as the decoders of real language models are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["GPTConfig", "GPT_PRESETS", "GPTModel", "GPTEmbedding", "DecoderLayer", "GPTHead", "PAD_ID"]
+
+#: The padding token id of the inputs (and of the corpus): the mask is `tokens != PAD_ID`.
+PAD_ID = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Sizes of `GPTModel`; `emsize` must be a multiple of `nhead`; `seq_len` is the longest input."""
+
+    vocab_size: int
+    seq_len: int
+    emsize: int
+    nhead: int
+    nlayers: int
+    dropout: float = 0.0
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "emsize", "nhead", "nlayers", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"GPT {name} must be a positive integer, got {value!r}", hint=f"pass {name} >= 1")
+        if self.emsize % self.nhead:
+            raise ConfigError(f"GPT emsize={self.emsize} is not divisible by nhead={self.nhead}",
+                              hint="choose nhead among the divisors of emsize")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPT dropout must be in [0, 1), got {self.dropout!r}", hint="pass e.g. dropout=0.1")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.nlayers + 2
+
+
+#: `tiny` is for tests (a step takes milliseconds); `cpu` trains visibly in minutes on a 2-core machine.
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=96, seq_len=32, emsize=32, nhead=2, nlayers=4),
+    "cpu": GPTConfig(vocab_size=1024, seq_len=128, emsize=64, nhead=4, nlayers=4, dropout=0.1),
+}
+
+
+class GPTEmbedding(nn.Module):
+    """Token ids `[batch, seq]` -> (hidden `[batch, seq, emsize]`, non-padding mask `[batch, seq]` bool)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.emsize)
+        self.positions = nn.Embedding(config.seq_len, config.emsize)
+        self.dropout = nn.Dropout(config.dropout)
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length = tokens.shape[1]
+        if length > self.positions.num_embeddings:
+            raise ConfigError(f"input has {length} tokens per sample but the model was built for "
+                              f"seq_len={self.positions.num_embeddings}", hint="cut the sequences to the model's seq_len")
+        positions = torch.arange(length, device=tokens.device)
+        hidden = self.dropout(self.tokens(tokens) + self.positions(positions))
+        return hidden, tokens != PAD_ID
+
+
+class DecoderLayer(nn.Module):
+    """(hidden, mask) -> (hidden, mask): pre-norm causal self-attention over non-padding keys, then an MLP."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.nhead = config.nhead
+        self.dropout = config.dropout
+        self.norm1 = nn.LayerNorm(config.emsize)
+        self.qkv = nn.Linear(config.emsize, 3 * config.emsize)
+        self.proj = nn.Linear(config.emsize, config.emsize)
+        self.norm2 = nn.LayerNorm(config.emsize)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.emsize, config.mlp_ratio * config.emsize),
+            nn.GELU(),
+            nn.Linear(config.mlp_ratio * config.emsize, config.emsize),
+            nn.Dropout(config.dropout),
+        )
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, width = hidden.shape
+        q, k, v = self.qkv(self.norm1(hidden)).view(batch, length, 3, self.nhead, width // self.nhead).unbind(2)
+        causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
+        # a query sees earlier non-padding keys, and always itself (so no row is empty)
+        allowed = (causal & mask[:, None, None, :]) | torch.eye(length, dtype=torch.bool, device=hidden.device)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        hidden = hidden + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return hidden + self.mlp(self.norm2(hidden)), mask
+
+
+class GPTHead(nn.Module):
+    """(hidden, mask) -> next-token logits `[batch, seq, vocab]` (final LayerNorm, then linear)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(config.emsize)
+        self.linear = nn.Linear(config.emsize, config.vocab_size)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(hidden))
+
+
+class GPTModel:
+    """The causal decoder as a `BlockModel`: `nlayers + 2` blocks, token ids in, next-token logits out."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"GPTModel({self.config!r})"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    def build_block(self, index: int) -> nn.Module:
+        """Block `index`: 0 is the embedding, 1..nlayers the decoder layers, nlayers + 1 the head."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_blocks:
+            raise IndexError(f"block index {index!r} is out of range for a model of {self.num_blocks} blocks")
+        if index == 0:
+            return GPTEmbedding(self.config)
+        if index == self.num_blocks - 1:
+            return GPTHead(self.config)
+        return DecoderLayer(self.config)
+
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        """Token ids `[batch_size, seq_len]` (all padding)."""
+        return torch.zeros(batch_size, self.config.seq_len, dtype=torch.long)
