@@ -51,3 +51,8 @@ def test_malformed_profile(capsys, tmp_path):
     bad.write_text('{"format": "pipetrain-profile/1", "blocks": "many"}')
     code, _, err = _plan(capsys, "plan", "--gpus", "2", "--profile", str(bad))
     assert code == 2 and str(bad) in err and err.count("pipetrain: error") == 1
+
+
+def test_tune_rejects_a_profile(capsys, tmp_path):
+    code, _, err = _plan(capsys, "tune", "--gpus", "2", "--profile", str(tmp_path / "p.json"))
+    assert code == 2 and "--preset" in err and err.count("pipetrain: error") == 1

@@ -58,6 +58,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recomputation policies to consider (default: all)")
     limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")
     limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
+    limits.add_argument("--pp", type=int, default=None, help="consider only this pipeline degree")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
     limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
 
@@ -74,7 +75,7 @@ def _positive(name: str, value: int | float | None) -> None:
 
 
 def _devices(args: argparse.Namespace) -> tuple[int, int]:
-    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "gpu_mem"):
+    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "pp", "gpu_mem"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.gpus is not None and args.nodes is not None:
         raise ConfigError("both --gpus and --nodes given", hint="pass --gpus N, or --nodes N --gpus-per-node G")
@@ -123,8 +124,8 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
                        measured="built-in"), "built-in A100-class figures (no calibration file; see --calibrate)"
 
 
-def planned(args: argparse.Namespace) -> tuple[SearchResult, dict]:
-    """Run the search for parsed `plan`/`tune` arguments; returns the result and what it was based on."""
+def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
+    """Run the search for parsed `plan`/`tune` arguments (`fixed`: SearchSpace fields forced by the caller)."""
     gpus, per_node = _devices(args)
     blocks, source = model_blocks(args)
     calib, calib_source = calibration(args)
@@ -133,13 +134,15 @@ def planned(args: argparse.Namespace) -> tuple[SearchResult, dict]:
         from dataclasses import replace
 
         device = replace(device, memory_bytes=args.gpu_mem * _GB)
-    space = SearchSpace(schedules=tuple(args.schedules), checkpoints=tuple(args.checkpoints),
-                        dp_modes=tuple(args.dp_modes), max_chunks=args.max_chunks, max_pp=args.max_pp)
+    chosen = dict(schedules=tuple(args.schedules), checkpoints=tuple(args.checkpoints), dp_modes=tuple(args.dp_modes),
+                  max_chunks=args.max_chunks, max_pp=args.max_pp, only_pp=args.pp)
+    space = SearchSpace(**{**chosen, **fixed})
     start = time.perf_counter()
     result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,
                     gpus_per_node=per_node, top=args.top)
     info = {"gpus": gpus, "gpus_per_node": per_node, "model": source, "calibration": calib_source,
-            "memory_gb": device.memory_bytes / _GB, "seconds": time.perf_counter() - start}
+            "memory_gb": device.memory_bytes / _GB, "seconds": time.perf_counter() - start, "space": space,
+            "blocks": len(blocks)}
     return result, info
 
 

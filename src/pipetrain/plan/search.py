@@ -31,6 +31,7 @@ class SearchSpace:
     virtual: tuple[int, ...] = (2, 4)
     max_chunks: int = 64
     max_pp: int | None = None
+    only_pp: int | None = None
 
 
 @dataclass
@@ -51,7 +52,7 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
     """Every valid layout of exactly `gpus` ranks (dp * pp = gpus) for a global `batch`."""
     layouts = []
     for pp in range(1, min(num_blocks, space.max_pp or num_blocks, gpus) + 1):
-        if gpus % pp or batch % (gpus // pp):
+        if gpus % pp or batch % (gpus // pp) or space.only_pp not in (None, pp):
             continue
         dp = gpus // pp
         local = batch // dp

@@ -1,0 +1,104 @@
+"""Validate `pipetrain plan`'s simulator against `pipetrain bench` measurements on this machine.
+
+For every "ok" cell of one or more bench result folders (their `cells.jsonl`), predict the step time and
+the per-stage peak memory with the analytic model of the cell's preset and a calibration file, then print
+per cell and in total: the median absolute relative error of the step time, Spearman's rank correlation
+of the cells within each (pp, batch) row, and the memory error per stage, both of the whole process
+(CPU: VmHWM, which the bench measures) and of the memory above the rank's baseline (what the model
+allocates: measured peak minus the calibrated baseline, against the prediction minus the same baseline).
+
+    pipetrain bench --out runs/default                   # the default grid (~8 min idle)
+    pipetrain bench --grid pp=4 --out runs/pp4           # a second grid: the pp=4 cells
+    pipetrain plan --calibrate --gpus 2                  # stores ~/.cache/pipetrain/calibration.json
+    python benchmarks/plan_validation.py runs/default runs/pp4 [--calibration FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from pipetrain.bench.results import ResultStore
+from pipetrain.config import SCHEDULES
+from pipetrain.plan.hardware import default_calibration_path, load_calibration
+from pipetrain.plan.model import transformer_blocks
+from pipetrain.plan.predict import Layout, predict
+from pipetrain.workloads.transformer import PRESETS
+
+MB = 2**20
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rho (average ranks for ties); nan for fewer than 3 points."""
+    if len(xs) < 3:
+        return float("nan")
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+", type=Path, help="bench output folders (with cells.jsonl)")
+    parser.add_argument("--calibration", type=Path, default=default_calibration_path())
+    args = parser.parse_args()
+    calib = load_calibration(args.calibration)
+    device, network = calib.device, calib.network
+    rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    time_errors, mem_errors, above_errors = [], [], []
+    print(f"calibration: {args.calibration} ({calib.measured})")
+    print(f"{'cell':<48} {'measured s':>10} {'predicted':>10} {'error':>7}  memory MB measured/predicted per stage")
+    for folder in args.folders:
+        for result in ResultStore(folder / "cells.jsonl").load().values():
+            if not result.ok:
+                continue
+            cell = result.cell
+            c = PRESETS[cell.preset]
+            blocks = transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
+                                        nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
+            layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
+                            virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint)
+            p = predict(blocks, layout, device, network)
+            error = (p.step_s - result.median_step_s) / result.median_step_s
+            time_errors.append(abs(error))
+            rows.setdefault((cell.pp, cell.batch_size), []).append((result.median_step_s, p.step_s))
+            base = device.baseline_bytes / MB
+            measured_mem = result.peak_mem_mb_per_stage
+            predicted_mem = [m / MB for m in p.memory_bytes]
+            for got, want in zip(measured_mem, predicted_mem):
+                mem_errors.append(abs(want - got) / got)
+                above_errors.append(abs((want - base) - (got - base)) / max(got - base, 1.0))
+            name = f"pp={cell.pp} {cell.schedule} batch={cell.batch_size} chunks={cell.chunks} {cell.checkpoint}"
+            mems = " ".join(f"{g:.0f}/{w:.0f}" for g, w in zip(measured_mem, predicted_mem))
+            print(f"{name:<48} {result.median_step_s:>10.3f} {p.step_s:>10.3f} {100 * error:>+6.1f}%  {mems}")
+    print(f"\ncells: {len(time_errors)}")
+    print(f"step time: median |error| {100 * statistics.median(time_errors):.1f}%, "
+          f"mean {100 * statistics.fmean(time_errors):.1f}%, max {100 * max(time_errors):.1f}%")
+    for key in sorted(rows):
+        measured, predicted = zip(*rows[key])
+        print(f"  row pp={key[0]} batch={key[1]}: {len(measured)} cells, Spearman {spearman(list(measured), list(predicted)):+.2f}")
+    print(f"peak memory per stage (whole process): median |error| {100 * statistics.median(mem_errors):.1f}%, "
+          f"max {100 * max(mem_errors):.1f}%")
+    print(f"peak memory above the {device.baseline_bytes / MB:.0f} MB baseline: median |error| "
+          f"{100 * statistics.median(above_errors):.1f}%, max {100 * max(above_errors):.1f}%")
+
+
+if __name__ == "__main__":
+    main()
