@@ -14,6 +14,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.pipeline import Loss, PipelineEngine
+from pipetrain.pipeline.precision import AutocastStage, check_precision
 
 __all__ = ["Session", "join_job", "build_session", "open_session", "close_session"]
 
@@ -54,11 +55,16 @@ def build_session(
     *,
     seed: int = 0,
     loss_fn: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    precision: str = "fp32",
 ) -> Session:
-    """Build the dp × pp mesh over the joined world and this rank's stages of `model`."""
+    """Build the dp × pp mesh over the joined world and this rank's stages of `model`.
+
+    `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`).
+    """
+    check_precision(precision)
     parallel.check_world(dist.get_world_size())
     mesh = build_mesh(parallel.dp, parallel.pp, device)
-    wrap = data_parallel_wrapper(parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages)
+    wrap = _stage_wrapper(parallel, mesh, device, precision)
     engine = PipelineEngine(
         model,
         parallel.pipeline,
@@ -73,6 +79,23 @@ def build_session(
     return Session(device=device, mesh=mesh, engine=engine)
 
 
+def _stage_wrapper(
+    parallel: ParallelConfig, mesh: Mesh, device: torch.device, precision: str
+) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """Autocast (for a reduced precision) inside data parallelism (DDP/FSDP), applied to each stage module."""
+    replicate = data_parallel_wrapper(
+        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision
+    )
+    if precision == "fp32":
+        return replicate
+
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        stage = AutocastStage(module, precision, device.type)
+        return replicate(stage) if replicate else stage
+
+    return wrap
+
+
 def open_session(
     spec: RankSpec,
     model: BlockModel,
@@ -82,11 +105,16 @@ def open_session(
     loss_fn: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     cpu_threads: int | None = 1,
     timeout_s: float = 600.0,
+    precision: str = "fp32",
 ) -> Session:
-    """Join the job described by `spec` and build this rank's stages of `model` for the `parallel` mesh."""
+    """Join the job described by `spec` and build this rank's stages of `model` for the `parallel` mesh.
+
+    `precision`: "fp32" (default) or "bf16" (autocast, fp32 master weights and optimizer state).
+    """
+    check_precision(precision)
     parallel.check_world(spec.world_size)
     device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
-    return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn)
+    return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision)
 
 
 def close_session() -> None:

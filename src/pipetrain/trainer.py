@@ -16,6 +16,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.pipeline import PipelineEngine, StepResult
+from pipetrain.pipeline.precision import check_precision
 from pipetrain.pipeline.timeline import span
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
@@ -46,8 +47,10 @@ class TrainConfig:
     trace: Path | None = None
     trace_steps: int = 3
     trace_warmup: int = 2
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        check_precision(self.precision)
         workload = self.task()
         workload.check_preset(self.preset)
         if self.bucket and not workload.buckets:
@@ -147,7 +150,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
     """Train on this rank (one of dp × pp); every rank returns the same epoch reports."""
     workload = config.task()
     train, test = data if data is not None else load_data(config)
-    session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=workload.loss())
+    session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=workload.loss(),
+                           precision=config.precision)
     try:
         engine, mesh = session.engine, session.mesh
         optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr)
@@ -156,10 +160,10 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         if session.is_main:
             log.info(
                 "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
-                "balance %s | device %s",
+                "balance %s | %s | device %s",
                 train.source, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
-                config.parallel.pipeline.checkpoint, engine.balance, session.device,
+                config.parallel.pipeline.checkpoint, engine.balance, config.precision, session.device,
             )
         tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
                   if config.trace is not None else None)

@@ -18,6 +18,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
+from pipetrain.pipeline.precision import autocast
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.gpt import GPT_PRESETS, PAD_ID, GPTModel
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
@@ -84,29 +85,35 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference_run(batches, model_name: str = "classifier") -> dict:
-    """Single process, whole batch, plain mean loss, SGD: the ground truth."""
+def reference_run(batches, model_name: str = "classifier", precision: str = "fp32") -> dict:
+    """Single process, whole batch, plain mean loss, SGD: the ground truth (under autocast for bf16)."""
     factory, _, loss_fn, eval_batches = MODELS[model_name]
     model = build_sequential(factory(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with autocast("cpu", precision):
+            return model(x).float()
+
     losses, grads = [], []
     for x, y in batches:
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(forward(x), y)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     model.eval()
     with torch.no_grad():
-        evals = [(loss_fn(model(x), y).item(), model(x)) for x, y in eval_batches()]
+        evals = [(loss_fn(forward(x), y).item(), forward(x)) for x, y in eval_batches()]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
-def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: str = "classifier") -> dict:
+def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: str = "classifier",
+           precision: str = "fp32") -> dict:
     factory, loss, _, eval_batches = MODELS[model_name]
-    session = build_session(factory(), parallel, device, seed=SEED, loss_fn=loss)
+    session = build_session(factory(), parallel, device, seed=SEED, loss_fn=loss, precision=precision)
     engine, mesh = session.engine, session.mesh
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads = [], []
@@ -128,15 +135,15 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
 def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:
     device = join_job(spec)
     try:
-        records = {name: _train(parallel, batches, device, *model) for name, (parallel, batches, *model) in cases.items()}
+        records = {name: _train(parallel, batches, device, *rest) for name, (parallel, batches, *rest) in cases.items()}
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
 
 def parallel_runs(world_size: int, cases: dict[str, tuple], out: Path) -> dict[str, list[dict]]:
-    """Run every case (name -> (mesh config, batches[, model name of MODELS])) on one spawned job; returns
-    name -> per-rank records."""
+    """Run every case (name -> (mesh config, batches[, model name of MODELS[, precision]])) on one spawned job;
+    returns name -> per-rank records."""
     spawn(_worker, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1",
           master_port=free_port(), args=(cases, str(out)), timeout_s=600)
     per_rank = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]

@@ -104,6 +104,8 @@ CASES = {
         TRAIN + ["--checkpoint", "sometimes"], ["'sometimes'", "hint: choose one of: never, except_last, always"],
     ),
     "unknown-dp-mode": (TRAIN + ["--dp-mode", "zero9"], ["'zero9'", "hint: choose one of: ddp, fsdp"]),
+    "precision-fp8": (TRAIN + ["--precision", "fp8"], ["precision 'fp8' is not supported", "hint: pass --precision fp32 or bf16"]),
+    "precision-fp16": (TRAIN + ["--precision", "fp16"], ["'fp16'", "loss scaling", "hint: pass --precision fp32 or bf16"]),
     "unknown-preset": (TRAIN + ["--preset", "huge"], ["'huge'", "hint: choose one of:"]),
     "missing-data": (TRAIN + ["--data", "/nonexistent/aclImdb"], ["/nonexistent/aclImdb", "does not exist"]),
     "malformed-data": (TRAIN + ["--data", "{tmp}"], ["{tmp}", "is missing", "hint: expected the aclImdb layout"]),

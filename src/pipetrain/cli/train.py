@@ -20,6 +20,7 @@ from pipetrain.partition.profile import load_profile
 from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
+from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
 from pipetrain.workloads.registry import Dataset, workload_names
 
@@ -135,6 +136,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--precision", default="fp32",
+                       help=f"{' | '.join(PRECISIONS)}: bf16 runs each stage under autocast with fp32 weights (default: fp32)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
     group.add_argument("--ranks-per-node", type=int, default=None,
@@ -176,6 +179,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         seed=args.seed,
         bucket=args.bucket,
+        precision=args.precision,
         progress=not args.no_progress and sys.stderr.isatty(),
         trace=args.trace,
         trace_steps=args.trace_steps,

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipetrain.parallel.mesh import Mesh
+from pipetrain.pipeline.precision import AutocastStage, compute_dtype
 from pipetrain.pipeline.recompute import RecomputeWrapper
 
 __all__ = ["data_parallel_wrapper"]
 
 
-def data_parallel_wrapper(mode: str, mesh: Mesh, *, stages_per_rank: int) -> Callable[[nn.Module], nn.Module] | None:
+def _blocks(module: nn.Module) -> nn.Module:
+    """The `nn.Sequential` of blocks inside a stage module's precision and recomputation wrappers."""
+    while isinstance(module, (AutocastStage, RecomputeWrapper)):
+        module = module.module
+    return module
+
+
+def data_parallel_wrapper(
+    mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32"
+) -> Callable[[nn.Module], nn.Module] | None:
     """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
 
     `ddp`: gradients all-reduced (averaged) after the last micro-batch. With several stages per rank the
@@ -22,6 +33,9 @@ def data_parallel_wrapper(mode: str, mesh: Mesh, *, stages_per_rank: int) -> Cal
     with default flags and gives wrong gradients with `static_graph=True`); `find_unused_parameters=True`
     makes it correct. `fsdp`: FSDP2 `fully_shard` per block and per stage (parameters, gradients and
     optimizer state sharded: the ZeRO-3 equivalent), parameters kept gathered between micro-batches.
+    With a reduced `precision` (bf16), FSDP2's `MixedPrecisionPolicy` gathers parameters in bf16 (half the
+    traffic and unsharded memory) and reduces gradients in fp32; the shards, hence the optimizer, stay fp32.
+    The stage still runs under autocast (see `AutocastStage`), so ops autocast keeps in fp32 stay fp32.
     """
     if mesh.dp == 1:
         return None
@@ -38,11 +52,14 @@ def data_parallel_wrapper(mode: str, mesh: Mesh, *, stages_per_rank: int) -> Cal
 
         return ddp
 
+    low = compute_dtype(precision)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None,
+                                  cast_forward_inputs=True, output_dtype=torch.float32 if low else None)
+
     def fsdp(module: nn.Module) -> nn.Module:
-        blocks = module.module if isinstance(module, RecomputeWrapper) else module
-        for block in blocks.children():
-            fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False)
-        return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False)
+        for block in _blocks(module).children():
+            fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+        return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
 
     return fsdp
 

@@ -1,0 +1,83 @@
+"""Mixed precision of a stage: bf16 autocast around each stage module, fp32 weights, fp32 tensors between stages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["PRECISIONS", "check_precision", "compute_dtype", "AutocastStage", "autocast"]
+
+#: Precision name -> dtype of the autocast region (None: plain fp32, no autocast).
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
+_UNSUPPORTED = {
+    "fp16": "fp16 needs loss scaling coordinated across stages, which pipetrain does not implement; "
+    "use bf16 (same speed on recent GPUs, no loss scaling needed)",
+}
+
+
+def check_precision(precision: str) -> str:
+    """Return `precision` if pipetrain supports it, else raise one ConfigError naming the supported values."""
+    if precision in PRECISIONS:
+        return precision
+    why = _UNSUPPORTED.get(precision, "")
+    raise ConfigError(
+        f"precision {precision!r} is not supported" + (f": {why}" if why else ""),
+        hint=f"pass --precision {' or '.join(PRECISIONS)} (default fp32)",
+    )
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of `precision` (None for fp32)."""
+    return PRECISIONS[check_precision(precision)]
+
+
+def autocast(device: torch.device | str, precision: str) -> torch.autocast:
+    """The autocast context of `precision` on `device` (disabled for fp32): the same region a stage runs in.
+
+    Use it for the single-process reference a pipelined run is compared with.
+    """
+    dtype = compute_dtype(precision)
+    device_type = torch.device(device).type
+    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def _to_fp32(value: Any, low: torch.dtype) -> Any:
+    """`value` with every `low`-dtype tensor (also inside tuples, lists and dicts) cast to fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype == low else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_fp32(item, low) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_fp32(item, low) for key, item in value.items()}
+    return value
+
+
+class AutocastStage(nn.Module):
+    """Runs `module` under autocast to `precision` while its parameters (and so the optimizer state) stay fp32.
+
+    Outputs that autocast made low-precision are cast back to fp32: the tensors crossing a stage boundary
+    keep the dtype pipetrain inferred for them on the meta device (receive buffers are allocated from it),
+    and the last stage's output reaches the loss in fp32 (the schedule calls the loss outside this forward).
+    Activation recomputation re-runs the forward under the same autocast state (torch's checkpoint
+    restores it), so recomputed activations equal the first ones.
+    """
+
+    def __init__(self, module: nn.Module, precision: str, device_type: str) -> None:
+        super().__init__()
+        dtype = compute_dtype(precision)
+        if dtype is None:
+            raise ConfigError("AutocastStage needs a reduced precision, got 'fp32'", hint="do not wrap fp32 stages")
+        self.module = module
+        self.precision = precision
+        self.device_type = device_type
+        self._dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self._dtype):
+            out = self.module(*args, **kwargs)
+        return _to_fp32(out, self._dtype)
