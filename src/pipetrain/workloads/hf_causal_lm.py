@@ -1,0 +1,286 @@
+"""Hugging Face causal LMs (Llama family, GPT-2) as pipetrain blocks, each rank building and loading only its own.
+
+Blocks: the token embedding (GPT-2: plus position embedding), one block per decoder layer, and the head
+(final norm + LM head). Only the hidden states cross a stage boundary: each layer block rebuilds the causal
+mask and (Llama) the rotary position tables from the sequence length, exactly as the unsplit model builds
+them once. Batches are right-padded or unpadded; padding is ignored through the labels (`ignore_index`).
+Weights come from transformers' initialisation scheme, or from a local safetensors checkpoint folder
+(`config.json` + `model.safetensors` or a sharded index), from which a rank reads only its own tensors.
+Tied input/output embeddings (GPT-2's default) are untied: the head gets its own copy of the embedding
+matrix (loaded from the same tensor), since the two ends of the model sit on different ranks.
+Needs the optional extra: `pip install pipetrain[hf]`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "causal_lm_loss"]
+
+#: model_type of a transformers config -> the family pipetrain builds it as.
+SUPPORTED_FAMILIES = {"llama": "llama", "gpt2": "gpt2"}
+IGNORE_INDEX = -100
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("Hugging Face models need the 'transformers' package",
+                          hint="pip install 'pipetrain[hf]'") from None
+    return transformers
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy as transformers computes it: position t predicts label t+1, `-100` is ignored."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+
+class _Block(nn.Module):
+    """A block whose parameters map to checkpoint keys by prefix (local prefix -> checkpoint prefix)."""
+
+    prefixes: dict[str, str]
+
+    def checkpoint_keys(self) -> Iterator[tuple[str, str]]:
+        """(local name, checkpoint key) of every parameter and persistent buffer."""
+        for name in self.state_dict():
+            local = next(p for p in self.prefixes if name.startswith(p))
+            yield name, self.prefixes[local] + name[len(local):]
+
+
+class _LlamaEmbedding(_Block):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.prefixes = {"embed_tokens.": "model.embed_tokens."}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class _GPT2Embedding(_Block):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.prefixes = {"wte.": "transformer.wte.", "wpe.": "transformer.wpe."}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions)[None])
+
+
+class _DecoderLayer(_Block):
+    """One decoder layer; rebuilds the causal mask (and Llama's rotary tables) from the hidden states' length."""
+
+    def __init__(self, config: Any, family: str, index: int) -> None:
+        super().__init__()
+        self.config = config
+        if family == "llama":
+            llama = _transformers().models.llama.modeling_llama
+            self.layer = llama.LlamaDecoderLayer(config, index)
+            self.rotary = llama.LlamaRotaryEmbedding(config)
+            self.prefixes = {"layer.": f"model.layers.{index}."}
+        else:
+            self.layer = _transformers().models.gpt2.modeling_gpt2.GPT2Block(config, layer_idx=index)
+            self.rotary = None
+            self.prefixes = {"layer.": f"transformer.h.{index}."}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        # positions are 0..n-1 (no packed sequences), so they need not be checked (that reads values: not on meta)
+        mask = _transformers().masking_utils.create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None
+        )
+        if self.rotary is None:
+            return self.layer(hidden, attention_mask=mask)
+        tables = self.rotary(hidden, position_ids=positions)
+        return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=tables)
+
+
+class _Head(_Block):
+    def __init__(self, config: Any, family: str) -> None:
+        super().__init__()
+        if family == "llama":
+            self.norm = _transformers().models.llama.modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.prefixes = {"norm.": "model.norm.", "lm_head.": "lm_head."}
+        else:
+            self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+            self.prefixes = {"norm.": "transformer.ln_f.", "lm_head.": "lm_head."}
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def _init_like_transformers(block: nn.Module, config: Any, family: str) -> None:
+    """transformers' initialisation: normal(0, initializer_range) weights, zero biases, unit norms;
+    GPT-2 also scales its residual projections by 1/sqrt(2 * n_layer)."""
+    conv1d = _transformers().pytorch_utils.Conv1D
+    std = config.initializer_range
+    with torch.no_grad():
+        for name, module in block.named_modules():
+            if isinstance(module, (nn.Linear, conv1d, nn.Embedding)):
+                scaled = family == "gpt2" and name.endswith("c_proj")
+                module.weight.normal_(0.0, std / math.sqrt(2 * config.n_layer) if scaled else std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+
+
+class _Checkpoint:
+    """Reads single tensors of a local safetensors checkpoint folder (one file or a sharded index)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.files = {key: folder / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(folder / "model.safetensors", framework="pt") as f:
+                self.files = {key: folder / "model.safetensors" for key in f.keys()}
+        else:
+            raise ConfigError(f"checkpoint folder {str(folder)!r} has no model.safetensors nor model.safetensors.index.json",
+                              hint="pass a folder written by save_pretrained(..., safe_serialization=True)")
+
+    def find(self, key: str, family: str) -> str | None:
+        """The stored name of `key` (original GPT-2 checkpoints omit the `transformer.` prefix)."""
+        if key in self.files:
+            return key
+        bare = key.removeprefix("transformer.")
+        return bare if family == "gpt2" and bare in self.files else None
+
+    def read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+
+class HFCausalLM:
+    """A transformers causal LM as a `BlockModel`: embedding, `num_hidden_layers` decoder layers, head.
+
+    `config` is a transformers config (e.g. `LlamaConfig(...)`, `GPT2Config(...)`), `checkpoint` a local
+    folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
+    every sample (pipeline stages need static shapes). Attention runs as `config._attn_implementation`
+    says, "sdpa" when unset (as transformers chooses on CPU and CUDA). Use `causal_lm_loss` as the engine's loss, with
+    the input ids (padding set to -100) as targets. `from_folder` reads the config from the folder too.
+    """
+
+    def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64) -> None:
+        family = SUPPORTED_FAMILIES.get(getattr(config, "model_type", None))
+        if family is None:
+            raise ConfigError(
+                f"Hugging Face model type {getattr(config, 'model_type', type(config).__name__)!r} is not supported",
+                hint=f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (causal decoder LMs)",
+            )
+        if not 1 <= seq_len <= config.max_position_embeddings:
+            raise ConfigError(f"seq_len {seq_len} is outside 1..{config.max_position_embeddings} for this model",
+                              hint=f"pass seq_len <= max_position_embeddings ({config.max_position_embeddings})")
+        config = copy.deepcopy(config)
+        if config._attn_implementation is None:  # what transformers picks when it builds the whole model
+            config._attn_implementation = "sdpa"
+        self.config, self.family, self.seq_len = config, family, seq_len
+        self.checkpoint = None if checkpoint is None else _Checkpoint(Path(checkpoint))
+        if self.checkpoint is not None:
+            self._check_folder_config(Path(checkpoint))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, *, seq_len: int = 64) -> HFCausalLM:
+        """The model of a local folder written by `save_pretrained`: its config.json and its weights."""
+        path = Path(folder)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{str(path)!r} has no config.json", hint="pass a folder written by save_pretrained")
+        config = _transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+        return cls(config, checkpoint=path, seq_len=seq_len)
+
+    def _check_folder_config(self, folder: Path) -> None:
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            return  # shapes are still checked tensor by tensor when loading
+        theirs = json.loads(config_file.read_text())
+        ours = self.config.to_dict()
+        for field in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n_embd", "n_layer"):
+            if field in theirs and field in ours and theirs[field] != ours[field]:
+                raise ConfigError(
+                    f"checkpoint folder {str(folder)!r} holds another model: its {field} is {theirs[field]!r}, "
+                    f"the configured model's is {ours[field]!r}",
+                    hint="pass the folder of this model, or build the model from that folder (HFCausalLM.from_folder)",
+                )
+
+    # ---- BlockModel ----------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_hidden_layers + 2
+
+    def build_block(self, index: int) -> nn.Module:
+        if not 0 <= index < self.num_blocks:
+            raise IndexError(f"block {index} of {self.num_blocks}")
+        if index == 0:
+            block: _Block = _LlamaEmbedding(self.config) if self.family == "llama" else _GPT2Embedding(self.config)
+        elif index == self.num_blocks - 1:
+            block = _Head(self.config, self.family)
+        else:
+            block = _DecoderLayer(self.config, self.family, index - 1)
+        if next(block.parameters()).device.type == "meta":
+            return block  # shape inference
+        if self.checkpoint is None:
+            _init_like_transformers(block, self.config, self.family)
+        else:
+            self._load(block)
+        return block
+
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, self.seq_len, dtype=torch.long)
+
+    def parameter_keys(self, index: int) -> dict[str, str]:
+        """Block `index`'s parameter names -> the names of the same tensors in the transformers model."""
+        with torch.device("meta"):
+            block = self.build_block(index)
+        return dict(block.checkpoint_keys())
+
+    # ---- loading -------------------------------------------------------------------------------------
+
+    def _load(self, block: _Block) -> None:
+        if self.checkpoint is None:
+            raise ValueError("no checkpoint folder to load from")
+        state = block.state_dict()
+        for name, key in block.checkpoint_keys():
+            stored = self.checkpoint.find(key, self.family)
+            if stored is None and key == "lm_head.weight":  # tied embeddings: the head reads the embedding matrix
+                stored = self.checkpoint.find("model.embed_tokens.weight" if self.family == "llama"
+                                              else "transformer.wte.weight", self.family)
+            if stored is None:
+                raise ConfigError(
+                    f"checkpoint folder {str(self.checkpoint.folder)!r} has no tensor {key!r}: it holds another model",
+                    hint=f"pass the folder of this {self.family} model",
+                )
+            tensor = self.checkpoint.read(stored)
+            if tensor.shape != state[name].shape:
+                raise ConfigError(
+                    f"checkpoint folder {str(self.checkpoint.folder)!r}: tensor {stored!r} has shape "
+                    f"{list(tensor.shape)}, this {self.family} model needs {list(state[name].shape)}",
+                    hint="pass the folder of this model, or build the model from that folder (HFCausalLM.from_folder)",
+                )
+            with torch.no_grad():
+                state[name].copy_(tensor)
