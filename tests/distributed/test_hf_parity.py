@@ -2,7 +2,7 @@
 
 Each reference model is built from its config under a fixed seed and saved as a safetensors folder; every
 rank builds only its own blocks from that folder (`HFCausalLM.from_folder`). Over three SGD steps (a full
-batch, a short one that 4 micro-batches do not divide, and one smaller than 4): the loss on every rank, every
+batch, a short right-padded one that 4 micro-batches do not divide, and one smaller than 4): the loss on every rank, every
 gradient at every step and every final parameter equal the transformers model's (`model(input_ids,
 labels=input_ids).loss`) within the fp32 tolerance of the other parity tests (rtol 1e-5, atol 4e-5).
 """
@@ -38,18 +38,27 @@ def tiny_configs() -> dict:
     }
 
 
-def make_batches() -> list[torch.Tensor]:
-    """Sequences that follow a rule (each token is the previous one + 7): there is something to learn."""
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input ids, labels): sequences that follow a rule (each token is the previous one + 7). The second batch
+    is right-padded to random lengths (padding labels -100), so micro-batches hold unequal token counts."""
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (n, 1), generator=gen) + 7 * torch.arange(SEQ)) % VOCAB for n in SIZES]
+    out = []
+    for index, n in enumerate(SIZES):
+        ids = (torch.randint(0, VOCAB, (n, 1), generator=gen) + 7 * torch.arange(SEQ)) % VOCAB
+        labels = ids.clone()
+        if index == 1:
+            padding = torch.arange(SEQ)[None] >= torch.randint(3, SEQ + 1, (n, 1), generator=gen)
+            ids[padding], labels[padding] = 0, -100
+        out.append((ids, labels))
+    return out
 
 
 def reference(model: torch.nn.Module) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
-    for x in make_batches():
+    for x, labels in make_batches():
         opt.zero_grad()
-        loss = model(input_ids=x, labels=x).loss
+        loss = model(input_ids=x, labels=labels).loss
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -66,9 +75,9 @@ def _train(folder: str, schedule: str, device: torch.device) -> dict:
         keys.update({f"{index}.{local}": hf for local, hf in model.parameter_keys(index).items()})
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads = [], []
-    for x in make_batches():
+    for x, labels in make_batches():
         opt.zero_grad()
-        losses.append(engine.step(x, x).loss)
+        losses.append(engine.step(x, labels).loss)
         grads.append({keys[n]: p.grad.clone() for n, p in engine.named_parameters()})
         opt.step()
     return {"losses": losses, "grads": grads, "params": {keys[n]: p.detach().clone() for n, p in engine.named_parameters()}}

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.errors import ConfigError
+from pipetrain.pipeline.loss import IGNORE_INDEX
 
-__all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "causal_lm_loss"]
+__all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss"]
 
 #: model_type of a transformers config -> the family pipetrain builds it as.
 SUPPORTED_FAMILIES = {"llama": "llama", "gpt2": "gpt2"}
-IGNORE_INDEX = -100
 
 
 def _transformers() -> Any:
@@ -42,9 +42,34 @@ def _transformers() -> Any:
     return transformers
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy as transformers computes it: position t predicts label t+1, `-100` is ignored."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+class CausalLMLoss:
+    """Next-token cross-entropy as transformers computes it (`model(input_ids, labels=labels).loss`): position t
+    predicts label t+1, labels equal to `ignore_index` (padding) are skipped. As a pipetrain `Loss` (sum and
+    count), the engine averages it over the non-padding tokens of the global batch, whatever the split.
+    Calling it gives the mean (transformers' loss)."""
+
+    perplexity = True
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+
+    def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = output[:, :-1].flatten(0, 1).float()
+        return F.cross_entropy(logits, target[:, 1:].flatten(), ignore_index=self.ignore_index, reduction="sum")
+
+    def count(self, target: torch.Tensor) -> int:
+        return int((target[:, 1:] != self.ignore_index).sum())
+
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
+        shifted = target[:, 1:]
+        return int(((output[:, :-1].argmax(dim=-1) == shifted) & (shifted != self.ignore_index)).sum())
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.total(output, target) / max(self.count(target), 1)
+
+
+#: the loss to give the engine (`build_session(..., loss_fn=causal_lm_loss)`), with the labels as targets
+causal_lm_loss = CausalLMLoss()
 
 
 class _Block(nn.Module):
