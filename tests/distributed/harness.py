@@ -6,6 +6,7 @@ for process start-up once per world size rather than once per case.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,13 +49,15 @@ def _reference_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-def make_token_batches(sizes: list[int], seed: int = 11) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Deterministic right-padded token batches (lengths 2..seq_len, so micro-batches hold unequal token
-    counts) with next-token targets, padding targets set to the ignore index."""
+def make_token_batches(sizes: list[int], seed: int = 11, widths: list[int] | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic right-padded token batches (lengths 2..width, so micro-batches hold unequal token
+    counts) with next-token targets, padding targets set to the ignore index; `widths` are the batches'
+    sequence lengths (default: the model's seq_len)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for n in sizes:
-        length = GPT_CONFIG.seq_len + 1
+    for n, width in zip(sizes, widths or [GPT_CONFIG.seq_len] * len(sizes), strict=True):
+        length = width + 1
         tokens = torch.randint(1, GPT_CONFIG.vocab_size, (n, length), generator=gen)
         lengths = torch.randint(2, length + 1, (n,), generator=gen)
         tokens[torch.arange(length)[None, :] >= lengths[:, None]] = PAD_ID
@@ -129,7 +132,10 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     for x, y in eval_batches():
         result = engine.evaluate(x, y)  # every replica evaluates the whole batch here
         evals.append((result.loss, None if result.outputs is None else result.outputs.cpu()))
-    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
+    gc.collect()
+    live_stages = sum(type(o).__name__ == "PipelineStage" for o in gc.get_objects())
+    cache = (len(engine.schedules), engine.schedules.evictions, live_stages)
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache}
 
 
 def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:

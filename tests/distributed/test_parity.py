@@ -21,8 +21,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 POLICIES = ("never", "except_last", "always")
 
 
-def _pipe(pp: int, schedule: str, policy: str = "never", dp: int = 1, dp_mode: str = "ddp") -> ParallelConfig:
-    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=policy)
+def _pipe(pp: int, schedule: str, policy: str = "never", dp: int = 1, dp_mode: str = "ddp", shape_cache: int = 16
+          ) -> ParallelConfig:
+    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=policy, shape_cache=shape_cache)
     return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline)
 
 
@@ -40,30 +41,50 @@ WORLD_CASES = {
 }
 # The causal decoder: (hidden states, boolean padding mask) cross every stage boundary; the loss is per token
 # with padding ignored, over micro-batches holding unequal numbers of tokens (and replicas too, with dp=2).
+# "lengths": batches of 4 sequence lengths with room for 2 schedules: shapes are evicted and rebuilt, each
+# length exact, and the schedules (and their stages' buffers) held stay within the bound.
+GPT_BATCHES = {
+    "pipe": (PIPELINE_BATCHES, None),
+    "dp": (DP_BATCHES, None),
+    "lengths": ([8, 8, 6, 8, 8, 8], [12, 5, 9, 5, 12, 7]),
+}
 GPT_CASES = {
-    2: {f"gpt-pp2-{s}": (_pipe(2, s, "except_last"), PIPELINE_BATCHES) for s in ("gpipe", "1f1b", "interleaved-1f1b")},
+    2: {
+        **{f"gpt-pp2-{s}": (_pipe(2, s, "except_last"), "pipe") for s in ("gpipe", "1f1b", "interleaved-1f1b")},
+        "gpt-pp2-1f1b-lengths": (_pipe(2, "1f1b", shape_cache=2), "lengths"),
+    },
     4: {
-        **{f"gpt-pp4-{s}": (_pipe(4, s), PIPELINE_BATCHES) for s in ("gpipe", "1f1b", "interleaved-1f1b")},
-        "gpt-dp2xpp2-1f1b-fsdp": (_pipe(2, "1f1b", dp=2, dp_mode="fsdp"), DP_BATCHES),
+        **{f"gpt-pp4-{s}": (_pipe(4, s), "pipe") for s in ("gpipe", "1f1b", "interleaved-1f1b")},
+        "gpt-dp2xpp2-1f1b-fsdp": (_pipe(2, "1f1b", dp=2, dp_mode="fsdp"), "dp"),
     },
 }
 ALL_CASES = {world: {**WORLD_CASES[world], **GPT_CASES[world]} for world in WORLD_CASES}
 
 
-def _model(name: str) -> str:
-    return "gpt" if name.startswith("gpt-") else "classifier"
+def _batch_set(name: str, key):
+    """(reference key, model name, batches) of a case."""
+    if name.startswith("gpt-"):
+        sizes, widths = GPT_BATCHES[key]
+        return ("gpt", key), "gpt", make_token_batches(sizes, widths=widths)
+    return ("classifier", tuple(key)), "classifier", make_batches(key)
 
 
-def _batches(model: str, sizes: list[int]):
-    return make_token_batches(sizes) if model == "gpt" else make_batches(sizes)
+def test_schedules_per_shape_stay_within_the_cache_bound(records):
+    for record in records["gpt-pp2-1f1b-lengths"]:
+        cached, evictions, live_stages = record["cache"]
+        assert cached == 2 and evictions >= 6  # 12 (run, shape) keys over the run, training and evaluation
+        assert live_stages == 2  # evicted schedules' PipelineStages are freed: one per cached schedule
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {
-        (model, tuple(sizes)): reference_run(_batches(model, sizes), model)
-        for model in ("classifier", "gpt") for sizes in (PIPELINE_BATCHES, DP_BATCHES)
-    }
+    refs = {}
+    for world_cases in ALL_CASES.values():
+        for name, (_, key) in world_cases.items():
+            ref_key, model, batches = _batch_set(name, key)
+            if ref_key not in refs:
+                refs[ref_key] = reference_run(batches, model)
+    return refs
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +92,16 @@ def records(tmp_path_factory):
     """name -> per-rank records, for every case of every world size (one job per world size)."""
     cases = {}
     for world, world_cases in ALL_CASES.items():
-        batches = {name: (parallel, _batches(_model(name), sizes), _model(name))
-                   for name, (parallel, sizes) in world_cases.items()}
-        cases.update(parallel_runs(world, batches, tmp_path_factory.mktemp(f"world{world}")))
+        runs = {}
+        for name, (parallel, key) in world_cases.items():
+            _, model, batches = _batch_set(name, key)
+            runs[name] = (parallel, batches, model)
+        cases.update(parallel_runs(world, runs, tmp_path_factory.mktemp(f"world{world}")))
     return cases
 
 
 @pytest.mark.parametrize("name", [name for world_cases in ALL_CASES.values() for name in world_cases])
 def test_matches_single_process(name, records, references):
-    sizes = next(c[1] for w in ALL_CASES.values() for n, c in w.items() if n == name)
-    assert_parity(references[_model(name), tuple(sizes)], records[name], rtol=RTOL, atol=ATOL)
+    key = next(c[1] for w in ALL_CASES.values() for n, c in w.items() if n == name)
+    ref_key, _, _ = _batch_set(name, key)
+    assert_parity(references[ref_key], records[name], rtol=RTOL, atol=ATOL)

@@ -42,3 +42,16 @@ def test_register_adds_a_workload_and_refuses_a_taken_name(monkeypatch):
     assert isinstance(get_workload("mine"), ClassifierWorkload)
     with pytest.raises(ConfigError, match="'classifier' is already registered"):
         register("classifier", ClassifierWorkload)
+
+
+def test_a_bench_cell_names_its_workload_before_the_preset():
+    from pipetrain.bench.cell import cell_workload
+    from pipetrain.bench.grid import Cell, parse_axis
+    from pipetrain.workloads.gpt import GPTModel
+
+    workload, preset = cell_workload(Cell(batch_size=8, preset="lm:tiny"))
+    assert (workload.name, preset) == ("lm", "tiny") and isinstance(workload.model(preset), GPTModel)
+    assert cell_workload(Cell(batch_size=8, preset="tiny"))[0].name == "classifier"
+    assert parse_axis("preset=tiny,lm:cpu") == ("preset", ["tiny", "lm:cpu"])
+    with pytest.raises(ConfigError, match="unknown preset 'huge' for workload 'lm'"):
+        cell_workload(Cell(batch_size=8, preset="lm:huge"))

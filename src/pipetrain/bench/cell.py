@@ -23,12 +23,20 @@ from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import pick_device
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.registry import DataRequest, Workload, get_workload
 
-__all__ = ["measure_rank", "parallel_config", "TRACED_STEPS"]
+__all__ = ["measure_rank", "parallel_config", "cell_workload", "TRACED_STEPS"]
 
 #: Steps traced after the timed ones, for the measured-bubble column (not part of the step times).
 TRACED_STEPS = 2
+
+
+def cell_workload(cell: Cell) -> tuple[Workload, str]:
+    """The workload and preset of a cell: `preset` is `PRESET` (the classifier's) or `WORKLOAD:PRESET`."""
+    name, _, preset = cell.preset.rpartition(":")
+    workload = get_workload(name or "classifier")
+    workload.check_preset(preset)
+    return workload, preset
 
 
 def parallel_config(cell: Cell) -> ParallelConfig:
@@ -61,15 +69,15 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
 def _measure(
     spec: RankSpec, cell: Cell, warmup: int, steps: int, device: torch.device, trace_dir: str | None
 ) -> tuple[list[float], list[float], float | None]:
-    preset = PRESETS[cell.preset]
-    session = open_session(spec, TransformerClassifier(preset), parallel_config(cell), seed=0)
+    workload, preset = cell_workload(cell)
+    session = open_session(spec, workload.model(preset), parallel_config(cell), seed=0, loss_fn=workload.loss())
     try:
         engine = session.engine
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
-        local = cell.batch_size // cell.dp
-        gen = torch.Generator().manual_seed(spec.rank // cell.pp)
-        x = torch.randint(2, preset.vocab_size, (local, preset.seq_len), generator=gen)
-        y = torch.randint(0, preset.num_classes, (local,), generator=gen)
+        train, _ = workload.load_data(DataRequest(preset=preset, path=None, train_samples=cell.batch_size,
+                                                  test_samples=1, seed=0))
+        x, y = next(iter(workload.batches(train, cell.batch_size, shuffle=False, seed=0, epoch=0,
+                                          replica=spec.rank // cell.pp, replicas=cell.dp)))
         reset_peak_memory(device)
         times = []
         for index in range(warmup + steps):

@@ -42,7 +42,7 @@ AXES: dict[str, str] = {
 }
 _ALIASES = {"batch_size": "batch", "mem_limit_mb": "mem", "n_microbatches": "chunks"}
 _INT_AXES = ("pp", "dp", "batch", "chunks")
-_PRESET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_PRESET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")  # PRESET or WORKLOAD:PRESET
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +115,7 @@ def _convert(axis: str, value: Any) -> Any:
             raise _bad_value(axis, text, "unknown policy", f"choose among: {', '.join(CHECKPOINT_POLICIES)}")
         return text
     if not _PRESET_RE.match(text):
-        raise _bad_value(axis, text, "not a preset name", "e.g. preset=tiny or preset=cpu,gpu")
+        raise _bad_value(axis, text, "not a preset name", "e.g. preset=tiny or preset=cpu,gpu or preset=lm:cpu")
     return text
 
 
