@@ -8,7 +8,9 @@ Two ranks are spawned (on the same node) and measure, each figure a median of re
   `nn.TransformerEncoderLayer` of the planned model's shape at 1 and at `samples` samples: the slope gives
   the effective FLOP rate (after the memory traffic, measured by a large tensor add), the intercept the
   per-kernel overhead; AdamW's time per parameter; the host-side cost of one schedule action (a 2-stage
-  pipeline of tiny layers, 1 against 16 micro-batches); the rank's memory before any model (CPU: RSS).
+  pipeline of tiny layers, 1 against 16 micro-batches); the rank's memory before any model (CPU: RSS);
+  the activation factor: a layer's peak memory growth per sample over the bytes the analytic model says it
+  keeps for backward (CPU: resident memory, whose peak also holds backward transients and freed blocks).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.bench.memory import current_memory_mb
+from pipetrain.bench.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
@@ -79,7 +81,25 @@ def _network(rank: int, device: torch.device, repeats: int) -> dict[str, float]:
             "collective_latency_s": ar_lat / 2, "collective_bytes_per_s": 1 / ar_slope}
 
 
+def _activation_factor(shape: LayerShape, samples: int, device: torch.device) -> float:
+    """Peak memory growth per sample of one layer's forward+backward over the bytes the model says it keeps
+    (allocator caching, backward transients; CPU: resident memory), at 4 x `samples` after a 1-sample warm-up
+    (which takes the one-time allocations of the first backward)."""
+    layer = nn.TransformerEncoderLayer(shape["emsize"], shape["nhead"], shape["nhid"], 0.1, batch_first=True,
+                                       norm_first=True).to(device)
+    growth = 0.0
+    for b in (1, 4 * samples):
+        x = torch.randn(b, shape["seq_len"], shape["emsize"], device=device, requires_grad=True)
+        reset_peak_memory(device)
+        before = current_memory_mb(device)
+        layer(x).sum().backward()
+        growth = (peak_memory_mb(device) - before) * 2**20
+    blocks = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, dropout=0.1, **shape)
+    return max(growth / (4 * samples * blocks[1].activation_bytes), 0.5)
+
+
 def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int) -> dict[str, float]:
+    factor = _activation_factor(shape, samples, device)  # first, while the allocator holds nothing
     big = torch.ones(1 << 22, device=device)
     add = _median_time(lambda: big.add_(1.0), repeats)
     bytes_per_s = 2 * 4 * big.numel() / add
@@ -101,7 +121,7 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
     params.grad = torch.ones_like(params)
     adamw = torch.optim.AdamW([params])
     optimizer = _median_time(adamw.step, repeats) / params.numel()
-    return {"flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s, "kernel_overhead_s": kernel_overhead,
+    return {"activation_factor": factor, "flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s, "kernel_overhead_s": kernel_overhead,
             "optimizer_s_per_param": optimizer}
 
 
@@ -145,6 +165,7 @@ def calibrate(shape: LayerShape, *, samples: int = 16, repeats: int = 7, timeout
     device = Device(name=m["device"], flops_per_s=m["flops_per_s"], bytes_per_s=m["bytes_per_s"],
                     kernel_overhead_s=m["kernel_overhead_s"], action_overhead_s=m["action_overhead_s"],
                     optimizer_s_per_param=m["optimizer_s_per_param"], memory_bytes=float(memory),
+                    activation_factor=m["activation_factor"],
                     baseline_bytes=m["baseline_bytes"] if m["device"] == "cpu" else 0.0)
     network = Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
                       inter_latency_s=m["p2p_latency_s"], inter_bytes_per_s=m["p2p_bytes_per_s"],

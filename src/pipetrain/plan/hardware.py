@@ -27,7 +27,8 @@ CALIBRATION_FORMAT = "pipetrain-calibration/1"
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One device: effective FLOP rate, memory traffic rate, per-kernel and per-schedule-action overheads,
-    the optimizer's time per parameter, its memory, and (CPU) the memory a rank uses before the model."""
+    the optimizer's time per parameter, its memory, (CPU) the memory a rank uses before the model, and the
+    measured peak activation memory over the analytic bytes kept for backward (`activation_factor`)."""
 
     name: str
     flops_per_s: float
@@ -37,6 +38,7 @@ class Device:
     optimizer_s_per_param: float
     memory_bytes: float
     baseline_bytes: float = 0.0
+    activation_factor: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

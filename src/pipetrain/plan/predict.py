@@ -20,9 +20,9 @@ from pipetrain.partition.solver import solve_balance, uniform_balance
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, schedule_order
-from pipetrain.plan.simulate import StageCost, recomputed_microbatches, simulate
+from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
 
-__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "order_of", "reduce_s"]
+__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "order_of", "reduce_s", "clear_caches"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +61,13 @@ class Prediction:
 def order_of(schedule: str, pp: int, chunks: int, virtual: int) -> tuple[tuple[Action, ...], ...]:
     """`schedule_order`, cached (the order depends only on these four numbers)."""
     return tuple(tuple(actions) for actions in schedule_order(schedule, pp, chunks, virtual))
+
+
+def clear_caches() -> None:
+    """Forget the cached schedule orders and time balances (to time a cold search)."""
+    order_of.cache_clear()
+    _time_balance.cache_clear()
+    clear_cache()
 
 
 def block_times(block: BlockCost, samples: int, device: Device) -> tuple[float, float]:
@@ -122,7 +129,7 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         costs.append(StageCost(
             forward_s=sum(t[0] for t in times),
             backward_s=sum(t[1] for t in times),
-            activation_bytes=samples * sum(b.activation_bytes for b in part),
+            activation_bytes=samples * device.activation_factor * sum(b.activation_bytes for b in part),
             input_bytes=samples * (blocks[start - 1].output_bytes if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
             reduce_s=reduce_s(sum(b.param_bytes for b in part), layout, network),

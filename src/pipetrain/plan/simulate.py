@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipetrain.errors import ConfigError
 from pipetrain.plan.schedules import Action, stage_rank
 
-__all__ = ["StageCost", "Timeline", "simulate", "recomputed_microbatches", "RECOMPUTE_POLICIES"]
+__all__ = ["StageCost", "Timeline", "simulate", "recomputed_microbatches", "RECOMPUTE_POLICIES", "clear_cache"]
 
 RECOMPUTE_POLICIES = ("never", "except_last", "always")
 
@@ -63,24 +64,39 @@ def recomputed_microbatches(policy: str, count: int) -> frozenset[int]:
     raise ConfigError(f"unknown checkpoint policy {policy!r}", hint=f"choose one of: {', '.join(RECOMPUTE_POLICIES)}")
 
 
-def _ready(action: Action, done: dict[tuple[int, str, int], float], costs: Sequence[StageCost], pp: int) -> float | None:
-    """When `action`'s inputs are available, or None if a predecessor has not run yet."""
-    stage, kind, mb = action
-    if kind == "F":
-        if stage == 0:
-            return 0.0
-        end = done.get((stage - 1, "F", mb))
-        if end is None:
-            return None
-        return end + (costs[stage - 1].send_s if stage_rank(stage - 1, pp) != stage_rank(stage, pp) else 0.0)
-    if kind in ("B", "I"):
-        if stage == len(costs) - 1:
-            return done.get((stage, "F", mb))
-        end = done.get((stage + 1, "B", mb), done.get((stage + 1, "I", mb)))
-        if end is None:
-            return None
-        return end + (costs[stage].send_s if stage_rank(stage + 1, pp) != stage_rank(stage, pp) else 0.0)
-    return 0.0  # W and R follow their prerequisites on the same rank, in order
+_KINDS = {"F": 0, "B": 1, "I": 2, "W": 3, "R": 4}
+
+
+@lru_cache(maxsize=1024)
+def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, int, int, int, int, int], ...], ...]:
+    """Each action as (stage, kind code, microbatch, its slot, its dependency's slot or -1, the stage whose
+    transfer delays it or -1), the dependencies of the module docstring resolved once per order."""
+    pp = len(order)
+    slots = {tuple(a): i for i, a in enumerate(a for actions in order for a in actions)}
+    last = max(a.stage for actions in order for a in actions)
+    backward = "I" if any(a.kind == "I" for a in order[0]) else "B"
+    compiled = []
+    for actions in order:
+        rows = []
+        for stage, kind, mb in actions:
+            dep, hop = -1, -1
+            if kind == "F" and stage > 0:
+                dep, hop = slots[(stage - 1, "F", mb)], stage - 1
+            elif kind in ("B", "I"):
+                if stage == last:
+                    dep = slots[(stage, "F", mb)]
+                else:
+                    dep, hop = slots[(stage + 1, backward, mb)], stage
+            if hop >= 0 and stage_rank(hop, pp) == stage_rank(hop + 1, pp):
+                hop = -1
+            rows.append((stage, _KINDS[kind], mb, slots[(stage, kind, mb)], dep, hop))
+        compiled.append(tuple(rows))
+    return tuple(compiled)
+
+
+def clear_cache() -> None:
+    """Forget the compiled orders."""
+    _compile.cache_clear()
 
 
 def simulate(
@@ -91,51 +107,62 @@ def simulate(
     overhead_s: float = 0.0,
 ) -> Timeline:
     """Run `order` (one action list per rank, from `schedule_order`) on `costs` (one per stage)."""
-    pp = len(order)
-    done: dict[tuple[int, str, int], float] = {}
+    program = _compile(tuple(tuple(Action(*a) for a in actions) for actions in order))
+    pp = len(program)
+    done = [-1.0] * sum(len(rows) for rows in program)
+    send = [c.send_s for c in costs]
     clock, busy = [0.0] * pp, [0.0] * pp
     live, peak, inflight, peak_inflight = [0.0] * pp, [0.0] * pp, [0] * pp, [0] * pp
     compute_end = 0.0
     position = [0] * pp
-    remaining = sum(len(actions) for actions in order)
-    frees_at = "W" if any(a.kind == "W" for a in order[0]) else "B"
+    remaining = len(done)
+    frees_at = 3 if any(row[1] == 3 for row in program[0]) else 1
     while remaining:
         progressed = False
-        for rank, actions in enumerate(order):
-            while position[rank] < len(actions):
-                action = actions[position[rank]]
-                ready = _ready(action, done, costs, pp)
-                if ready is None:
-                    break
-                stage, kind, mb = action
+        for rank, rows in enumerate(program):
+            at = position[rank]
+            while at < len(rows):
+                stage, kind, mb, slot, dep, hop = rows[at]
+                ready = 0.0
+                if dep >= 0:
+                    ready = done[dep]
+                    if ready < 0.0:
+                        break
+                    if hop >= 0:
+                        ready += send[hop]
                 cost = costs[stage]
                 again = mb in recomputed
                 held = cost.input_bytes if again else cost.activation_bytes
-                if kind == "F":
+                if kind == 0:
                     duration = cost.forward_s + overhead_s
                     live[rank] += held
                     inflight[rank] += 1
-                elif kind == "R":
+                elif kind == 4:
                     duration = cost.reduce_s
                 else:
-                    share = {"B": 1.0, "I": 1.0 - cost.weight_share, "W": cost.weight_share}[kind]
-                    duration = cost.backward_s * share + overhead_s + (cost.forward_s if again and kind != "W" else 0.0)
-                    if again and kind != "W":
+                    share = 1.0 if kind == 1 else (1.0 - cost.weight_share if kind == 2 else cost.weight_share)
+                    duration = cost.backward_s * share + overhead_s
+                    if again and kind != 3:
+                        duration += cost.forward_s
                         peak[rank] = max(peak[rank], live[rank] - held + cost.activation_bytes)
-                peak[rank] = max(peak[rank], live[rank])
-                peak_inflight[rank] = max(peak_inflight[rank], inflight[rank])
+                if live[rank] > peak[rank]:
+                    peak[rank] = live[rank]
+                if inflight[rank] > peak_inflight[rank]:
+                    peak_inflight[rank] = inflight[rank]
                 if kind == frees_at:
                     live[rank] -= held
                     inflight[rank] -= 1
-                start = max(clock[rank], ready)
-                clock[rank] = start + duration
-                done[(stage, kind, mb)] = clock[rank]
-                if kind != "R":
+                end_s = (clock[rank] if clock[rank] > ready else ready) + duration
+                clock[rank] = end_s
+                done[slot] = end_s
+                if kind != 4:
                     busy[rank] += duration
-                    compute_end = max(compute_end, clock[rank])
-                position[rank] += 1
+                    if end_s > compute_end:
+                        compute_end = end_s
+                at += 1
                 remaining -= 1
                 progressed = True
+            position[rank] = at
         if not progressed:
             raise ConfigError("the schedule's order deadlocks (an action waits for one that never runs)",
                               hint="this is a bug in the order generator; report the schedule and sizes")

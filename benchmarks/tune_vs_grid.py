@@ -1,0 +1,63 @@
+"""`pipetrain tune` on the pp=2 part of the default bench grid, against that grid's measurements.
+
+For each batch of the grid (pp=2, gpipe, no recomputation, chunks 1..16), run `pipetrain tune` restricted
+to the same cells, then look its chosen layout up in the bench results: the grid-measured step time of
+tune's pick against the grid's measured best of that row, and tune's cost (cell-steps, warm-up included)
+against the grid's (cells x (2 warm-up + 5 timed steps), the bench defaults).
+
+    pipetrain bench --out runs/default                   # the default grid, once
+    python benchmarks/tune_vs_grid.py runs/default [--calibration FILE] [--out runs/tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pipetrain.bench.results import ResultStore
+
+GRID_CELL_STEPS = 2 + 5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bench", type=Path, help="the default bench's output folder")
+    parser.add_argument("--calibration", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=Path("tune-out"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    grid = [r for r in ResultStore(args.bench / "cells.jsonl").load().values()
+            if r.cell.pp == 2 and r.cell.dp == 1 and r.cell.schedule == "gpipe" and r.cell.checkpoint == "never"]
+    batches = sorted({r.cell.batch_size for r in grid})
+    tune_cost = grid_cost = 0
+    worst = 0.0
+    for batch in batches:
+        row = {r.cell.chunks: r for r in grid if r.cell.batch_size == batch}
+        out = args.out / f"tune-batch{batch}.json"
+        command = [sys.executable, "-m", "pipetrain", "tune", "--gpus", "2", "--pp", "2", "--preset", "cpu",
+                   "--batch", str(batch), "--schedules", "gpipe", "--checkpoints", "never",
+                   "--max-chunks", str(max(row)), "--out", str(out)]
+        if args.calibration:
+            command += ["--calibration", str(args.calibration)]
+        subprocess.run(command, check=True)
+        tuned = json.loads(out.read_text())
+        ok = {c: r.median_step_s for c, r in row.items() if r.ok}
+        best_chunks = min(ok, key=ok.get)
+        pick = tuned["best"]["chunks"]
+        gap = ok[pick] / ok[best_chunks] - 1
+        worst = max(worst, gap)
+        cells = len(row)
+        tune_cost += tuned["cell_steps"]
+        grid_cost += cells * GRID_CELL_STEPS
+        print(f"batch {batch}: tune picked chunks={pick} (grid-measured {ok[pick]:.3f} s), grid best chunks={best_chunks} "
+              f"({ok[best_chunks]:.3f} s): {100 * gap:+.1f}%; cost {tuned['cell_steps']} of {cells * GRID_CELL_STEPS} "
+              f"cell-steps; speed-up over naive measured by tune {tuned['speedup']:.2f}x")
+    print(f"\nworst gap to the grid's best: {100 * worst:.1f}%; search cost {tune_cost} of {grid_cost} cell-steps "
+          f"({100 * tune_cost / grid_cost:.0f}%)")
+
+
+if __name__ == "__main__":
+    main()
