@@ -5,12 +5,12 @@ over pp=2 (1F1B, `--chunks`, default 4), one batch of synthetic IMDB reviews (`-
 reused every step; plus the same model in one process (rank 0 while rank 1 waits) in fp32 and in bf16,
 which shows what bf16 kernels alone give on this CPU. A step is zero_grad + forward/backward + AdamW.
 
-Memory: for each configuration, after a warm-up step, each rank resets its peak resident set size
-(`/proc/self/clear_refs`), runs one step and reports peak minus the resident size before the step: the
-memory the step itself touches (activations, autocast's bf16 weight copies, gradients on first touch,
-temporaries). Weights, gradients and AdamW state are fp32 in both precisions, so they do not differ.
-The figure is the larger of the two ranks. glibc keeps freed memory resident, so a step that reuses
-memory freed by an earlier one shows less than it allocates: compare the two columns, not absolutes.
+Memory: for each configuration, one step is run with `torch.autograd.graph.saved_tensors_hooks` counting
+the bytes of every tensor autograd saves for the backward (each storage once, the parameters themselves
+excluded): the activations of the step summed over its micro-batches (GPipe holds all of them at its peak,
+1F1B at most pp), plus, in bf16, autocast's bf16 copies of the weights; the larger rank's figure.
+Weights, gradients and AdamW state are fp32 in both precisions and are not counted.
+(The process's resident size is no use here: glibc keeps freed memory resident, so a step reuses it.)
 Run: `.venv/bin/python benchmarks/precision.py [--quick] [--json PATH]`.
 """
 
@@ -29,7 +29,6 @@ from interleave import (
     CPU_NOTE, Step, add_common_args, cpu_cell, cpu_per_step, finish, markdown_table, median_s, paired_ratio,
     reference_batch, resolve_defaults, run_job, engine_step,
 )
-from pipetrain.bench.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import build_sequential
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
@@ -45,8 +44,7 @@ QUICK = {"rounds": 2, "steps": 2, "warmup": 1, "chunks": 4}
 CONFIGS = ("single fp32", "single bf16", "pp2 fp32", "pp2 bf16")
 
 
-def single_step(model: TransformerClassifier, x: torch.Tensor, y: torch.Tensor, precision: str) -> Step:
-    net = build_sequential(model, seed=SEED)
+def single_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> Step:
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
 
     def step() -> float:
@@ -61,32 +59,43 @@ def single_step(model: TransformerClassifier, x: torch.Tensor, y: torch.Tensor, 
     return step
 
 
-def _step_memory_mb(step: Step, device: torch.device) -> float | None:
-    """Peak resident memory of one step above the resident memory before it (None: not run on this rank)."""
+def _step_memory_mb(step: Step, parameters: list[torch.nn.Parameter]) -> float | None:
+    """MB of the tensors one step saves for its backward, each storage once, the parameters themselves not
+    counted (None: not run on this rank)."""
     dist.barrier()
     if step is None:
         return None
-    step()
-    base = current_memory_mb(device)
-    if not reset_peak_memory(device):
-        return None
-    step()
-    return peak_memory_mb(device) - base
+    weights = {p.untyped_storage().data_ptr() for p in parameters}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return sum(seen.values()) / 2**20
 
 
 def measure(spec: RankSpec, device: torch.device, args: argparse.Namespace) -> dict[str, Step]:
     model = TransformerClassifier(PRESETS[args.preset])
     x, y = reference_batch(args.preset, args.batch_size)
     steps: dict[str, Step] = {}
+    parameters: dict[str, list[torch.nn.Parameter]] = {}
     for name in CONFIGS:
         layout, precision = name.split()
         if layout == "single":
-            steps[name] = single_step(model, x, y, precision) if spec.rank == 0 else None
+            net = build_sequential(model, seed=SEED)
+            steps[name] = single_step(net, x, y, precision) if spec.rank == 0 else None
+            parameters[name] = list(net.parameters())
         else:
             pipeline = PipelineConfig(pp=PP, schedule="1f1b", n_microbatches=args.chunks)
             session = build_session(model, ParallelConfig(pipeline=pipeline), device, seed=SEED, precision=precision)
             steps[name] = engine_step(session.engine, x, y, lr=LR)
-    memory = {name: _step_memory_mb(step, device) for name, step in steps.items()}
+            parameters[name] = list(session.engine.parameters())
+    memory = {name: _step_memory_mb(step, parameters[name]) for name, step in steps.items()}
     (Path(args.memory_dir) / f"rank{spec.rank}.json").write_text(json.dumps(memory))
     return steps
 
@@ -97,7 +106,7 @@ def summarize(report: dict, memory: list[dict], batch_size: int) -> list[dict]:
     for name in CONFIGS:
         layout, precision = name.split()
         fp32 = f"{layout} fp32"
-        step_mb = [m[name] for m in memory if m[name] is not None]
+        step_mb = [m[name] for m in memory if m[name] is not None]  # the larger rank's
         records.append({
             "name": name, "median_step_s": median_s(times[name]), "cpu_step_s": cpu_per_step(report, name),
             "samples_per_s": batch_size / median_s(times[name]),
@@ -113,7 +122,7 @@ def summarize(report: dict, memory: list[dict], batch_size: int) -> list[dict]:
 
 def render(records: list[dict], args: argparse.Namespace) -> str:
     headers = ["config", "median step (ms)", "samples/s", "CPU/step (ms)", "speed-up vs fp32",
-               "step memory (MB)", "memory vs fp32"]
+               "saved for backward (MB)", "vs fp32"]
     rows = [[r["name"], f"{r['median_step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.1f}",
              cpu_cell(r["cpu_step_s"], r["median_step_s"]), f"{r['speedup_vs_fp32']:.2f}x",
              "-" if r["step_memory_mb"] is None else f"{r['step_memory_mb']:.1f}",
@@ -125,8 +134,8 @@ def render(records: list[dict], args: argparse.Namespace) -> str:
         markdown_table(headers, rows),
         "",
         "speed-up vs fp32: paired (median over rounds of the per-round ratio fp32 / bf16 of the same layout; "
-        ">1 means bf16 is faster). step memory: peak resident memory of one step above the resident memory "
-        "before it, the larger rank's (weights, gradients and AdamW state are fp32 in both).",
+        ">1 means bf16 is faster). saved for backward: bytes of the tensors one step saves for its backward "
+        "(activations, all micro-batches), the larger rank's; weights, gradients and AdamW state are fp32 in both.",
         CPU_NOTE,
     ])
 

@@ -4,6 +4,7 @@ from pipetrain.blocks import BlockModel, ModuleListModel, build_sequential
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError, DataError, LaunchError, PipetrainError, RankFailedError
 from pipetrain.launch.spawn import RankSpec, launch_local
+from pipetrain.pipe import Pipe
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.session import Session, close_session, open_session
 
@@ -22,6 +23,7 @@ __all__ = [
     "RankFailedError",
     "RankSpec",
     "launch_local",
+    "Pipe",
     "PipelineEngine",
     "StepResult",
     "Session",
