@@ -98,6 +98,6 @@ for batch, i in enumerate(range(0, bptt * steps, bptt)):
 
 model.eval()  # the tutorial's evaluate(): a forward-only pass under no_grad
 with torch.no_grad():
-    data, targets = get_batch(train_data, 0)
+    data, targets = get_batch(train_data, bptt * steps - 5)  # the stream's short last slice: 5 tokens
     output = model(data).local_value()
     print(f"| eval      | loss {criterion(output.view(-1, ntokens), targets).item():.6f}", flush=True)

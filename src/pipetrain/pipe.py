@@ -22,7 +22,6 @@ from torch import nn
 
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.errors import ConfigError
 from pipetrain.launch.env import detect, free_port
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.pipeline import PipelineEngine, StepResult
@@ -70,7 +69,6 @@ class Pipe(nn.Module):
         self.stages = nn.ModuleList(self.engine.modules)  # registers this rank's parameters on the Pipe
         self.device = session.device
         self.last: StepResult | None = None
-        self._sample_shape: torch.Size | None = None
 
     def forward(self, inputs: torch.Tensor) -> PipeOutput:
         return PipeOutput(self, inputs, [])
@@ -94,14 +92,7 @@ class Pipe(nn.Module):
         return norm.float()
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool) -> StepResult:
-        if self._sample_shape is None:
-            self._sample_shape = inputs.shape[1:]
-            self._model.set_example(inputs)
-        elif inputs.shape[1:] != self._sample_shape:
-            raise ConfigError(
-                f"Pipe got samples of shape {list(inputs.shape[1:])} after {list(self._sample_shape)}",
-                hint="give every batch the same shape beyond the batch dimension (e.g. drop a short last sequence)",
-            )
+        self._model.set_example(inputs)  # the engine builds (and caches) stages per input shape
         batch = inputs.shape[0]
         samplewise = targets if targets.dim() > 0 and targets.shape[0] == batch else targets.reshape(batch, -1)
 
