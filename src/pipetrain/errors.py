@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["PipetrainError", "ConfigError", "DataError", "LaunchError", "RankFailedError", "RankTimeoutError"]
+__all__ = [
+    "PipetrainError",
+    "ConfigError",
+    "DataError",
+    "LaunchError",
+    "RankFailedError",
+    "RankTimeoutError",
+    "CheckpointError",
+]
 
 
 class PipetrainError(Exception):
@@ -32,3 +40,7 @@ class RankFailedError(PipetrainError):
 
 class RankTimeoutError(RankFailedError):
     """The ranks did not finish within the time they were given and were stopped."""
+
+
+class CheckpointError(PipetrainError):
+    """A checkpoint could not be written or read (full disk, damaged files); earlier checkpoints are intact."""

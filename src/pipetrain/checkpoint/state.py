@@ -1,0 +1,217 @@
+"""Save and load one engine's training state with torch.distributed.checkpoint, under layout-free keys, atomically."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from pipetrain.checkpoint.folders import (
+    CheckpointMeta,
+    commit,
+    final_folder,
+    latest_checkpoint,
+    partial_folder,
+    prune,
+    read_meta,
+    write_meta,
+)
+from pipetrain.checkpoint.keys import StageNames, fingerprint
+from pipetrain.errors import CheckpointError, ConfigError
+from pipetrain.pipeline import PipelineEngine
+
+__all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "engine_layout"]
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def engine_layout(engine: PipelineEngine) -> dict[str, Any]:
+    """The parallel layout of `engine` as plain data (recorded in a checkpoint; loading does not need it)."""
+    return {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "dp": engine.dp,
+        "pp": engine.config.pp,
+        "schedule": engine.config.schedule,
+        "virtual_stages": engine.config.virtual_stages,
+        "balance": list(engine.balance),
+        "stage_module": type(engine.modules[0]).__name__,
+    }
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict]:
+    """(container of the stage modules, its key renamer, this rank's layout-free state dict)."""
+    container = nn.ModuleList(engine.modules)
+    names = StageNames(engine.stage_ids, engine.balance)
+    state: dict[str, Any] = {f"model.{k}": v for k, v in names.model_state(get_model_state_dict(container)).items()}
+    if optimizer is not None:
+        optim = get_optimizer_state_dict(container, optimizer, options=_OPTIONS)
+        state.update({f"optim.{k}": v for k, v in names.optimizer_state(optim).items()})
+    return container, names, state
+
+
+def _rng_key() -> str:
+    return f"rng.rank{_rank()}"
+
+
+def _rng_state() -> torch.Tensor:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return torch.stack(states) if len(states) > 1 and states[0].shape == states[1].shape else states[0]
+
+
+def _agree(error: str | None) -> None:
+    """Raise CheckpointError on every rank when rank 0 reports `error` (its value elsewhere is ignored)."""
+    box = [error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(box[0], hint="free space or pass a --save-dir you can write to; "
+                                           "the previous checkpoints are intact")
+
+
+def save_checkpoint(
+    directory: str | Path,
+    engine: PipelineEngine,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int,
+    model_name: str = "model",
+    config: Mapping[str, Any] | None = None,
+    extras: Mapping[str, Any] | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Write the checkpoint of `step` into `directory` from every rank (a collective call); returns its folder.
+
+    Every rank writes its own shards with DCP into `step-NNNNNNNN.partial`; after all have written, rank 0
+    writes the metadata and renames the folder to `step-NNNNNNNN`: the checkpoint is visible only once
+    complete. Left-over partial folders and checkpoints beyond the `keep` newest are then removed. `extras`
+    (JSON-serialisable) come back from `load_checkpoint`.
+    """
+    directory = Path(directory)
+    partial, final = partial_folder(directory, step), final_folder(directory, step)
+    error = None
+    if _rank() == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            prune(directory, keep=None)  # a partial folder of this step left by a killed job
+        except OSError as err:
+            error = f"cannot write checkpoints to {str(directory)!r}: {err}"
+    _agree(error)
+    _, _, state = _states(engine, optimizer)
+    state[_rng_key()] = _rng_state()
+    try:
+        dcp.save(state, checkpoint_id=str(partial))
+    except (Exception, dcp.CheckpointException) as err:  # DCP raises the same CheckpointException on every rank
+        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_cause(err)}",
+                              hint="free space or pass a --save-dir you can write to; "
+                                   "the previous checkpoints are intact") from None
+    if _rank() == 0:
+        meta = CheckpointMeta(step=step, model=model_name, fingerprint=fingerprint(engine.model),
+                              layout=engine_layout(engine), world_size=engine_layout(engine)["world_size"],
+                              config=dict(config or {}), extras=dict(extras or {}))
+        try:
+            write_meta(partial, meta)
+            commit(partial, final)
+            prune(directory, keep=keep)
+        except OSError as err:
+            error = f"could not commit checkpoint {str(final)!r}: {err}"
+    _agree(error)
+    return final
+
+
+def _cause(err: BaseException) -> str:
+    """The lowest rank's underlying error of a DCP CheckpointException (whose text lists every rank's traceback)."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        rank = min(err.failures)
+        exc = err.failures[rank][0]
+        while exc.__cause__ is not None:
+            exc = exc.__cause__
+        return f"{type(exc).__name__}: {exc} (rank {rank})"
+    return f"{type(err).__name__}: {err}"
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """`path` itself when it is a committed checkpoint, else the latest one inside it; ConfigError if none."""
+    path = Path(path)
+    if read_meta_or_none(path) is not None:
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(f"no complete checkpoint in {str(path)!r}",
+                          hint="train once with --save-dir to write one, or drop --resume to start afresh")
+    return latest
+
+
+def read_meta_or_none(folder: Path) -> CheckpointMeta | None:
+    return read_meta(folder) if (folder / "pipetrain.json").is_file() else None
+
+
+def load_checkpoint(
+    path: str | Path,
+    engine: PipelineEngine,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    model_name: str | None = None,
+) -> CheckpointMeta:
+    """Load a checkpoint (a `step-N` folder, or the latest in a folder) into `engine` and `optimizer`.
+
+    A collective call; works under any layout. The RNG states are restored only under the layout that
+    wrote the checkpoint (elsewhere each rank's random stream differs anyway). Raises ConfigError when the
+    checkpoint belongs to another model (`model_name` and the parameter fingerprint are compared).
+    """
+    folder = find_checkpoint(path)
+    meta = read_meta(folder)
+    check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(engine.model))
+    container, names, state = _states(engine, optimizer)
+    same_layout = meta.layout == engine_layout(engine)
+    if same_layout:
+        state[_rng_key()] = _rng_state()
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except (Exception, dcp.CheckpointException) as err:
+        raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {_cause(err)}",
+                              hint="the checkpoint is damaged or from another model; use an older one") from None
+    model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    set_model_state_dict(container, names.local_model_state(model_state))
+    if optimizer is not None:
+        optim = {k[len("optim."):]: v for k, v in state.items() if k.startswith("optim.")}
+        set_optimizer_state_dict(container, optimizer, names.local_optimizer_state(optim), options=_OPTIONS)
+    if same_layout:
+        rng = state[_rng_key()]
+        torch.set_rng_state(rng[0] if rng.dim() > 1 else rng)
+        if rng.dim() > 1:
+            torch.cuda.set_rng_state(rng[1])
+    _barrier()
+    return meta
+
+
+def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | None, fingerprint_: str) -> None:
+    """ConfigError when the checkpoint in `folder` was written for another model than this job's."""
+    if model_name is not None and meta.model != model_name:
+        raise ConfigError(f"checkpoint {str(folder)!r} was written for model {meta.model!r}, this job trains {model_name!r}",
+                          hint="resume with the same workload and preset, or pass another --save-dir")
+    if meta.fingerprint != fingerprint_:
+        raise ConfigError(f"checkpoint {str(folder)!r} holds parameters of another shape than this model's",
+                          hint="resume with the model configuration that wrote it, or pass another --save-dir")
