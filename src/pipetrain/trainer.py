@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import math
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pipetrain.checkpoint.durable import DurableConfig, DurableRun, Position
 from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec
@@ -48,6 +51,7 @@ class TrainConfig:
     trace_steps: int = 3
     trace_warmup: int = 2
     precision: str = "fp32"
+    durable: DurableConfig = field(default_factory=DurableConfig)
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -82,6 +86,14 @@ class TrainConfig:
         """The workload's model for this preset (a `BlockModel`)."""
         return self.task().model(self.preset)
 
+    def model_name(self) -> str:
+        """`workload:preset`, the model a checkpoint of this job belongs to."""
+        return f"{self.workload}:{self.preset}"
+
+    def as_json(self) -> dict:
+        """This configuration as JSON data (recorded in checkpoints)."""
+        return json.loads(json.dumps(asdict(self), default=str))
+
 
 @dataclass(frozen=True)
 class EpochReport:
@@ -114,8 +126,8 @@ class EpochReport:
 class MetricTotals:
     """Running means of loss and accuracy over steps, each step weighted by what its loss averages over."""
 
-    def __init__(self) -> None:
-        self.loss = self.correct = self.count = 0.0
+    def __init__(self, loss: float = 0.0, correct: float = 0.0, count: float = 0.0) -> None:
+        self.loss, self.correct, self.count = loss, correct, count
 
     def add(self, result: StepResult) -> None:
         self.loss += result.loss * result.count
@@ -134,11 +146,13 @@ def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
     return config.task().load_data(request)
 
 
-def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int) -> MetricTotals:
+def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
+              durable: DurableRun) -> MetricTotals:
     totals = MetricTotals()
     for x, y in workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
                                  replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket):
         totals.add(engine.evaluate(x, y))
+        durable.progress()
     return totals
 
 
@@ -156,7 +170,6 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         engine, mesh = session.engine, session.mesh
         optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr)
         dp = config.parallel.dp
-        per_epoch = workload.num_batches(train, config.batch_size, replicas=dp)
         if session.is_main:
             log.info(
                 "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
@@ -167,36 +180,13 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
             )
         tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
                   if config.trace is not None else None)
-        reports, steps = [], 0
-        for epoch in range(1, config.epochs + 1):
-            start = time.perf_counter()
-            totals = MetricTotals()
-            total = per_epoch if config.max_steps is None else min(per_epoch, config.max_steps - steps)
-            stream = workload.batches(train, config.batch_size, shuffle=True, seed=config.seed, epoch=epoch,
-                                      replica=mesh.dp_rank, replicas=dp, bucket=config.bucket)
-            bar = tqdm(total=total, desc=f"epoch {epoch}", unit="step", disable=not (session.is_main and config.progress),
-                       leave=False, dynamic_ncols=True)
-            for (x, y), _ in zip(stream, range(total)):
-                with tracer.step() if tracer is not None else nullcontext():
-                    optimizer.zero_grad(set_to_none=True)
-                    result = engine.step(x, y)
-                    with span("optimizer"):
-                        optimizer.step()
-                steps += 1
-                totals.add(result)
-                bar.set_postfix(loss=f"{result.loss:.4f}")
-                bar.update()
-            bar.close()
-            tested = _evaluate(engine, workload, test, config, mesh.dp_rank)
-            (train_loss, train_accuracy), (test_loss, test_accuracy) = totals.means(), tested.means()
-            report = EpochReport(epoch, steps, train_loss, train_accuracy, test_loss, test_accuracy,
-                                 time.perf_counter() - start, train.synthetic, workload.describe_data(train),
-                                 _perplexity(workload, train_loss), _perplexity(workload, test_loss))
-            reports.append(report)
-            if session.is_main:
-                log.info(report.line(config.epochs))
-            if config.max_steps is not None and steps >= config.max_steps:
-                break
+        durable = DurableRun(config.durable, engine, optimizer, model_name=config.model_name(),
+                             job_config=config.as_json(), device=session.device, spec=spec)
+        try:
+            reports = _train_epochs(config, workload, engine, optimizer, train, test, mesh.dp_rank, durable, tracer,
+                                    show=session.is_main)
+        finally:
+            durable.close()
         files = tracer.close() if tracer is not None else None
         if files is not None:
             for line in [f"trace of {tracer.traced_steps} step(s): {files.trace} (open in ui.perfetto.dev), {files.gantt}",
@@ -205,6 +195,64 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         return reports
     finally:
         close_session()
+
+
+def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, optimizer: torch.optim.Optimizer,
+                  train: Dataset, test: Dataset, dp_rank: int, durable: DurableRun, tracer: Tracer | None, *,
+                  show: bool) -> list[EpochReport]:
+    """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
+    dp = config.parallel.dp
+    per_epoch = workload.num_batches(train, config.batch_size, replicas=dp)
+    at = durable.start()
+    reports = [EpochReport(**report) for report in at.reports]
+    for epoch in range(at.epoch, config.epochs + 1):
+        if config.max_steps is not None and at.step >= config.max_steps:
+            break
+        start = time.perf_counter()
+        totals = MetricTotals(**at.totals)
+        total = per_epoch if config.max_steps is None else min(per_epoch, at.in_epoch + config.max_steps - at.step)
+        stream = workload.batches(train, config.batch_size, shuffle=True, seed=config.seed, epoch=epoch,
+                                  replica=dp_rank, replicas=dp, bucket=config.bucket)
+        bar = tqdm(total=total, initial=at.in_epoch, desc=f"epoch {epoch}", unit="step",
+                   disable=not (show and config.progress), leave=False, dynamic_ncols=True)
+        for x, y in itertools.islice(stream, at.in_epoch, total):  # the batches this epoch has not done yet
+            with tracer.step() if tracer is not None else nullcontext():
+                optimizer.zero_grad(set_to_none=True)
+                result = engine.step(x, y)
+                with span("optimizer"):
+                    optimizer.step()
+            totals.add(result)
+            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports)
+            bar.set_postfix(loss=f"{result.loss:.4f}")
+            bar.update()
+            if durable.after_step(at):
+                bar.close()
+                _stopped(durable, at, show)
+                return reports
+        bar.close()
+        partial = at.in_epoch < per_epoch  # --max-steps ends the job inside this epoch
+        if partial:
+            durable.save(at)  # a resumed job goes on with the rest of this epoch
+        tested = _evaluate(engine, workload, test, config, dp_rank, durable)
+        (train_loss, train_accuracy), (test_loss, test_accuracy) = totals.means(), tested.means()
+        report = EpochReport(epoch, at.step, train_loss, train_accuracy, test_loss, test_accuracy,
+                             time.perf_counter() - start, train.synthetic, workload.describe_data(train),
+                             _perplexity(workload, train_loss), _perplexity(workload, test_loss))
+        reports.append(report)
+        if show:
+            log.info(report.line(config.epochs))
+        if partial:
+            break
+        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports))
+        durable.end_epoch(at)
+    return reports
+
+
+def _stopped(durable: DurableRun, at: Position, show: bool) -> None:
+    if show:
+        log.info("pipetrain: stopped by %s after step %d; saved in %s; run again with --resume to continue",
+                 durable.stopped_by, at.step, durable.config.save_dir)
+    durable.requeue()
 
 
 def report_dicts(reports: list[EpochReport]) -> list[dict]:

@@ -13,7 +13,7 @@ from pipetrain.errors import PipetrainError
 __all__ = ["main"]
 
 #: verb -> module under pipetrain.cli providing add_parser(subparsers) and run(args) -> int
-VERBS = ("train", "bench", "sbatch", "profile", "plan", "tune")
+VERBS = ("train", "bench", "sbatch", "profile", "plan", "tune", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

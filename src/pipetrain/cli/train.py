@@ -11,9 +11,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pipetrain.checkpoint.durable import DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError, DataError, PipetrainError
-from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
+from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.partition import cost_balance
 from pipetrain.partition.profile import load_profile
@@ -24,7 +25,16 @@ from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
 from pipetrain.workloads.registry import Dataset, workload_names
 
-__all__ = ["add_parser", "run", "add_parallel_arguments", "parallel_config", "cost_balanced", "check_trace"]
+__all__ = [
+    "add_parser",
+    "run",
+    "add_parallel_arguments",
+    "parallel_config",
+    "cost_balanced",
+    "check_trace",
+    "add_durable_arguments",
+    "durable_config",
+]
 
 log = logging.getLogger("pipetrain")
 
@@ -149,6 +159,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     tracing.add_argument("--trace-steps", type=int, default=3, help="steps to record with --trace (default: 3)")
     tracing.add_argument("--trace-warmup", type=int, default=2,
                          help="steps run before recording with --trace (default: 2)")
+    add_durable_arguments(parser)
     return parser
 
 
@@ -163,6 +174,26 @@ def check_trace(config: TrainConfig, train: Dataset) -> None:
         raise ConfigError(f"--trace records no step: the run has {total} step(s), all within the "
                           f"{config.trace_warmup} warm-up step(s)",
                           hint="train more steps (more samples, --epochs) or lower --trace-warmup")
+
+
+def add_durable_arguments(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints, resume and failure detection (see pipetrain.checkpoint)."""
+    group = parser.add_argument_group("checkpoints and failures")
+    group.add_argument("--save-dir", type=Path, default=None,
+                       help="save checkpoints here (at each epoch end, at the end, and on SIGTERM/SIGUSR1)")
+    group.add_argument("--save-every", type=int, default=None, help="also save every N optimizer steps")
+    group.add_argument("--resume", action="store_true",
+                       help="go on from the latest complete checkpoint in --save-dir (any layout may resume it)")
+    group.add_argument("--keep", type=int, default=None, help="keep only the K newest checkpoints (default: all)")
+    group.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                       help=f"end the job when no step finishes for this many seconds, naming the stuck rank; "
+                            f"0 disables (default: {DEFAULT_STEP_TIMEOUT_S:g})")
+
+
+def durable_config(args: argparse.Namespace) -> DurableConfig:
+    """The validated checkpoint and failure-handling configuration of parsed arguments."""
+    return DurableConfig(save_dir=args.save_dir, save_every=args.save_every, resume=args.resume, keep=args.keep,
+                         step_timeout_s=args.step_timeout or None, requeue_job=slurm_job_id())
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -184,6 +215,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         trace=args.trace,
         trace_steps=args.trace_steps,
         trace_warmup=args.trace_warmup,
+        durable=durable_config(args),
     )
 
 
@@ -191,7 +223,9 @@ def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     reports = train_rank(spec, config, data)
     if metrics is not None and spec.rank == 0:
-        metrics.write_text(json.dumps(report_dicts(reports), indent=2) + "\n")
+        partial = metrics.with_name(f".{metrics.name}.partial")
+        partial.write_text(json.dumps(report_dicts(reports), indent=2) + "\n")
+        partial.replace(metrics)  # atomic: a reader never sees half a file
 
 
 def _spec(env: ClusterEnv) -> RankSpec:
@@ -199,7 +233,7 @@ def _spec(env: ClusterEnv) -> RankSpec:
 
 
 def _check_metrics(metrics: Path | None) -> None:
-    """Fail now, not after training, when the metrics file cannot be written."""
+    """Fail now, not after training, when the metrics file cannot be written: write its temporary file."""
     if metrics is None:
         return
     folder = metrics.parent
@@ -207,6 +241,19 @@ def _check_metrics(metrics: Path | None) -> None:
         why = "is a folder" if metrics.is_dir() else f"its folder {str(folder)!r} is missing or not writable"
         raise ConfigError(f"cannot write the metrics file {str(metrics)!r}: {why}",
                           hint="pass --metrics with a file path in an existing folder you can write to")
+    probe = metrics.with_name(f".{metrics.name}.partial")
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write the metrics file {str(metrics)!r}: {err.strerror or err}",
+                          hint="pass --metrics with a file path in a folder you can write to") from None
+
+
+def _check_before_start(config: TrainConfig, metrics: Path | None) -> None:
+    """What can fail before any rank starts: the metrics file, the save folder and the checkpoint to resume."""
+    _check_metrics(metrics)
+    config.durable.check(model_name=config.model_name(), model=config.model())
 
 
 def _says_it(env: ClusterEnv, err: PipetrainError) -> bool:
@@ -219,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
         config = cost_balanced(_config(args), args, launched=False)
-        _check_metrics(args.metrics)
+        _check_before_start(config, args.metrics)
         data = load_data(config)
         check_trace(config, data[0])
         world = config.parallel.world_size
@@ -231,8 +278,8 @@ def run(args: argparse.Namespace) -> int:
         config = cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
-        if env.rank == 0:  # the process that writes the metrics file and the trace
-            _check_metrics(args.metrics)
+        if env.rank == 0:  # the process that writes the metrics file and the trace, and commits checkpoints
+            _check_before_start(config, args.metrics)
         data = load_data(config)
         if env.rank == 0:
             check_trace(config, data[0])

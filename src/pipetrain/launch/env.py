@@ -23,6 +23,7 @@ __all__ = [
     "expand_tasks_per_node",
     "free_port",
     "slurm_port",
+    "slurm_job_id",
 ]
 
 _PORT_BASE = 20000
@@ -99,6 +100,12 @@ def expand_for_local_ranks(env: ClusterEnv, ranks_per_node: int) -> list[Cluster
         )
         for local in range(ranks_per_node)
     ]
+
+
+def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The id of the Slurm job this process runs in (SLURM_JOB_ID), or None outside Slurm."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURM_JOB_ID") or None
 
 
 def free_port() -> int:

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import NoReturn
 
 from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
 from pipetrain.launch.env import free_port
 
-__all__ = ["RankSpec", "spawn", "launch_local"]
+__all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +36,35 @@ class RankSpec:
 _SETTLE_S = 0.5
 #: One rank's failure report: (time.monotonic() when raised, rank, message or traceback, unexpected error?).
 Report = tuple[float, int, str, bool]
+#: What a rank sends first, once it runs (a rank that dies before sending it died while starting).
+_STARTED = "started"
+#: Signals the launcher passes on to its ranks (a stop request from Slurm or `kill`; see checkpoint.stop).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: This rank's report pipe, when the rank was started by `spawn` (set once per rank process, see `fail_now`).
+_REPORT: tuple[Connection, int] | None = None
+
+
+def fail_now(message: str, *, code: int = 1) -> NoReturn:
+    """End this rank at once from any thread, reporting `message` once (an empty message stays silent).
+
+    Under `spawn` the message goes to the launcher, which stops every rank and raises it; under torchrun or
+    srun it is printed, and the launcher ends the other ranks when this one exits.
+    """
+    if message:
+        if _REPORT is not None:
+            try:
+                _REPORT[0].send((time.monotonic(), _REPORT[1], message, False))
+            except OSError:
+                pass
+        else:
+            print(f"pipetrain: error: {message}", file=sys.stderr, flush=True)
+    os._exit(code)
 
 
 def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection) -> None:
+    global _REPORT
+    _REPORT = (report, spec.rank)
+    report.send(_STARTED)
     try:
         fn(spec, *args)
     except PipetrainError as err:  # a user error: its message says it all
@@ -79,43 +110,93 @@ def spawn(
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
     running: dict[int, tuple[int, mp.process.BaseProcess]] = {}  # sentinel -> (rank, process)
+    started: set[Connection] = set()  # the readers of ranks that have started running
+    with _forwarding(processes):
+        try:
+            for local, rank in enumerate(ranks):
+                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port)
+                reader, writer = ctx.Pipe(duplex=False)
+                readers.append(reader)
+                process = ctx.Process(target=_child, args=(fn, spec, args, writer), name=f"pipetrain-rank{rank}")
+                process.start()
+                writer.close()
+                processes.append(process)
+                running[process.sentinel] = (rank, process)
+            listening = set(readers)  # the readers of ranks that have not closed their end yet
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while running:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                ready = wait([*listening, *running], timeout=remaining)
+                if not ready and deadline is not None and time.monotonic() >= deadline:
+                    raise RankTimeoutError(f"ranks still running after {timeout_s:g} s", hint="raise the timeout")
+                for handle in ready:
+                    if handle in listening:
+                        try:
+                            first = handle.recv()
+                        except EOFError:  # closed without a report: this rank is ending, its sentinel tells how
+                            listening.discard(handle)
+                            continue
+                        if first == _STARTED:
+                            started.add(handle)
+                            continue
+                        deaths = _deaths(running, settle_s=_SETTLE_S)  # first: a rank's report precedes its death
+                        raise _failure([first, *_reports(readers)], deaths)
+                    if handle in running:
+                        rank, process = running.pop(handle)
+                        process.join()
+                        if process.exitcode != 0:
+                            reader = readers[processes.index(process)]
+                            if reader not in started and not _drain_started(reader):
+                                raise _died_starting(rank, process, fn)
+                            raise _failure(_reports(readers), [(rank, process)])
+        except BaseException:
+            _stop(processes)
+            raise
+        finally:
+            for reader in readers:
+                reader.close()
+
+
+@contextmanager
+def _forwarding(processes: list[mp.process.BaseProcess]) -> Iterator[None]:
+    """Pass SIGTERM and SIGUSR1 received by the launcher on to the ranks while they run (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(number: int, frame: object) -> None:
+        for process in processes:
+            if process.pid is not None and process.exitcode is None:
+                try:
+                    os.kill(process.pid, number)
+                except ProcessLookupError:
+                    pass
+
+    previous = {number: signal.signal(number, forward) for number in FORWARDED_SIGNALS}
     try:
-        for local, rank in enumerate(ranks):
-            spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port)
-            reader, writer = ctx.Pipe(duplex=False)
-            readers.append(reader)
-            process = ctx.Process(target=_child, args=(fn, spec, args, writer), name=f"pipetrain-rank{rank}")
-            process.start()
-            writer.close()
-            processes.append(process)
-            running[process.sentinel] = (rank, process)
-        listening = set(readers)  # the readers of ranks that have not closed their end yet
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while running:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            ready = wait([*listening, *running], timeout=remaining)
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                raise RankTimeoutError(f"ranks still running after {timeout_s:g} s", hint="raise the timeout")
-            for handle in ready:
-                if handle in listening:
-                    try:
-                        first = handle.recv()
-                    except EOFError:  # closed without a report: this rank is ending, its sentinel tells how
-                        listening.discard(handle)
-                        continue
-                    deaths = _deaths(running, settle_s=_SETTLE_S)  # first: a rank's report precedes its death
-                    raise _failure([first, *_reports(readers)], deaths)
-                if handle in running:
-                    rank, process = running.pop(handle)
-                    process.join()
-                    if process.exitcode != 0:
-                        raise _failure(_reports(readers), [(rank, process)])
-    except BaseException:
-        _stop(processes)
-        raise
+        yield
     finally:
-        for reader in readers:
-            reader.close()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _drain_started(reader: Connection) -> bool:
+    """Whether the start marker is still unread in `reader` (read it, and put nothing else back)."""
+    try:
+        return reader.poll() and reader.recv() == _STARTED
+    except (EOFError, OSError):
+        return False
+
+
+def _died_starting(rank: int, process: mp.process.BaseProcess, fn: Callable[..., None]) -> RankFailedError:
+    """The error of a rank that ended before running `fn`: most often a script without a main guard."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    return RankFailedError(
+        f"{process.name} died while starting, before running {name}() (exit code {process.exitcode})",
+        hint="ranks are started with the 'spawn' method, which imports your script again in every rank: a "
+             "script that calls launch_local() (or spawn) at module level must do it under "
+             "`if __name__ == \"__main__\":`",
+    )
 
 
 def _reports(readers: Sequence[Connection]) -> list[Report]:
@@ -123,8 +204,11 @@ def _reports(readers: Sequence[Connection]) -> list[Report]:
     reports = []
     for reader in readers:
         try:
-            if reader.poll():
-                reports.append(reader.recv())
+            while reader.poll():
+                message = reader.recv()
+                if message != _STARTED:
+                    reports.append(message)
+                    break
         except (EOFError, OSError):
             pass
     return reports

@@ -1,0 +1,177 @@
+"""What the trainer calls to make a job durable: resume, periodic saves, agreed stops, requeue, step watchdog."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.blocks import BlockModel
+from pipetrain.checkpoint.folders import latest_checkpoint, probe_writable, read_meta
+from pipetrain.checkpoint.keys import fingerprint
+from pipetrain.checkpoint.state import check_compatible, find_checkpoint, load_checkpoint, save_checkpoint
+from pipetrain.checkpoint.stop import StopRequest
+from pipetrain.errors import ConfigError
+from pipetrain.launch.spawn import RankSpec, fail_now
+from pipetrain.launch.watchdog import StepWatchdog
+from pipetrain.pipeline import PipelineEngine
+
+__all__ = ["DurableConfig", "Position", "DurableRun", "DEFAULT_STEP_TIMEOUT_S"]
+
+log = logging.getLogger("pipetrain")
+
+#: Seconds without a finished step before the watchdog ends the job (a cpu-preset step takes ~0.3 s).
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DurableConfig:
+    """Checkpointing and failure handling of one job (`pipetrain train --save-dir ... --step-timeout ...`)."""
+
+    save_dir: Path | None = None
+    save_every: int | None = None
+    resume: bool = False
+    keep: int | None = None
+    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
+    requeue_job: str | None = None  # the Slurm job id to requeue after a stop request (None: not under Slurm)
+
+    def __post_init__(self) -> None:
+        if self.resume and self.save_dir is None:
+            raise ConfigError("--resume needs --save-dir", hint="pass --save-dir DIR, the folder the job saved to")
+        if self.save_dir is None and (self.save_every is not None or self.keep is not None):
+            raise ConfigError("--save-every and --keep need --save-dir", hint="pass --save-dir DIR")
+        for name in ("save_every", "keep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 1 or more, got {value}",
+                                  hint=f"pass --{name.replace('_', '-')} 1 or more")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            raise ConfigError(f"--step-timeout must be positive, got {self.step_timeout_s:g}",
+                              hint="pass seconds well above one step, e.g. --step-timeout 300")
+
+    def check(self, *, model_name: str, model: BlockModel) -> None:
+        """Before any rank starts: the save folder is writable and, with --resume, holds a checkpoint of `model`."""
+        if self.save_dir is None:
+            return
+        probe_writable(self.save_dir)
+        if self.resume:
+            folder = find_checkpoint(self.save_dir)
+            check_compatible(read_meta(folder), folder, model_name=model_name, fingerprint_=fingerprint(model))
+
+
+@dataclass
+class Position:
+    """Where training is: optimizer steps done, the epoch under way (1-based), its batches done, and what the
+    epoch has measured so far (`totals`) and the reports of finished epochs (`reports`), all JSON data."""
+
+    step: int = 0
+    epoch: int = 1
+    in_epoch: int = 0
+    totals: dict[str, float] = field(default_factory=dict)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+
+class DurableRun:
+    """One rank's side of a durable job; a no-op without --save-dir (except the watchdog).
+
+    The loop calls `start()` once (it resumes), `after_step(position)` after each optimizer step (True: stop
+    now, every rank agrees), `progress()` during evaluation, `end_epoch(position)` and `close()`.
+    """
+
+    def __init__(self, config: DurableConfig, engine: PipelineEngine, optimizer: torch.optim.Optimizer, *,
+                 model_name: str, job_config: Mapping[str, Any], device: torch.device, spec: RankSpec) -> None:
+        self.config = config
+        self.engine = engine
+        self.optimizer = optimizer
+        self.model_name = model_name
+        self.job_config = dict(job_config)
+        self.device = device
+        self._stop = StopRequest()
+        self._watchdog = None
+        if config.step_timeout_s:
+            self._watchdog = StepWatchdog(timeout_s=config.step_timeout_s, rank=spec.rank, world_size=spec.world_size,
+                                          master_addr=spec.master_addr, master_port=spec.master_port, on_stuck=fail_now)
+        self._step = 0
+        self._saved: dict[str, Any] | None = None
+        self.stopped_by: str | None = None
+
+    @property
+    def saving(self) -> bool:
+        return self.config.save_dir is not None
+
+    def start(self) -> Position:
+        """Resume from the latest checkpoint with --resume (else start afresh); start watching."""
+        position = Position()
+        if self.saving:
+            self._stop.install()
+        if self.config.resume:
+            assert self.config.save_dir is not None
+            meta = load_checkpoint(self.config.save_dir, self.engine, self.optimizer, model_name=self.model_name)
+            position = Position(**meta.extras["position"])
+            self._saved = copy.deepcopy(position.__dict__)
+            if dist.get_rank() == 0:
+                log.info("pipetrain: resumed from %s (step %d, epoch %d, %d batches of it done)",
+                         latest_checkpoint(self.config.save_dir), position.step, position.epoch, position.in_epoch)
+        self._step = position.step
+        if self._watchdog is not None:
+            self._watchdog.progress(position.step)
+            self._watchdog.start()
+        return position
+
+    def progress(self) -> None:
+        """Something other than a step finished (an evaluation batch): the job is alive."""
+        if self._watchdog is not None:
+            self._watchdog.progress(self._step)
+
+    def after_step(self, position: Position) -> bool:
+        """Save when due; True when a stop was requested on any rank (then the checkpoint is saved)."""
+        self._step = position.step
+        if self._watchdog is not None:
+            self._watchdog.progress(position.step)
+        if not self.saving:
+            return False
+        if self._stop.agreed(self.device):
+            self.stopped_by = self._stop.signal_name
+            self.save(position)
+            return True
+        if self.config.save_every and position.step % self.config.save_every == 0:
+            self.save(position)
+        return False
+
+    def end_epoch(self, position: Position) -> None:
+        """Save at the end of an epoch (after its evaluation, so the report is in the checkpoint)."""
+        if self.saving:
+            self.save(position)
+
+    def save(self, position: Position) -> None:
+        """Save now unless this very position is already saved."""
+        if self.config.save_dir is None or self._saved == position.__dict__:
+            return
+        save_checkpoint(self.config.save_dir, self.engine, self.optimizer, step=position.step,
+                        model_name=self.model_name, config=self.job_config, extras={"position": position.__dict__},
+                        keep=self.config.keep)
+        self._saved = copy.deepcopy(position.__dict__)
+        self.progress()
+
+    def requeue(self) -> None:
+        """After a stop request under Slurm: rank 0 asks Slurm to requeue this job (it then resumes by itself)."""
+        if self.config.requeue_job is None or dist.get_rank() != 0:
+            return
+        done = subprocess.run(["scontrol", "requeue", self.config.requeue_job], capture_output=True, text=True,
+                              check=False)
+        if done.returncode:
+            log.warning("pipetrain: `scontrol requeue %s` failed: %s", self.config.requeue_job, done.stderr.strip())
+        else:
+            log.info("pipetrain: requeued Slurm job %s; it resumes from the checkpoint", self.config.requeue_job)
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._stop.uninstall()

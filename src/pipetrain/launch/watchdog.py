@@ -1,0 +1,105 @@
+"""Step watchdog: a rank that sees no step finish within the timeout names the stuck ranks and ends the job."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["StepWatchdog", "stuck_message"]
+
+_PREFIX = "pipetrain/watchdog/"
+#: Seconds a store read may take; longer means the rank holding the store (rank 0) is frozen.
+_STORE_TIMEOUT_S = 5.0
+
+
+def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], beats: dict[int, float],
+                  now: float) -> str:
+    """Which ranks hold the job back, from the steps they finished and the time of their last heartbeat."""
+    silent = sorted(r for r, beat in beats.items() if now - beat > max(3.0, timeout_s / 2))
+    waited = f"rank {me} waited {timeout_s:g} s (--step-timeout) for step {step + 1} to finish"
+    if silent:
+        names = ", ".join(f"rank {r} (last finished step {steps.get(r, 0)}, silent for {now - beats[r]:.0f} s)"
+                          for r in silent)
+        return f"{names} stopped responding (stopped or frozen process?); {waited}"
+    lowest = min(steps.values()) if steps else step
+    behind = sorted(r for r, s in steps.items() if s == lowest)
+    if steps and lowest < max(steps.values()):
+        return f"rank(s) {', '.join(map(str, behind))} stuck at step {lowest + 1} while others finished it; {waited}"
+    return f"every rank is stuck in step {step + 1} (a collective that never completes?); {waited}"
+
+
+class StepWatchdog:
+    """Publishes this rank's finished step and a heartbeat to the job's TCP store; fires `on_stuck(message)`
+    when `progress` has not been called for `timeout_s` seconds.
+
+    The first rank to fire wins the right to report (one message per job); the others stay quiet and are
+    ended by the launcher. When the store itself does not answer, the rank hosting it (rank 0) is frozen.
+    """
+
+    def __init__(self, *, timeout_s: float, rank: int, world_size: int, master_addr: str, master_port: int,
+                 on_stuck: Callable[[str], None]) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.world_size = world_size
+        self._on_stuck = on_stuck
+        self._store = dist.TCPStore(master_addr, master_port, is_master=False,
+                                    timeout=timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
+        self._step = 0
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="pipetrain-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._last = time.monotonic()
+        self._thread.start()
+
+    def progress(self, step: int) -> None:
+        """This rank finished `step` (or made other progress: evaluation, a save)."""
+        self._last = time.monotonic()
+        if step != self._step:
+            self._step = step
+            try:
+                self._store.set(f"{_PREFIX}step/{self.rank}", str(step))
+            except (RuntimeError, dist.DistStoreError):
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * _STORE_TIMEOUT_S)
+
+    def _watch(self) -> None:
+        period = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(period):
+            try:
+                self._store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
+            except (RuntimeError, dist.DistStoreError):
+                pass
+            if time.monotonic() - self._last > self.timeout_s:
+                self._fire()
+                return
+
+    def _fire(self) -> None:
+        try:
+            winner = self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode() == str(self.rank)
+            keys = [f"{_PREFIX}step/{r}" for r in range(self.world_size)]
+            beats_keys = [f"{_PREFIX}beat/{r}" for r in range(self.world_size)]
+            steps, beats = {}, {}
+            for r in range(self.world_size):
+                steps[r] = int(self._store.get(keys[r])) if self._store.check([keys[r]]) else 0
+                beats[r] = float(self._store.get(beats_keys[r])) if self._store.check([beats_keys[r]]) else time.time()
+            message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, beats=beats,
+                                    now=time.time())
+        except (RuntimeError, dist.DistStoreError):
+            winner = True
+            message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen; rank {self.rank} "
+                       f"waited {self.timeout_s:g} s (--step-timeout) for step {self._step + 1} to finish")
+        if winner:
+            self._on_stuck(message)
+        else:
+            time.sleep(30.0)  # the winner reports and the launcher ends this rank; leave quietly if it does not
+            self._on_stuck("")
