@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import json
 import logging
 import math
@@ -164,6 +165,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
     """Train on this rank (one of dp × pp); every rank returns the same epoch reports."""
     workload = config.task()
     train, test = data if data is not None else load_data(config)
+    tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed rank would leak its semaphore
     session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=workload.loss(),
                            precision=config.precision)
     try:

@@ -36,10 +36,16 @@ SWEEP = ["--quick", "--steps", "2", "--warmup", "1", "--grid", "pp=1", "--grid",
 _TABLE_CELL = re.compile(r"^(OOM|—|[\d.e+-]+ s / \d+ MB)$")
 
 
+def _default_sigint() -> None:
+    # a background job of a non-interactive shell starts with SIGINT ignored, and a child inherits that (Python
+    # then keeps ignoring it): reset it before exec, so the child's Python turns SIGINT into KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "pipetrain", "bench", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_default_sigint)
 
 
 def _lines(path: Path) -> list[str]:

@@ -26,8 +26,11 @@ def directives(script: str) -> dict[str, str]:
 
 
 def srun_argv(script: str) -> list[str]:
+    """The srun command line, without the `--resume` a requeued run adds (see test_requeue_...)."""
     (line,) = [line for line in script.splitlines() if line.startswith("srun ")]
-    return shlex.split(line)
+    argv = shlex.split(line)
+    assert argv[-1] == "${RESUME[@]}"
+    return argv[:-1]
 
 
 def test_gpu_one_task_per_gpu() -> None:
@@ -41,7 +44,8 @@ def test_gpu_one_task_per_gpu() -> None:
     assert directives(script) == {
         "--job-name": "imdb", "--nodes": "2", "--ntasks-per-node": "4", "--gres": "gpu:4",
         "--cpus-per-task": "10", "--hint": "nomultithread", "--time": "02:00:00", "--output": "%x-%j.out",
-        "--error": "%x-%j.out", "--partition": "gpu_p13", "--account": "xyz@v100",
+        "--error": "%x-%j.out", "--partition": "gpu_p13", "--account": "xyz@v100", "--signal": "USR1@120",
+        "--requeue": "",
     }
     body = script.split("set -euo pipefail", 1)[1]
     assert "module load pytorch-gpu/py3/2.3.0" in body
@@ -154,3 +158,21 @@ def test_cli_refusals() -> None:
         cli.run(parse(["sbatch", "--", "--dp", "2"]))
     with pytest.raises(ConfigError, match="but the job has 3"):
         cli.run(parse(["sbatch", "--pp", "2", "--ntasks-per-node", "3"]))
+
+
+def test_cpu_request_defaults_to_a_share_per_gpu_and_says_so() -> None:
+    per_gpu = SbatchRequest(command=TRAIN, gpus_per_node=4, tasks_per_node=4, pp=4)
+    assert directives(render_sbatch(per_gpu))["--cpus-per-task"] == "10"
+    node = SbatchRequest(command=TRAIN, gpus_per_node=4, one_task_per_node=True, pp=4)
+    script = render_sbatch(node)
+    assert directives(script)["--cpus-per-task"] == "40"
+    assert "# CPUs: 40 per task = 10 per GPU x 4 GPU(s) per task" in script and "--cpus-per-gpu" in script
+    assert directives(render_sbatch(SbatchRequest(command=TRAIN, gpus_per_node=4, one_task_per_node=True, pp=4,
+                                                  cpus_per_gpu=6)))["--cpus-per-task"] == "24"
+    assert directives(render_sbatch(SbatchRequest(command=TRAIN, pp=1)))["--cpus-per-task"] == "1"
+
+
+def test_requeue_on_the_warning_signal_resumes_the_requeued_run() -> None:
+    script = render_sbatch(SbatchRequest(command=TRAIN, pp=1, warn_seconds=300))
+    assert directives(script)["--signal"] == "USR1@300" and "--requeue" in directives(script)
+    assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script

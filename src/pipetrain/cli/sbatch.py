@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipetrain.config import SCHEDULES
 from pipetrain.errors import ConfigError
-from pipetrain.launch.sbatch import SbatchRequest, render_sbatch
+from pipetrain.launch.sbatch import DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, SbatchRequest, render_sbatch
 
 __all__ = ["add_parser", "run"]
 
@@ -41,7 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="Slurm tasks per node (default: one per GPU, or dp*pp/nodes on CPU, or 1 with --one-task-per-node)",
     )
-    job.add_argument("--cpus-per-task", type=int, default=1, help="CPU cores per task (default 1)")
+    job.add_argument("--cpus-per-task", type=int, default=None,
+                     help="CPU cores per task (default: --cpus-per-gpu per GPU of the task; 1 on CPU)")
+    job.add_argument("--cpus-per-gpu", type=int, default=DEFAULT_CPUS_PER_GPU,
+                     help=f"CPU cores asked per GPU when --cpus-per-task is not given (default {DEFAULT_CPUS_PER_GPU})")
+    job.add_argument("--warn-seconds", type=int, default=DEFAULT_WARN_SECONDS,
+                     help=f"ask Slurm for SIGUSR1 this long before the time limit: save, stop, requeue "
+                          f"(default {DEFAULT_WARN_SECONDS})")
     job.add_argument("--time", default="01:00:00", help="wall-clock limit HH:MM:SS (default 01:00:00)")
     job.add_argument("--partition", default=None, help="Slurm partition")
     job.add_argument("--account", default=None, help="Slurm account (project allocation)")
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         tasks_per_node=_tasks_per_node(args),
         cpus_per_task=args.cpus_per_task,
+        cpus_per_gpu=args.cpus_per_gpu,
+        warn_seconds=args.warn_seconds,
         time=args.time,
         dp=args.dp,
         pp=args.pp,

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 
-__all__ = ["SbatchRequest", "render_sbatch"]
+__all__ = ["SbatchRequest", "render_sbatch", "DEFAULT_CPUS_PER_GPU", "DEFAULT_WARN_SECONDS"]
+
+#: CPU cores asked per GPU when --cpus-per-task is not given (clusters such as Jean Zay give ~10 per GPU).
+DEFAULT_CPUS_PER_GPU = 10
+#: Seconds before the time limit at which Slurm sends SIGUSR1: the job saves, stops and requeues itself.
+DEFAULT_WARN_SECONDS = 120
 
 _TIME = re.compile(r"(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)")
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:@%/+=-]+")
@@ -32,7 +37,9 @@ class SbatchRequest:
     nodes: int = 1
     gpus_per_node: int = 0
     tasks_per_node: int = 1
-    cpus_per_task: int = 1
+    cpus_per_task: int | None = None
+    cpus_per_gpu: int = DEFAULT_CPUS_PER_GPU
+    warn_seconds: int = DEFAULT_WARN_SECONDS
     time: str = "01:00:00"
     dp: int = 1
     pp: int = 1
@@ -48,8 +55,10 @@ class SbatchRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
-        for name in ("nodes", "tasks_per_node", "cpus_per_task", "dp", "pp"):
+        for name in ("nodes", "tasks_per_node", "dp", "pp", "cpus_per_gpu", "warn_seconds"):
             _count(name, getattr(self, name), minimum=1)
+        if self.cpus_per_task is not None:
+            _count("cpus_per_task", self.cpus_per_task, minimum=1)
         _count("gpus_per_node", self.gpus_per_node, minimum=0)
         if self.ranks_per_node is not None:
             _count("ranks_per_node", self.ranks_per_node, minimum=1)
@@ -111,6 +120,29 @@ class SbatchRequest:
             )
 
     @property
+    def gpus_per_task(self) -> int:
+        """GPUs each Slurm task drives: all of the node's with one task per node, else one (0 on CPU)."""
+        if not self.gpus_per_node:
+            return 0
+        return self.gpus_per_node if self.one_task_per_node else 1
+
+    @property
+    def cpus(self) -> int:
+        """CPU cores each task asks for: --cpus-per-task, else `cpus_per_gpu` per GPU of the task (1 on CPU)."""
+        if self.cpus_per_task is not None:
+            return self.cpus_per_task
+        return max(1, self.cpus_per_gpu * self.gpus_per_task)
+
+    def cpus_comment(self) -> str:
+        """What the CPU request assumed, for the rendered script."""
+        if self.cpus_per_task is not None:
+            return f"# CPUs: {self.cpus_per_task} per task, as asked (--cpus-per-task)."
+        if not self.gpus_per_node:
+            return "# CPUs: 1 per task (CPU job: one core per rank; change with --cpus-per-task)."
+        return (f"# CPUs: {self.cpus} per task = {self.cpus_per_gpu} per GPU x {self.gpus_per_task} GPU(s) per task "
+                f"(assumed share of a GPU node; change with --cpus-per-gpu or --cpus-per-task).")
+
+    @property
     def local_world_size(self) -> int:
         """Ranks on each node."""
         if self.one_task_per_node:
@@ -147,9 +179,11 @@ def render_sbatch(req: SbatchRequest) -> str:
     if req.gpus_per_node:
         directives.append(f"--gres=gpu:{req.gpus_per_node}")
     directives += [
-        f"--cpus-per-task={req.cpus_per_task}",
+        f"--cpus-per-task={req.cpus}",
         "--hint=nomultithread",
         f"--time={req.time}",
+        f"--signal=USR1@{req.warn_seconds}",
+        "--requeue",
         f"--output={req.output}",
         f"--error={req.error or req.output}",
     ]
@@ -168,6 +202,9 @@ def render_sbatch(req: SbatchRequest) -> str:
     lines += [
         f"# Rendered by `pipetrain sbatch`: dp={req.dp} x pp={req.pp} = {req.world_size} ranks on "
         f"{req.nodes} node(s), {layout}, {device}.",
+        req.cpus_comment(),
+        f"# {req.warn_seconds} s before the time limit Slurm sends SIGUSR1: with --save-dir, every rank stops at the same",
+        "# step, saves, and the job requeues itself; a requeued run (SLURM_RESTART_COUNT > 0) adds --resume.",
         "# Submit with: sbatch <this file>",
         "set -euo pipefail",
         "",
@@ -183,8 +220,10 @@ def render_sbatch(req: SbatchRequest) -> str:
     else:
         lines.append("export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK")
     lines += [
+        "RESUME=()",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi',
         "",
-        "srun --kill-on-bad-exit=1 " + shlex.join(req.train_argv()),
+        "srun --kill-on-bad-exit=1 " + shlex.join(req.train_argv()) + ' "${RESUME[@]}"',
         "",
     ]
     return "\n".join(lines)

@@ -76,7 +76,8 @@ def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connect
         raise SystemExit(1) from None
 
 
-def _stop(processes: Sequence[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
+def _stop(processes: Sequence[mp.process.BaseProcess], grace_s: float = 1.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (a rank that saves on SIGTERM only records it; a stopped one ignores it)."""
     for process in processes:
         if process.is_alive():
             process.terminate()

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 from pipetrain.parallel.mesh import Mesh
+from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
 from pipetrain.pipeline.precision import AutocastStage, compute_dtype
 from pipetrain.pipeline.recompute import RecomputeWrapper
 
@@ -43,7 +43,7 @@ def data_parallel_wrapper(
         device = mesh.device_mesh.device_type
 
         def ddp(module: nn.Module) -> nn.Module:
-            return DistributedDataParallel(
+            return QuietDistributedDataParallel(
                 module,
                 device_ids=None if device == "cpu" else [next(module.parameters()).device],
                 process_group=mesh.dp_group,

@@ -1,0 +1,235 @@
+"""`pipetrain train` that survives: exact resume, resume under another layout, stop signals, dead and hung ranks,
+kill -9 during a save, and the errors of bad checkpoint flags (real processes, real files, CPU/gloo).
+
+Each job trains the tiny preset for 40 steps (batch 16 over 640 synthetic reviews, one epoch). A reference job
+saves every 4 steps; other jobs start from copies of its checkpoints. Same layout: the epoch report (train loss
+summed over every step, test loss) is equal bitwise. Another layout: within the parity tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipetrain.checkpoint import complete_checkpoints, latest_checkpoint
+from pipetrain.cli.main import main
+
+RTOL = 1e-5
+ARGS = ["--preset", "tiny", "--train-samples", "640", "--test-samples", "32", "--batch-size", "16", "--epochs", "1",
+        "--no-progress"]
+
+
+def _command(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipetrain", "train", *ARGS, *extra]
+
+
+def _train(*extra: str, preexec=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(*extra), capture_output=True, text=True, timeout=timeout, preexec_fn=preexec,
+                          check=False)
+
+
+def _losses(path: Path) -> list[tuple[float, float]]:
+    return [(r["train_loss"], r["test_loss"]) for r in json.loads(path.read_text())]
+
+
+def _copy_checkpoint(source: Path, step: int, target: Path) -> Path:
+    target.mkdir(parents=True)
+    shutil.copytree(source / f"step-{step:08d}", target / f"step-{step:08d}")
+    return target
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its living descendants (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        if current in parents or current == pid:
+            found.append(current)
+        frontier += [child for child, parent in parents.items() if parent == current]
+    return [p for p in found if p in parents]
+
+
+def _ranks(job: subprocess.Popen) -> list[int]:
+    """The rank processes of a self-spawned job (the launcher's children running multiprocessing's spawn)."""
+    ranks = []
+    for pid in _tree(job.pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+        except OSError:
+            pass
+    return sorted(ranks)
+
+
+def _start_and_wait_for_checkpoint(save_dir: Path, *extra: str) -> subprocess.Popen:
+    job = subprocess.Popen(_command("--save-dir", str(save_dir), *extra), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while not complete_checkpoints(save_dir):
+        assert job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 90 s"
+        time.sleep(0.05)
+    return job
+
+
+def _gone_within(job: subprocess.Popen, pids: list[int], bound_s: float) -> tuple[float, str]:
+    """Seconds until the job and every process in `pids` ended (asserted below `bound_s`); the job's stderr."""
+    start = time.monotonic()
+    _, err = job.communicate(timeout=bound_s + 30)
+    while any(Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split(")")[1][:3]
+              for p in pids):
+        assert time.monotonic() - start < bound_s, f"processes left behind: {pids}"
+        time.sleep(0.05)
+    return time.monotonic() - start, err
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted job, saving every 4 steps into <folder>/ckpt; its epoch report in <folder>/metrics.json."""
+    folder = tmp_path_factory.mktemp("reference")
+    done = _train("--save-dir", str(folder / "ckpt"), "--save-every", "4", "--metrics", str(folder / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def test_resume_same_layout_is_bitwise_exact(reference, tmp_path):
+    save_dir = _copy_checkpoint(reference / "ckpt", 12, tmp_path / "ckpt")
+    done = _train("--save-dir", str(save_dir), "--resume", "--metrics", str(tmp_path / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "step 12" in done.stdout
+    assert _losses(tmp_path / "metrics.json") == _losses(reference / "metrics.json")
+
+
+def test_resume_as_dp2_x_pp2_fsdp_interleaved_continues_the_losses(reference, tmp_path):
+    save_dir = _copy_checkpoint(reference / "ckpt", 12, tmp_path / "ckpt")
+    done = _train("--save-dir", str(save_dir), "--resume", "--dp", "2", "--pp", "2", "--dp-mode", "fsdp",
+                  "--schedule", "interleaved-1f1b", "--metrics", str(tmp_path / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    for got, want in zip(_losses(tmp_path / "metrics.json"), _losses(reference / "metrics.json"), strict=True):
+        assert got == pytest.approx(want, rel=RTOL)
+
+
+def test_full_disk_says_so_once_and_keeps_the_previous_checkpoint(reference, tmp_path):
+    save_dir = _copy_checkpoint(reference / "ckpt", 12, tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in (save_dir / "step-00000012").iterdir()}
+
+    def small_disk() -> None:  # no file may grow past 500 kB: the data fits (shared memory), a checkpoint shard not
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
+
+    done = _train("--save-dir", str(save_dir), "--resume", "--save-every", "4", preexec=small_disk)
+    assert done.returncode != 0
+    assert done.stderr.count("pipetrain: error:") == 1, done.stderr
+    assert "could not write checkpoint" in done.stderr and "File too large" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert [p.name for p in complete_checkpoints(save_dir)] == ["step-00000012"]
+    assert {p.name: p.read_bytes() for p in (save_dir / "step-00000012").iterdir()} == before
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint_and_resume_cleans_up(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    job = _start_and_wait_for_checkpoint(save_dir, "--save-every", "1")
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".partial") for p in save_dir.iterdir()):  # a save under way: kill everything
+        assert time.monotonic() < deadline and job.poll() is None
+    for pid in _tree(job.pid):
+        os.kill(pid, signal.SIGKILL)
+    job.communicate()
+    partial = [p for p in save_dir.iterdir() if p.name.endswith(".partial")]
+    latest = latest_checkpoint(save_dir)
+    assert partial and latest is not None
+    done = _train("--save-dir", str(save_dir), "--resume", "--max-steps", str(int(latest.name[5:]) + 1))
+    assert done.returncode == 0, done.stderr
+    assert not any(p.name.endswith(".partial") for p in save_dir.iterdir())
+
+
+def test_sigterm_stops_every_rank_at_one_step_saves_and_resumes_exactly(reference, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    job = _start_and_wait_for_checkpoint(save_dir, "--save-every", "8")
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert "stopped by SIGTERM after step" in out, out
+    step = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert latest_checkpoint(save_dir).name == f"step-{step:08d}"
+    done = _train("--save-dir", str(save_dir), "--resume", "--metrics", str(tmp_path / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    assert _losses(tmp_path / "metrics.json") == _losses(reference / "metrics.json")
+
+
+def test_a_killed_rank_ends_the_job_within_10_s_with_one_message(tmp_path):
+    job = _start_and_wait_for_checkpoint(tmp_path / "ckpt", "--save-every", "2", "--epochs", "50")
+    ranks = _ranks(job)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    seconds, err = _gone_within(job, [job.pid, *ranks], bound_s=10)
+    assert job.returncode != 0
+    assert err.count("pipetrain: error:") == 1 and "pipetrain-rank1" in err and "SIGKILL" in err, err
+    assert "leaked semaphore" not in err, err
+    print(f"SIGKILL of rank 1: every process gone {seconds:.1f} s later")
+
+
+def test_a_stopped_rank_is_named_by_the_step_watchdog(tmp_path):
+    job = _start_and_wait_for_checkpoint(tmp_path / "ckpt", "--save-every", "2", "--epochs", "50",
+                                         "--step-timeout", "4")
+    ranks = _ranks(job)
+    os.kill(ranks[1], signal.SIGSTOP)
+    seconds, err = _gone_within(job, [job.pid, *ranks], bound_s=30)
+    assert job.returncode != 0
+    assert err.count("pipetrain: error:") == 1 and "rank 1" in err and "stopped responding" in err, err
+    assert latest_checkpoint(tmp_path / "ckpt") is not None
+    print(f"SIGSTOP of rank 1 with --step-timeout 4: every process gone {seconds:.1f} s later")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--resume"], "--resume needs --save-dir"),
+        (["--resume", "--save-dir", "{empty}"], "no complete checkpoint"),
+        (["--save-dir", "/proc/pipetrain-checkpoints"], "cannot write checkpoints to --save-dir"),
+        (["--metrics", "/proc/pipetrain-metrics.json"], "cannot write the metrics file"),
+    ],
+)
+def test_bad_flags_fail_before_training_with_one_message(extra, expected, tmp_path, capsys):
+    extra = [e.replace("{empty}", str(tmp_path)) for e in extra]
+    assert main(["train", *ARGS, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("pipetrain: error:") == 1 and expected in err, err
+
+
+def test_a_foreign_checkpoint_is_refused(reference, capsys):
+    args = [a if a != "tiny" else "cpu" for a in ARGS]
+    assert main(["train", *args, "--save-dir", str(reference / "ckpt"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "written for model 'classifier:tiny', this job trains 'classifier:cpu'" in err, err
+
+
+def test_export_loads_into_plain_sequential(reference, tmp_path, capsys):
+    import torch
+
+    from pipetrain import build_sequential
+    from pipetrain.workloads.registry import get_workload
+
+    assert main(["export", str(reference / "ckpt"), str(tmp_path / "model.pt")]) == 0
+    model = build_sequential(get_workload("classifier").model("tiny"), seed=5)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert set(model.state_dict()) == set(torch.load(tmp_path / "model.pt", weights_only=True))
