@@ -45,7 +45,7 @@ def test_gpu_one_task_per_gpu() -> None:
         "--job-name": "imdb", "--nodes": "2", "--ntasks-per-node": "4", "--gres": "gpu:4",
         "--cpus-per-task": "10", "--hint": "nomultithread", "--time": "02:00:00", "--output": "%x-%j.out",
         "--error": "%x-%j.out", "--partition": "gpu_p13", "--account": "xyz@v100", "--signal": "USR1@120",
-        "--requeue": "",
+        "--requeue": "", "--open-mode": "append",
     }
     body = script.split("set -euo pipefail", 1)[1]
     assert "module load pytorch-gpu/py3/2.3.0" in body
@@ -175,4 +175,5 @@ def test_cpu_request_defaults_to_a_share_per_gpu_and_says_so() -> None:
 def test_requeue_on_the_warning_signal_resumes_the_requeued_run() -> None:
     script = render_sbatch(SbatchRequest(command=TRAIN, pp=1, warn_seconds=300))
     assert directives(script)["--signal"] == "USR1@300" and "--requeue" in directives(script)
+    assert directives(script)["--open-mode"] == "append"  # the requeued run's log follows the first run's
     assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script

@@ -184,6 +184,7 @@ def render_sbatch(req: SbatchRequest) -> str:
         f"--time={req.time}",
         f"--signal=USR1@{req.warn_seconds}",
         "--requeue",
+        "--open-mode=append",
         f"--output={req.output}",
         f"--error={req.error or req.output}",
     ]

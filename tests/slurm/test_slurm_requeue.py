@@ -1,0 +1,71 @@
+"""Slurm time limits on the real local cluster: SIGUSR1 (what `--signal=USR1@N` sends before the limit) makes
+every rank stop at one step and save; the job requeues itself, resumes, completes, and its final losses equal
+an uninterrupted local run's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipetrain.checkpoint import complete_checkpoints
+from tests.slurm.test_slurm_job import RUNNING_STATES, _cluster_problem, _job_fields
+
+pytestmark = pytest.mark.slurm
+
+WAIT_SECONDS = 400
+TRAIN = ["--preset", "tiny", "--train-samples", "3200", "--test-samples", "32", "--batch-size", "16", "--epochs", "1",
+         "--no-progress", "--save-every", "4"]
+
+
+def _losses(path: Path) -> list[tuple[float, float]]:
+    return [(r["train_loss"], r["test_loss"]) for r in json.loads(path.read_text())]
+
+
+def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(tmp_path: Path) -> None:
+    problem = _cluster_problem()
+    if problem:
+        pytest.skip(problem)
+    render = subprocess.run(
+        [sys.executable, "-m", "pipetrain", "sbatch", "--ntasks-per-node", "2", "--cpus-per-task", "1",
+         "--time", "00:15:00", "--pp", "2", "--job-name", "pipetrain-requeue", "--log", "job-%j.out",
+         "--output", "script.sh", "--", *TRAIN, "--save-dir", str(tmp_path / "ckpt"),
+         "--metrics", str(tmp_path / "metrics.json")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert render.returncode == 0, render.stderr
+    submit = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "script.sh"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    log = tmp_path / f"job-{job_id}.out"
+    fields: dict[str, str] = {}
+    signalled = finished = False
+    try:
+        deadline = time.monotonic() + WAIT_SECONDS
+        while time.monotonic() < deadline:
+            fields = _job_fields(job_id)
+            if not signalled and complete_checkpoints(tmp_path / "ckpt"):  # training under way: time is up
+                subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
+                signalled = True
+            if fields and fields.get("JobState") not in RUNNING_STATES and fields.get("Restarts", "0") != "0":
+                finished = True
+                break
+            time.sleep(0.5)
+    finally:
+        if not finished:
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
+    output = log.read_text() if log.exists() else "<no output file>"
+    assert finished, f"job {job_id} still {fields.get('JobState')} after {WAIT_SECONDS} s; cancelled\n{output}"
+    assert fields.get("JobState") == "COMPLETED", f"job {job_id} ended {fields.get('JobState')}\n{output}"
+    assert "stopped by SIGUSR1 after step" in output and f"requeued Slurm job {job_id}" in output, output
+    assert "resumed from" in output, output
+
+    reference = subprocess.run([sys.executable, "-m", "pipetrain", "train", *TRAIN, "--pp", "2", "--save-dir",
+                                str(tmp_path / "reference"), "--metrics", str(tmp_path / "reference.json")],
+                               capture_output=True, text=True, timeout=300, check=False)
+    assert reference.returncode == 0, reference.stderr
+    assert _losses(tmp_path / "metrics.json") == _losses(tmp_path / "reference.json")
