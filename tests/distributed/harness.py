@@ -21,7 +21,7 @@ from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
 from pipetrain.pipeline.precision import autocast
 from pipetrain.session import build_session, close_session, join_job
-from pipetrain.workloads.gpt import GPT_PRESETS, PAD_ID, GPTModel
+from pipetrain.workloads.gpt import GPT_PRESETS, PAD_ID, GPTEmbedding, GPTModel
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
 
 SEED = 3
@@ -42,6 +42,33 @@ def make_model() -> TransformerClassifier:
 
 def make_gpt() -> GPTModel:
     return GPTModel(GPT_CONFIG)
+
+
+class _MaskInputEmbedding(GPTEmbedding):
+    """The decoder's embedding taking the padding mask as a second input (a first stage with two inputs)."""
+
+    def forward(self, tokens: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(tokens)[0], keep
+
+
+class MaskInputGPT(GPTModel):
+    """The decoder fed `(tokens, non-padding mask)`: two tensors into the first stage, two between stages."""
+
+    def build_block(self, index: int):
+        return _MaskInputEmbedding(self.config) if index == 0 else super().build_block(index)
+
+    def example_input(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = super().example_input(batch_size)
+        return tokens, tokens != PAD_ID
+
+
+def make_mask_input_gpt() -> MaskInputGPT:
+    return MaskInputGPT(GPT_CONFIG)
+
+
+def with_mask_input(batches):
+    """Token batches with the non-padding mask as a second input."""
+    return [((x, x != PAD_ID), y) for x, y in batches]
 
 
 def _reference_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -71,7 +98,13 @@ def make_token_batches(sizes: list[int], seed: int = 11, widths: list[int] | Non
 MODELS = {
     "classifier": (make_model, F.cross_entropy, F.cross_entropy, lambda: make_batches(EVAL_BATCHES)),
     "gpt": (make_gpt, TokenCrossEntropy(), _reference_token_loss, lambda: make_token_batches(EVAL_BATCHES, seed=5)),
+    "gpt-mask-input": (make_mask_input_gpt, TokenCrossEntropy(), _reference_token_loss,
+                       lambda: with_mask_input(make_token_batches(EVAL_BATCHES, seed=5))),
 }
+
+
+def _inputs(x):
+    return x if isinstance(x, tuple) else (x,)
 
 
 def make_batches(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,9 +127,9 @@ def reference_run(batches, model_name: str = "classifier", precision: str = "fp3
     model = build_sequential(factory(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(x) -> torch.Tensor:
         with autocast("cpu", precision):
-            return model(x).float()
+            return model(*_inputs(x)).float()
 
     losses, grads = [], []
     for x, y in batches:
@@ -121,10 +154,11 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads = [], []
     for x, y in batches:
-        share = x.shape[0] // parallel.dp
+        share = y.shape[0] // parallel.dp
         part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         opt.zero_grad()
-        losses.append(engine.step(x[part], y[part]).loss)
+        share_x = tuple(t[part] for t in x) if isinstance(x, tuple) else x[part]
+        losses.append(engine.step(share_x, y[part]).loss)
         grads.append({name: _full(p.grad).cpu().clone() for name, p in engine.named_parameters()})
         opt.step()
     params = {name: _full(p.detach()).cpu().clone() for name, p in engine.named_parameters()}

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.config import ParallelConfig, PipelineConfig
-from tests.distributed.harness import assert_parity, make_batches, make_token_batches, parallel_runs, reference_run
+from tests.distributed.harness import (
+    assert_parity,
+    make_batches,
+    make_token_batches,
+    parallel_runs,
+    reference_run,
+    with_mask_input,
+)
 
 RTOL, ATOL = 1e-5, 4e-5
 # 8, then a short batch that 4 chunks do not divide (4 x 1 + a remainder of 2), then one smaller than 4
@@ -41,6 +48,7 @@ WORLD_CASES = {
 }
 # The causal decoder: (hidden states, boolean padding mask) cross every stage boundary; the loss is per token
 # with padding ignored, over micro-batches holding unequal numbers of tokens (and replicas too, with dp=2).
+# "gpt-mask-input-*": the first stage takes two inputs (tokens, padding mask).
 # "lengths": batches of 4 sequence lengths with room for 2 schedules: shapes are evicted and rebuilt, each
 # length exact, and the schedules (and their stages' buffers) held stay within the bound.
 GPT_BATCHES = {
@@ -52,10 +60,12 @@ GPT_CASES = {
     2: {
         **{f"gpt-pp2-{s}": (_pipe(2, s, "except_last"), "pipe") for s in ("gpipe", "1f1b", "interleaved-1f1b")},
         "gpt-pp2-1f1b-lengths": (_pipe(2, "1f1b", shape_cache=2), "lengths"),
+        "gpt-mask-input-pp2-interleaved-1f1b": (_pipe(2, "interleaved-1f1b"), "pipe"),
     },
     4: {
         **{f"gpt-pp4-{s}": (_pipe(4, s), "pipe") for s in ("gpipe", "1f1b", "interleaved-1f1b")},
         "gpt-dp2xpp2-1f1b-fsdp": (_pipe(2, "1f1b", dp=2, dp_mode="fsdp"), "dp"),
+        "gpt-mask-input-dp2xpp2-gpipe-ddp": (_pipe(2, "gpipe", dp=2), "dp"),
     },
 }
 ALL_CASES = {world: {**WORLD_CASES[world], **GPT_CASES[world]} for world in WORLD_CASES}
@@ -63,6 +73,9 @@ ALL_CASES = {world: {**WORLD_CASES[world], **GPT_CASES[world]} for world in WORL
 
 def _batch_set(name: str, key):
     """(reference key, model name, batches) of a case."""
+    if name.startswith("gpt-mask-input-"):  # the mask is a second input of the first stage
+        sizes, widths = GPT_BATCHES[key]
+        return ("gpt-mask-input", key), "gpt-mask-input", with_mask_input(make_token_batches(sizes, widths=widths))
     if name.startswith("gpt-"):
         sizes, widths = GPT_BATCHES[key]
         return ("gpt", key), "gpt", make_token_batches(sizes, widths=widths)
