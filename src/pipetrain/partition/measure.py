@@ -131,7 +131,8 @@ def profile_model(
     # a counting pass needs one run: iteration 0 is never timed, so at least one warm-up is required
     warmup = max(warmup, 1)
     example = model.example_input(micro_batch_size)
-    inputs = _as_inputs(example.to(device) if isinstance(example, torch.Tensor) else example)
+    items = example if isinstance(example, tuple) else (example,)
+    inputs = _as_inputs(tuple(item.to(device) if isinstance(item, torch.Tensor) else item for item in items))
     blocks: list[BlockProfile] = []
     dtype = None
     for index in range(model.num_blocks):
