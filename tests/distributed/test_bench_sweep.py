@@ -31,8 +31,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 #: per batch row a number, an invalid "—" and an OOM cell; 4 single-rank processes, the OOM ones first (1 MB
 #: is too little even for the process group's threads: the other way a cell runs out of memory)
-SWEEP = ["--quick", "--steps", "2", "--warmup", "1", "--grid", "pp=1", "--grid", "batch=32,64",
-         "--grid", "chunks=1,2", "--grid", "mem=1,none"]
+SWEEP = ["--quick", "--steps", "2", "--warmup", "1", "--grid", "preset=tiny", "--grid", "pp=1",
+         "--grid", "batch=32,64", "--grid", "chunks=1,2", "--grid", "mem=1,none"]
 _TABLE_CELL = re.compile(r"^(OOM|—|[\d.e+-]+ s / \d+ MB)$")
 
 

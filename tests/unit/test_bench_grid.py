@@ -73,7 +73,7 @@ def test_gridspec_overrides() -> None:
     spec = GridSpec(default_axes("cpu", quick=True)).with_overrides(["chunks=1,2", "pp=2"])
     cells = spec.cells()
     assert {c.chunks for c in cells} == {1, 2} and {c.pp for c in cells} == {2}
-    assert {c.preset for c in cells} == {"tiny"}
+    assert {c.preset for c in cells} == {"cpu"}
 
 
 @pytest.mark.parametrize(

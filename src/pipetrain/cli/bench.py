@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="replace an axis of the default grid, e.g. batch=32,64 chunks=1,4 pp=2 "
                              "schedule=gpipe,1f1b checkpoint=never,except_last mem=2048 (repeatable)")
     parser.add_argument("--quick", action="store_true",
-                        help="a small grid on the tiny model (1-2 minutes on 2 CPU cores)")
+                        help="a small grid (pp 1,2 x batch 32,128 x chunks 1,4, cpu preset; about 2 minutes on 2 idle CPU cores)")
     parser.add_argument("--mem-limit", type=int, default=None, metavar="MB",
                         help="emulate a device of this much memory per rank (cells beyond it are OOM)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
