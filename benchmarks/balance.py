@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (default: 2; every split is timed at 2)")
     parser.add_argument("--width", type=int, default=256, help="block width (default: 256)")
-    parser.add_argument("--heavy", type=int, default=3, help="hidden size of a heavy block / width (default: 3)")
+    parser.add_argument("--heavy", type=int, default=6, help="hidden size of a heavy block / width (default: 6)")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size (default: 128)")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches (default: 4)")
     parser.add_argument("--rounds", type=int)

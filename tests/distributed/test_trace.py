@@ -18,6 +18,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.session import build_session, close_session, join_job
+from pipetrain.trace.chrome import spans_from_chrome_trace
 from pipetrain.trace.spans import spans_from_dicts
 from pipetrain.trace.tracer import Tracer
 from tests.distributed.harness import make_batches, make_model
@@ -60,19 +61,7 @@ def _case(spec: RankSpec, device, name: str, out: Path) -> None:
         (out / name / "spans.json").write_text(json.dumps([
             dict(rank=s.rank, kind=s.kind, start_ns=s.start_ns, end_ns=s.end_ns, step=s.step, stage=s.stage,
                  microbatch=s.microbatch)
-            for s in _spans_of(out / name / "trace.json")]))
-
-
-def _spans_of(trace_path: Path):
-    """Spans back from the Chrome trace (so the test reads what a user's viewer reads)."""
-    from pipetrain.trace.spans import Span
-
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    for e in events:
-        if e["ph"] == "X":
-            start = round(e["ts"] * 1e3)
-            yield Span(e["pid"], e["cat"], start, start + round(e["dur"] * 1e3), e["args"]["step"],
-                       e["args"].get("stage", -1), e["args"].get("microbatch", -1))
+            for s in spans_from_chrome_trace(json.loads((out / name / "trace.json").read_text()))]))
 
 
 def _worker(spec: RankSpec, out: str) -> None:

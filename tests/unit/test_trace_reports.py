@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.trace.chrome import chrome_trace
+from pipetrain.trace.chrome import chrome_trace, spans_from_chrome_trace
 from pipetrain.trace.report import check_trace_dir, write_trace_files
 from pipetrain.trace.spans import Span, spans_from_dicts, spans_to_dicts, union_ns
 from pipetrain.trace.summary import ideal_bubble, summarize
@@ -65,7 +65,7 @@ def test_chrome_trace_one_track_per_rank_in_microseconds():
     assert f1["ts"] == 2000.0 and f1["dur"] == 1000.0 and f1["args"] == {"step": 0, "what": "forward", "stage": 1,
                                                                          "microbatch": 1}
     assert doc["otherData"] == {"schedule": "gpipe"}
-    json.dumps(doc)
+    assert sorted(spans_from_chrome_trace(json.loads(json.dumps(doc))), key=repr) == sorted(gpipe_like(), key=repr)
 
 
 def test_files_are_written_and_an_unwritable_folder_is_a_config_error(tmp_path):

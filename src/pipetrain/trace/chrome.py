@@ -11,7 +11,7 @@ from typing import Any
 
 from pipetrain.trace.spans import KIND_LABELS, Span
 
-__all__ = ["chrome_trace"]
+__all__ = ["chrome_trace", "spans_from_chrome_trace"]
 
 
 def chrome_trace(spans: Sequence[Span], *, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -34,3 +34,16 @@ def chrome_trace(spans: Sequence[Span], *, metadata: Mapping[str, Any] | None = 
             "ts": (s.start_ns - origin) / 1e3, "dur": s.duration_ns / 1e3, "args": args,
         })
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(metadata or {})}
+
+
+def spans_from_chrome_trace(doc: Mapping[str, Any]) -> list[Span]:
+    """The spans back from a document written by `chrome_trace` (times relative to its earliest span)."""
+    spans = []
+    for event in doc["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        args = event.get("args", {})
+        start = round(event["ts"] * 1e3)
+        spans.append(Span(event["pid"], event["cat"], start, start + round(event["dur"] * 1e3), args["step"],
+                          args.get("stage", -1), args.get("microbatch", -1)))
+    return spans

@@ -29,7 +29,7 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
     end = max((s.end_ns for s in chosen), default=1)
     micro = sorted({s.microbatch for s in chosen if s.kind in COMPUTE_KINDS})
     cmap = matplotlib.colormaps["tab20" if len(micro) > 10 else "tab10"]
-    fig = Figure(figsize=(min(24, 6 + 0.25 * len(micro) * max(1, len(ranks))), 1.0 + 0.8 * len(ranks)))
+    fig = Figure(figsize=(min(24, 10 + 0.25 * len(micro) * max(1, len(ranks))), 1.3 + 0.8 * len(ranks)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     span_ms = (end - origin) / 1e6
@@ -54,7 +54,7 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlabel("time (ms)\nF = forward, B = backward (hatched; I/W = input/weight grad), R = recompute, "
-                  "grey bar = send/recv wait, light grey = optimizer/metrics, white = idle", fontsize=8)
+                  "grey bar = send/recv wait, light grey = optimizer/metrics, white = idle", fontsize=7)
     ax.set_title(title or "pipeline timeline")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
