@@ -189,6 +189,10 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                                     show=session.is_main)
         finally:
             durable.close()
+        if tracer is not None and tracer.traced_steps == 0:  # e.g. stopped by a signal during the warm-up
+            if session.is_main:
+                log.info("pipetrain: the run stopped before any step was traced: no trace written")
+            tracer = None
         files = tracer.close() if tracer is not None else None
         if files is not None:
             for line in [f"trace of {tracer.traced_steps} step(s): {files.trace} (open in ui.perfetto.dev), {files.gantt}",
