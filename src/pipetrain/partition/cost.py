@@ -17,7 +17,7 @@ from pipetrain.partition.stagecost import COST_METHODS, BalanceChoice, balance_b
 __all__ = ["parameter_costs", "resolve_balance", "cost_balance"]
 
 #: Timed runs per block when a run profiles its model at start (no --profile given).
-START_REPEATS = 3
+START_REPEATS = 5
 
 
 def parameter_costs(model: BlockModel) -> list[int]:
