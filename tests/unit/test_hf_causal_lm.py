@@ -78,3 +78,31 @@ def test_checkpoint_folder_of_another_model(folders):
 def test_folder_without_weights(tmp_path):
     with pytest.raises(ConfigError, match="no model.safetensors"):
         HFCausalLM(tiny_configs()["llama"], checkpoint=tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny"])
+def test_hf_workload_trains_on_the_language_model_corpus(preset):
+    """`pipetrain train --workload hf`: the model of a preset, the lm corpus, its next-token targets."""
+    from pipetrain.workloads.registry import DataRequest, get_workload
+
+    workload = get_workload("hf")
+    model = workload.model(preset)
+    train, _ = workload.load_data(DataRequest(preset=preset, path=None, train_samples=16, test_samples=4, seed=0))
+    x, y = next(workload.batches(train, 8, shuffle=False, seed=0, epoch=0, replica=0, replicas=1))
+    net = build_sequential(model, seed=0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = workload.loss().total(net(x), y) / workload.loss().count(y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_hf_workload_refuses_an_unknown_preset():
+    from pipetrain.workloads.registry import get_workload
+
+    with pytest.raises(ConfigError, match="unknown preset 'llama-7b'"):
+        get_workload("hf").model("llama-7b")

@@ -27,13 +27,14 @@ from torch import nn
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline.loss import IGNORE_INDEX
 
-__all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss"]
+__all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss", "require_transformers"]
 
 #: model_type of a transformers config -> the family pipetrain builds it as.
 SUPPORTED_FAMILIES = {"llama": "llama", "gpt2": "gpt2"}
 
 
-def _transformers() -> Any:
+def require_transformers() -> Any:
+    """The `transformers` module, or a ConfigError saying how to install it."""
     try:
         import transformers
     except ImportError:
@@ -114,19 +115,19 @@ class _DecoderLayer(_Block):
         super().__init__()
         self.config = config
         if family == "llama":
-            llama = _transformers().models.llama.modeling_llama
+            llama = require_transformers().models.llama.modeling_llama
             self.layer = llama.LlamaDecoderLayer(config, index)
             self.rotary = llama.LlamaRotaryEmbedding(config)
             self.prefixes = {"layer.": f"model.layers.{index}."}
         else:
-            self.layer = _transformers().models.gpt2.modeling_gpt2.GPT2Block(config, layer_idx=index)
+            self.layer = require_transformers().models.gpt2.modeling_gpt2.GPT2Block(config, layer_idx=index)
             self.rotary = None
             self.prefixes = {"layer.": f"transformer.h.{index}."}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
         # positions are 0..n-1 (no packed sequences), so they need not be checked (that reads values: not on meta)
-        mask = _transformers().masking_utils.create_causal_mask(
+        mask = require_transformers().masking_utils.create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None
         )
         if self.rotary is None:
@@ -139,7 +140,7 @@ class _Head(_Block):
     def __init__(self, config: Any, family: str) -> None:
         super().__init__()
         if family == "llama":
-            self.norm = _transformers().models.llama.modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = require_transformers().models.llama.modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.prefixes = {"norm.": "model.norm.", "lm_head.": "lm_head."}
         else:
             self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
@@ -153,7 +154,7 @@ class _Head(_Block):
 def _init_like_transformers(block: nn.Module, config: Any, family: str) -> None:
     """transformers' initialisation: normal(0, initializer_range) weights, zero biases, unit norms;
     GPT-2 also scales its residual projections by 1/sqrt(2 * n_layer)."""
-    conv1d = _transformers().pytorch_utils.Conv1D
+    conv1d = require_transformers().pytorch_utils.Conv1D
     std = config.initializer_range
     with torch.no_grad():
         for name, module in block.named_modules():
@@ -235,7 +236,7 @@ class HFCausalLM:
         path = Path(folder)
         if not (path / "config.json").is_file():
             raise ConfigError(f"{str(path)!r} has no config.json", hint="pass a folder written by save_pretrained")
-        config = _transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+        config = require_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
         return cls(config, checkpoint=path, seq_len=seq_len)
 
     def _check_folder_config(self, folder: Path) -> None:

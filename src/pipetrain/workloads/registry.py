@@ -101,6 +101,7 @@ class Workload(ABC):
 _BUILTIN: dict[str, str] = {
     "classifier": "pipetrain.workloads.classifier:ClassifierWorkload",
     "lm": "pipetrain.workloads.language_model:LanguageModelWorkload",
+    "hf": "pipetrain.workloads.hf_workload:HFWorkload",
 }
 _REGISTERED: dict[str, Callable[[], Workload]] = {}
 
