@@ -62,7 +62,7 @@ def main() -> None:
     calib = load_calibration(args.calibration)
     device, network = calib.device, calib.network
     rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    time_errors, mem_errors, above_errors = [], [], []
+    time_errors, mem_errors, above_errors, noise = [], [], [], []
     print(f"calibration: {args.calibration} ({calib.measured})")
     print(f"{'cell':<48} {'measured s':>10} {'predicted':>10} {'error':>7}  memory MB measured/predicted per stage")
     for folder in args.folders:
@@ -77,6 +77,7 @@ def main() -> None:
                             virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint)
             p = predict(blocks, layout, device, network)
             error = (p.step_s - result.median_step_s) / result.median_step_s
+            noise.append((result.step_s_spread or 0.0) / result.median_step_s)
             time_errors.append(abs(error))
             rows.setdefault((cell.pp, cell.batch_size), []).append((result.median_step_s, p.step_s))
             base = device.baseline_bytes / MB
@@ -91,6 +92,8 @@ def main() -> None:
     print(f"\ncells: {len(time_errors)}")
     print(f"step time: median |error| {100 * statistics.median(time_errors):.1f}%, "
           f"mean {100 * statistics.fmean(time_errors):.1f}%, max {100 * max(time_errors):.1f}%")
+    print(f"measurement noise: median over cells of the steps' interquartile range / median step time "
+          f"{100 * statistics.median(noise):.1f}% (max {100 * max(noise):.1f}%)")
     for key in sorted(rows):
         measured, predicted = zip(*rows[key])
         print(f"  row pp={key[0]} batch={key[1]}: {len(measured)} cells, Spearman {spearman(list(measured), list(predicted)):+.2f}")

@@ -12,8 +12,11 @@ from pipetrain.plan.hardware import load_calibration, save_calibration
 def test_calibration_measures_every_figure(tmp_path):
     measured = calibrate(dict(seq_len=8, emsize=16, nhead=2, nhid=32), samples=4, repeats=2, timeout_s=240)
     for name, value in {**asdict(measured.device), **asdict(measured.network)}.items():
-        if name != "name":
-            assert isinstance(value, float) and math.isfinite(value) and value > 0, name
+        if name == "name":
+            continue
+        assert isinstance(value, float) and math.isfinite(value), name
+        # overheads are differences of two timings, clamped at 0 when noise hides them; the rest is measured
+        assert value >= 0 if name in ("kernel_overhead_s", "action_overhead_s") else value > 0, name
     assert measured.backend == "gloo"
     save_calibration(measured, tmp_path / "calibration.json")
     assert load_calibration(tmp_path / "calibration.json") == measured
