@@ -11,9 +11,8 @@ from torch import nn
 
 from pipetrain.blocks import BlockSequential, ModuleListModel, build_sequential
 from pipetrain.errors import ConfigError
-from pipetrain.pipeline.plan import Run
-from pipetrain.pipeline.shapes import boundary_tensors, meta_blocks, signature
-from pipetrain.pipeline.stages import ScheduleCache, build_schedule
+from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
+from pipetrain.pipeline.stages import ScheduleCache
 from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
 
 
@@ -100,10 +99,9 @@ def test_an_output_that_cannot_cross_a_stage_is_refused_naming_the_block(value, 
 
 def test_the_last_block_must_return_the_one_tensor_the_loss_reads():
     model = ModuleListModel([nn.Linear(4, 4), Split()], example_input=torch.zeros(1, 4))
-    bounds = boundary_tensors(meta_blocks(model), [(0, 1), (1, 2)], torch.zeros(2, 4), train=True)
-    with pytest.raises(ConfigError, match="the last block returns 3 tensors, but the loss reads one"):
-        build_schedule(modules=[], stage_ids=[], num_stages=2, boundaries=bounds, device=torch.device("cpu"),
-                       group=None, schedule="gpipe", run=Run(2, 1), train=True, loss_fn=None)
+    with pytest.raises(ConfigError, match=r"the last block \(1, Split\) returns 3 tensors, but the loss reads one"):
+        check_model_outputs(meta_blocks(model), [(0, 1), (1, 2)], model.example_input(1))
+    check_model_outputs(meta_blocks(GPTModel(GPT_PRESETS["tiny"])), [(0, 3), (3, 6)], torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_reference_model_takes_a_tuple_input():

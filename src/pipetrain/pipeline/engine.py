@@ -19,7 +19,7 @@ from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline.loss import Loss, as_loss
 from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
-from pipetrain.pipeline.shapes import boundary_tensors, meta_blocks, signature
+from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule
 from pipetrain.pipeline.timeline import span
 
@@ -101,7 +101,8 @@ class PipelineEngine:
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
         self.schedules = ScheduleCache(config.shape_cache)
-        self._meta_blocks: list[nn.Module] | None = None
+        self._meta_blocks = meta_blocks(model)
+        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1))
         self._loss_denominator = 1.0
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
@@ -252,8 +253,6 @@ class PipelineEngine:
         return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
 
     def _build_schedule(self, run: Run, train: bool, example: Tensors):
-        if self._meta_blocks is None:
-            self._meta_blocks = meta_blocks(self.model)
         boundaries = boundary_tensors(self._meta_blocks, self._bounds, example, train=train)
         return build_schedule(
             modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,

@@ -10,7 +10,7 @@ from torch import nn
 from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.errors import ConfigError
 
-__all__ = ["Signature", "signature", "meta_blocks", "crossing_tensors", "boundary_tensors"]
+__all__ = ["Signature", "signature", "meta_blocks", "crossing_tensors", "boundary_tensors", "check_model_outputs"]
 
 #: Shapes and dtypes of a tuple of tensors: what a schedule's buffers are sized from.
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -62,3 +62,16 @@ def boundary_tensors(
                 values = crossing_tensors(blocks[index](*values), index, blocks[index])
             boundaries.append(tuple(t.detach().requires_grad_(t.requires_grad) for t in values))
     return boundaries
+
+
+def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors) -> None:
+    """Raise ConfigError, before any step, if a block returns something that cannot cross a stage or the last
+    block returns more than the one tensor the loss reads (a meta run of `inputs`)."""
+    last = boundary_tensors(blocks, bounds, inputs, train=False)[-1]
+    if len(last) != 1:
+        index = bounds[-1][1] - 1
+        raise ConfigError(
+            f"the last block ({index}, {type(blocks[index]).__name__}) returns {len(last)} tensors, "
+            "but the loss reads one",
+            hint="make the last block return only the tensor the loss compares with the targets",
+        )
