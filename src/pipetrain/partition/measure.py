@@ -3,6 +3,9 @@
 Each block is built on its own, fed the previous block's output for one micro-batch, and timed: forward
 in training mode, then backward from a fixed random output gradient. Bytes saved for backward are
 counted with `torch.autograd.graph.saved_tensors_hooks` (each storage once, parameters excluded).
+On the CPU the clock is this process's CPU time (what the block costs, unaffected by other processes
+taking the cores: a profile taken on a busy machine still balances well); on a GPU it is wall time
+after synchronising the device.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def _measure_block(
     block: nn.Module, inputs: tuple[Any, ...], device: torch.device, repeats: int, warmup: int
 ) -> tuple[float, float, int, Any]:
     """(median forward s, median backward s, bytes saved for backward, one output) of `block` on `inputs`."""
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
     forwards, backwards, saved_bytes = [], [], 0
     output: Any = None
@@ -84,7 +88,7 @@ def _measure_block(
             return tensor
 
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         if iteration == 0:  # the counting pass (hooks cost time, so it is never a timed one)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = block(*inputs)
@@ -92,7 +96,7 @@ def _measure_block(
         else:
             output = block(*inputs)
         _sync(device)
-        middle = time.perf_counter()
+        middle = clock()
         differentiable = [t for t in _tensors(output) if t.requires_grad]
         if grads is None:
             generator = torch.Generator(device="cpu").manual_seed(0)
@@ -100,7 +104,7 @@ def _measure_block(
         if differentiable:
             torch.autograd.backward(differentiable, grads)
         _sync(device)
-        stop = time.perf_counter()
+        stop = clock()
         block.zero_grad(set_to_none=True)
         if iteration >= warmup:
             forwards.append(middle - start)
