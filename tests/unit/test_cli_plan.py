@@ -56,3 +56,19 @@ def test_malformed_profile(capsys, tmp_path):
 def test_tune_rejects_a_profile(capsys, tmp_path):
     code, _, err = _plan(capsys, "tune", "--gpus", "2", "--profile", str(tmp_path / "p.json"))
     assert code == 2 and "--preset" in err and err.count("pipetrain: error") == 1
+
+
+def test_plan_from_a_profile_names_its_workload(capsys, tmp_path):
+    from pipetrain.partition.profile import BlockProfile, ModelProfile, save_profile
+
+    blocks = tuple(BlockProfile(index=i, name=f"Block{i}", forward_s=0.01 * (i + 1), backward_s=0.02 * (i + 1),
+                                param_bytes=4000, activation_bytes=16000, output_bytes=4096) for i in range(4))
+    path = tmp_path / "profile.json"
+    save_profile(ModelProfile(model="classifier:tiny", fingerprint="0" * 64, micro_batch_size=8, device="cpu",
+                              dtype="float32", repeats=3, blocks=blocks), path)
+    code, out, err = _plan(capsys, "plan", "--gpus", "2", "--profile", str(path), "--batch", "32", "--top", "2")
+    assert code == 0, err
+    assert "times rescaled linearly" in out
+    train = next(line for line in out.splitlines() if line.strip().startswith("pipetrain train"))
+    args = build_parser().parse_args(shlex.split(train)[1:])
+    assert args.workload == "classifier" and args.preset == "tiny" and args.dp * args.pp == 2

@@ -96,6 +96,7 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
         from pipetrain.partition.profile import load_profile
 
         profile = load_profile(args.profile)
+        args.profile_model = profile.model
         return profile_blocks(profile), (f"profile {args.profile} ({profile.model}, measured at micro-batch "
                                          f"{profile.micro_batch_size}, times rescaled linearly)")
     preset = args.preset or "cpu"
@@ -155,8 +156,10 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
         out += ["--stages-per-rank", str(lay.virtual)]
     if lay.balance == "time" and len(prediction.balance) > 1:
         out += ["--balance", ",".join(str(b) for b in prediction.balance)]
-    out += ["--profile", str(args.profile)] if args.profile else ["--preset", args.preset or "cpu"]
-    return out
+    if args.profile:  # the profile names its model "workload:preset"
+        workload, _, preset = getattr(args, "profile_model", "").rpartition(":")
+        return out + (["--workload", workload] if workload else []) + ["--preset", preset or "cpu"]
+    return out + ["--preset", args.preset or "cpu"]
 
 
 def _row(rank: int, p: Prediction) -> str:

@@ -67,6 +67,8 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
                     if schedule == "1f1b" and chunks < pp or multi and chunks % pp:
                         continue
                     for checkpoint in space.checkpoints:
+                        if checkpoint == "except_last" and chunks == 1:
+                            continue  # the last (only) micro-batch does not recompute: same as "never"
                         for mode in space.dp_modes if dp > 1 else ("ddp",):
                             for balance in space.balances if pp * v > 1 else ("uniform",):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
