@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipetrain.blocks import build_sequential
@@ -66,6 +67,49 @@ def make_mask_input_gpt() -> MaskInputGPT:
     return MaskInputGPT(GPT_CONFIG)
 
 
+class _PositionTable(nn.Module):
+    """Adds a float position table computed from the input alone: it crosses stages without a gradient."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.arange(x.shape[1], dtype=x.dtype, device=x.device).expand(x.shape[0], -1) / x.shape[1]
+        return x, table
+
+
+class _UseTable(nn.Module):
+    def __init__(self, width: int, out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor):
+        return self.linear(x) * (1 + table), table
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(x + table))
+
+
+class PositionTableModel:
+    """Linear | position table | 2 layers using (x, table) | head: a float tensor without gradient between stages."""
+
+    num_blocks = 5
+
+    def build_block(self, index: int) -> nn.Module:
+        return [lambda: nn.Linear(8, 8), _PositionTable, lambda: _UseTable(8, 8), lambda: _UseTable(8, 8), _Head][index]()
+
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, 8)
+
+
+def make_float_batches(sizes: list[int], seed: int = 13) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 8, generator=gen), torch.randint(0, 2, (n,), generator=gen)) for n in sizes]
+
+
 def with_mask_input(batches):
     """Token batches with the non-padding mask as a second input."""
     return [((x, x != PAD_ID), y) for x, y in batches]
@@ -98,6 +142,7 @@ def make_token_batches(sizes: list[int], seed: int = 11, widths: list[int] | Non
 MODELS = {
     "classifier": (make_model, F.cross_entropy, F.cross_entropy, lambda: make_batches(EVAL_BATCHES)),
     "gpt": (make_gpt, TokenCrossEntropy(), _reference_token_loss, lambda: make_token_batches(EVAL_BATCHES, seed=5)),
+    "table": (PositionTableModel, F.cross_entropy, F.cross_entropy, lambda: make_float_batches(EVAL_BATCHES, seed=17)),
     "gpt-mask-input": (make_mask_input_gpt, TokenCrossEntropy(), _reference_token_loss,
                        lambda: with_mask_input(make_token_batches(EVAL_BATCHES, seed=5))),
 }

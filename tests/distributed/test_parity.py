@@ -13,6 +13,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from tests.distributed.harness import (
     assert_parity,
     make_batches,
+    make_float_batches,
     make_token_batches,
     parallel_runs,
     reference_run,
@@ -49,6 +50,7 @@ WORLD_CASES = {
 # The causal decoder: (hidden states, boolean padding mask) cross every stage boundary; the loss is per token
 # with padding ignored, over micro-batches holding unequal numbers of tokens (and replicas too, with dp=2).
 # "gpt-mask-input-*": the first stage takes two inputs (tokens, padding mask).
+# "table-*": a float position table made from the input crosses stages without a gradient.
 # "lengths": batches of 4 sequence lengths with room for 2 schedules: shapes are evicted and rebuilt, each
 # length exact, and the schedules (and their stages' buffers) held stay within the bound.
 GPT_BATCHES = {
@@ -61,6 +63,7 @@ GPT_CASES = {
         **{f"gpt-pp2-{s}": (_pipe(2, s, "except_last"), "pipe") for s in ("gpipe", "1f1b", "interleaved-1f1b")},
         "gpt-pp2-1f1b-lengths": (_pipe(2, "1f1b", shape_cache=2), "lengths"),
         "gpt-mask-input-pp2-interleaved-1f1b": (_pipe(2, "interleaved-1f1b"), "pipe"),
+        **{f"table-pp2-{s}": (_pipe(2, s), "pipe") for s in ("1f1b", "interleaved-1f1b")},
     },
     4: {
         **{f"gpt-pp4-{s}": (_pipe(4, s), "pipe") for s in ("gpipe", "1f1b", "interleaved-1f1b")},
@@ -73,6 +76,8 @@ ALL_CASES = {world: {**WORLD_CASES[world], **GPT_CASES[world]} for world in WORL
 
 def _batch_set(name: str, key):
     """(reference key, model name, batches) of a case."""
+    if name.startswith("table-"):
+        return ("table", key), "table", make_float_batches(GPT_BATCHES[key][0])
     if name.startswith("gpt-mask-input-"):  # the mask is a second input of the first stage
         sizes, widths = GPT_BATCHES[key]
         return ("gpt-mask-input", key), "gpt-mask-input", with_mask_input(make_token_batches(sizes, widths=widths))
