@@ -24,6 +24,7 @@ from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import detect, free_port
 from pipetrain.launch.spawn import RankSpec
+from pipetrain.parallel import pick_device
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.loss import SampleMeanLoss
 from pipetrain.session import build_session, join_job
@@ -106,8 +107,6 @@ class Pipe(nn.Module):
 
 
 def _device() -> torch.device:
-    from pipetrain.parallel import pick_device
-
     env = detect()
     return pick_device(env.local_rank if env is not None else 0)
 
@@ -164,7 +163,8 @@ class PipeLoss:
             self.result = self.output.pipe._run(self.output.inputs, self.targets, self.loss_fn, train=True)
 
     def item(self) -> float:
-        """The loss of the whole batch (a forward-only pass when no backward ran, under no_grad or eval())."""
+        """The loss of the whole batch. Without a `backward()` before, it runs the step now: forward-only under
+        `torch.no_grad()` or after `eval()`, else forward and backward (then `backward()` does nothing)."""
         if self.result is None:
             pipe = self.output.pipe
             train = pipe.training and torch.is_grad_enabled()

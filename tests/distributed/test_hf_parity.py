@@ -84,7 +84,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _train(folder: str, layout: str, device: torch.device) -> dict:
     dp, dp_mode, pp, schedule = LAYOUTS[layout]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ)
-    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4))
+    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4)
+    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline)
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
     engine, replica = session.engine, session.mesh.dp_rank
     keys = {}

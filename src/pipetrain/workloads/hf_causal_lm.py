@@ -140,7 +140,8 @@ class _Head(_Block):
     def __init__(self, config: Any, family: str) -> None:
         super().__init__()
         if family == "llama":
-            self.norm = require_transformers().models.llama.modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            rms_norm = require_transformers().models.llama.modeling_llama.LlamaRMSNorm
+            self.norm = rms_norm(config.hidden_size, eps=config.rms_norm_eps)
             self.prefixes = {"norm.": "model.norm.", "lm_head.": "lm_head."}
         else:
             self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
@@ -185,8 +186,10 @@ class _Checkpoint:
             with safe_open(folder / "model.safetensors", framework="pt") as f:
                 self.files = {key: folder / "model.safetensors" for key in f.keys()}
         else:
-            raise ConfigError(f"checkpoint folder {str(folder)!r} has no model.safetensors nor model.safetensors.index.json",
-                              hint="pass a folder written by save_pretrained(..., safe_serialization=True)")
+            raise ConfigError(
+                f"checkpoint folder {str(folder)!r} has no model.safetensors nor model.safetensors.index.json",
+                hint="pass a folder written by save_pretrained(..., safe_serialization=True)",
+            )
 
     def find(self, key: str, family: str) -> str | None:
         """The stored name of `key` (original GPT-2 checkpoints omit the `transformer.` prefix)."""
