@@ -25,6 +25,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import detect, free_port
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import pick_device
+from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.loss import SampleMeanLoss
 from pipetrain.session import build_session, join_job
@@ -34,11 +35,19 @@ __all__ = ["Pipe", "PipeOutput", "PipeLoss"]
 _SHAPE_METHODS = ("view", "reshape", "flatten", "float", "contiguous", "squeeze", "transpose", "permute")
 
 
-class _LazyInput(ModuleListModel):
-    """`ModuleListModel` whose example input (for shape inference) is the first batch the pipe is called with."""
+class _Children(ModuleListModel):
+    """The `nn.Sequential`'s children as blocks. This rank's own blocks are the user's modules themselves (so the
+    optimizer, made before the first batch, holds the parameters the engine trains); other blocks, and every
+    block built on the meta device (shape inference), are copies. The example input is the first batch."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], local: dict[int, nn.Module]) -> None:
         super().__init__(modules, example_input=torch.empty(0))
+        self.local = local
+
+    def build_block(self, index: int) -> nn.Module:
+        if index in self.local and torch.get_default_device().type != "meta":
+            return self.local[index]
+        return super().build_block(index)
 
     def set_example(self, batch: torch.Tensor) -> None:
         self._example = batch[:1].detach().cpu()
@@ -62,21 +71,34 @@ class Pipe(nn.Module):
                     else RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port))
             join_job(spec)
         pp = dist.get_world_size()
-        config = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks, checkpoint=checkpoint,
-                                balance=tuple(balance) if balance else None)
-        self._model = _LazyInput(list(module.children()))
-        session = build_session(self._model, ParallelConfig(pipeline=config), _device(), seed=seed)
-        self.engine: PipelineEngine = session.engine
-        self.stages = nn.ModuleList(self.engine.modules)  # registers this rank's parameters on the Pipe
-        self.device = session.device
+        self.config = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks, checkpoint=checkpoint,
+                                     balance=tuple(balance) if balance else None)
+        children = list(module.children())
+        bounds = balance_bounds(resolve_balance(ModuleListModel(children, torch.empty(0)), self.config))
+        mine = [i for v in range(self.config.virtual_stages) for i in range(*bounds[dist.get_rank() + v * pp])]
+        self.device = _device()
+        self.stages = nn.ModuleList([children[i].to(self.device) for i in mine])  # this rank's parameters
+        self._model = _Children(children, dict(zip(mine, self.stages)))
+        self._seed = seed
+        self._engine: PipelineEngine | None = None  # built at the first batch, whose shapes it needs
         self.last: StepResult | None = None
+
+    @property
+    def engine(self) -> PipelineEngine:
+        """The pipeline engine running this rank's stages (built at the first batch)."""
+        if self._engine is None:
+            session = build_session(self._model, ParallelConfig(pipeline=self.config), self.device, seed=self._seed)
+            self._engine = session.engine
+            self._engine.train(self.training)
+        return self._engine
 
     def forward(self, inputs: torch.Tensor) -> PipeOutput:
         return PipeOutput(self, inputs, [])
 
     def train(self, mode: bool = True) -> Pipe:
         super().train(mode)
-        self.engine.train(mode)
+        if self._engine is not None:
+            self._engine.train(mode)
         return self
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -93,7 +115,8 @@ class Pipe(nn.Module):
         return norm.float()
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool) -> StepResult:
-        self._model.set_example(inputs)  # the engine builds (and caches) stages per input shape
+        if self._engine is None:
+            self._model.set_example(inputs)  # what the engine checks the blocks with when it is built
         batch = inputs.shape[0]
         samplewise = targets if targets.dim() > 0 and targets.shape[0] == batch else targets.reshape(batch, -1)
 
