@@ -5,7 +5,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError, DataError, LaunchError, PipetrainError, RankFailedError
 from pipetrain.launch.spawn import RankSpec, launch_local
 from pipetrain.pipe import Pipe
-from pipetrain.pipeline import PipelineEngine, StepResult
+from pipetrain.pipeline import Loss, PipelineEngine, StepResult, TokenCrossEntropy
 from pipetrain.session import Session, close_session, open_session
 
 __version__ = "0.1.0"
@@ -26,6 +26,8 @@ __all__ = [
     "Pipe",
     "PipelineEngine",
     "StepResult",
+    "Loss",
+    "TokenCrossEntropy",
     "Session",
     "open_session",
     "close_session",
