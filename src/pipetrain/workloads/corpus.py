@@ -29,8 +29,8 @@ from pipetrain.workloads.imdb import (
     MIN_WORDS,
     PAD_ID,
     Vocabulary,
-    _generator,
     num_batches,
+    random_stream,
     tokenize,
 )
 
@@ -80,12 +80,12 @@ def _lengths(n: int, max_len: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _synthetic_split(n: int, max_len: int, vocab_size: int, seed: int, stream: str) -> TokenCorpus:
-    grammar = _generator(seed, "lm-grammar")
+    grammar = random_stream(seed, "lm-grammar")
     words = vocab_size - 2
     successors = torch.randint(words, (words, SUCCESSORS), generator=grammar) + 2
     ranks = torch.arange(words, dtype=torch.float64)
     zipf = (ranks + ZIPF_SHIFT) ** -1.0
-    g = _generator(seed, stream)
+    g = random_stream(seed, stream)
     lengths = _lengths(n, max_len, g)
     tokens = torch.empty(n, max_len, dtype=torch.long)
     tokens[:, 0] = torch.multinomial(zipf, n, replacement=True, generator=g) + 2
@@ -155,14 +155,14 @@ def load_text(path: Path | str, *, seq_len: int, vocab_size: int) -> tuple[Token
 
 def _order(corpus: TokenCorpus, batch_size: int, *, shuffle: bool, bucket: bool, seed: int, epoch: int) -> torch.Tensor:
     size = len(corpus)
-    order = torch.randperm(size, generator=_generator(seed, f"lm-epoch-{epoch}")) if shuffle else torch.arange(size)
+    order = torch.randperm(size, generator=random_stream(seed, f"lm-epoch-{epoch}")) if shuffle else torch.arange(size)
     if not bucket:
         return order
     # similar lengths together (stable sort keeps the shuffle inside a length), then the batches in random order
     order = order[torch.sort(corpus.lengths[order], stable=True).indices]
     starts = torch.arange(0, size, batch_size)
     if shuffle:
-        starts = starts[torch.randperm(len(starts), generator=_generator(seed, f"lm-buckets-{epoch}"))]
+        starts = starts[torch.randperm(len(starts), generator=random_stream(seed, f"lm-buckets-{epoch}"))]
     return torch.cat([order[s : s + batch_size] for s in starts.tolist()])
 
 

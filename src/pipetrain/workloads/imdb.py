@@ -28,6 +28,7 @@ __all__ = [
     "synthetic_imdb",
     "batches",
     "num_batches",
+    "random_stream",
 ]
 
 PAD_ID = 0
@@ -185,7 +186,7 @@ MIXED_REVIEWS, LABEL_NOISE = 0.2, 0.03
 MIN_SYNTHETIC_VOCAB = 32
 
 
-def _generator(seed: int, stream: str) -> torch.Generator:
+def random_stream(seed: int, stream: str) -> torch.Generator:
     """An independent random stream per `(seed, stream)`."""
     digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
@@ -196,12 +197,12 @@ def _sentiment_words(vocab_size: int, seed: int) -> torch.Tensor:
     words = vocab_size - 2
     count = min(SENTIMENT_WORDS, words // 8)
     low = min(100, words // 10)
-    chosen = torch.randperm(words - low, generator=_generator(seed, "sentiment-words"))[: 2 * count] + low + 2
+    chosen = torch.randperm(words - low, generator=random_stream(seed, "sentiment-words"))[: 2 * count] + low + 2
     return chosen.view(2, count)
 
 
 def _synthetic_split(n: int, seq_len: int, vocab_size: int, seed: int, stream: str) -> ReviewDataset:
-    g = _generator(seed, stream)
+    g = random_stream(seed, stream)
     labels = (torch.arange(n) % 2)[torch.randperm(n, generator=g)]
     noisy = torch.rand(n, generator=g) < LABEL_NOISE
     polarity = labels ^ noisy.long()
@@ -304,7 +305,7 @@ def batches(
     _check_batching(batch_size, replica, replicas)
     size = len(dataset)
     if shuffle:
-        order = torch.randperm(size, generator=_generator(seed, f"epoch-{epoch}"))
+        order = torch.randperm(size, generator=random_stream(seed, f"epoch-{epoch}"))
     else:
         order = torch.arange(size)
     for index in range(num_batches(size, batch_size, replicas=replicas, drop_last=drop_last)):
