@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipetrain.blocks import ModuleListModel
+from pipetrain.cli import bench as bench_cli
 from pipetrain.cli import main as cli_main
 from pipetrain.cli import train as train_cli
 from pipetrain.config import PipelineConfig
@@ -115,6 +116,7 @@ def cli(monkeypatch, capsys):
         raise AssertionError("the CLI started ranks instead of rejecting its input")
 
     monkeypatch.setattr(train_cli, "spawn", no_ranks)
+    monkeypatch.setattr(bench_cli, "run_grid", no_ranks)
 
     def run(argv: list[str]) -> tuple[int, str]:
         code = cli_main.main(argv)
@@ -145,6 +147,8 @@ def test_cli_bad_trace_inputs(cli, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     code, err = cli([*TRAIN, "--trace", str(blocker / "trace")])
+    assert code == 2 and "cannot write the trace folder" in err and err.count("error") == 1
+    code, err = cli(["bench", "--quick", "--out", str(tmp_path / "out"), "--trace", str(blocker / "trace")])
     assert code == 2 and "cannot write the trace folder" in err and err.count("error") == 1
     code, err = cli([*TRAIN, "--trace", str(tmp_path / "t"), "--trace-steps", "0"])
     assert code == 2 and "0 traced step(s)" in err
