@@ -60,7 +60,7 @@ class TrainConfig:
         workload.check_preset(self.preset)
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
-                              hint="drop --bucket, or use --workload lm")
+                              hint="drop --bucket")
         for name in ("batch_size", "epochs", "train_samples", "test_samples"):
             value = getattr(self, name)
             if value < 1:

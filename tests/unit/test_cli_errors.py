@@ -109,7 +109,6 @@ CASES = {
     "unknown-preset": (TRAIN + ["--preset", "huge"], ["'huge'", "hint: choose one of:"]),
     "unknown-workload": (TRAIN + ["--workload", "vision"], ["unknown workload 'vision'", "hint: choose one of: classifier, lm"]),
     "lm-unknown-preset": (TRAIN + ["--workload", "lm", "--preset", "gpu"], ["'gpu' for workload 'lm'", "tiny, cpu"]),
-    "bucket-without-lengths": (TRAIN + ["--bucket"], ["workload 'classifier' has samples of one length", "hint: drop --bucket"]),
     "shape-cache-zero": (TRAIN + ["--shape-cache", "0"], ["shape_cache (--shape-cache) must be a positive integer, got 0"]),
     "lm-missing-text": (TRAIN + ["--workload", "lm", "--data", "{tmp}/none.txt"], ["{tmp}/none.txt does not exist",
                                                                                   "hint: pass a plain-text file"]),

@@ -10,7 +10,9 @@ from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.trainer import TrainConfig, load_data
 from pipetrain.workloads.corpus import LENGTH_STEP, load_text, synthetic_corpus, token_batches
 from pipetrain.workloads.gpt import GPTModel
-from pipetrain.workloads.imdb import PAD_ID
+from pipetrain.workloads import registry
+from pipetrain.workloads.classifier import ClassifierWorkload, bucketed_reviews
+from pipetrain.workloads.imdb import PAD_ID, synthetic_imdb
 from pipetrain.workloads.registry import get_workload
 
 
@@ -72,6 +74,16 @@ def test_bucketing_cuts_padding_and_keeps_every_document(corpus):
     assert sorted(bucketed[2].tolist()) == sorted(train.tokens[:, 0].tolist())
 
 
+@pytest.mark.parametrize("batch_size", [24, 32, 48])  # 400 documents: a short last batch of 16 each time
+def test_bucketed_batches_are_runs_of_the_sorted_lengths(corpus, batch_size):
+    spans = sorted(
+        (int(lengths.min()), int(lengths.max()))
+        for lengths in ((y != IGNORE_INDEX).sum(1) + 1
+                        for _, y in token_batches(corpus[0], batch_size, shuffle=True, seed=0, epoch=3, bucket=True))
+    )
+    assert all(high <= next_low for (_, high), (next_low, _) in zip(spans, spans[1:]))  # no two batches interleave
+
+
 def test_replicas_get_equal_shares_of_one_length(corpus):
     train = corpus[0]
     a = list(token_batches(train, 32, shuffle=True, seed=0, epoch=1, replica=0, replicas=2, bucket=True))
@@ -112,6 +124,24 @@ def test_lm_workload_from_the_registry():
     assert get_workload("lm").loss().perplexity
 
 
-def test_bucket_is_refused_where_samples_have_one_length():
-    with pytest.raises(ConfigError, match="workload 'classifier' has samples of one length"):
-        TrainConfig(preset="tiny", bucket=True)
+def test_bucket_is_refused_where_samples_have_one_length(monkeypatch):
+    class OneLength(ClassifierWorkload):
+        buckets = False
+
+    monkeypatch.setattr(registry, "_REGISTERED", {"one-length": OneLength})
+    with pytest.raises(ConfigError, match="workload 'one-length' has samples of one length"):
+        TrainConfig(workload="one-length", preset="tiny", bucket=True)
+
+
+def test_bucketed_reviews_are_cut_to_their_longest():
+    train, _ = synthetic_imdb(num_train=300, num_test=1, seq_len=256, vocab_size=200, seed=2)
+    lengths = (train.tokens != PAD_ID).sum(1)
+    rows, slots = [], 0
+    for x, y in bucketed_reviews(train, 32, shuffle=True, seed=0, epoch=1, replica=0, replicas=1):
+        assert x.shape[1] % LENGTH_STEP == 0 or x.shape[1] == 256
+        assert int((x != PAD_ID).sum(1).max()) > x.shape[1] - LENGTH_STEP  # cut to its longest review, rounded up
+        slots += x.numel()
+        rows += [(int((row != PAD_ID).sum()), int(label)) for row, label in zip(x, y)]
+    assert slots < 1.25 * int(lengths.sum()) < 0.9 * 300 * 256  # little padding; every review at seq_len: much more
+    assert sorted(rows) == sorted(zip(lengths.tolist(), train.labels.tolist()))  # every review once, with its label
+    assert get_workload("classifier").buckets

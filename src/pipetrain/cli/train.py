@@ -138,7 +138,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "(paragraphs split by blank lines) or a folder of .txt files; "
                             "default: the workload's synthetic corpus")
     group.add_argument("--bucket", action="store_true",
-                       help="lm: batch documents of similar lengths together (less padding)")
+                       help="batch samples of similar lengths together, each batch padded only to its longest "
+                            "(classifier: instead of the preset's seq_len)")
     group.add_argument("--train-samples", type=int, default=6000, help="synthetic training samples (default: 6000)")
     group.add_argument("--test-samples", type=int, default=2000, help="synthetic test samples (default: 2000)")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")

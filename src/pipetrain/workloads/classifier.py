@@ -7,11 +7,28 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from pipetrain.workloads.imdb import ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
+from pipetrain.workloads.buckets import batch_order, padded_length
+from pipetrain.workloads.imdb import PAD_ID, ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
 from pipetrain.workloads.registry import Batch, DataRequest, Workload
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
 
-__all__ = ["ClassifierWorkload"]
+__all__ = ["ClassifierWorkload", "bucketed_reviews"]
+
+
+def bucketed_reviews(
+    dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int, replicas: int
+) -> Iterator[Batch]:
+    """`imdb.batches` with reviews of similar lengths together, each batch cut to its longest review (rounded
+    up to `LENGTH_STEP` tokens) instead of the preset's seq_len; the same shares and counts per replica."""
+    lengths = (dataset.tokens != PAD_ID).sum(dim=1)
+    order = batch_order(lengths, batch_size, shuffle=shuffle, bucket=True, seed=seed, stream=f"epoch-{epoch}",
+                        bucket_stream=f"review-buckets-{epoch}")
+    for index in range(num_batches(dataset, batch_size, replicas=replicas)):
+        global_batch = order[index * batch_size : (index + 1) * batch_size]
+        length = padded_length(lengths[global_batch], dataset.seq_len)
+        share = len(global_batch) // replicas
+        part = global_batch[replica * share : (replica + 1) * share]
+        yield dataset.tokens[part, :length], dataset.labels[part]
 
 
 class ClassifierWorkload(Workload):
@@ -22,6 +39,7 @@ class ClassifierWorkload(Workload):
     presets = PRESETS
     metrics = ("accuracy",)
     data_help = "aclImdb folder (train|test/pos|neg/*.txt)"
+    buckets = True
 
     def model(self, preset: str) -> TransformerClassifier:
         self.check_preset(preset)
@@ -44,8 +62,11 @@ class ClassifierWorkload(Workload):
         self, dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
         replica: int, replicas: int, bucket: bool = False,
     ) -> Iterator[Batch]:
-        # every review is already cut/padded to the preset's seq_len: `bucket` changes nothing here
-        return batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica, replicas=replicas)
+        if not bucket:  # every review padded to the preset's seq_len
+            return batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
+                           replicas=replicas)
+        return bucketed_reviews(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
+                                replicas=replicas)
 
     def num_batches(self, dataset: ReviewDataset, batch_size: int, *, replicas: int) -> int:
         return num_batches(dataset, batch_size, replicas=replicas)

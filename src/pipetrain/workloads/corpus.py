@@ -22,6 +22,7 @@ import torch
 
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.workloads.buckets import LENGTH_STEP, batch_order, padded_length
 from pipetrain.workloads.imdb import (
     LENGTH_SIGMA,
     MAX_WORDS,
@@ -36,8 +37,6 @@ from pipetrain.workloads.imdb import (
 
 __all__ = ["TokenCorpus", "synthetic_corpus", "load_text", "token_batches", "LENGTH_STEP", "MIN_VOCAB"]
 
-#: Batch lengths are rounded up to a multiple of this, bounding the number of shapes (schedules) per epoch.
-LENGTH_STEP = 8
 #: Smallest vocabulary the synthetic corpus accepts (padding, unknown and some words).
 MIN_VOCAB = 16
 #: Synthetic grammar: each word is followed by one of SUCCESSORS words (fixed per word) with probability
@@ -153,19 +152,6 @@ def load_text(path: Path | str, *, seq_len: int, vocab_size: int) -> tuple[Token
     return result
 
 
-def _order(corpus: TokenCorpus, batch_size: int, *, shuffle: bool, bucket: bool, seed: int, epoch: int) -> torch.Tensor:
-    size = len(corpus)
-    order = torch.randperm(size, generator=random_stream(seed, f"lm-epoch-{epoch}")) if shuffle else torch.arange(size)
-    if not bucket:
-        return order
-    # similar lengths together (stable sort keeps the shuffle inside a length), then the batches in random order
-    order = order[torch.sort(corpus.lengths[order], stable=True).indices]
-    starts = torch.arange(0, size, batch_size)
-    if shuffle:
-        starts = starts[torch.randperm(len(starts), generator=random_stream(seed, f"lm-buckets-{epoch}"))]
-    return torch.cat([order[s : s + batch_size] for s in starts.tolist()])
-
-
 def token_batches(
     corpus: TokenCorpus, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
     replica: int = 0, replicas: int = 1, bucket: bool = False,
@@ -177,12 +163,12 @@ def token_batches(
     longest document of the global batch minus one, rounded up to a multiple of `LENGTH_STEP` (at most
     the corpus width minus one), the same on every replica.
     """
-    order = _order(corpus, batch_size, shuffle=shuffle, bucket=bucket, seed=seed, epoch=epoch)
+    order = batch_order(corpus.lengths, batch_size, shuffle=shuffle, bucket=bucket, seed=seed,
+                        stream=f"lm-epoch-{epoch}", bucket_stream=f"lm-buckets-{epoch}")
     width = corpus.tokens.shape[1] - 1
     for index in range(num_batches(len(corpus), batch_size, replicas=replicas)):
         global_batch = order[index * batch_size : (index + 1) * batch_size]
-        longest = int(corpus.lengths[global_batch].max()) - 1
-        length = min(width, -(-longest // LENGTH_STEP) * LENGTH_STEP)
+        length = padded_length(corpus.lengths[global_batch] - 1, width)
         share = len(global_batch) // replicas
         part = global_batch[replica * share : (replica + 1) * share]
         tokens = corpus.tokens[part, : length + 1]
