@@ -5,8 +5,10 @@ an uninterrupted local run's."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,10 +28,21 @@ def _losses(path: Path) -> list[tuple[float, float]]:
     return [(r["train_loss"], r["test_loss"]) for r in json.loads(path.read_text())]
 
 
-def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(tmp_path: Path) -> None:
+@pytest.fixture
+def job_dir():
+    """A folder of its own (pytest's tmp folders of other sessions on the machine may be cleaned meanwhile)."""
+    folder = Path(tempfile.mkdtemp(prefix="pipetrain-requeue-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# Slurm makes a requeued batch job wait about 2 minutes (its begin time) before it runs again
+@pytest.mark.timeout(WAIT_SECONDS + 300)
+def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(job_dir: Path) -> None:
     problem = _cluster_problem()
     if problem:
         pytest.skip(problem)
+    tmp_path = job_dir
     render = subprocess.run(
         [sys.executable, "-m", "pipetrain", "sbatch", "--ntasks-per-node", "2", "--cpus-per-task", "1",
          "--time", "00:15:00", "--pp", "2", "--job-name", "pipetrain-requeue", "--log", "job-%j.out",

@@ -155,7 +155,7 @@ def _cause(err: BaseException) -> str:
 def find_checkpoint(path: str | Path) -> Path:
     """`path` itself when it is a committed checkpoint, else the latest one inside it; ConfigError if none."""
     path = Path(path)
-    if read_meta_or_none(path) is not None:
+    if _read_meta_or_none(path) is not None:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -164,7 +164,7 @@ def find_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def read_meta_or_none(folder: Path) -> CheckpointMeta | None:
+def _read_meta_or_none(folder: Path) -> CheckpointMeta | None:
     return read_meta(folder) if (folder / "pipetrain.json").is_file() else None
 
 
