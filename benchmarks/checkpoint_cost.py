@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     print("| preset | layout | parameters | bytes per save | bytes / parameter bytes | step (s) | save (s) | "
-          "save / step | N for < 5 % | overhead at N=%d |" % args.every)
+          f"save / step | N for < 5 % | overhead at N={args.every} |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
         for layout in args.layouts.split(","):

@@ -86,13 +86,12 @@ def test_probe_writable_refuses_a_folder_that_cannot_be_written(tmp_path):
 
 
 def test_watchdog_names_the_silent_rank_then_the_rank_behind():
-    silent = stuck_message(me=0, step=7, timeout_s=30, steps={0: 7, 1: 7}, beats={0: 100.0, 1: 60.0}, now=100.0)
+    silent = stuck_message(me=0, step=7, timeout_s=30, steps={0: 7, 1: 7}, silent={1: 40.2})
     assert silent.startswith("rank 1 (last finished step 7, silent for 40 s) stopped responding")
     assert "rank 0 waited 30 s (--step-timeout) for step 8" in silent
-    behind = stuck_message(me=0, step=7, timeout_s=30, steps={0: 7, 1: 6, 2: 7}, beats={0: 99.0, 1: 99.0, 2: 99.0},
-                           now=100.0)
+    behind = stuck_message(me=0, step=7, timeout_s=30, steps={0: 7, 1: 6, 2: 7}, silent={})
     assert behind.startswith("rank(s) 1 stuck at step 7 while others finished it")
-    both = stuck_message(me=1, step=3, timeout_s=30, steps={0: 3, 1: 3}, beats={0: 99.0, 1: 99.0}, now=100.0)
+    both = stuck_message(me=1, step=3, timeout_s=30, steps={0: 3, 1: 3}, silent={})
     assert both.startswith("every rank is stuck in step 4")
 
 

@@ -29,7 +29,7 @@ from pipetrain.checkpoint.folders import (
     write_meta,
 )
 from pipetrain.checkpoint.keys import StageNames, fingerprint
-from pipetrain.errors import CheckpointError, ConfigError
+from pipetrain.errors import CheckpointError, ConfigError, PipetrainError, RankFailedError
 from pipetrain.pipeline import PipelineEngine
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "engine_layout"]
@@ -124,9 +124,7 @@ def save_checkpoint(
     try:
         dcp.save(state, checkpoint_id=str(partial))
     except (Exception, dcp.CheckpointException) as err:  # DCP raises the same CheckpointException on every rank
-        raise CheckpointError(f"could not write checkpoint {str(final)!r}: {_cause(err)}",
-                              hint="free space or pass a --save-dir you can write to; "
-                                   "the previous checkpoints are intact") from None
+        raise _save_failed(final, err) from None
     if _rank() == 0:
         meta = CheckpointMeta(step=step, model=model_name, fingerprint=fingerprint(engine.model),
                               layout=engine_layout(engine), world_size=engine_layout(engine)["world_size"],
@@ -141,15 +139,31 @@ def save_checkpoint(
     return final
 
 
-def _cause(err: BaseException) -> str:
-    """The lowest rank's underlying error of a DCP CheckpointException (whose text lists every rank's traceback)."""
+def _root(err: BaseException) -> tuple[BaseException, int | None]:
+    """The lowest failing rank's underlying exception of a DCP CheckpointException, and that rank."""
+    rank = None
     if isinstance(err, dcp.CheckpointException) and err.failures:
         rank = min(err.failures)
-        exc = err.failures[rank][0]
-        while exc.__cause__ is not None:
-            exc = exc.__cause__
-        return f"{type(exc).__name__}: {exc} (rank {rank})"
-    return f"{type(err).__name__}: {err}"
+        err = err.failures[rank][0]
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err, rank
+
+
+def _cause(err: BaseException) -> str:
+    root, rank = _root(err)
+    return f"{type(root).__name__}: {root}" + ("" if rank is None else f" (rank {rank})")
+
+
+def _save_failed(final: Path, err: BaseException) -> PipetrainError:
+    """A full or read-only disk says so; a peer lost during the save (a rank died) is a rank failure."""
+    root, _ = _root(err)
+    if isinstance(root, OSError):
+        return CheckpointError(f"could not write checkpoint {str(final)!r}: {_cause(err)}",
+                               hint="free space or pass a --save-dir you can write to; "
+                                    "the previous checkpoints are intact")
+    return RankFailedError(f"the save of checkpoint {str(final)!r} failed: {_cause(err)}",
+                           hint="another rank probably failed first; the previous checkpoints are intact")
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -16,14 +16,13 @@ _PREFIX = "pipetrain/watchdog/"
 _STORE_TIMEOUT_S = 5.0
 
 
-def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], beats: dict[int, float],
-                  now: float) -> str:
-    """Which ranks hold the job back, from the steps they finished and the time of their last heartbeat."""
-    silent = sorted(r for r, beat in beats.items() if now - beat > max(3.0, timeout_s / 2))
+def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], silent: dict[int, float]) -> str:
+    """Which ranks hold the job back: `silent` maps the ranks whose heartbeat stopped to the seconds since their
+    last one; otherwise the ranks whose finished step (`steps`) is behind the others'."""
     waited = f"rank {me} waited {timeout_s:g} s (--step-timeout) for step {step + 1} to finish"
     if silent:
-        names = ", ".join(f"rank {r} (last finished step {steps.get(r, 0)}, silent for {now - beats[r]:.0f} s)"
-                          for r in silent)
+        names = ", ".join(f"rank {r} (last finished step {steps.get(r, 0)}, silent for {seconds:.0f} s)"
+                          for r, seconds in sorted(silent.items()))
         return f"{names} stopped responding (stopped or frozen process?); {waited}"
     lowest = min(steps.values()) if steps else step
     behind = sorted(r for r, s in steps.items() if s == lowest)
@@ -72,9 +71,12 @@ class StepWatchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=2 * _STORE_TIMEOUT_S)
 
+    @property
+    def _period(self) -> float:
+        return min(1.0, self.timeout_s / 10)
+
     def _watch(self) -> None:
-        period = min(1.0, self.timeout_s / 10)
-        while not self._stop.wait(period):
+        while not self._stop.wait(self._period):
             try:
                 self._store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
             except (RuntimeError, dist.DistStoreError):
@@ -83,17 +85,21 @@ class StepWatchdog:
                 self._fire()
                 return
 
+    def _read(self, kind: str) -> dict[int, str]:
+        keys = {r: f"{_PREFIX}{kind}/{r}" for r in range(self.world_size)}
+        return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
+
     def _fire(self) -> None:
         try:
             winner = self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode() == str(self.rank)
-            keys = [f"{_PREFIX}step/{r}" for r in range(self.world_size)]
-            beats_keys = [f"{_PREFIX}beat/{r}" for r in range(self.world_size)]
-            steps, beats = {}, {}
-            for r in range(self.world_size):
-                steps[r] = int(self._store.get(keys[r])) if self._store.check([keys[r]]) else 0
-                beats[r] = float(self._store.get(beats_keys[r])) if self._store.check([beats_keys[r]]) else time.time()
-            message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, beats=beats,
-                                    now=time.time())
+            before = self._read("beat")
+            time.sleep(3 * self._period)  # a live rank beats meanwhile; a stopped or frozen one does not
+            after = self._read("beat")
+            now = time.time()
+            silent = {r: now - float(beat) for r, beat in after.items() if before.get(r) == beat and r != self.rank}
+            steps = {r: int(value) for r, value in self._read("step").items()}
+            message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps,
+                                    silent=silent)
         except (RuntimeError, dist.DistStoreError):
             winner = True
             message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen; rank {self.rank} "
