@@ -71,3 +71,17 @@ def test_calibration_round_trip_and_malformed(tmp_path):
         load_calibration(tmp_path / "bad.json")
     with pytest.raises(ConfigError, match="cannot read"):
         load_calibration(tmp_path / "missing.json")
+
+
+def test_plan_modules_import_no_torch():
+    """The simulator and search are pure: no module of pipetrain.plan imports torch itself."""
+    import ast
+    from pathlib import Path
+
+    import pipetrain.plan
+
+    for path in Path(pipetrain.plan.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
