@@ -53,10 +53,13 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope (both clamped to be >= a tiny positive number)."""
+    """Least-squares intercept and slope. When noise makes the slope <= 0, the slope is that of the largest
+    point through the origin (a conservative bandwidth); the intercept is clamped at 1 ns."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return max(my - slope * mx, 1e-9), max(slope, 1e-15)
+    if slope <= 0:
+        slope = ys[-1] / xs[-1]
+    return max(my - slope * mx, 1e-9), slope
 
 
 def _network(rank: int, device: torch.device, repeats: int) -> dict[str, float]:
