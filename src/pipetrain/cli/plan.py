@@ -21,6 +21,8 @@ __all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args"]
 
 log = logging.getLogger("pipetrain")
 _GB = 2**30
+#: Devices per node when only --gpus is given (pipeline neighbours inside a node, dp across nodes beyond it).
+ASSUMED_GPUS_PER_NODE = 8
 
 
 def _names(allowed) -> callable:
@@ -85,7 +87,7 @@ def _devices(args: argparse.Namespace) -> tuple[int, int]:
         return args.nodes * args.gpus_per_node, args.gpus_per_node
     if args.gpus is None:
         raise ConfigError("how many devices?", hint="pass --gpus N, or --nodes N --gpus-per-node G")
-    return args.gpus, args.gpus_per_node or 0
+    return args.gpus, args.gpus_per_node or min(args.gpus, ASSUMED_GPUS_PER_NODE)
 
 
 def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
@@ -174,7 +176,8 @@ def _row(rank: int, p: Prediction) -> str:
 
 def run(args: argparse.Namespace) -> int:
     result, info = planned(args)
-    print(f"pipetrain plan: {info['gpus']} devices, {info['memory_gb']:.1f} GB each, global batch {args.batch}")
+    assumed = "" if args.gpus_per_node else f" (up to {ASSUMED_GPUS_PER_NODE} per node assumed: pass --gpus-per-node)"
+    print(f"pipetrain plan: {info['gpus']} devices{assumed}, {info['memory_gb']:.1f} GB each, global batch {args.batch}")
     print(f"  model: {info['model']}\n  device/network: {info['calibration']}")
     print(f"  {result.enumerated} layouts, {result.simulated} simulated, {info['seconds']:.3f} s")
     print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
@@ -193,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     print("\nbest layout:\n  pipetrain train " + " ".join(flags))
     layout_flags = {"--pp", "--dp", "--schedule", "--chunks"}
     rest = [f for i, f in enumerate(flags) if f not in layout_flags and (i == 0 or flags[i - 1] not in layout_flags)]
-    nodes = max(1, info["gpus"] // info["gpus_per_node"]) if info["gpus_per_node"] else 1
-    per_node = info["gpus_per_node"] or info["gpus"]
+    per_node = info["gpus_per_node"]
+    nodes = -(-info["gpus"] // per_node)
     print(f"  pipetrain sbatch --nodes {nodes} --gpus-per-node {per_node} --dp {best.layout.dp} --pp {best.layout.pp} "
           f"--schedule {best.layout.schedule} --chunks {best.layout.chunks} --python {python} -- " + " ".join(rest))
     return 0
