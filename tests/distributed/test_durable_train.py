@@ -163,18 +163,18 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_and_resume_cleans_up(
     assert not any(p.name.endswith(".partial") for p in save_dir.iterdir())
 
 
-def test_sigterm_stops_every_rank_at_one_step_saves_and_resumes_exactly(reference, tmp_path):
+def test_sigterm_stops_every_rank_at_one_step_and_saves(tmp_path):
+    # exact resume after a stop signal: see tests/slurm/test_slurm_requeue.py (SIGUSR1, requeue, resume)
     save_dir = tmp_path / "ckpt"
     job = _start_and_wait_for_checkpoint(save_dir, "--save-every", "8")
-    job.send_signal(signal.SIGTERM)
+    job.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to its ranks
     out, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     assert "stopped by SIGTERM after step" in out, out
     step = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
-    assert latest_checkpoint(save_dir).name == f"step-{step:08d}"
-    done = _train("--save-dir", str(save_dir), "--resume", "--metrics", str(tmp_path / "metrics.json"))
-    assert done.returncode == 0, done.stderr
-    assert _losses(tmp_path / "metrics.json") == _losses(reference / "metrics.json")
+    latest = latest_checkpoint(save_dir)
+    assert latest.name == f"step-{step:08d}"  # one DCP save of that step, to which every rank wrote its shards
+    assert sorted(p.name for p in latest.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
 
 
 def test_a_killed_rank_ends_the_job_within_10_s_with_one_message(tmp_path):
@@ -234,3 +234,19 @@ def test_export_loads_into_plain_sequential(reference, tmp_path, capsys):
     model = build_sequential(get_workload("classifier").model("tiny"), seed=5)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     assert set(model.state_dict()) == set(torch.load(tmp_path / "model.pt", weights_only=True))
+
+
+def test_a_checkpoint_saved_from_a_python_loop_is_refused_by_resume(tmp_path, capsys):
+    from pipetrain.checkpoint import fingerprint
+    from pipetrain.checkpoint.folders import CheckpointMeta, commit, final_folder, partial_folder, write_meta
+    from pipetrain.workloads.registry import get_workload
+
+    partial = partial_folder(tmp_path, 3)
+    partial.mkdir()
+    write_meta(partial, CheckpointMeta(step=3, model="classifier:tiny", layout={}, world_size=2, config={},
+                                       fingerprint=fingerprint(get_workload("classifier").model("tiny")),
+                                       extras={"epoch": 1}))
+    commit(partial, final_folder(tmp_path, 3))
+    assert main(["train", *ARGS, "--save-dir", str(tmp_path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved from a Python loop, not by `pipetrain train`" in err, err

@@ -63,7 +63,13 @@ class DurableConfig:
         probe_writable(self.save_dir)
         if self.resume:
             folder = find_checkpoint(self.save_dir)
-            check_compatible(read_meta(folder), folder, model_name=model_name, fingerprint_=fingerprint(model))
+            meta = read_meta(folder)
+            check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(model))
+            if "position" not in meta.extras:
+                raise ConfigError(f"checkpoint {str(folder)!r} was saved from a Python loop, not by `pipetrain train`: "
+                                  "it does not say where training stopped",
+                                  hint="load it with pipetrain.checkpoint.load_checkpoint in your loop, or pass "
+                                       "another --save-dir")
 
 
 @dataclass
