@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipetrain.checkpoint.durable import DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
-from pipetrain.errors import ConfigError, DataError, PipetrainError
+from pipetrain.errors import ConfigError, DataError, PipetrainError, RankFailedError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.partition import cost_balance
@@ -220,9 +220,19 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+#: What gloo says when the rank at the other end of a connection has died.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
 def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    reports = train_rank(spec, config, data)
+    try:
+        reports = train_rank(spec, config, data)
+    except RuntimeError as err:  # a peer that died is not this rank's failure: one line, not gloo's traceback
+        if not any(text in str(err) for text in _PEER_LOST):
+            raise
+        raise RankFailedError(f"rank {spec.rank} lost its connection to another rank, which probably died",
+                              hint="the launcher (or Slurm) names the rank that failed first") from None
     if metrics is not None and spec.rank == 0:
         partial = metrics.with_name(f".{metrics.name}.partial")
         partial.write_text(json.dumps(report_dicts(reports), indent=2) + "\n")
