@@ -19,7 +19,7 @@ from tests.slurm.test_slurm_job import RUNNING_STATES, _cluster_problem, _job_fi
 
 pytestmark = pytest.mark.slurm
 
-WAIT_SECONDS = 400
+WAIT_SECONDS = 300
 TRAIN = ["--preset", "tiny", "--train-samples", "3200", "--test-samples", "32", "--batch-size", "16", "--epochs", "1",
          "--no-progress", "--save-every", "4"]
 
@@ -36,7 +36,6 @@ def job_dir():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-# Slurm makes a requeued batch job wait about 2 minutes (its begin time) before it runs again
 @pytest.mark.timeout(WAIT_SECONDS + 300)
 def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(job_dir: Path) -> None:
     problem = _cluster_problem()
@@ -56,7 +55,7 @@ def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(jo
     job_id = submit.stdout.strip().split(";")[0]
     log = tmp_path / f"job-{job_id}.out"
     fields: dict[str, str] = {}
-    signalled = finished = False
+    signalled = hurried = finished = False
     try:
         deadline = time.monotonic() + WAIT_SECONDS
         while time.monotonic() < deadline:
@@ -64,6 +63,10 @@ def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(jo
             if not signalled and complete_checkpoints(tmp_path / "ckpt"):  # training under way: time is up
                 subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
                 signalled = True
+            if not hurried and fields.get("Reason") == "BeginTime" and fields.get("Restarts", "0") != "0":
+                # Slurm holds a requeued batch job for about 2 minutes (its begin time): only the wait is skipped
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+                hurried = True
             if fields and fields.get("JobState") not in RUNNING_STATES and fields.get("Restarts", "0") != "0":
                 finished = True
                 break
