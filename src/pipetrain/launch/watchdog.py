@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,8 @@ def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int]
     last one; otherwise the ranks whose finished step (`steps`) is behind the others'."""
     waited = f"rank {me} waited {timeout_s:g} s (--step-timeout) for step {step + 1} to finish"
     if silent:
-        names = ", ".join(f"rank {r} (last finished step {steps.get(r, 0)}, silent for {seconds:.0f} s)"
+        names = ", ".join(f"rank {r} (last finished step {steps.get(r, 0)}, "
+                          + (f"silent for {seconds:.0f} s)" if math.isfinite(seconds) else "never answered)")
                           for r, seconds in sorted(silent.items()))
         return f"{names} stopped responding (stopped or frozen process?); {waited}"
     lowest = min(steps.values()) if steps else step
@@ -54,6 +56,7 @@ class StepWatchdog:
 
     def start(self) -> None:
         self._last = time.monotonic()
+        self._beat()  # at once: a rank stopped before its thread's first period must still count as silent
         self._thread.start()
 
     def progress(self, step: int) -> None:
@@ -77,13 +80,16 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._period):
-            try:
-                self._store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
-            except (RuntimeError, dist.DistStoreError):
-                pass
+            self._beat()
             if time.monotonic() - self._last > self.timeout_s:
                 self._fire()
                 return
+
+    def _beat(self) -> None:
+        try:
+            self._store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
+        except (RuntimeError, dist.DistStoreError):
+            pass
 
     def _read(self, kind: str) -> dict[int, str]:
         keys = {r: f"{_PREFIX}{kind}/{r}" for r in range(self.world_size)}
@@ -96,7 +102,8 @@ class StepWatchdog:
             time.sleep(3 * self._period)  # a live rank beats meanwhile; a stopped or frozen one does not
             after = self._read("beat")
             now = time.time()
-            silent = {r: now - float(beat) for r, beat in after.items() if before.get(r) == beat and r != self.rank}
+            silent = {r: now - float(after[r]) if r in after else math.inf
+                      for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)}
             steps = {r: int(value) for r, value in self._read("step").items()}
             message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps,
                                     silent=silent)
