@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -74,6 +75,21 @@ def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connect
         detail = "".join(traceback.format_exception(err))
         report.send((time.monotonic(), spec.rank, detail, True))
         raise SystemExit(1) from None
+    _exit_after_success()
+
+
+def _exit_after_success() -> NoReturn:
+    """End a rank whose function returned, without the interpreter's teardown.
+
+    Process groups stay referenced by meshes, stages and schedules after `destroy_process_group`; when the
+    interpreter frees them while it shuts down, gloo's worker threads can abort the process ("terminate called
+    without an active exception", SIGABRT) after the rank's work succeeded. Collecting them while the interpreter
+    is alive, then leaving with `os._exit`, ends the rank with the code it earned.
+    """
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def _stop(processes: Sequence[mp.process.BaseProcess], grace_s: float = 1.0) -> None:
