@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,23 +51,23 @@ class StageNames:
 
     def optimizer_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Flattened optimizer state dict (`state.<fqn>.<what>`, `param_groups.<fqn>.<what>`), layout-free."""
-        renamed = {}
-        for key, value in state.items():
-            head, _, body = key.partition(".")
-            fqn, _, what = body.rpartition(".")
-            renamed[f"{head}.{self.free(fqn)}.{what}"] = value
-        return renamed
+        return _rename_optimizer_keys(state, self.free)
 
     def local_model_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         return {self.local(key): value for key, value in state.items()}
 
     def local_optimizer_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        renamed = {}
-        for key, value in state.items():
-            head, _, body = key.partition(".")
-            fqn, _, what = body.rpartition(".")
-            renamed[f"{head}.{self.local(fqn)}.{what}"] = value
-        return renamed
+        return _rename_optimizer_keys(state, self.local)
+
+
+def _rename_optimizer_keys(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    """A flattened optimizer state dict with the parameter name inside each `<head>.<fqn>.<what>` key renamed."""
+    renamed = {}
+    for key, value in state.items():
+        head, _, body = key.partition(".")
+        fqn, _, what = body.rpartition(".")
+        renamed[f"{head}.{rename(fqn)}.{what}"] = value
+    return renamed
 
 
 def fingerprint(model: BlockModel) -> str:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.errors import ConfigError
+from pipetrain.workloads.layered import LayeredModel
 
 __all__ = ["GPTConfig", "GPT_PRESETS", "GPTModel", "GPTEmbedding", "DecoderLayer", "GPTHead", "PAD_ID"]
 
@@ -123,29 +124,16 @@ class GPTHead(nn.Module):
         return self.linear(self.norm(hidden))
 
 
-class GPTModel:
+class GPTModel(LayeredModel):
     """The causal decoder as a `BlockModel`: `nlayers + 2` blocks, token ids in, next-token logits out."""
 
-    def __init__(self, config: GPTConfig) -> None:
-        self.config = config
+    config: GPTConfig
 
-    def __repr__(self) -> str:
-        return f"GPTModel({self.config!r})"
+    def embedding(self) -> nn.Module:
+        return GPTEmbedding(self.config)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.config.num_blocks
-
-    def build_block(self, index: int) -> nn.Module:
-        """Block `index`: 0 is the embedding, 1..nlayers the decoder layers, nlayers + 1 the head."""
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_blocks:
-            raise IndexError(f"block index {index!r} is out of range for a model of {self.num_blocks} blocks")
-        if index == 0:
-            return GPTEmbedding(self.config)
-        if index == self.num_blocks - 1:
-            return GPTHead(self.config)
+    def layer(self) -> nn.Module:
         return DecoderLayer(self.config)
 
-    def example_input(self, batch_size: int) -> torch.Tensor:
-        """Token ids `[batch_size, seq_len]` (all padding)."""
-        return torch.zeros(batch_size, self.config.seq_len, dtype=torch.long)
+    def head(self) -> nn.Module:
+        return GPTHead(self.config)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError
+from pipetrain.workloads.layered import LayeredModel
 
 __all__ = ["TransformerConfig", "PRESETS", "TransformerClassifier", "EmbeddingBlock", "HeadBlock"]
 
@@ -134,34 +135,21 @@ class HeadBlock(nn.Module):
         return self.linear(self.norm(hidden).mean(dim=1))
 
 
-class TransformerClassifier:
+class TransformerClassifier(LayeredModel):
     """The reference classifier as a `BlockModel`: `nlayers + 2` blocks, LongTensor in, logits out."""
 
-    def __init__(self, config: TransformerConfig) -> None:
-        self.config = config
+    config: TransformerConfig
 
-    def __repr__(self) -> str:
-        return f"TransformerClassifier({self.config!r})"
+    def embedding(self) -> nn.Module:
+        return EmbeddingBlock(self.config)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.config.num_blocks
-
-    def build_block(self, index: int) -> nn.Module:
-        """Block `index`: 0 is the embedding, 1..nlayers the encoder layers, nlayers + 1 the head."""
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_blocks:
-            raise IndexError(f"block index {index!r} is out of range for a model of {self.num_blocks} blocks")
-        config = self.config
-        if index == 0:
-            return EmbeddingBlock(config)
-        if index == self.num_blocks - 1:
-            return HeadBlock(config)
+    def layer(self) -> nn.Module:
         # Pre-norm layers: trained from scratch with AdamW at 1e-3 they learn where the post-norm layers of
         # the original tutorial stall at chance for epochs (measured on the synthetic corpus, `cpu` preset).
+        config = self.config
         return nn.TransformerEncoderLayer(
             config.emsize, config.nhead, config.nhid, config.dropout, batch_first=True, norm_first=True
         )
 
-    def example_input(self, batch_size: int) -> torch.Tensor:
-        """All-padding token ids `[batch_size, seq_len]`."""
-        return torch.zeros(batch_size, self.config.seq_len, dtype=torch.long)
+    def head(self) -> nn.Module:
+        return HeadBlock(self.config)
