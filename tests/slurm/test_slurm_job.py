@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,41 @@ def _job_fields(job_id: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
 
 
+def submit_script(folder: Path, script: str = "script.sh") -> str:
+    """Submit `folder/script` with sbatch (run in `folder`); returns the job id."""
+    submit = subprocess.run(["sbatch", "--parsable", f"--chdir={folder}", script], cwd=folder,
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert submit.returncode == 0, f"sbatch refused the script: {submit.stderr}\n{(folder / script).read_text()}"
+    return submit.stdout.strip().split(";")[0]
+
+
+def wait_until_completed(
+    job_id: str, log: Path, *, seconds: float, poll_s: float,
+    each: Callable[[dict[str, str]], None] = lambda fields: None,
+    done: Callable[[dict[str, str]], bool] = lambda fields: True,
+) -> tuple[dict[str, str], str]:
+    """Poll the job (calling `each` with its fields) until it has left the running states and `done` holds;
+    cancel it if `seconds` run out. Asserts it ended COMPLETED; returns its last fields and its output."""
+    fields: dict[str, str] = {}
+    finished = False
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            fields = _job_fields(job_id)
+            each(fields)
+            if fields and fields.get("JobState") not in RUNNING_STATES and done(fields):
+                finished = True
+                break
+            time.sleep(poll_s)
+    finally:
+        if not finished:
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
+    output = log.read_text() if log.exists() else "<no output file>"
+    assert finished, f"job {job_id} still {fields.get('JobState')} after {seconds} s; cancelled\n{output}"
+    assert fields.get("JobState") == "COMPLETED", f"job {job_id} ended {fields.get('JobState')}\n{output}"
+    return fields, output
+
+
 def test_pipeline_job_completes_and_reports_a_loss(tmp_path: Path) -> None:
     problem = _cluster_problem()
     if problem:
@@ -66,29 +102,7 @@ def test_pipeline_job_completes_and_reports_a_loss(tmp_path: Path) -> None:
     script = (tmp_path / "script.sh").read_text()
     assert "--pp 2" in script and "#SBATCH --gres" not in script
 
-    submit = subprocess.run(
-        ["sbatch", "--parsable", f"--chdir={tmp_path}", "script.sh"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=30, check=False,
-    )
-    assert submit.returncode == 0, f"sbatch refused the script: {submit.stderr}\n{script}"
-    job_id = submit.stdout.strip().split(";")[0]
-    log = tmp_path / f"job-{job_id}.out"
-
-    fields: dict[str, str] = {}
-    finished = False
-    try:
-        deadline = time.monotonic() + WAIT_SECONDS
-        while time.monotonic() < deadline:
-            fields = _job_fields(job_id)
-            if fields and fields.get("JobState") not in RUNNING_STATES:
-                finished = True
-                break
-            time.sleep(2)
-    finally:
-        if not finished:
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
-    output = log.read_text() if log.exists() else "<no output file>"
-    assert finished, f"job {job_id} still {fields.get('JobState')} after {WAIT_SECONDS} s; cancelled\n{output}"
-    assert fields.get("JobState") == "COMPLETED", f"job {job_id} ended {fields.get('JobState')}\n{output}"
+    job_id = submit_script(tmp_path)
+    fields, output = wait_until_completed(job_id, tmp_path / f"job-{job_id}.out", seconds=WAIT_SECONDS, poll_s=2)
     assert fields.get("ExitCode") == "0:0", f"job {job_id} exit code {fields.get('ExitCode')}\n{output}"
-    assert LOSS.search(output), f"no 'loss <number>' line in {log.name}:\n{output}"
+    assert LOSS.search(output), f"no 'loss <number>' line in job-{job_id}.out:\n{output}"

@@ -9,13 +9,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from pipetrain.checkpoint import complete_checkpoints
-from tests.slurm.test_slurm_job import RUNNING_STATES, _cluster_problem, _job_fields
+from tests.slurm.test_slurm_job import _cluster_problem, submit_script, wait_until_completed
 
 pytestmark = pytest.mark.slurm
 
@@ -49,34 +48,21 @@ def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(jo
          "--metrics", str(tmp_path / "metrics.json")],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert render.returncode == 0, render.stderr
-    submit = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "script.sh"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=30, check=False)
-    assert submit.returncode == 0, submit.stderr
-    job_id = submit.stdout.strip().split(";")[0]
-    log = tmp_path / f"job-{job_id}.out"
-    fields: dict[str, str] = {}
-    signalled = hurried = finished = False
-    try:
-        deadline = time.monotonic() + WAIT_SECONDS
-        while time.monotonic() < deadline:
-            fields = _job_fields(job_id)
-            if not signalled and complete_checkpoints(tmp_path / "ckpt"):  # training under way: time is up
-                subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
-                signalled = True
-            if not hurried and fields.get("Reason") == "BeginTime" and fields.get("Restarts", "0") != "0":
-                # Slurm holds a requeued batch job for about 2 minutes (its begin time): only the wait is skipped
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
-                hurried = True
-            if fields and fields.get("JobState") not in RUNNING_STATES and fields.get("Restarts", "0") != "0":
-                finished = True
-                break
-            time.sleep(0.5)
-    finally:
-        if not finished:
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=30, check=False)
-    output = log.read_text() if log.exists() else "<no output file>"
-    assert finished, f"job {job_id} still {fields.get('JobState')} after {WAIT_SECONDS} s; cancelled\n{output}"
-    assert fields.get("JobState") == "COMPLETED", f"job {job_id} ended {fields.get('JobState')}\n{output}"
+    job_id = submit_script(tmp_path)
+    signalled = hurried = False
+
+    def each(fields: dict[str, str]) -> None:
+        nonlocal signalled, hurried
+        if not signalled and complete_checkpoints(tmp_path / "ckpt"):  # training under way: time is up
+            subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
+            signalled = True
+        if not hurried and fields.get("Reason") == "BeginTime" and fields.get("Restarts", "0") != "0":
+            # Slurm holds a requeued batch job for about 2 minutes (its begin time): only the wait is skipped
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+            hurried = True
+
+    _, output = wait_until_completed(job_id, tmp_path / f"job-{job_id}.out", seconds=WAIT_SECONDS, poll_s=0.5,
+                                     each=each, done=lambda fields: fields.get("Restarts", "0") != "0")
     assert "stopped by SIGUSR1 after step" in output and f"requeued Slurm job {job_id}" in output, output
     assert "resumed from" in output, output
 
