@@ -11,6 +11,10 @@ allocates: measured peak minus the calibrated baseline, against the prediction m
     pipetrain bench --grid pp=4 --out runs/pp4           # a second grid: the pp=4 cells
     pipetrain plan --calibrate --gpus 2                  # stores ~/.cache/pipetrain/calibration.json
     python benchmarks/plan_validation.py runs/default runs/pp4 [--calibration FILE]
+
+A cell found in several folders (the same grid run again) is compared by the median of its runs, and
+several `--calibration` files give the median prediction: this machine's speed drifts by more than 10 %
+between runs minutes apart, and repeated runs on both sides average that drift out.
 """
 
 from __future__ import annotations
@@ -54,52 +58,69 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
+def _blocks(preset: str):
+    c = PRESETS[preset]
+    return transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
+                              nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
+
+
+def _measured(folders: list[Path]) -> dict:
+    """Each ok cell's results over the folders (a cell measured in several folders: its repeated runs)."""
+    cells: dict = {}
+    for folder in folders:
+        for result in ResultStore(folder / "cells.jsonl").load().values():
+            if result.ok:
+                cells.setdefault(result.cell, []).append(result)
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+", type=Path, help="bench output folders (with cells.jsonl)")
-    parser.add_argument("--calibration", type=Path, default=default_calibration_path())
+    parser.add_argument("--calibration", type=Path, nargs="+", default=[default_calibration_path()],
+                        help="one or more calibration files (several: the median prediction)")
     args = parser.parse_args()
-    calib = load_calibration(args.calibration)
-    device, network = calib.device, calib.network
+    calibs = [load_calibration(path) for path in args.calibration]
+    base = statistics.median(c.device.baseline_bytes for c in calibs) / MB
     rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    time_errors, mem_errors, above_errors, noise = [], [], [], []
-    print(f"calibration: {args.calibration} ({calib.measured})")
+    time_errors, mem_errors, above_errors, noise, rerun = [], [], [], [], []
+    for path, calib in zip(args.calibration, calibs):
+        print(f"calibration: {path} ({calib.measured})")
     print(f"{'cell':<48} {'measured s':>10} {'predicted':>10} {'error':>7}  memory MB measured/predicted per stage")
-    for folder in args.folders:
-        for result in ResultStore(folder / "cells.jsonl").load().values():
-            if not result.ok:
-                continue
-            cell = result.cell
-            c = PRESETS[cell.preset]
-            blocks = transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
-                                        nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
-            layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
-                            virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint)
-            p = predict(blocks, layout, device, network)
-            error = (p.step_s - result.median_step_s) / result.median_step_s
-            noise.append((result.step_s_spread or 0.0) / result.median_step_s)
-            time_errors.append(abs(error))
-            rows.setdefault((cell.pp, cell.batch_size), []).append((result.median_step_s, p.step_s))
-            base = device.baseline_bytes / MB
-            measured_mem = result.peak_mem_mb_per_stage
-            predicted_mem = [m / MB for m in p.memory_bytes]
-            for got, want in zip(measured_mem, predicted_mem):
-                mem_errors.append(abs(want - got) / got)
-                above_errors.append(abs((want - base) - (got - base)) / max(got - base, 1.0))
-            name = f"pp={cell.pp} {cell.schedule} batch={cell.batch_size} chunks={cell.chunks} {cell.checkpoint}"
-            mems = " ".join(f"{g:.0f}/{w:.0f}" for g, w in zip(measured_mem, predicted_mem))
-            print(f"{name:<48} {result.median_step_s:>10.3f} {p.step_s:>10.3f} {100 * error:>+6.1f}%  {mems}")
+    for cell, results in _measured(args.folders).items():
+        layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
+                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint)
+        predictions = [predict(_blocks(cell.preset), layout, c.device, c.network) for c in calibs]
+        predicted = statistics.median(p.step_s for p in predictions)
+        measured = statistics.median(r.median_step_s for r in results)
+        error = (predicted - measured) / measured
+        noise.extend((r.step_s_spread or 0.0) / r.median_step_s for r in results)
+        if len(results) > 1:
+            rerun.append((max(r.median_step_s for r in results) - min(r.median_step_s for r in results)) / measured)
+        time_errors.append(abs(error))
+        rows.setdefault((cell.pp, cell.batch_size), []).append((measured, predicted))
+        measured_mem = [statistics.median(stage) for stage in zip(*(r.peak_mem_mb_per_stage for r in results))]
+        predicted_mem = [statistics.median(stage) / MB for stage in zip(*(p.memory_bytes for p in predictions))]
+        for got, want in zip(measured_mem, predicted_mem):
+            mem_errors.append(abs(want - got) / got)
+            above_errors.append(abs((want - base) - (got - base)) / max(got - base, 1.0))
+        name = f"pp={cell.pp} {cell.schedule} batch={cell.batch_size} chunks={cell.chunks} {cell.checkpoint}"
+        mems = " ".join(f"{g:.0f}/{w:.0f}" for g, w in zip(measured_mem, predicted_mem))
+        print(f"{name:<48} {measured:>10.3f} {predicted:>10.3f} {100 * error:>+6.1f}%  {mems}")
     print(f"\ncells: {len(time_errors)}")
     print(f"step time: median |error| {100 * statistics.median(time_errors):.1f}%, "
           f"mean {100 * statistics.fmean(time_errors):.1f}%, max {100 * max(time_errors):.1f}%")
     print(f"measurement noise: median over cells of the steps' interquartile range / median step time "
           f"{100 * statistics.median(noise):.1f}% (max {100 * max(noise):.1f}%)")
+    if rerun:
+        print(f"repeated runs of a cell: median (slowest - fastest) / median {100 * statistics.median(rerun):.1f}% "
+              f"(max {100 * max(rerun):.1f}%) over {len(rerun)} cells")
     for key in sorted(rows):
         measured, predicted = zip(*rows[key])
         print(f"  row pp={key[0]} batch={key[1]}: {len(measured)} cells, Spearman {spearman(list(measured), list(predicted)):+.2f}")
     print(f"peak memory per stage (whole process): median |error| {100 * statistics.median(mem_errors):.1f}%, "
           f"max {100 * max(mem_errors):.1f}%")
-    print(f"peak memory above the {device.baseline_bytes / MB:.0f} MB baseline: median |error| "
+    print(f"peak memory above the {base:.0f} MB baseline: median |error| "
           f"{100 * statistics.median(above_errors):.1f}%, max {100 * max(above_errors):.1f}%")
 
 

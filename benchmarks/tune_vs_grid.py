@@ -6,13 +6,16 @@ tune's pick against the grid's measured best of that row, and tune's cost (cell-
 against the grid's (cells x (2 warm-up + 5 timed steps), the bench defaults).
 
     pipetrain bench --out runs/default                   # the default grid, once
-    python benchmarks/tune_vs_grid.py runs/default [--calibration FILE] [--out runs/tune]
+    python benchmarks/tune_vs_grid.py runs/default [runs/default-again ...] [--calibration FILE] [--out runs/tune]
+
+Several bench folders: the grid's cells are their median over the runs (a less noisy reference).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,18 +27,23 @@ GRID_CELL_STEPS = 2 + 5
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bench", type=Path, help="the default bench's output folder")
+    parser.add_argument("bench", type=Path, nargs="+",
+                        help="the default bench's output folder (several: runs of it, compared by their median)")
     parser.add_argument("--calibration", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("tune-out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    grid = [r for r in ResultStore(args.bench / "cells.jsonl").load().values()
-            if r.cell.pp == 2 and r.cell.dp == 1 and r.cell.schedule == "gpipe" and r.cell.checkpoint == "never"]
-    batches = sorted({r.cell.batch_size for r in grid})
+    runs: dict = {}
+    for folder in args.bench:
+        for r in ResultStore(folder / "cells.jsonl").load().values():
+            if r.cell.pp == 2 and r.cell.dp == 1 and r.cell.schedule == "gpipe" and r.cell.checkpoint == "never":
+                runs.setdefault(r.cell, []).append(r)
+    grid = list(runs)
+    batches = sorted({c.batch_size for c in grid})
     tune_cost = grid_cost = 0
     worst = 0.0
     for batch in batches:
-        row = {r.cell.chunks: r for r in grid if r.cell.batch_size == batch}
+        row = {c.chunks: runs[c] for c in grid if c.batch_size == batch}
         out = args.out / f"tune-batch{batch}.json"
         command = [sys.executable, "-m", "pipetrain", "tune", "--gpus", "2", "--pp", "2", "--preset", "cpu",
                    "--batch", str(batch), "--schedules", "gpipe", "--checkpoints", "never",
@@ -44,7 +52,7 @@ def main() -> None:
             command += ["--calibration", str(args.calibration)]
         subprocess.run(command, check=True)
         tuned = json.loads(out.read_text())
-        ok = {c: r.median_step_s for c, r in row.items() if r.ok}
+        ok = {c: statistics.median(r.median_step_s for r in rs if r.ok) for c, rs in row.items() if any(r.ok for r in rs)}
         best_chunks = min(ok, key=ok.get)
         pick = tuned["best"]["chunks"]
         gap = ok[pick] / ok[best_chunks] - 1

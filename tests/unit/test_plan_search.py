@@ -61,13 +61,19 @@ def test_nothing_fits_says_the_smallest_memory_that_would():
 
 
 def test_calibration_round_trip_and_malformed(tmp_path):
-    calib = Calibration(device=DEFAULT_DEVICE, network=DEFAULT_NETWORK, backend="gloo", measured="now")
+    device = replace(DEFAULT_DEVICE, rate_by_samples=((1.0, 5e12), (8.0, 9e12)), cores=2, contention=0.1)
+    calib = Calibration(device=device, network=DEFAULT_NETWORK, backend="gloo", measured="now")
     save_calibration(calib, tmp_path / "c.json")
     assert load_calibration(tmp_path / "c.json") == calib
     data = json.loads((tmp_path / "c.json").read_text())
     data["network"]["p2p_latency_s"] = "fast"
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="p2p_latency_s"):
+        load_calibration(tmp_path / "bad.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    data["device"]["rate_by_samples"] = [[8, 9e12], [1, 5e12]]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="rate_by_samples .* ascending"):
         load_calibration(tmp_path / "bad.json")
     with pytest.raises(ConfigError, match="cannot read"):
         load_calibration(tmp_path / "missing.json")
@@ -85,3 +91,25 @@ def test_plan_modules_import_no_torch():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
+
+
+def test_rank_speeds_share_cores_among_ranks():
+    from pipetrain.plan.predict import rank_speeds
+
+    cpu = replace(DEFAULT_DEVICE, cores=2, contention=0.25)
+    assert rank_speeds(DEFAULT_DEVICE, Layout(dp=1, pp=4, batch=8, chunks=4)) == ()
+    assert rank_speeds(cpu, Layout(dp=1, pp=4, batch=8, chunks=4)) == pytest.approx((1.0, 0.8, 0.8 * 2 / 3, 0.8 / 2))
+    assert rank_speeds(cpu, Layout(dp=2, pp=2, batch=8, chunks=4)) == pytest.approx((0.8, 0.4))
+
+
+def test_flop_rate_by_micro_batch_size():
+    """Measured rates are interpolated in log(samples), constant beyond the measured sizes."""
+    device = replace(DEFAULT_DEVICE, rate_by_samples=((1.0, 10.0), (4.0, 20.0), (16.0, 16.0)))
+    assert device.flops_at(0.5) == 10.0
+    assert device.flops_at(2) == pytest.approx(15.0)
+    assert device.flops_at(8) == pytest.approx(18.0)
+    assert device.flops_at(64) == 16.0
+    assert DEFAULT_DEVICE.flops_at(3) == DEFAULT_DEVICE.flops_per_s
+    # two ranks per node: a node's two cores are enough whatever the pipeline does elsewhere
+    own_nodes = Layout(dp=1, pp=4, batch=8, chunks=4, gpus_per_node=2)
+    assert rank_speeds(replace(cpu, contention=0.0), own_nodes) == pytest.approx((1.0,) * 4)

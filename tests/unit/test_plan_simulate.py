@@ -77,3 +77,42 @@ def test_recompute_policies_match_the_engine():
     for policy in ("never", "except_last", "always"):
         for count in (1, 2, 5):
             assert recomputed_microbatches(policy, count) == {i for i in range(count) if recomputes(policy, i, count)}
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2)])
+def test_sharing_at_full_speed_equals_dedicated_devices(schedule, v):
+    """The event-by-event simulation of shared cores, run at full speed, gives the list schedule's times."""
+    from pipetrain.plan.simulate import _compile, _dedicated, _shared
+
+    p, m = 4, 8
+    costs = [StageCost(forward_s=1.0 + 0.1 * s, backward_s=2.0, send_s=0.3, reduce_s=0.5) for s in range(p * v)]
+    program = _compile(tuple(tuple(a) for a in schedule_order(schedule, p, m, v)))
+    dedicated = _dedicated(program, costs, {1, 3}, 0.05)
+    shared = _shared(program, costs, {1, 3}, 0.05, (1.0,) * p)
+    for got, want in zip(shared, dedicated):
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_one_core_shared_by_every_rank_runs_all_the_work_back_to_back(schedule, v):
+    """p ranks on one core (each of n busy ranks at 1/n speed): without transfers the core never idles,
+    so the step lasts the sum of every action; with p cores it is the pipeline's span."""
+    p, m = 4, 8
+    costs = _equal(p * v, 1.0 / v, 2.0 / v)
+    one_core = simulate(schedule_order(schedule, p, m, v), costs, speeds=[1.0 / n for n in range(1, p + 1)])
+    assert one_core.span_s == pytest.approx(p * m * 3.0)
+    assert sum(one_core.busy_s) == pytest.approx(p * m * 3.0)
+    own = simulate(schedule_order(schedule, p, m, v), costs)
+    assert own.span_s < one_core.span_s
+
+
+def test_two_cores_for_two_ranks_with_contention():
+    """Two ranks, two cores, each 25 % slower while both compute: GPipe's overlapped middle slows down."""
+    p, m = 2, 4
+    costs = _equal(p, 1.0, 2.0)
+    plain = simulate(schedule_order("gpipe", p, m), costs)
+    slowed = simulate(schedule_order("gpipe", p, m), costs, speeds=(1.0, 0.8))
+    assert plain.span_s == pytest.approx((m + p - 1) * 3.0)
+    # forwards: rank 0 alone 1 s, then 3 overlapped forwards at 0.8 (3.75 s), rank 1's last forward alone;
+    # backwards mirror them: 2 s alone, 3 overlapped at 0.8 (7.5 s), 2 s alone
+    assert slowed.span_s == pytest.approx(1.0 + 3.75 + 1.0 + 2.0 + 7.5 + 2.0)

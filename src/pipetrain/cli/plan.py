@@ -118,7 +118,7 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
 
         c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
         log.info("calibrating this machine (2 ranks)...")
-        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid))
+        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout))
         save_calibration(measured, path)
         return measured, f"measured now, stored in {path}"
     if path.exists() or args.calibration is not None:

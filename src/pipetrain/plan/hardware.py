@@ -27,8 +27,14 @@ CALIBRATION_FORMAT = "pipetrain-calibration/1"
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One device: effective FLOP rate, memory traffic rate, per-kernel and per-schedule-action overheads,
-    the optimizer's time per parameter, its memory, (CPU) the memory a rank uses before the model, and the
-    measured peak activation memory over the analytic bytes kept for backward (`activation_factor`)."""
+    the optimizer's time per parameter and per parameter tensor, its memory, (CPU) the memory a rank uses
+    before the model, and the measured peak activation memory over the analytic bytes kept for backward
+    (`activation_factor`). Ranks on a CPU share it: `cores` ranks compute at once at full speed (0: each
+    rank has its own device), and each of k busy cores runs `1 / (1 + contention * (k - 1))` as fast as one
+    alone. Small matrices run below the device's rate: `rate_by_samples` holds the rate a whole layer ran
+    at per micro-batch size (its kernel launches and memory traffic included, so blocks with FLOPs pay
+    nothing else). A pipeline stage computes `1 + pipeline_slowdown` times as long as the same blocks in a
+    single process (measured: the same work handed from rank to rank)."""
 
     name: str
     flops_per_s: float
@@ -37,8 +43,26 @@ class Device:
     action_overhead_s: float
     optimizer_s_per_param: float
     memory_bytes: float
+    optimizer_s_per_tensor: float = 0.0
     baseline_bytes: float = 0.0
     activation_factor: float = 1.0
+    cores: float = 0.0
+    contention: float = 0.0
+    rate_by_samples: tuple[tuple[float, float], ...] = ()
+    pipeline_slowdown: float = 0.0
+
+    def flops_at(self, samples: float) -> float:
+        """The effective FLOP rate on a micro-batch of `samples`: `rate_by_samples` (measured sizes, ascending)
+        interpolated in log(samples) and constant beyond its ends; `flops_per_s` without it."""
+        points = self.rate_by_samples
+        if not points:
+            return self.flops_per_s
+        if samples <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in zip(points, points[1:]):
+            if samples <= x1:
+                return r0 + (r1 - r0) * math.log(samples / x0) / math.log(x1 / x0)
+        return points[-1][1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +108,24 @@ def _numbers(cls, data: Any, where: str):
         if field.name == "name":
             values["name"] = str(value if value is not None else "calibrated")
             continue
+        if field.name == "rate_by_samples":
+            values[field.name] = _pairs(value, f"{where}.{field.name}")
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}.{field.name} is {value!r}, expected a number >= 0")
         values[field.name] = float(value)
     return cls(**values)
+
+
+def _pairs(value: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """[[samples, FLOP/s], ...] with positive numbers and ascending samples."""
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in pair)
+        for pair in value)
+    if not ok or any(a[0] >= b[0] for a, b in zip(value, value[1:])):
+        raise ValueError(f"{where} is {value!r}, expected [[samples, FLOP/s], ...] with ascending samples")
+    return tuple((float(a), float(b)) for a, b in value)
 
 
 def load_calibration(path: Path) -> Calibration:

@@ -29,7 +29,8 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True, kw_only=True)
 class BlockCost:
-    """One block's costs per sample (plus `fixed_*` per micro-batch). FLOPs and bytes are for the forward."""
+    """One block's costs per sample (plus `fixed_*` per micro-batch). FLOPs and bytes are for the forward;
+    `kernels` counts its forward kernel launches, `tensors` its parameter tensors (the optimizer's loop)."""
 
     name: str
     params: int
@@ -39,6 +40,7 @@ class BlockCost:
     forward_flops: float = 0.0
     forward_traffic: float = 0.0
     kernels: int = 0
+    tensors: int = 0
     fixed_backward_traffic: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -78,7 +80,7 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
     blocks = [BlockCost(
         name="EmbeddingBlock", params=embed_params, param_bytes=e * embed_params,
         activation_bytes=float(d * sh + 8 * s), output_bytes=float(e * sh),
-        forward_traffic=float(4 * e * sh), kernels=5,
+        forward_traffic=float(4 * e * sh), kernels=5, tensors=1,
         # dense embedding gradient: the whole table is zeroed and written once per micro-batch
         fixed_backward_traffic=float(2 * e * embed_params),
     )]
@@ -90,13 +92,13 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
         blocks.append(BlockCost(
             name=f"TransformerEncoderLayer{index}", params=layer_params, param_bytes=e * layer_params,
             activation_bytes=layer_act, output_bytes=float(e * sh), forward_flops=float(layer_flops),
-            forward_traffic=float(layer_traffic), kernels=24,
+            forward_traffic=float(layer_traffic), kernels=24, tensors=12,
         ))
     head_params = 2 * h + h * num_classes + num_classes
     blocks.append(BlockCost(
         name="HeadBlock", params=head_params, param_bytes=e * head_params, activation_bytes=float(2 * e * sh),
         output_bytes=float(e * num_classes), forward_flops=float(2 * h * num_classes),
-        forward_traffic=float(3 * e * sh), kernels=6,
+        forward_traffic=float(3 * e * sh), kernels=6, tensors=4,
     ))
     return blocks
 

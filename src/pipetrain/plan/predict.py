@@ -22,7 +22,8 @@ from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, schedule_order
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
 
-__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "order_of", "reduce_s", "clear_caches"]
+__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of", "reduce_s",
+           "clear_caches"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,11 +73,35 @@ def clear_caches() -> None:
 
 def block_times(block: BlockCost, samples: int, device: Device) -> tuple[float, float]:
     """(forward, backward) seconds of one block on a micro-batch of `samples`."""
-    per_sample = block.forward_flops / device.flops_per_s + block.forward_traffic / device.bytes_per_s
-    forward = block.kernels * device.kernel_overhead_s + samples * (per_sample + block.forward_s)
-    backward = (2 * block.kernels * device.kernel_overhead_s + samples * (2 * per_sample + block.backward_s)
-                + block.fixed_backward_traffic / device.bytes_per_s)
+    if block.forward_flops and device.rate_by_samples:  # a measured whole-layer rate: overheads included
+        per_sample, fixed = block.forward_flops / device.flops_at(samples), 0.0
+    else:
+        per_sample = block.forward_flops / device.flops_per_s + block.forward_traffic / device.bytes_per_s
+        fixed = block.kernels * device.kernel_overhead_s
+    forward = fixed + samples * (per_sample + block.forward_s)
+    backward = 2 * fixed + samples * (2 * per_sample + block.backward_s) + block.fixed_backward_traffic / device.bytes_per_s
     return forward, backward
+
+
+def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1) -> float:
+    """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each)."""
+    params = sum(b.params for b in blocks) / shards
+    return params * device.optimizer_s_per_param + sum(b.tensors for b in blocks) * device.optimizer_s_per_tensor
+
+
+def rank_speeds(device: Device, layout: Layout) -> tuple[float, ...]:
+    """Entry n - 1: how fast each of n computing ranks of a pipeline runs when the ranks of a node share its
+    `device.cores` CPU cores (the node's other ranks, dp replicas included, busy in the same proportion);
+    () when every rank has its own device."""
+    if not device.cores and not device.contention:
+        return ()
+    node = min(layout.gpus_per_node or layout.world_size, layout.world_size)
+    speeds = []
+    for n in range(1, layout.pp + 1):
+        busy = max(node * n / layout.pp, 1.0)
+        cores = min(busy, device.cores) if device.cores else busy
+        speeds.append(cores / busy / (1.0 + device.contention * (cores - 1)))
+    return tuple(speeds)
 
 
 def _balance(blocks: Sequence[BlockCost], layout: Layout, samples: int, device: Device) -> list[int]:
@@ -118,10 +143,11 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
                 bounds: Sequence[tuple[int, int]]) -> list[StageCost]:
     """The per-micro-batch cost of each stage (stage s holds blocks `bounds[s]`)."""
     samples = layout.batch // layout.dp // layout.chunks
+    slowdown = 1.0 + (device.pipeline_slowdown if layout.pp > 1 else 0.0)
     costs = []
     for stage, (start, stop) in enumerate(bounds):
         part = blocks[start:stop]
-        times = [block_times(b, samples, device) for b in part]
+        times = [(f * slowdown, b * slowdown) for f, b in (block_times(b, samples, device) for b in part)]
         out_bytes = part[-1].output_bytes * samples
         across = _crosses_node(stage, layout)
         latency = network.inter_latency_s if across else network.p2p_latency_s
@@ -151,20 +177,21 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         start += count
     costs = stage_costs(blocks, layout, device, network, bounds)
     order = order_of(layout.schedule, layout.pp, layout.chunks, layout.virtual)
+    speeds = rank_speeds(device, layout)
     timeline = simulate(order, costs, recomputed=recomputed_microbatches(layout.checkpoint, layout.chunks),
-                        overhead_s=device.action_overhead_s)
+                        overhead_s=device.action_overhead_s, speeds=speeds)
     memory, optimizer = [], 0.0
     for rank in range(layout.pp):
         mine = [blocks[i] for s in range(rank, len(bounds), layout.pp) for i in range(*bounds[s])]
         param_bytes = sum(b.param_bytes for b in mine)
-        params = sum(b.params for b in mine)
-        if layout.dp_mode == "fsdp" and layout.dp > 1:
+        sharded = layout.dp_mode == "fsdp" and layout.dp > 1
+        if sharded:
             static = 2 * param_bytes + 4 * param_bytes / layout.dp
-            params /= layout.dp
         else:
             static = (5 if layout.dp > 1 else 4) * param_bytes
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in range(rank, len(bounds), layout.pp))
         memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
-        optimizer = max(optimizer, params * device.optimizer_s_per_param)
+        optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1))
+    optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
     step = timeline.span_s + optimizer + network.collective_latency_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))

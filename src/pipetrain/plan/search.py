@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.predict import Layout, Prediction, block_times, predict, reduce_s
+from pipetrain.plan.predict import Layout, Prediction, block_times, optimizer_s, predict, reduce_s
 
 __all__ = ["SearchSpace", "SearchResult", "enumerate_layouts", "search", "lower_bound_s"]
 
@@ -85,9 +85,9 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
         again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
         work += again / layout.chunks * sum(block_times(b, samples, device)[0] for b in blocks)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
-    params = sum(b.params for b in blocks) / (layout.dp if layout.dp_mode == "fsdp" else 1)
+    optimizer = optimizer_s(blocks, device, layout.dp if layout.dp_mode == "fsdp" else 1)
     reduce = reduce_s(sum(b.param_bytes for b in blocks), layout, network)
-    return (layout.chunks * work + reduce + params * device.optimizer_s_per_param) / layout.pp + actions
+    return (layout.chunks * work + reduce + optimizer) / layout.pp + actions
 
 
 def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device, network: Network,

@@ -10,12 +10,14 @@ starts when its rank is free and its inputs have arrived:
 
 Durations: F = forward; B = backward (+ forward again for a micro-batch that recomputes); I and W split the
 backward by `weight_share`; every compute action pays `overhead_s` (host-side cost of one schedule
-action). Memory: F adds the micro-batch's held activations (the stage input only when it recomputes), B
+action). Ranks on their own devices run these durations as they are; ranks sharing CPU cores slow down
+while several compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds the micro-batch's held activations (the stage input only when it recomputes), B
 (or W under zero-bubble) frees them; while a recomputing backward runs, its activations exist again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -99,30 +101,60 @@ def clear_cache() -> None:
     _compile.cache_clear()
 
 
-def simulate(
-    order: Sequence[Sequence[Action]],
-    costs: Sequence[StageCost],
-    *,
-    recomputed: Collection[int] = frozenset(),
-    overhead_s: float = 0.0,
-) -> Timeline:
-    """Run `order` (one action list per rank, from `schedule_order`) on `costs` (one per stage)."""
-    program = _compile(tuple(tuple(Action(*a) for a in actions) for actions in order))
+def _duration(row: tuple[int, int, int, int, int, int], costs: Sequence[StageCost], recomputed: Collection[int],
+              overhead_s: float) -> float:
+    stage, kind, mb = row[0], row[1], row[2]
+    cost = costs[stage]
+    if kind == 0:
+        return cost.forward_s + overhead_s
+    if kind == 4:
+        return cost.reduce_s
+    share = 1.0 if kind == 1 else (1.0 - cost.weight_share if kind == 2 else cost.weight_share)
+    again = cost.forward_s if mb in recomputed and kind != 3 else 0.0
+    return cost.backward_s * share + overhead_s + again
+
+
+def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) -> tuple[list[float], list[int]]:
+    """Each rank's peak activation bytes and micro-batches held: they depend on the order only, not on time."""
+    frees_at = 3 if any(row[1] == 3 for row in program[0]) else 1
+    peaks, inflights = [], []
+    for rows in program:
+        live = peak = 0.0
+        inflight = peak_inflight = 0
+        for stage, kind, mb, *_ in rows:
+            cost = costs[stage]
+            again = mb in recomputed
+            held = cost.input_bytes if again else cost.activation_bytes
+            if kind == 0:
+                live += held
+                inflight += 1
+            elif again and kind in (1, 2):
+                peak = max(peak, live - held + cost.activation_bytes)
+            peak, peak_inflight = max(peak, live), max(peak_inflight, inflight)
+            if kind == frees_at:
+                live -= held
+                inflight -= 1
+        peaks.append(peak)
+        inflights.append(peak_inflight)
+    return peaks, inflights
+
+
+def _dedicated(program, costs, recomputed, overhead_s) -> tuple[list[float], list[float], float]:
+    """Finish times when every rank has its own device: list scheduling in the ranks' order."""
     pp = len(program)
     done = [-1.0] * sum(len(rows) for rows in program)
     send = [c.send_s for c in costs]
     clock, busy = [0.0] * pp, [0.0] * pp
-    live, peak, inflight, peak_inflight = [0.0] * pp, [0.0] * pp, [0] * pp, [0] * pp
     compute_end = 0.0
     position = [0] * pp
     remaining = len(done)
-    frees_at = 3 if any(row[1] == 3 for row in program[0]) else 1
     while remaining:
         progressed = False
         for rank, rows in enumerate(program):
             at = position[rank]
             while at < len(rows):
-                stage, kind, mb, slot, dep, hop = rows[at]
+                row = rows[at]
+                dep, hop = row[4], row[5]
                 ready = 0.0
                 if dep >= 0:
                     ready = done[dep]
@@ -130,42 +162,97 @@ def simulate(
                         break
                     if hop >= 0:
                         ready += send[hop]
-                cost = costs[stage]
-                again = mb in recomputed
-                held = cost.input_bytes if again else cost.activation_bytes
-                if kind == 0:
-                    duration = cost.forward_s + overhead_s
-                    live[rank] += held
-                    inflight[rank] += 1
-                elif kind == 4:
-                    duration = cost.reduce_s
-                else:
-                    share = 1.0 if kind == 1 else (1.0 - cost.weight_share if kind == 2 else cost.weight_share)
-                    duration = cost.backward_s * share + overhead_s
-                    if again and kind != 3:
-                        duration += cost.forward_s
-                        peak[rank] = max(peak[rank], live[rank] - held + cost.activation_bytes)
-                if live[rank] > peak[rank]:
-                    peak[rank] = live[rank]
-                if inflight[rank] > peak_inflight[rank]:
-                    peak_inflight[rank] = inflight[rank]
-                if kind == frees_at:
-                    live[rank] -= held
-                    inflight[rank] -= 1
+                duration = _duration(row, costs, recomputed, overhead_s)
                 end_s = (clock[rank] if clock[rank] > ready else ready) + duration
-                clock[rank] = end_s
-                done[slot] = end_s
-                if kind != 4:
+                clock[rank] = done[row[3]] = end_s
+                if row[1] != 4:
                     busy[rank] += duration
-                    if end_s > compute_end:
-                        compute_end = end_s
+                    compute_end = max(compute_end, end_s)
                 at += 1
                 remaining -= 1
                 progressed = True
             position[rank] = at
         if not progressed:
-            raise ConfigError("the schedule's order deadlocks (an action waits for one that never runs)",
-                              hint="this is a bug in the order generator; report the schedule and sizes")
+            _deadlock()
+    return clock, busy, compute_end
+
+
+def _shared(program, costs, recomputed, overhead_s, speeds: Sequence[float]) -> tuple[list[float], list[float], float]:
+    """Finish times when ranks share the processors: while n ranks compute at once, each advances at
+    `speeds[n - 1]` of its full speed (events in time order; transfers and reductions take no processor)."""
+    pp = len(program)
+    done = [-1.0] * sum(len(rows) for rows in program)
+    send = [c.send_s for c in costs]
+    position, free, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    left: list[float | None] = [None] * pp
+    now, compute_end, remaining = 0.0, 0.0, len(done)
+    while remaining:
+        ready = [math.inf] * pp
+        for rank, rows in enumerate(program):
+            if position[rank] == len(rows):
+                continue
+            row = rows[position[rank]]
+            if left[rank] is not None:
+                ready[rank] = now
+            elif row[4] < 0:
+                ready[rank] = free[rank]
+            elif done[row[4]] >= 0.0:
+                ready[rank] = max(free[rank], done[row[4]] + (send[row[5]] if row[5] >= 0 else 0.0))
+        running = [rank for rank in range(pp) if ready[rank] <= now]
+        if not running:
+            now = min(ready)
+            if now == math.inf:
+                _deadlock()
+            continue
+        computing = sum(1 for rank in running if program[rank][position[rank]][1] != 4)
+        rate = speeds[min(computing, len(speeds)) - 1] if computing else 1.0
+        finish = {}
+        for rank in running:
+            row = program[rank][position[rank]]
+            if left[rank] is None:
+                left[rank] = _duration(row, costs, recomputed, overhead_s)
+            finish[rank] = now + left[rank] / (1.0 if row[1] == 4 else rate)
+        step_to = min(min(finish.values()), min((t for t in ready if t > now), default=math.inf))
+        for rank in running:
+            row = program[rank][position[rank]]
+            if finish[rank] <= step_to * (1 + 1e-12):
+                done[row[3]] = free[rank] = step_to
+                if row[1] != 4:
+                    busy[rank] += _duration(row, costs, recomputed, overhead_s)
+                    compute_end = max(compute_end, step_to)
+                left[rank] = None
+                position[rank] += 1
+                remaining -= 1
+            else:
+                left[rank] -= (step_to - now) * (1.0 if row[1] == 4 else rate)
+        now = step_to
+    return free, busy, compute_end
+
+
+def _deadlock() -> None:
+    raise ConfigError("the schedule's order deadlocks (an action waits for one that never runs)",
+                      hint="this is a bug in the order generator; report the schedule and sizes")
+
+
+def simulate(
+    order: Sequence[Sequence[Action]],
+    costs: Sequence[StageCost],
+    *,
+    recomputed: Collection[int] = frozenset(),
+    overhead_s: float = 0.0,
+    speeds: Sequence[float] = (),
+) -> Timeline:
+    """Run `order` (one action list per rank, from `schedule_order`) on `costs` (one per stage).
+
+    `speeds[n - 1]`: the fraction of its full speed each rank computes at while n ranks compute at once
+    (ranks sharing CPU cores); empty or all 1: every rank has its own device."""
+    program = _compile(tuple(tuple(Action(*a) for a in actions) for actions in order))
+    pp = len(program)
+    if any(speed != 1.0 for speed in speeds[:pp]):
+        clock, busy, compute_end = _shared(program, costs, recomputed, overhead_s, speeds)
+    else:
+        clock, busy, compute_end = _dedicated(program, costs, recomputed, overhead_s)
+    peak, peak_inflight = _memory(program, costs, recomputed)
     span = max(clock)
     bubble = 1.0 - sum(busy) / (pp * compute_end) if compute_end > 0 else 0.0
     return Timeline(span, compute_end, tuple(busy), bubble, tuple(peak), tuple(peak_inflight))
