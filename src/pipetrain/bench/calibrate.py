@@ -1,6 +1,6 @@
 """Calibration: measure this machine's device and network with the real backend (gloo on CPU, NCCL on GPUs).
 
-Two ranks are spawned (on the same node) and measure, each figure a median of repeats:
+Two ranks are spawned (on the same node) and measure:
 
 - point-to-point: ping-pong of 4 KB .. 4 MB tensors, latency and bandwidth from a least-squares line;
 - all-reduce: the same sizes, latency and ring bus bandwidth (2 (n-1)/n bytes per element moved);
@@ -9,28 +9,30 @@ Two ranks are spawned (on the same node) and measure, each figure a median of re
   launch overheads and memory traffic included (`rate_by_samples`: small matrices run slower and, on CPUs,
   large ones fall out of cache); the intercept of the smallest three (least squares in relative error)
   gives the per-kernel overhead that the other blocks (embedding, head) pay, and a large tensor add their
-  memory traffic rate; then every rank at once at 64 samples: the
-  slowdown when the ranks share the machine (`contention`; on CPU the planner also knows the cores, so it
-  can share them among more ranks);
-  AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones); how much longer
-  4 such layers take as a 2-stage pipeline of one micro-batch than in one process (`pipeline_slowdown`: the
-  same work handed between ranks, measured in alternation, about 5-10 % on this CPU); the host-side cost of one schedule action (a 2-stage
-  pipeline of tiny layers, 1 against 16 micro-batches); the rank's memory before any model (CPU: RSS);
-  the activation factor: a layer's peak memory growth per sample over the bytes the analytic model says it
-  keeps for backward (CPU: resident memory, whose peak also holds backward transients and freed blocks).
+  memory traffic rate; ranks alone and all at once, in alternation: the slowdown when they share the
+  machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
+- AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
+- a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
+  from rank to rank, and the host cost of one schedule action;
+- the rank's memory before any model (CPU: RSS), and the activation factor: a layer's peak memory growth
+  per sample over the bytes the analytic model says it keeps for backward (CPU: resident memory, whose
+  peak also holds backward transients and freed blocks).
+
+Each timing is a median of repeats; ratios are medians of pairs measured in alternation.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,9 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.plan.hardware import Calibration, Device, Network
 from pipetrain.plan.model import transformer_blocks
+from pipetrain.plan.predict import block_times
+from pipetrain.plan.schedules import schedule_order
+from pipetrain.plan.simulate import StageCost, simulate
 from pipetrain.session import build_session, close_session, join_job
 
 __all__ = ["calibrate", "LayerShape"]
@@ -59,6 +64,24 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _once(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _paired_ratio(first: Callable[[], float | None], second: Callable[[], float | None], pairs: int) -> float | None:
+    """The median of first() / second() over `pairs` alternations after a warm-up pair (each returns seconds,
+    or None on a rank that does not measure): measured a fraction of a second apart, the machine's drift
+    (more than 10 % within minutes here) cancels out."""
+    ratios = []
+    for index in range(pairs + 1):
+        a, b = first(), second()
+        if index and a is not None and b is not None:
+            ratios.append(a / b)
+    return statistics.median(ratios) if ratios else None
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -157,8 +180,17 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
         if dist.get_rank() == turn:
             alone = [_median_time(step(b), repeats) for b in sizes]
         dist.barrier()
-    middle = min(64, sizes[-1])
-    together = _median_time(step(middle), repeats)  # every rank at once
+    middle = step(min(64, sizes[-1]))
+    turns = itertools.count()
+
+    def alone_once() -> float | None:  # the ranks take turns; the others wait at the barrier
+        dist.barrier()
+        mine = next(turns) % dist.get_world_size() == dist.get_rank()
+        seconds = _once(middle) if mine else None
+        dist.barrier()
+        return seconds
+
+    slower = _paired_ratio(lambda: _once(middle), alone_once, 2 * repeats)  # together first: alone's turn is its pair's
     block = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, **{"dropout": 0.1, **shape})[1]
     fixed, _ = _fit(sizes[:3], alone[:3])  # the launch overhead, for blocks without a measured rate
     rates = [(b, 3 * b * block.forward_flops / t) for b, t in zip(sizes, alone)]  # everything included
@@ -166,19 +198,7 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
     return {"activation_factor": factor, "flops_per_s": rates[-1][1], "rate_by_samples": rates,
             "bytes_per_s": bytes_per_s, "kernel_overhead_s": fixed / (3 * block.kernels),
             "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor,
-            "contention": max(together / alone[sizes.index(middle)] - 1.0, 0.0)}
-
-
-def _action_overhead(device: torch.device, repeats: int) -> float:
-    """Seconds per schedule action beyond compute: a 2-stage GPipe of tiny layers, 16 vs 1 micro-batches."""
-    model = ModuleListModel([nn.Linear(8, 8), nn.Linear(8, 2)], example_input=torch.zeros(1, 8))
-    times = []
-    for chunks in (1, 16):
-        config = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=chunks))
-        engine = build_session(model, config, device).engine
-        x, y = torch.zeros(16, 8, device=device), torch.zeros(16, dtype=torch.long, device=device)
-        times.append(_median_time(lambda: engine.step(x, y), repeats))
-    return max(times[1] - times[0], 0.0) / (2 * 15)
+            "contention": max((slower or 1.0) - 1.0, 0.0)}
 
 
 class _MeanHead(nn.Module):
@@ -192,27 +212,50 @@ class _MeanHead(nn.Module):
         return self.linear(hidden.mean(dim=1))
 
 
-def _pipeline_slowdown(shape: LayerShape, device: torch.device, samples: int, repeats: int) -> float:
-    """How much longer 4 layers of the planned shape take as a 2-stage pipeline of one micro-batch (no
-    overlap: the same work, handed from rank to rank) than in one process: the median ratio of 5 rounds."""
-    blocks = [nn.TransformerEncoderLayer(shape["emsize"], shape["nhead"], shape["nhid"], shape.get("dropout", 0.1),
+def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, float]], repeats: int) -> dict[str, float]:
+    """A 2-stage GPipe of 4 layers of the planned shape (2 per stage) at 64 samples, against the simulator.
+
+    With 1 micro-batch, alternately with the same layers in one process: how much longer the same work takes
+    handed from rank to rank (`pipeline_slowdown`). 16 micro-batches of 4, alternately with 1 of 64: how
+    much longer they take than the simulated compute (the layer at the measured rates) says, per extra
+    schedule action on the critical path, is the host cost of an action (`action_overhead_s`: torch's
+    schedule, the transfers, caches refilled as micro-batches interleave)."""
+    layers = [nn.TransformerEncoderLayer(shape["emsize"], shape["nhead"], shape["nhid"], shape.get("dropout", 0.1),
                                          batch_first=True, norm_first=True) for _ in range(4)]
-    blocks.append(_MeanHead(shape["emsize"]))
-    x = torch.randn(samples, shape["seq_len"], shape["emsize"], device=device)
-    y = torch.zeros(samples, dtype=torch.long, device=device)
-    config = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=1))
-    engine = build_session(ModuleListModel(blocks, example_input=x[:1]), config, device).engine
-    plain = nn.Sequential(*blocks).to(device)
-    piped, single = [], []
-    for _ in range(5):  # rounds side by side: this machine's speed drifts within seconds
-        piped.append(_median_time(lambda: engine.step(x, y), repeats))
+    model = ModuleListModel([*layers, _MeanHead(shape["emsize"])], example_input=torch.zeros(1, shape["seq_len"],
+                                                                                             shape["emsize"]))
+    x = torch.randn(64, shape["seq_len"], shape["emsize"], device=device)
+    y = torch.zeros(64, dtype=torch.long, device=device)
+
+    def engine(chunks: int):
+        config = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=chunks))
+        return build_session(model, config, device).engine
+
+    whole, plain = engine(1), nn.Sequential(*layers, _MeanHead(shape["emsize"])).to(device)
+
+    def single_once() -> float | None:  # the same layers in one process, while rank 1 waits
         dist.barrier()
-        if dist.get_rank() == 0:  # the same layers in one process, while rank 1 waits
-            single.append(_median_time(lambda: nn.functional.cross_entropy(plain(x), y).backward(), repeats))
+        seconds = _once(lambda: nn.functional.cross_entropy(plain(x), y).backward()) if dist.get_rank() == 0 else None
         dist.barrier()
-    ratio = [statistics.median(p / s for p, s in zip(piped, single)) - 1.0 if single else 0.0]
+        return seconds
+
+    ratio = [(_paired_ratio(lambda: _once(lambda: whole.step(x, y)), single_once, 3 * repeats) or 1.0) - 1.0]
     dist.broadcast_object_list(ratio, src=0)
-    return max(ratio[0], 0.0)
+    slowdown = max(ratio[0], 0.0)
+    split = engine(16)
+    longer = _paired_ratio(lambda: _once(lambda: split.step(x, y)), lambda: _once(lambda: whole.step(x, y)), 2 * repeats)
+    rated = Device(name="calibrating", flops_per_s=rates[-1][1], bytes_per_s=1.0, kernel_overhead_s=0.0,
+                   action_overhead_s=0.0, optimizer_s_per_param=0.0, memory_bytes=0.0, rate_by_samples=tuple(rates))
+    layer = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, **{"dropout": 0.1, **shape})[1]
+
+    def span(chunks: int, overhead_s: float) -> float:
+        forward, backward = block_times(layer, 64 // chunks, rated)
+        stage = StageCost(forward_s=2 * forward * (1 + slowdown), backward_s=2 * backward * (1 + slowdown))
+        return simulate(schedule_order("gpipe", 2, chunks), [stage, stage], overhead_s=overhead_s).span_s
+
+    actions = span(16, 1.0) - span(16, 0.0) - (span(1, 1.0) - span(1, 0.0))  # extra actions on the critical path
+    overhead = ((longer or 1.0) * span(1, 0.0) - span(16, 0.0)) / actions
+    return {"pipeline_slowdown": slowdown, "action_overhead_s": max(overhead, 0.0)}
 
 
 def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: str) -> None:
@@ -220,8 +263,8 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
     try:
         baseline = current_memory_mb(device) * 2**20
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
-                   "action_overhead_s": _action_overhead(device, repeats), "baseline_bytes": baseline,
-                   "pipeline_slowdown": _pipeline_slowdown(shape, device, 64, repeats)}
+                   "baseline_bytes": baseline}
+        figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
         if spec.rank == 0:
