@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 
 from pipetrain.bench.grid import Cell, cell_problem
@@ -29,7 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_plan_arguments(parser)
     group = parser.add_argument_group("measuring")
     group.add_argument("--candidates", type=int, default=3, help="predicted-best layouts to measure (default: 3)")
-    group.add_argument("--first-steps", type=int, default=1, help="timed steps per layout in round 1, doubled each round")
+    group.add_argument("--first-steps", type=int, default=1,
+                       help="timed steps per layout in round 1 at the least, doubled each round (default: 1)")
+    group.add_argument("--min-seconds", type=float, default=0.3,
+                       help="round 1 times at least this many predicted seconds of steps per layout, as single "
+                            "short steps are noisy (default: 0.3)")
     group.add_argument("--warmup", type=int, default=1, help="untimed steps before each measurement (default: 1)")
     group.add_argument("--timeout", type=float, default=180.0, help="seconds per measurement (default: 180)")
     group.add_argument("--out", type=Path, default=None, help="also write the result as JSON to this file")
@@ -52,10 +57,13 @@ def run(args: argparse.Namespace) -> int:
     for name in ("candidates", "first_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", hint="pass 1 or more")
+    if not args.min_seconds >= 0:
+        raise ConfigError(f"--min-seconds must be >= 0, got {args.min_seconds}", hint="pass e.g. --min-seconds 0.3")
     preset = args.preset or "cpu"
     args.top = 4 * args.candidates  # some predicted-best layouts may be ones a bench cell does not run
     result, info = planned(args, dp_modes=("ddp",), balances=("uniform",), virtual=(2,))
-    cells = [c for c in (_cell(p.layout, preset) for p in result.best) if cell_problem(c) is None][: args.candidates]
+    chosen = [p for p in result.best if cell_problem(_cell(p.layout, preset)) is None][: args.candidates]
+    cells = [_cell(p.layout, preset) for p in chosen]
     grid = [c for c in (_cell(lay, preset) for lay in enumerate_layouts(
         info["blocks"], info["gpus"], args.batch, info["space"], info["gpus_per_node"])) if cell_problem(c) is None]
     if not cells:
@@ -72,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                  f"{step_s:.4f} s/step" if step_s is not None else f"{outcome.status} ({outcome.reason})")
         return step_s
 
-    halving = successive_halving(cells, measure, first_steps=args.first_steps, warmup=args.warmup)
+    first_steps = max([args.first_steps] + [math.ceil(args.min_seconds / p.step_s) for p in chosen])
+    halving = successive_halving(cells, measure, first_steps=first_steps, warmup=args.warmup)
     best = cells[halving.best]
     last_steps = max(t.steps for t in halving.trials)
     naive = Cell(pp=best.pp, dp=best.dp, batch_size=best.batch_size, chunks=1, schedule="gpipe",
