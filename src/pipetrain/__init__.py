@@ -1,34 +1,58 @@
-"""pipetrain: pipeline, data and hybrid parallel training of PyTorch models on torch.distributed."""
+"""pipetrain: pipeline, data and hybrid parallel training of PyTorch models on torch.distributed.
 
-from pipetrain.blocks import BlockModel, ModuleListModel, build_sequential
-from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.errors import ConfigError, DataError, LaunchError, PipetrainError, RankFailedError
-from pipetrain.launch.spawn import RankSpec, launch_local
-from pipetrain.pipe import Pipe
-from pipetrain.pipeline import Loss, PipelineEngine, StepResult, TokenCrossEntropy
-from pipetrain.session import Session, close_session, open_session
+The public names load on first use, so that torch-free parts (the planner, `pipetrain plan`) start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlockModel",
-    "ModuleListModel",
-    "build_sequential",
-    "ParallelConfig",
-    "PipelineConfig",
-    "ConfigError",
-    "DataError",
-    "LaunchError",
-    "PipetrainError",
-    "RankFailedError",
-    "RankSpec",
-    "launch_local",
-    "Pipe",
-    "PipelineEngine",
-    "StepResult",
-    "Loss",
-    "TokenCrossEntropy",
-    "Session",
-    "open_session",
-    "close_session",
-]
+#: public name -> the module that defines it
+_EXPORTS = {
+    "BlockModel": "pipetrain.blocks",
+    "ModuleListModel": "pipetrain.blocks",
+    "build_sequential": "pipetrain.blocks",
+    "ParallelConfig": "pipetrain.config",
+    "PipelineConfig": "pipetrain.config",
+    "ConfigError": "pipetrain.errors",
+    "DataError": "pipetrain.errors",
+    "LaunchError": "pipetrain.errors",
+    "PipetrainError": "pipetrain.errors",
+    "RankFailedError": "pipetrain.errors",
+    "RankSpec": "pipetrain.launch.spawn",
+    "launch_local": "pipetrain.launch.spawn",
+    "Pipe": "pipetrain.pipe",
+    "PipelineEngine": "pipetrain.pipeline",
+    "StepResult": "pipetrain.pipeline",
+    "Loss": "pipetrain.pipeline",
+    "TokenCrossEntropy": "pipetrain.pipeline",
+    "Session": "pipetrain.session",
+    "open_session": "pipetrain.session",
+    "close_session": "pipetrain.session",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from pipetrain.blocks import BlockModel, ModuleListModel, build_sequential
+    from pipetrain.config import ParallelConfig, PipelineConfig
+    from pipetrain.errors import ConfigError, DataError, LaunchError, PipetrainError, RankFailedError
+    from pipetrain.launch.spawn import RankSpec, launch_local
+    from pipetrain.pipe import Pipe
+    from pipetrain.pipeline import Loss, PipelineEngine, StepResult, TokenCrossEntropy
+    from pipetrain.session import Session, close_session, open_session
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -72,3 +72,21 @@ def test_plan_from_a_profile_names_its_workload(capsys, tmp_path):
     train = next(line for line in out.splitlines() if line.strip().startswith("pipetrain train"))
     args = build_parser().parse_args(shlex.split(train)[1:])
     assert args.workload == "classifier" and args.preset == "tiny" and args.dp * args.pp == 2
+
+
+def test_plan_does_not_import_torch(tmp_path):
+    """`pipetrain plan` is pure planning: it starts without torch (which takes seconds to import)."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from pipetrain.cli.main import main; "
+              "code = main(['plan', '--gpus', '64', '--preset', 'gpu', '--gpu-mem', '80', '--batch', '512', "
+              f"'--top', '2', '--calibration', {str(tmp_path / 'absent.json')!r}]); "
+              "sys.exit(3 if 'torch' in sys.modules else code)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 2 and "cannot read the calibration file" in done.stderr  # the error path, torch-free
+    script = script.replace(f", '--calibration', {str(tmp_path / 'absent.json')!r}", "")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**__import__("os").environ, "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "pipetrain train" in done.stdout

@@ -16,19 +16,23 @@ __all__ = ["main"]
 VERBS = ("train", "bench", "sbatch", "profile", "plan", "tune", "export")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command's parser. With a verb in `argv`, only that verb's module is imported (the others import
+    torch, which `pipetrain plan` does not need); without one, all of them, for the help."""
     parser = argparse.ArgumentParser(prog="pipetrain", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
-    for verb in VERBS:
-        module = importlib.import_module(f"pipetrain.cli.{verb}")
+    verb = next((arg for arg in (argv or []) if not arg.startswith("-")), None)
+    for name in VERBS if verb not in VERBS else (verb,):
+        module = importlib.import_module(f"pipetrain.cli.{name}")
         module.add_parser(sub).set_defaults(run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
     )

@@ -15,7 +15,7 @@ from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibratio
 from pipetrain.plan.model import BlockCost, profile_blocks, transformer_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
-from pipetrain.workloads.transformer import PRESETS
+from pipetrain.workloads.presets import PRESETS
 
 __all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args"]
 
