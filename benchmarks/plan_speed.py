@@ -1,4 +1,5 @@
-"""How long `pipetrain plan` takes to plan 4,096 GPUs (the search only, interpreter start-up excluded).
+"""How long `pipetrain plan` takes to plan 4,096 GPUs: the search alone (in this process, cold caches),
+and the whole command as a user runs it (a fresh interpreter, built-in device figures).
 
     python benchmarks/plan_speed.py [--gpus 4096] [--batch 8192] [--repeats 5]
 """
@@ -6,14 +7,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 from pipetrain.plan.hardware import DEFAULT_DEVICE, DEFAULT_NETWORK
 from pipetrain.plan.model import transformer_blocks
 from pipetrain.plan.predict import clear_caches
 from pipetrain.plan.search import search
-from pipetrain.workloads.transformer import PRESETS
+from pipetrain.workloads.presets import PRESETS
 
 
 def main() -> None:
@@ -33,8 +38,18 @@ def main() -> None:
         result = search(blocks, gpus=args.gpus, batch=args.batch, device=DEFAULT_DEVICE, network=DEFAULT_NETWORK)
         times.append(time.perf_counter() - start)
     print(f"{args.gpus} GPUs, preset {args.preset}, batch {args.batch}: {result.enumerated} layouts, "
-          f"{result.simulated} simulated; plan time median {statistics.median(times):.3f} s, "
-          f"min {min(times):.3f} s, max {max(times):.3f} s over {args.repeats} runs (machine shared)")
+          f"{result.simulated} simulated; search median {statistics.median(times):.3f} s, "
+          f"min {min(times):.3f} s, max {max(times):.3f} s over {args.repeats} runs")
+    command = [sys.executable, "-m", "pipetrain", "plan", "--gpus", str(args.gpus), "--preset", args.preset,
+               "--batch", str(args.batch), "--gpu-mem", "80"]
+    walls = []
+    with tempfile.TemporaryDirectory() as home:  # no calibration file: the built-in GPU figures
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True, env={**os.environ, "HOME": home})
+            walls.append(time.perf_counter() - start)
+    print(f"the whole command ({' '.join(command[2:])}): median {statistics.median(walls):.3f} s wall, "
+          f"min {min(walls):.3f} s, max {max(walls):.3f} s")
 
 
 if __name__ == "__main__":

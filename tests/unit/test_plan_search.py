@@ -100,6 +100,9 @@ def test_rank_speeds_share_cores_among_ranks():
     assert rank_speeds(DEFAULT_DEVICE, Layout(dp=1, pp=4, batch=8, chunks=4)) == ()
     assert rank_speeds(cpu, Layout(dp=1, pp=4, batch=8, chunks=4)) == pytest.approx((1.0, 0.8, 0.8 * 2 / 3, 0.8 / 2))
     assert rank_speeds(cpu, Layout(dp=2, pp=2, batch=8, chunks=4)) == pytest.approx((0.8, 0.4))
+    # two ranks per node: a node's two cores are enough whatever the pipeline does elsewhere
+    own_nodes = Layout(dp=1, pp=4, batch=8, chunks=4, gpus_per_node=2)
+    assert rank_speeds(replace(cpu, contention=0.0), own_nodes) == pytest.approx((1.0,) * 4)
 
 
 def test_flop_rate_by_micro_batch_size():
@@ -110,6 +113,3 @@ def test_flop_rate_by_micro_batch_size():
     assert device.flops_at(8) == pytest.approx(18.0)
     assert device.flops_at(64) == 16.0
     assert DEFAULT_DEVICE.flops_at(3) == DEFAULT_DEVICE.flops_per_s
-    # two ranks per node: a node's two cores are enough whatever the pipeline does elsewhere
-    own_nodes = Layout(dp=1, pp=4, batch=8, chunks=4, gpus_per_node=2)
-    assert rank_speeds(replace(cpu, contention=0.0), own_nodes) == pytest.approx((1.0,) * 4)

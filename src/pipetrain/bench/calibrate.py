@@ -296,7 +296,7 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     activation_factor=m["activation_factor"], contention=m["contention"],
                     pipeline_slowdown=m["pipeline_slowdown"],
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
-                    cores=0 if torch.cuda.is_available() else len(os.sched_getaffinity(0)),
+                    cores=0.0 if torch.cuda.is_available() else float(len(os.sched_getaffinity(0))),
                     baseline_bytes=m["baseline_bytes"] if m["device"] == "cpu" else 0.0)
     network = Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
                       inter_latency_s=m["p2p_latency_s"], inter_bytes_per_s=m["p2p_bytes_per_s"],
