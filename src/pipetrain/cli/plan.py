@@ -47,7 +47,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"device/network figures (default: {default_calibration_path()}; "
                            "built-in A100-class figures when missing)")
     gpus.add_argument("--calibrate", action="store_true",
-                      help="measure this machine first (2 ranks, about a minute) and store it in the calibration file")
+                      help="measure this machine first (2 ranks, about 30 s) and store it in the calibration file")
     model = parser.add_argument_group("model and batch")
     model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
     model.add_argument("--profile", type=Path, default=None, metavar="FILE",
