@@ -212,7 +212,8 @@ class _MeanHead(nn.Module):
         return self.linear(hidden.mean(dim=1))
 
 
-def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, float]], repeats: int) -> dict[str, float]:
+def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, float]],
+              repeats: int) -> dict[str, float]:
     """A 2-stage GPipe of 4 layers of the planned shape (2 per stage) at 64 samples, against the simulator.
 
     With 1 micro-batch, alternately with the same layers in one process: how much longer the same work takes
@@ -243,7 +244,8 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
     dist.broadcast_object_list(ratio, src=0)
     slowdown = max(ratio[0], 0.0)
     split = engine(16)
-    longer = _paired_ratio(lambda: _once(lambda: split.step(x, y)), lambda: _once(lambda: whole.step(x, y)), 2 * repeats)
+    longer = _paired_ratio(lambda: _once(lambda: split.step(x, y)), lambda: _once(lambda: whole.step(x, y)),
+                           2 * repeats)
     rated = Device(name="calibrating", flops_per_s=rates[-1][1], bytes_per_s=1.0, kernel_overhead_s=0.0,
                    action_overhead_s=0.0, optimizer_s_per_param=0.0, memory_bytes=0.0, rate_by_samples=tuple(rates))
     layer = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, **{"dropout": 0.1, **shape})[1]
