@@ -7,6 +7,7 @@ against the grid's (cells x (2 warm-up + 5 timed steps), the bench defaults).
 
     pipetrain bench --out runs/default                   # the default grid, once
     python benchmarks/tune_vs_grid.py runs/default [runs/default-again ...] [--calibration FILE] [--out runs/tune]
+        [-- TUNE OPTIONS]
 
 Several bench folders: the grid's cells are their median over the runs (a less noisy reference).
 """
@@ -31,7 +32,10 @@ def main() -> None:
                         help="the default bench's output folder (several: runs of it, compared by their median)")
     parser.add_argument("--calibration", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("tune-out"))
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after --: options for every `pipetrain tune`
+    args = parser.parse_args(argv[:cut])
+    args.tune_options = argv[cut + 1:]
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
     for folder in args.bench:
@@ -50,6 +54,7 @@ def main() -> None:
                    "--max-chunks", str(max(row)), "--out", str(out)]
         if args.calibration:
             command += ["--calibration", str(args.calibration)]
+        command += args.tune_options
         subprocess.run(command, check=True)
         tuned = json.loads(out.read_text())
         ok = {c: statistics.median(r.median_step_s for r in rs if r.ok) for c, rs in row.items() if any(r.ok for r in rs)}
