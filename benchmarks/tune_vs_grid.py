@@ -9,7 +9,9 @@ against the grid's (cells x (2 warm-up + 5 timed steps), the bench defaults).
     python benchmarks/tune_vs_grid.py runs/default [runs/default-again ...] [--calibration FILE] [--out runs/tune]
         [-- TUNE OPTIONS]
 
-Several bench folders: the grid's cells are their median over the runs (a less noisy reference).
+Several bench folders: the grid's cells are their median over the runs (a less noisy reference), and each
+run's own best is looked up in that median too: how often one whole grid run, at 100 % of the cost,
+misses the best by more than 5 % on this machine.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ def main() -> None:
     args.tune_options = argv[cut + 1:]
     args.out.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
+    per_run: list[dict] = []  # each folder's ok cells
     for folder in args.bench:
+        per_run.append({})
         for r in ResultStore(folder / "cells.jsonl").load().values():
             if r.cell.pp == 2 and r.cell.dp == 1 and r.cell.schedule == "gpipe" and r.cell.checkpoint == "never":
                 runs.setdefault(r.cell, []).append(r)
+                if r.ok:
+                    per_run[-1][r.cell] = r.median_step_s
     grid = list(runs)
     batches = sorted({c.batch_size for c in grid})
     tune_cost = grid_cost = 0
@@ -68,6 +74,12 @@ def main() -> None:
         print(f"batch {batch}: tune picked chunks={pick} (grid-measured {ok[pick]:.3f} s), grid best chunks={best_chunks} "
               f"({ok[best_chunks]:.3f} s): {100 * gap:+.1f}%; cost {tuned['cell_steps']} of {cells * GRID_CELL_STEPS} "
               f"cell-steps; speed-up over naive measured by tune {tuned['speedup']:.2f}x")
+        if len(args.bench) > 1:  # the same yardstick for one whole grid run: its own pick, looked up in the median
+            picks = [min((c for c in measured if c.batch_size == batch), key=measured.get).chunks
+                     for measured in per_run if any(c.batch_size == batch for c in measured)]
+            alone = [ok[chunks] / ok[best_chunks] - 1 for chunks in picks]
+            print(f"  each whole grid run's own pick, in the same terms: "
+                  + ", ".join(f"{100 * g:+.1f}%" for g in alone))
     print(f"\nworst gap to the grid's best: {100 * worst:.1f}%; search cost {tune_cost} of {grid_cost} cell-steps "
           f"({100 * tune_cost / grid_cost:.0f}%)")
 
