@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from pipetrain.plan.hardware import DEFAULT_DEVICE, DEFAULT_NETWORK
-from pipetrain.plan.model import transformer_blocks
+from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import clear_caches
 from pipetrain.plan.search import search
 from pipetrain.workloads.presets import PRESETS
@@ -28,9 +28,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpu")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    c = PRESETS[args.preset]
-    blocks = transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
-                                nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
+    blocks = config_blocks(PRESETS[args.preset])
     times = []
     for _ in range(args.repeats):
         clear_caches()  # every repeat starts cold

@@ -26,9 +26,9 @@ from pathlib import Path
 from pipetrain.bench.results import ResultStore
 from pipetrain.config import SCHEDULES
 from pipetrain.plan.hardware import default_calibration_path, load_calibration
-from pipetrain.plan.model import transformer_blocks
+from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import Layout, predict
-from pipetrain.workloads.transformer import PRESETS
+from pipetrain.workloads.presets import PRESETS
 
 MB = 2**20
 
@@ -58,12 +58,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
-def _blocks(preset: str):
-    c = PRESETS[preset]
-    return transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
-                              nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
-
-
 def _measured(folders: list[Path]) -> dict:
     """Each ok cell's results over the folders (a cell measured in several folders: its repeated runs)."""
     cells: dict = {}
@@ -90,7 +84,8 @@ def main() -> None:
     for cell, results in _measured(args.folders).items():
         layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
                         virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint)
-        predictions = [predict(_blocks(cell.preset), layout, c.device, c.network) for c in calibs]
+        blocks = config_blocks(PRESETS[cell.preset])
+        predictions = [predict(blocks, layout, c.device, c.network) for c in calibs]
         predicted = statistics.median(p.step_s for p in predictions)
         measured = statistics.median(r.median_step_s for r in results)
         error = (predicted - measured) / measured

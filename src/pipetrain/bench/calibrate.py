@@ -44,11 +44,13 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.plan.hardware import Calibration, Device, Network
-from pipetrain.plan.model import transformer_blocks
+from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import block_times
 from pipetrain.plan.schedules import schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
 from pipetrain.session import build_session, close_session, join_job
+from pipetrain.workloads.presets import TransformerConfig
+from pipetrain.workloads.transformer import TransformerClassifier
 
 __all__ = ["calibrate", "LayerShape"]
 
@@ -56,20 +58,21 @@ LayerShape = dict  # seq_len, emsize, nhead, nhid, dropout (the planned model's 
 _SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 20]  # float32 elements: 4 KB .. 4 MB
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _once(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(_once(fn) for _ in range(repeats))
+
+
+def _reference(shape: LayerShape) -> TransformerClassifier:
+    """The reference Transformer with the planned layer (`shape`, dropout 0.1 unless given): its `layer()`
+    and `head()` are what is timed, `config_blocks(...)[1]` the layer's analytic cost."""
+    return TransformerClassifier(TransformerConfig(vocab_size=2, nlayers=1, **{"dropout": 0.1, **shape}))
 
 
 def _paired_ratio(first: Callable[[], float | None], second: Callable[[], float | None], pairs: int) -> float | None:
@@ -120,9 +123,8 @@ def _activation_factor(shape: LayerShape, samples: int, device: torch.device) ->
     """Peak memory growth per sample of one layer's forward+backward over the bytes the model says it keeps
     (allocator caching, backward transients; CPU: resident memory), at `samples` after a 1-sample warm-up
     (which takes the one-time allocations of the first backward)."""
-    dropout = shape.get("dropout", 0.1)
-    layer = nn.TransformerEncoderLayer(shape["emsize"], shape["nhead"], shape["nhid"], dropout, batch_first=True,
-                                       norm_first=True).to(device)
+    model = _reference(shape)
+    layer = model.layer().to(device)
     growth = 0.0
     for b in (1, samples):
         x = torch.randn(b, shape["seq_len"], shape["emsize"], device=device, requires_grad=True)
@@ -130,8 +132,7 @@ def _activation_factor(shape: LayerShape, samples: int, device: torch.device) ->
         before = current_memory_mb(device)
         layer(x).sum().backward()
         growth = (peak_memory_mb(device) - before) * 2**20
-    blocks = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, **{"dropout": 0.1, **shape})
-    return max(growth / (samples * blocks[1].activation_bytes), 0.5)
+    return max(growth / (samples * config_blocks(model.config)[1].activation_bytes), 0.5)
 
 
 def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
@@ -165,9 +166,8 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
     big = torch.ones(1 << 22, device=device)
     add = _median_time(lambda: big.add_(1.0), repeats)
     bytes_per_s = 2 * 4 * big.numel() / add
-    dropout = shape.get("dropout", 0.1)
-    layer = nn.TransformerEncoderLayer(shape["emsize"], shape["nhead"], shape["nhid"], dropout, batch_first=True,
-                                       norm_first=True).to(device)
+    model = _reference(shape)
+    layer = model.layer().to(device)
 
     def step(b: int) -> Callable[[], None]:
         x = torch.randn(b, shape["seq_len"], shape["emsize"], device=device, requires_grad=True)
@@ -191,7 +191,7 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
         return seconds
 
     slower = _paired_ratio(lambda: _once(middle), alone_once, 2 * repeats)  # together first: alone's turn is its pair's
-    block = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, **{"dropout": 0.1, **shape})[1]
+    block = config_blocks(model.config)[1]
     fixed, _ = _fit(sizes[:3], alone[:3])  # the launch overhead, for blocks without a measured rate
     rates = [(b, 3 * b * block.forward_flops / t) for b, t in zip(sizes, alone)]  # everything included
     per_param, per_tensor = _optimizer(device, repeats)
@@ -199,17 +199,6 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
             "bytes_per_s": bytes_per_s, "kernel_overhead_s": fixed / (3 * block.kernels),
             "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor,
             "contention": max((slower or 1.0) - 1.0, 0.0)}
-
-
-class _MeanHead(nn.Module):
-    """Hidden states [batch, seq, emsize] -> 2 logits: the mean over the sequence, then a linear layer."""
-
-    def __init__(self, emsize: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(emsize, 2)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden.mean(dim=1))
 
 
 def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, float]],
@@ -221,10 +210,9 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
     much longer they take than the simulated compute (the layer at the measured rates) says, per extra
     schedule action on the critical path, is the host cost of an action (`action_overhead_s`: torch's
     schedule, the transfers, caches refilled as micro-batches interleave)."""
-    layers = [nn.TransformerEncoderLayer(shape["emsize"], shape["nhead"], shape["nhid"], shape.get("dropout", 0.1),
-                                         batch_first=True, norm_first=True) for _ in range(4)]
-    model = ModuleListModel([*layers, _MeanHead(shape["emsize"])], example_input=torch.zeros(1, shape["seq_len"],
-                                                                                             shape["emsize"]))
+    reference = _reference(shape)
+    blocks = [*(reference.layer() for _ in range(4)), reference.head()]
+    model = ModuleListModel(blocks, example_input=torch.zeros(1, shape["seq_len"], shape["emsize"]))
     x = torch.randn(64, shape["seq_len"], shape["emsize"], device=device)
     y = torch.zeros(64, dtype=torch.long, device=device)
 
@@ -232,7 +220,7 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
         config = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=chunks))
         return build_session(model, config, device).engine
 
-    whole, plain = engine(1), nn.Sequential(*layers, _MeanHead(shape["emsize"])).to(device)
+    whole, plain = engine(1), nn.Sequential(*blocks).to(device)
 
     def single_once() -> float | None:  # the same layers in one process, while rank 1 waits
         dist.barrier()
@@ -248,7 +236,7 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
                            2 * repeats)
     rated = Device(name="calibrating", flops_per_s=rates[-1][1], bytes_per_s=1.0, kernel_overhead_s=0.0,
                    action_overhead_s=0.0, optimizer_s_per_param=0.0, memory_bytes=0.0, rate_by_samples=tuple(rates))
-    layer = transformer_blocks(vocab_size=2, num_classes=2, nlayers=1, **{"dropout": 0.1, **shape})[1]
+    layer = config_blocks(reference.config)[1]
 
     def span(chunks: int, overhead_s: float) -> float:
         forward, backward = block_times(layer, 64 // chunks, rated)

@@ -12,7 +12,7 @@ from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, default_calibration_path,
                                      load_calibration, save_calibration)
-from pipetrain.plan.model import BlockCost, profile_blocks, transformer_blocks
+from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
 from pipetrain.workloads.presets import PRESETS
@@ -104,10 +104,7 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
     preset = args.preset or "cpu"
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}", hint=f"choose one of: {', '.join(PRESETS)}, or pass --profile")
-    c = PRESETS[preset]
-    blocks = transformer_blocks(vocab_size=c.vocab_size, seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead,
-                                nhid=c.nhid, nlayers=c.nlayers, num_classes=c.num_classes, dropout=c.dropout)
-    return blocks, f"analytic reference Transformer, preset {preset!r}"
+    return config_blocks(PRESETS[preset]), f"analytic reference Transformer, preset {preset!r}"
 
 
 def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:

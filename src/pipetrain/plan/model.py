@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["BlockCost", "transformer_activation_bytes", "transformer_blocks", "profile_blocks", "ELEMENT_BYTES"]
+__all__ = ["BlockCost", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
+           "ELEMENT_BYTES"]
 
 #: Bytes per element of each supported dtype name.
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -101,6 +102,13 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
         forward_traffic=float(3 * e * sh), kernels=6, tensors=4,
     ))
     return blocks
+
+
+def config_blocks(config) -> list[BlockCost]:
+    """`transformer_blocks` of a `pipetrain.workloads.presets.TransformerConfig` (e.g. a preset)."""
+    return transformer_blocks(vocab_size=config.vocab_size, seq_len=config.seq_len, emsize=config.emsize,
+                              nhead=config.nhead, nhid=config.nhid, nlayers=config.nlayers,
+                              num_classes=config.num_classes, dropout=config.dropout)
 
 
 def profile_blocks(profile) -> list[BlockCost]:

@@ -22,8 +22,8 @@ from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, schedule_order
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
 
-__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of", "reduce_s",
-           "clear_caches"]
+__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of",
+           "reduce_s", "clear_caches"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,8 @@ def block_times(block: BlockCost, samples: int, device: Device) -> tuple[float, 
         per_sample = block.forward_flops / device.flops_per_s + block.forward_traffic / device.bytes_per_s
         fixed = block.kernels * device.kernel_overhead_s
     forward = fixed + samples * (per_sample + block.forward_s)
-    backward = 2 * fixed + samples * (2 * per_sample + block.backward_s) + block.fixed_backward_traffic / device.bytes_per_s
+    backward = (2 * fixed + samples * (2 * per_sample + block.backward_s)
+                + block.fixed_backward_traffic / device.bytes_per_s)
     return forward, backward
 
 

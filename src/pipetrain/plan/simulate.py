@@ -11,8 +11,9 @@ starts when its rank is free and its inputs have arrived:
 Durations: F = forward; B = backward (+ forward again for a micro-batch that recomputes); I and W split the
 backward by `weight_share`; every compute action pays `overhead_s` (host-side cost of one schedule
 action). Ranks on their own devices run these durations as they are; ranks sharing CPU cores slow down
-while several compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds the micro-batch's held activations (the stage input only when it recomputes), B
-(or W under zero-bubble) frees them; while a recomputing backward runs, its activations exist again.
+while several compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds
+the micro-batch's held activations (the stage input only when it recomputes), B (or W under zero-bubble)
+frees them; while a recomputing backward runs, its activations exist again.
 """
 
 from __future__ import annotations
@@ -209,8 +210,10 @@ def _shared(program, costs, recomputed, overhead_s, speeds: Sequence[float]) -> 
         finish = {}
         for rank in running:
             row = program[rank][position[rank]]
-            if left[rank] is None:
+            if left[rank] is None:  # the action starts: all of its work is still ahead
                 left[rank] = _duration(row, costs, recomputed, overhead_s)
+                if row[1] != 4:
+                    busy[rank] += left[rank]
             finish[rank] = now + left[rank] / (1.0 if row[1] == 4 else rate)
         step_to = min(min(finish.values()), min((t for t in ready if t > now), default=math.inf))
         for rank in running:
@@ -218,7 +221,6 @@ def _shared(program, costs, recomputed, overhead_s, speeds: Sequence[float]) -> 
             if finish[rank] <= step_to * (1 + 1e-12):
                 done[row[3]] = free[rank] = step_to
                 if row[1] != 4:
-                    busy[rank] += _duration(row, costs, recomputed, overhead_s)
                     compute_end = max(compute_end, step_to)
                 left[rank] = None
                 position[rank] += 1
