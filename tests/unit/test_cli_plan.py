@@ -53,6 +53,17 @@ def test_malformed_profile(capsys, tmp_path):
     assert code == 2 and str(bad) in err and err.count("pipetrain: error") == 1
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--candidates", "0"], "--candidates must be >= 1"),
+    (["--first-steps", "0"], "--first-steps must be >= 1"),
+    (["--min-seconds", "-1"], "--min-seconds must be >= 0, got -1.0"),
+])
+def test_tune_bad_measuring_options(capsys, argv, needle):
+    """Checked before anything is measured: one message, exit 2."""
+    code, _, err = _plan(capsys, "tune", "--gpus", "2", "--preset", "cpu", "--batch", "32", *argv)
+    assert code == 2 and needle in err and err.count("pipetrain: error") == 1 and "Traceback" not in err
+
+
 def test_tune_rejects_a_profile(capsys, tmp_path):
     code, _, err = _plan(capsys, "tune", "--gpus", "2", "--profile", str(tmp_path / "p.json"))
     assert code == 2 and "--preset" in err and err.count("pipetrain: error") == 1
