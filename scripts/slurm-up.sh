@@ -37,8 +37,64 @@ node_state() {
     timeout 10 sinfo --noheader --nodes="$NODE" --format='%t' 2>/dev/null | head -n 1 || true
 }
 
-# Any usable node will do: on a machine that already belongs to a cluster, leave it alone.
-if controller_up; then
+# The slurm.conf this script writes for this machine.
+# Hardware as slurmd sees it; 90% of the memory is offered, and SlurmdParameters=config_overrides
+# keeps the node usable should the hardware report differ from this file.
+render_conf() {
+    local hw cpus topology mem
+    hw="$(slurmd -C 2>/dev/null | head -n 1 || true)"
+    cpus="$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$hw")"
+    topology="$(grep -o 'Boards=[0-9]* SocketsPerBoard=[0-9]* CoresPerSocket=[0-9]* ThreadsPerCore=[0-9]*' <<<"$hw" || true)"
+    mem="$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")"
+    cpus="${cpus:-$(nproc)}"
+    mem="${mem:-$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024))}"
+    mem=$((mem * 9 / 10))
+    cat <<EOF
+$HEADER: one node on localhost, for tests.
+ClusterName=pipetrain
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+# A requeued batch job waits cred_expire + 1 s before it may start again (the old job's credential must be
+# revoked first; starting it sooner fails it with "Job credential revoked"). Slurm's default is 120 s;
+# 30 s is what Slurm's own test suite uses for a quicker requeue, and leaves steps ample time to launch.
+AuthInfo=cred_expire=30
+CredType=cred/munge
+MpiDefault=none
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/affinity
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+ReturnToService=2
+SlurmdParameters=config_overrides
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=$LOG_DIR/slurmctld.log
+SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmctldTimeout=30
+SlurmdTimeout=60
+InactiveLimit=0
+KillWait=5
+MinJobAge=300
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus${topology:+ $topology} RealMemory=$mem State=UNKNOWN
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+EOF
+}
+
+# Any usable node will do: on a machine that already belongs to a cluster, leave it alone. A cluster this
+# script started under an older slurm.conf is reconfigured below.
+ours_and_outdated() {
+    head -n 1 "$CONF_DIR/slurm.conf" 2>/dev/null | grep -qF "$HEADER" && command -v slurmd >/dev/null 2>&1 &&
+        [[ "$(cat "$CONF_DIR/slurm.conf")" != "$(render_conf)" ]]
+}
+if controller_up && ! ours_and_outdated; then
     ready="$(timeout 10 sinfo --noheader --states=idle,mixed,allocated --format='%n %t' 2>/dev/null | head -n 1 || true)"
     if [[ -n $ready ]]; then
         status "already up: node ${ready% *} is ${ready#* }"
@@ -100,55 +156,11 @@ if ! munge_works; then  # a dying or wedged munged: replace it
 fi
 
 # 3. slurm.conf ---------------------------------------------------------------------------------
-# Hardware as slurmd sees it; 90% of the memory is offered, and SlurmdParameters=config_overrides
-# keeps the node usable should the hardware report differ from this file.
-hw="$(slurmd -C 2>/dev/null | head -n 1 || true)"
-cpus="$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$hw")"
-topology="$(grep -o 'Boards=[0-9]* SocketsPerBoard=[0-9]* CoresPerSocket=[0-9]* ThreadsPerCore=[0-9]*' <<<"$hw" || true)"
-mem="$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")"
-cpus="${cpus:-$(nproc)}"
-mem="${mem:-$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024))}"
-mem=$((mem * 9 / 10))
-
 mkdir -p "$CONF_DIR" "$LOG_DIR" /var/spool/slurmctld /var/spool/slurmd
-new_conf="$(
-    cat <<EOF
-$HEADER: one node on localhost, for tests.
-ClusterName=pipetrain
-SlurmctldHost=$NODE(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-MpiDefault=none
-MailProg=/bin/true
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/affinity
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-ReturnToService=2
-SlurmdParameters=config_overrides
-StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
-SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
-SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
-SlurmctldTimeout=30
-SlurmdTimeout=60
-InactiveLimit=0
-KillWait=5
-MinJobAge=300
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus${topology:+ $topology} RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-EOF
-)"
+new_conf="$(render_conf)"
 conf_changed=0
 if [[ ! -f $CONF_DIR/slurm.conf ]] || [[ "$(cat "$CONF_DIR/slurm.conf")" != "$new_conf" ]]; then
-    say "writing $CONF_DIR/slurm.conf (CPUs=$cpus RealMemory=$mem)"
+    say "writing $CONF_DIR/slurm.conf"
     printf '%s\n' "$new_conf" >"$CONF_DIR/slurm.conf"
     conf_changed=1
 fi
@@ -194,7 +206,7 @@ while ((SECONDS < deadline)); do
     state="$(node_state)"
     case "$state" in
         idle | mix | mixed | alloc | allocated | comp | completing)
-            status "up: node $NODE is $state, partition debug, $cpus CPUs"
+            status "up: node $NODE is $state, partition debug"
             exit 0
             ;;
         down* | drain* | drng* | fail*)

@@ -106,7 +106,8 @@ def _gone_within(job: subprocess.Popen, pids: list[int], bound_s: float) -> tupl
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted job, saving every 4 steps into <folder>/ckpt; its epoch report in <folder>/metrics.json."""
     folder = tmp_path_factory.mktemp("reference")
-    done = _train("--save-dir", str(folder / "ckpt"), "--save-every", "4", "--metrics", str(folder / "metrics.json"))
+    done = _train("--save-dir", str(folder / "ckpt"), "--save-every", "4", "--keep", "all",
+                  "--metrics", str(folder / "metrics.json"))
     assert done.returncode == 0, done.stderr
     return folder
 
@@ -206,6 +207,8 @@ def test_a_stopped_rank_is_named_by_the_step_watchdog(tmp_path):
     [
         (["--resume"], "--resume needs --save-dir"),
         (["--resume", "--save-dir", "{empty}"], "no complete checkpoint"),
+        (["--resume", "{empty}/step-00000004"], "no such checkpoint or folder"),
+        (["--keep", "2"], "--keep needs --save-dir"),
         (["--save-dir", "/proc/pipetrain-checkpoints"], "cannot write checkpoints to --save-dir"),
         (["--metrics", "/proc/pipetrain-metrics.json"], "cannot write the metrics file"),
     ],
@@ -215,6 +218,24 @@ def test_bad_flags_fail_before_training_with_one_message(extra, expected, tmp_pa
     assert main(["train", *ARGS, *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("pipetrain: error:") == 1 and expected in err, err
+
+
+def test_a_damaged_newest_checkpoint_names_the_older_ones_and_resume_takes_one(reference, tmp_path, capsys):
+    save_dir = _copy_checkpoint(reference / "ckpt", 8, tmp_path / "ckpt")
+    shutil.copytree(reference / "ckpt" / "step-00000012", save_dir / "step-00000012")
+    (save_dir / "step-00000012" / "pipetrain.json").write_text("{ damaged")
+    assert main(["train", *ARGS, "--save-dir", str(save_dir), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("pipetrain: error:") == 1 and "step-00000012" in err, err
+    assert f"--resume {save_dir / 'step-00000008'}" in err, err
+
+    # the older one, named as the message says; saving goes on beside it and keeps the default 3 newest
+    done = _train("--resume", str(save_dir / "step-00000008"), "--save-every", "4", "--metrics",
+                  str(tmp_path / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "step-00000008 (step 8" in done.stdout, done.stdout
+    assert [p.name for p in complete_checkpoints(save_dir)] == ["step-00000032", "step-00000036", "step-00000040"]
+    assert _losses(tmp_path / "metrics.json") == _losses(reference / "metrics.json")
 
 
 def test_a_foreign_checkpoint_is_refused(reference, capsys):

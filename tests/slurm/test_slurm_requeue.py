@@ -49,17 +49,15 @@ def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(jo
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert render.returncode == 0, render.stderr
     job_id = submit_script(tmp_path)
-    signalled = hurried = False
+    signalled = False
 
     def each(fields: dict[str, str]) -> None:
-        nonlocal signalled, hurried
+        # Slurm then holds the requeued job until the old credential is revoked (scripts/slurm-up.sh sets
+        # cred_expire=30, so about 31 s): nothing here hurries it, which would race that revocation.
+        nonlocal signalled
         if not signalled and complete_checkpoints(tmp_path / "ckpt"):  # training under way: time is up
             subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)
             signalled = True
-        if not hurried and fields.get("Reason") == "BeginTime" and fields.get("Restarts", "0") != "0":
-            # Slurm holds a requeued batch job for about 2 minutes (its begin time): only the wait is skipped
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
-            hurried = True
 
     _, output = wait_until_completed(job_id, tmp_path / f"job-{job_id}.out", seconds=WAIT_SECONDS, poll_s=0.5,
                                      each=each, done=lambda fields: fields.get("Restarts", "0") != "0")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.blocks import BlockModel
-from pipetrain.checkpoint.folders import latest_checkpoint, probe_writable, read_meta
+from pipetrain.checkpoint.folders import probe_writable, read_meta
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.checkpoint.state import check_compatible, find_checkpoint, load_checkpoint, save_checkpoint
 from pipetrain.checkpoint.stop import StopRequest
@@ -23,30 +23,40 @@ from pipetrain.launch.spawn import RankSpec, fail_now
 from pipetrain.launch.watchdog import StepWatchdog
 from pipetrain.pipeline import PipelineEngine
 
-__all__ = ["DurableConfig", "Position", "DurableRun", "DEFAULT_STEP_TIMEOUT_S"]
+__all__ = ["DurableConfig", "Position", "DurableRun", "DEFAULT_STEP_TIMEOUT_S", "DEFAULT_KEEP"]
 
 log = logging.getLogger("pipetrain")
 
 #: Seconds without a finished step before the watchdog ends the job (a cpu-preset step takes ~0.3 s).
 DEFAULT_STEP_TIMEOUT_S = 300.0
+#: Checkpoints a job keeps by default (the newest; older ones are removed after each save). None keeps all.
+DEFAULT_KEEP = 3
 
 
 @dataclass(frozen=True, kw_only=True)
 class DurableConfig:
-    """Checkpointing and failure handling of one job (`pipetrain train --save-dir ... --step-timeout ...`)."""
+    """Checkpointing and failure handling of one job (`pipetrain train --save-dir ... --step-timeout ...`).
+
+    `resume` goes on from the latest complete checkpoint in `save_dir`, or from `resume_from` when set (a
+    `step-N` folder, or a folder holding them). `keep` bounds the checkpoints kept (None: all).
+    """
 
     save_dir: Path | None = None
     save_every: int | None = None
     resume: bool = False
-    keep: int | None = None
+    resume_from: Path | None = None
+    keep: int | None = DEFAULT_KEEP
     step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
     requeue_job: str | None = None  # the Slurm job id to requeue after a stop request (None: not under Slurm)
 
     def __post_init__(self) -> None:
         if self.resume and self.save_dir is None:
-            raise ConfigError("--resume needs --save-dir", hint="pass --save-dir DIR, the folder the job saved to")
-        if self.save_dir is None and (self.save_every is not None or self.keep is not None):
-            raise ConfigError("--save-every and --keep need --save-dir", hint="pass --save-dir DIR")
+            raise ConfigError("--resume needs --save-dir (or a checkpoint: --resume DIR/step-N)",
+                              hint="pass --save-dir DIR, the folder the job saved to")
+        if self.resume_from is not None and not self.resume:
+            raise ConfigError("resume_from is set but resume is not", hint="pass resume=True with resume_from")
+        if self.save_dir is None and self.save_every is not None:
+            raise ConfigError("--save-every needs --save-dir", hint="pass --save-dir DIR")
         for name in ("save_every", "keep"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -56,13 +66,18 @@ class DurableConfig:
             raise ConfigError(f"--step-timeout must be positive, got {self.step_timeout_s:g}",
                               hint="pass seconds well above one step, e.g. --step-timeout 300")
 
+    @property
+    def resume_path(self) -> Path | None:
+        """Where `resume` reads: `resume_from`, else `save_dir` (its latest complete checkpoint)."""
+        return self.resume_from if self.resume_from is not None else self.save_dir
+
     def check(self, *, model_name: str, model: BlockModel) -> None:
         """Before any rank starts: the save folder is writable and, with --resume, holds a checkpoint of `model`."""
         if self.save_dir is None:
             return
         probe_writable(self.save_dir)
         if self.resume:
-            folder = find_checkpoint(self.save_dir)
+            folder = find_checkpoint(self.resume_path)
             meta = read_meta(folder)
             check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(model))
             if "position" not in meta.extras:
@@ -118,13 +133,15 @@ class DurableRun:
         if self.saving:
             self._stop.install()
         if self.config.resume:
-            assert self.config.save_dir is not None
-            meta = load_checkpoint(self.config.save_dir, self.engine, self.optimizer, model_name=self.model_name)
+            source = self.config.resume_path
+            assert source is not None
+            folder = find_checkpoint(source)
+            meta = load_checkpoint(folder, self.engine, self.optimizer, model_name=self.model_name)
             position = Position(**meta.extras["position"])
             self._saved = copy.deepcopy(position.__dict__)
             if dist.get_rank() == 0:
                 log.info("pipetrain: resumed from %s (step %d, epoch %d, %d batches of it done)",
-                         latest_checkpoint(self.config.save_dir), position.step, position.epoch, position.in_epoch)
+                         folder, position.step, position.epoch, position.in_epoch)
         self._step = position.step
         if self._watchdog is not None:
             self._watchdog.progress(position.step)

@@ -21,6 +21,7 @@ __all__ = [
     "final_folder",
     "complete_checkpoints",
     "latest_checkpoint",
+    "damaged_hint",
     "read_meta",
     "write_meta",
     "commit",
@@ -82,6 +83,15 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def damaged_hint(folder: Path) -> str:
+    """What to do when the checkpoint `folder` cannot be read: the older complete checkpoints beside it."""
+    older = [other for other in complete_checkpoints(folder.parent) if other.name < folder.name]
+    if not older:
+        return "the checkpoint is damaged and no older complete one is beside it; start afresh without --resume"
+    names = ", ".join(other.name for other in older)
+    return f"the checkpoint is damaged; resume an older complete one ({names}), e.g. --resume {older[-1]}"
+
+
 def read_meta(folder: Path) -> CheckpointMeta:
     """The metadata of a committed checkpoint; ConfigError when it is not one."""
     path = folder / META_FILE
@@ -91,7 +101,7 @@ def read_meta(folder: Path) -> CheckpointMeta:
         raise ConfigError(f"{str(folder)!r} is not a pipetrain checkpoint (no {META_FILE})",
                           hint="pass a step-NNNNNNNN folder written by pipetrain, or the --save-dir holding them") from None
     except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read {str(path)!r}: {err}", hint="the checkpoint is damaged; use an older one") from None
+        raise ConfigError(f"cannot read {str(path)!r}: {err}", hint=damaged_hint(folder)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError(f"{str(path)!r} has format {data.get('format') if isinstance(data, dict) else None!r}",
                           hint=f"this pipetrain reads {FORMAT} checkpoints")
@@ -99,7 +109,7 @@ def read_meta(folder: Path) -> CheckpointMeta:
     try:
         return CheckpointMeta(**fields)
     except TypeError as err:
-        raise ConfigError(f"{str(path)!r} is incomplete: {err}", hint="the checkpoint is damaged; use an older one") from None
+        raise ConfigError(f"{str(path)!r} is incomplete: {err}", hint=damaged_hint(folder)) from None
 
 
 def write_meta(folder: Path, meta: CheckpointMeta) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from pipetrain.checkpoint.folders import (
     CheckpointMeta,
     commit,
+    damaged_hint,
     final_folder,
     latest_checkpoint,
     partial_folder,
@@ -173,8 +174,10 @@ def find_checkpoint(path: str | Path) -> Path:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
-        raise ConfigError(f"no complete checkpoint in {str(path)!r}",
-                          hint="train once with --save-dir to write one, or drop --resume to start afresh")
+        what = "no complete checkpoint in" if path.is_dir() else "no such checkpoint or folder:"
+        raise ConfigError(f"{what} {str(path)!r}",
+                          hint="pass a step-NNNNNNNN folder or the --save-dir holding them (train once with "
+                               "--save-dir to write one), or drop --resume to start afresh")
     return latest
 
 
@@ -206,7 +209,7 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=str(folder))
     except (Exception, dcp.CheckpointException) as err:
         raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {_cause(err)}",
-                              hint="the checkpoint is damaged or from another model; use an older one") from None
+                              hint=damaged_hint(folder)) from None
     model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     set_model_state_dict(container, names.local_model_state(model_state))
     if optimizer is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -138,12 +139,20 @@ class PipelineEngine:
 
     # ---- running -------------------------------------------------------------------------------------
 
-    def step(self, inputs: Tensors | None, targets: torch.Tensor | None, *, global_count: int | None = None) -> StepResult:
+    def step(self, inputs: Tensors | None, targets: torch.Tensor | None, *, global_count: int | None = None,
+             global_batch_size: int | None = None) -> StepResult:
         """Forward and backward of one batch; gradients are left in `parameters()` for the optimizer.
 
         `global_count` is what the loss counts (samples, or non-padding tokens) summed over the data-parallel
         replicas; by default it is summed over `dp_group` (or this batch's count × dp without a group).
+        `global_batch_size` is its old name (deprecated; it will be removed after 0.2).
         """
+        if global_batch_size is not None:
+            if global_count is not None:
+                raise TypeError("step() got both global_count and its deprecated name global_batch_size")
+            warnings.warn("PipelineEngine.step(global_batch_size=) is deprecated: pass global_count= (the same "
+                          "number for a per-sample loss)", DeprecationWarning, stacklevel=2)
+            global_count = global_batch_size
         self.train(True)
         return self._run(inputs, targets, train=True, global_count=global_count)
 
