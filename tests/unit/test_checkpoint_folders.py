@@ -11,6 +11,7 @@ from pipetrain.checkpoint.folders import (
     CheckpointMeta,
     commit,
     complete_checkpoints,
+    damaged_hint,
     final_folder,
     latest_checkpoint,
     partial_folder,
@@ -100,3 +101,15 @@ def test_stderr_without_drops_only_the_named_line(capfd):
         os.write(2, b"[W reducer.cpp] Warning: find_unused_parameters=True was specified in DDP constructor\n")
         os.write(2, b"something else\n")
     assert capfd.readouterr().err == "something else\n"
+
+
+def test_a_damaged_checkpoint_names_the_older_complete_ones(tmp_path):
+    first = _checkpoint(tmp_path, 4)
+    assert "no older complete one" in damaged_hint(first)
+    _checkpoint(tmp_path, 8)
+    newest = _checkpoint(tmp_path, 12)
+    (newest / "pipetrain.json").write_text("{ torn")
+    with pytest.raises(ConfigError) as raised:
+        read_meta(newest)
+    assert "step-00000004, step-00000008" in str(raised.value)
+    assert f"--resume {tmp_path / 'step-00000008'}" in str(raised.value)
