@@ -155,3 +155,14 @@ def test_tensorboard_without_the_package_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'pipetrain\[tensorboard\]'"):
         LogConfig(tensorboard="tb")
+
+
+def test_under_a_progress_bar_only_evaluations_are_logged(caplog):
+    meter = StepMeter(device=torch.device("cpu"), devices=1, per_token=False, precision="fp32")
+    run = RunLog(LogConfig(log_every=1), meter, main=True, total_steps=1, console=False)
+    with caplog.at_level(logging.INFO, logger="pipetrain"):
+        run.begin_step()
+        run.step(_result(0.5), step=1, epoch=1, lr=1e-3)
+        run.eval(_eval(1, 0.4))
+    run.close()
+    assert [r.getMessage().split(" |")[0] for r in caplog.records] == ["eval at step 1"]

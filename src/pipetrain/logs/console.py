@@ -45,14 +45,16 @@ def eval_line(record: EvalRecord) -> str:
 
 
 class ConsoleSink:
-    """Logs `step_line` every `every` steps (and at the last step) and every evaluation, to the `pipetrain` logger."""
+    """Logs every evaluation and, with `steps`, `step_line` every `every` steps and at the last step, to the
+    `pipetrain` logger."""
 
-    def __init__(self, *, every: int, total_steps: int | None = None) -> None:
+    def __init__(self, *, every: int, total_steps: int | None = None, steps: bool = True) -> None:
         self.every = every
         self.total_steps = total_steps
+        self.steps = steps
 
     def step(self, record: StepRecord) -> None:
-        if record.step % self.every == 0 or record.step == self.total_steps:
+        if self.steps and (record.step % self.every == 0 or record.step == self.total_steps):
             log.info(step_line(record, self.total_steps))
 
     def eval(self, record: EvalRecord) -> None:

@@ -17,7 +17,8 @@ class StepRecord:
     (None when it has none). `samples` is the global batch; `tokens` is what a token loss counts (the
     non-padding tokens of the global batch; None for a per-sample loss). `lr` is the first parameter group's
     learning rate the step used; `grad_norm` the global gradient norm when the loop computes one (else None).
-    `step_time_s` is the wall time of the step on rank 0 (zero_grad, forward, backward, optimizer);
+    `step_time_s` is the wall time of the step on rank 0 (zero_grad, forward, backward, optimizer; on CUDA the
+    optimizer's last kernels may finish within the next step, which the mean over steps absorbs);
     `peak_mem_mb` rank 0's peak memory so far (CUDA: allocated by torch; CPU: the process's peak RSS);
     `mfu` the model FLOPs utilisation (None unless a peak FLOP/s is known, see `pipetrain.logs.mfu`).
     `skipped` is True for a step whose update was not applied (e.g. a non-finite gradient).

@@ -39,7 +39,8 @@ class RunLog:
     """One rank's log of a run. The loop calls `begin_step()` before each step and `step(result, ...)` after it,
     asks `due(step, epoch_end=...)` whether to evaluate, hands each evaluation to `eval(record)`, and calls
     `close()`. Only the `main` rank (global rank 0) measures and writes; `best` is kept on every rank (the
-    evaluations are identical everywhere). `console`: log a line every `config.log_every` steps."""
+    evaluations are identical everywhere). `console`: log a step line every `config.log_every` steps (off
+    under a progress bar; evaluations are logged either way)."""
 
     def __init__(self, config: LogConfig, meter: StepMeter, *, main: bool, total_steps: int | None = None,
                  console: bool = True, best: EvalRecord | None = None) -> None:
@@ -58,8 +59,7 @@ class RunLog:
             self.sinks.append(JsonLinesSink(folder / STEPS_FILE))
         if config.tensorboard is not None:
             self.sinks.append(TensorBoardSink(Path(config.tensorboard)))
-        if console:
-            self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps))
+        self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps, steps=console))
         if config.run_dir is not None:
             log.info("pipetrain: logging to %s", Path(config.run_dir) / STEPS_FILE)
 
