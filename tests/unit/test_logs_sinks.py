@@ -166,3 +166,34 @@ def test_under_a_progress_bar_only_evaluations_are_logged(caplog):
         run.eval(_eval(1, 0.4))
     run.close()
     assert [r.getMessage().split(" |")[0] for r in caplog.records] == ["eval at step 1"]
+
+
+def test_eval_batches_bounds_the_batches_read():
+    """`--eval-batches K` reads K batches of the held-out stream (the trainer's own `_evaluate`, no processes)."""
+    from types import SimpleNamespace
+
+    from pipetrain import trainer
+    from pipetrain.checkpoint.durable import Position
+
+    read: list[int] = []
+
+    class Workload:
+        metrics = ("accuracy",)
+
+        def batches(self, dataset, batch_size, **kwargs):
+            for i in range(5):
+                read.append(i)
+                yield torch.full((2, 3), i), torch.zeros(2, dtype=torch.long)
+
+        def num_batches(self, dataset, batch_size, *, replicas):
+            return 5
+
+    engine = SimpleNamespace(evaluate=lambda x, y: StepResult(loss=float(x[0, 0]), accuracy=1.0, samples=2, count=2))
+    config = SimpleNamespace(batch_size=2, seed=0, bucket=False, parallel=SimpleNamespace(dp=1))
+    durable = SimpleNamespace(progress=lambda: None)
+    at = Position(step=7, epoch=2)
+    _, record = trainer._held_out(engine, Workload(), None, config, 0, durable, at, "every", 2)
+    assert read == [0, 1] and (record.batches, record.loss, record.step, record.epoch) == (2, 0.5, 7, 2)
+    read.clear()
+    _, record = trainer._held_out(engine, Workload(), None, config, 0, durable, at, "epoch")
+    assert read == [0, 1, 2, 3, 4] and (record.batches, record.loss, record.trigger) == (5, 2.0, "epoch")
