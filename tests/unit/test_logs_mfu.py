@@ -60,3 +60,17 @@ def test_gpt_leaves_out_token_and_position_tables_but_counts_its_untied_head():
     everything = sum(p.numel() for i in range(model.num_blocks) for p in model.build_block(i).parameters())
     assert everything - flops.params == (c.vocab_size + c.seq_len) * c.emsize
     assert (flops.layers, flops.heads * flops.head_dim) == (c.nlayers, c.emsize)
+
+
+def test_hugging_face_llama_counts_its_head_but_not_its_embedding():
+    transformers = pytest.importorskip("transformers")
+    from pipetrain.logs.meter import model_flops
+    from pipetrain.workloads.hf_causal_lm import HFCausalLM
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = HFCausalLM(config, seq_len=16)
+    flops = model_flops(model)
+    # per layer: q 32x32, k and v 32x16 each (2 of 4 heads' width), o 32x32, MLP 3 x 32x64, two RMSNorms of 32
+    per_layer = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64 + 2 * 32
+    assert flops == ModelFlops(params=2 * per_layer + 32 + 32 * 96, layers=2, heads=4, head_dim=8)

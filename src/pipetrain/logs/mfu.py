@@ -5,9 +5,10 @@ where
 
 - ``N`` is the number of parameters **excluding embedding tables** (token and learned position embeddings
   are lookups, not matrix multiplies). Every other parameter counts once: attention and MLP weights, norms,
-  biases, and an output projection that is *not* tied to the embedding (it is a matmul of the hidden state
-  by the vocabulary or classes). ``6·N`` is 2 FLOPs per weight and token for the forward (multiply + add)
-  and 4 for the backward (gradients of activations and of weights).
+  biases, and the output projection of the head (a matmul of the hidden state by the vocabulary or the
+  classes; pipetrain's head is its own block, so it counts even where a model ties it to the embedding, while
+  PaLM, whose output layer is the tied embedding, leaves it out). ``6·N`` is 2 FLOPs per weight and token for
+  the forward (multiply + add) and 4 for the backward (gradients of activations and of weights).
 - ``12·L·H·Q·T`` is the attention itself: per layer the scores ``Q·Kᵀ`` and the weighted sum of the values,
   each 2·H·Q·T FLOPs per token forward, times 3 for forward + backward. ``L`` layers, ``H`` heads of
   dimension ``Q`` (``H·Q`` is the attention width), ``T`` the sequence length of the batch.
