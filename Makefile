@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,tensorboard]'
 	touch $@
 
 train: $(VENV)/.installed

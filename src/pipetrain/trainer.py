@@ -19,6 +19,9 @@ from pipetrain.checkpoint.durable import DurableConfig, DurableRun, Position
 from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec
+from pipetrain.logs.config import LogConfig
+from pipetrain.logs.records import EvalRecord
+from pipetrain.logs.runlog import RunLog, open_run_log
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.pipeline.timeline import span
@@ -53,6 +56,7 @@ class TrainConfig:
     trace_warmup: int = 2
     precision: str = "fp32"
     durable: DurableConfig = field(default_factory=DurableConfig)
+    logs: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -87,6 +91,11 @@ class TrainConfig:
         """The workload's model for this preset (a `BlockModel`)."""
         return self.task().model(self.preset)
 
+    def total_steps(self, per_epoch: int) -> int:
+        """Optimizer steps of the whole job with `per_epoch` steps per epoch (`max_steps` included)."""
+        total = per_epoch * self.epochs
+        return total if self.max_steps is None else min(total, self.max_steps)
+
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""
         return f"{self.workload}:{self.preset}"
@@ -112,6 +121,7 @@ class EpochReport:
     data: str = ""
     train_perplexity: float | None = None
     test_perplexity: float | None = None
+    best_eval: dict | None = None  # the lowest held-out loss so far (an EvalRecord as a dict)
 
     def line(self, epochs: int) -> str:
         def ppl(value: float | None) -> str:
@@ -148,13 +158,27 @@ def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
 
 
 def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
-              durable: DurableRun) -> MetricTotals:
+              durable: DurableRun, limit: int | None = None) -> MetricTotals:
     totals = MetricTotals()
-    for x, y in workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
-                                 replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket):
+    for x, y in itertools.islice(workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
+                                                  replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket),
+                                 limit):
         totals.add(engine.evaluate(x, y))
         durable.progress()
     return totals
+
+
+def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
+              durable: DurableRun, at: Position, trigger: str, limit: int | None = None) -> tuple[MetricTotals, EvalRecord]:
+    """`_evaluate`, and its figures as the run log's record of an evaluation after step `at.step`."""
+    start = time.perf_counter()
+    tested = _evaluate(engine, workload, test, config, dp_rank, durable, limit)
+    loss, accuracy = tested.means()
+    batches = workload.num_batches(test, config.batch_size, replicas=config.parallel.dp)
+    return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=loss, trigger=trigger,
+                              accuracy=accuracy if "accuracy" in workload.metrics else None,
+                              perplexity=_perplexity(workload, loss), batches=min(batches, limit or batches),
+                              seconds=time.perf_counter() - start)
 
 
 def _perplexity(workload: Workload, loss: float) -> float | None:
@@ -184,11 +208,17 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                   if config.trace is not None else None)
         durable = DurableRun(config.durable, engine, optimizer, model_name=config.model_name(),
                              job_config=config.as_json(), device=session.device, spec=spec)
+        run_log = open_run_log(config.logs, model=config.model(), engine=engine, world_size=spec.world_size,
+                               precision=config.precision, main=session.is_main, console=not config.progress,
+                               total_steps=config.total_steps(workload.num_batches(train, config.batch_size, replicas=dp)))
         try:
             reports = _train_epochs(config, workload, engine, optimizer, train, test, mesh.dp_rank, durable, tracer,
-                                    show=session.is_main)
+                                    run_log, show=session.is_main)
         finally:
             durable.close()
+            run_log.close()
+        if session.is_main and run_log.best_line():
+            log.info("pipetrain: %s", run_log.best_line())
         if tracer is not None and tracer.traced_steps == 0:  # e.g. stopped by a signal during the warm-up
             if session.is_main:
                 log.info("pipetrain: the run stopped before any step was traced: no trace written")
@@ -204,13 +234,14 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
 
 
 def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, optimizer: torch.optim.Optimizer,
-                  train: Dataset, test: Dataset, dp_rank: int, durable: DurableRun, tracer: Tracer | None, *,
-                  show: bool) -> list[EpochReport]:
+                  train: Dataset, test: Dataset, dp_rank: int, durable: DurableRun, tracer: Tracer | None,
+                  run_log: RunLog, *, show: bool) -> list[EpochReport]:
     """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
     dp = config.parallel.dp
     per_epoch = workload.num_batches(train, config.batch_size, replicas=dp)
     at = durable.start()
     reports = [EpochReport(**report) for report in at.reports]
+    run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
     for epoch in range(at.epoch, config.epochs + 1):
         if config.max_steps is not None and at.step >= config.max_steps:
             break
@@ -222,6 +253,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         bar = tqdm(total=total, initial=at.in_epoch, desc=f"epoch {epoch}", unit="step",
                    disable=not (show and config.progress), leave=False, dynamic_ncols=True)
         for x, y in itertools.islice(stream, at.in_epoch, total):  # the batches this epoch has not done yet
+            run_log.begin_step()
             with tracer.step() if tracer is not None else nullcontext():
                 optimizer.zero_grad(set_to_none=True)
                 result = engine.step(x, y)
@@ -229,6 +261,11 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                     optimizer.step()
             totals.add(result)
             at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports)
+            # the recipe's StepOutcome(lr, grad_norm, skipped) plugs in here: pass its fields instead
+            run_log.step(result, step=at.step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], inputs=x)
+            if run_log.due(at.step, epoch_end=at.in_epoch == total):
+                run_log.eval(_held_out(engine, workload, test, config, dp_rank, durable, at, "every",
+                                       config.logs.eval_batches)[1])
             bar.set_postfix(loss=f"{result.loss:.4f}")
             bar.update()
             if durable.after_step(at):
@@ -239,11 +276,13 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         partial = at.in_epoch < per_epoch  # --max-steps ends the job inside this epoch
         if partial:
             durable.save(at)  # a resumed job goes on with the rest of this epoch
-        tested = _evaluate(engine, workload, test, config, dp_rank, durable)
+        tested, held_out = _held_out(engine, workload, test, config, dp_rank, durable, at, "epoch")
+        run_log.eval(held_out)
         (train_loss, train_accuracy), (test_loss, test_accuracy) = totals.means(), tested.means()
         report = EpochReport(epoch, at.step, train_loss, train_accuracy, test_loss, test_accuracy,
                              time.perf_counter() - start, train.synthetic, workload.describe_data(train),
-                             _perplexity(workload, train_loss), _perplexity(workload, test_loss))
+                             _perplexity(workload, train_loss), _perplexity(workload, test_loss),
+                             asdict(run_log.best) if run_log.best else None)
         reports.append(report)
         if show:
             log.info(report.line(config.epochs))

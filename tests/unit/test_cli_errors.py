@@ -122,6 +122,16 @@ CASES = {
     "metrics-unwritable": (
         TRAIN + ["--metrics", "{file}/metrics.json"], ["{file}/metrics.json", "hint: pass --metrics"],
     ),
+    "log-every-zero": (TRAIN + ["--log-every", "0"], ["--log-every must be 1 or more, got 0", "hint: pass --log-every 1"]),
+    "eval-every-zero": (TRAIN + ["--eval-every", "0"], ["--eval-every must be 1 or more, got 0", "hint: pass --eval-every 1"]),
+    "eval-batches-zero": (TRAIN + ["--eval-every", "5", "--eval-batches", "0"],
+                          ["--eval-batches must be 1 or more, got 0", "hint: pass --eval-batches 1"]),
+    "eval-batches-without-eval-every": (TRAIN + ["--eval-batches", "2"], ["--eval-batches", "hint: add --eval-every N"]),
+    "peak-tflops-zero": (TRAIN + ["--peak-tflops", "0"], ["--peak-tflops must be positive", "hint: pass the dense peak"]),
+    "run-dir-is-a-file": (TRAIN + ["--run-dir", "{file}"], ["--run-dir '{file}' is not a folder", "hint: pass --run-dir"]),
+    "run-dir-under-a-file": (TRAIN + ["--run-dir", "{file}/run"], ["cannot write --run-dir '{file}/run'", "hint:"]),
+    "config-missing": (TRAIN + ["--config", "{tmp}/none.toml"], ["cannot read the config file '{tmp}/none.toml'",
+                                                                  "hint: pass --config"]),
     "bench-unknown-axis": (["bench", "--grid", "foo=1"], ["'foo'", "hint: valid axes: preset, mem, pp"]),
     "bench-bad-value": (["bench", "--grid", "chunks=x"], ["'x'", "'chunks'", "positive integer", "hint: e.g. chunks="]),
     "bench-bad-schedule": (["bench", "--grid", "schedule=gpipe,nope"], ["'nope'", "hint: choose among: gpipe"]),
@@ -145,6 +155,37 @@ def test_bad_input_is_one_message_before_any_rank(case, cli, tmp_path, regular_f
     code, out, err, seconds = cli([filled(a) for a in argv])
     assert_one_error(code, out, err, *map(filled, expected))
     assert seconds < FAIL_FAST_S
+
+
+#: config file text -> texts the one-line message must contain (the file's path is checked too)
+CONFIG_CASES = {
+    "unknown-key": ("[training]\nbatch-sise = 8\n", ["unknown key '[training] batch-sise'",
+                                                      "hint: did you mean 'batch-size'?"]),
+    "unknown-top-key": ("epoch = 2\n", ["unknown key 'epoch'", "hint: did you mean 'epochs'?"]),
+    "unknown-section": ("[trainig]\nepochs = 1\n", ["unknown section [trainig]", "hint: did you mean 'training'?"]),
+    "bad-int": ('[training]\nbatch-size = "big"\n', ["[training] batch-size = 'big' is not an integer",
+                                                     "hint: write e.g. batch-size = 4"]),
+    "bad-float": ("lr = true\n", ["lr = True is not a number"]),
+    "bad-switch": ("bucket = 1\n", ["bucket = 1 is not true or false", "hint: write e.g. bucket = true"]),
+    "bad-balance": ('balance = "3,x"\n', ["balance = '3,x' is not a string (or an array) that balance accepts",
+                                         "balance must be comma-separated"]),
+    "not-toml": ("epochs = = 1\n", ["is not valid TOML"]),
+    "value-refused-later": ("[parallelism]\nschedule = \"pipedream\"\n", ["'pipedream'", "hint: choose one of: gpipe"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_bad_config_file_is_one_message_before_any_rank(case, cli, tmp_path):
+    text, expected = CONFIG_CASES[case]
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    line = assert_one_error(*cli(TRAIN + ["--config", str(path)])[:3], *expected)
+    if case not in ("value-refused-later",):
+        assert str(path) in line
+
+
+def test_print_config_of_bad_flags_is_refused(cli):
+    assert_one_error(*cli(TRAIN + ["--eval-every", "0", "--print-config"])[:3], "--eval-every must be 1 or more")
 
 
 def test_bench_out_is_not_created_for_a_bad_grid(cli, tmp_path):

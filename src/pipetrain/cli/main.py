@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pipetrain.cli.config_file import apply_config_file
 from pipetrain.errors import PipetrainError
 
 __all__ = ["main"]
@@ -32,11 +33,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
     )
     try:
+        args = apply_config_file(parser, argv, args)  # --config FILE: its values under the flags given
         return int(args.run(args) or 0)
     except PipetrainError as err:
         print(f"pipetrain: error: {err}", file=sys.stderr)

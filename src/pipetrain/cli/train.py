@@ -13,10 +13,13 @@ from pathlib import Path
 
 from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.checkpoint.folders import META_FILE
+from pipetrain.cli.config_file import add_config_arguments
+from pipetrain.cli.log_flags import add_log_arguments, log_config
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError, DataError, PipetrainError, RankFailedError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
 from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.logs.config import check_log_folders
 from pipetrain.partition import cost_balance
 from pipetrain.partition.profile import load_profile
 from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
@@ -162,6 +165,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     tracing.add_argument("--trace-warmup", type=int, default=2,
                          help="steps run before recording with --trace (default: 2)")
     add_durable_arguments(parser)
+    add_log_arguments(parser)
+    add_config_arguments(parser)
     return parser
 
 
@@ -171,7 +176,7 @@ def check_trace(config: TrainConfig, train: Dataset) -> None:
         return
     check_trace_dir(config.trace)
     per_epoch = config.task().num_batches(train, config.batch_size, replicas=config.parallel.dp)
-    total = per_epoch * config.epochs if config.max_steps is None else min(per_epoch * config.epochs, config.max_steps)
+    total = config.total_steps(per_epoch)
     if total <= config.trace_warmup:
         raise ConfigError(f"--trace records no step: the run has {total} step(s), all within the "
                           f"{config.trace_warmup} warm-up step(s)",
@@ -242,6 +247,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         trace_steps=args.trace_steps,
         trace_warmup=args.trace_warmup,
         durable=durable_config(args),
+        logs=log_config(args),
     )
 
 
@@ -287,9 +293,11 @@ def _check_metrics(metrics: Path | None) -> None:
 
 
 def _check_before_start(config: TrainConfig, metrics: Path | None) -> None:
-    """What can fail before any rank starts: the metrics file, the save folder and the checkpoint to resume."""
+    """What can fail before any rank starts: the metrics file, the save folder, the checkpoint to resume and the
+    log folders."""
     _check_metrics(metrics)
     config.durable.check(model_name=config.model_name(), model=config.model())
+    check_log_folders(config.logs)
 
 
 def _says_it(env: ClusterEnv, err: PipetrainError) -> bool:
@@ -299,6 +307,10 @@ def _says_it(env: ClusterEnv, err: PipetrainError) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_config:  # the effective configuration (after --config and the flags), validated, as TOML
+        _config(args)
+        sys.stdout.write(args.effective_config)
+        return 0
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
         config = cost_balanced(_config(args), args, launched=False)

@@ -282,6 +282,12 @@ class HFCausalLM:
     def example_input(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, self.seq_len, dtype=torch.long)
 
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(layers, query heads, head dimension), for MFU (`pipetrain.logs.mfu`)."""
+        heads = self.config.num_attention_heads
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // heads
+        return self.config.num_hidden_layers, heads, head_dim
+
     def parameter_keys(self, index: int) -> dict[str, str]:
         """Block `index`'s parameter names -> the names of the same tensors in the transformers model."""
         with torch.device("meta"):

@@ -38,6 +38,11 @@ class LayeredModel(ABC):
             return self.head()
         return self.layer()
 
+    def attention_shape(self) -> tuple[int, int, int]:
+        """(layers, heads, head dimension) of the attention, for MFU (`pipetrain.logs.mfu`); `config` needs
+        `emsize` and `nhead`."""
+        return self.num_blocks - 2, self.config.nhead, self.config.emsize // self.config.nhead
+
     def example_input(self, batch_size: int) -> torch.Tensor:
         """All-padding token ids `[batch_size, seq_len]`."""
         return torch.zeros(batch_size, self.config.seq_len, dtype=torch.long)

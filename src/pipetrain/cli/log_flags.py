@@ -1,0 +1,39 @@
+"""The logging and validation flags of `pipetrain train` (`--run-dir`, `--log-every`, `--tensorboard`,
+`--eval-every`, `--eval-batches`, `--peak-tflops`) and the `LogConfig` they make."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipetrain.logs.config import LogConfig, default_run_dir
+
+__all__ = ["add_log_arguments", "log_config"]
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the group "logs" to `parser`."""
+    group = parser.add_argument_group("logs")
+    group.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
+                       help="the run's folder: steps.jsonl (every step and evaluation) and config.toml (the "
+                            "effective configuration), written by rank 0 (default: runs/<workload>-<UTC time>-p<pid>)")
+    group.add_argument("--log-every", type=int, default=10, metavar="N",
+                       help="a console line every N steps when no progress bar is shown (default: 10)")
+    group.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                       help="also write TensorBoard event files to DIR (needs pip install 'pipetrain[tensorboard]')")
+    group.add_argument("--eval-every", type=int, default=None, metavar="N",
+                       help="also evaluate on the held-out data every N optimizer steps (default: only at "
+                            "the end of each epoch)")
+    group.add_argument("--eval-batches", type=int, default=None, metavar="K",
+                       help="with --eval-every: read at most K held-out batches per evaluation (default: all)")
+    group.add_argument("--peak-tflops", type=float, default=None, metavar="T",
+                       help="peak TFLOP/s of one device, for MFU (default: from the GPU's name; no MFU on CPU)")
+
+
+def log_config(args: argparse.Namespace) -> LogConfig:
+    """The validated `LogConfig` of parsed arguments; `args.effective_config` (set by
+    `pipetrain.cli.config_file.apply_config_file`) becomes the run folder's config.toml."""
+    return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(args.workload),
+                     log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
+                     eval_batches=args.eval_batches, peak_tflops=args.peak_tflops,
+                     config_text=getattr(args, "effective_config", ""))

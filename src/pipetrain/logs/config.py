@@ -1,0 +1,86 @@
+"""What a training job logs and when it evaluates: `LogConfig` (the `--run-dir`, `--log-every`, `--tensorboard`,
+`--eval-every`, `--eval-batches` and `--peak-tflops` flags), and the default run folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipetrain.errors import ConfigError
+from pipetrain.logs.tensorboard import check_tensorboard
+
+__all__ = ["LogConfig", "default_run_dir", "check_log_folders", "RUNS_DIR"]
+
+#: Where run folders go by default (relative to the working directory; git-ignored in this repository).
+RUNS_DIR = Path("runs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Logging and mid-epoch validation of one job (all of it written by rank 0 only).
+
+    `run_dir`: the run's folder, which receives `steps.jsonl` (one JSON line per step and per evaluation) and
+    `config.toml` (`config_text`, the effective configuration); None writes neither. `log_every`: a console
+    line every N steps (when no progress bar is shown). `tensorboard`: a folder for TensorBoard event files.
+    `eval_every`: evaluate on the held-out data every N optimizer steps (besides the end of each epoch),
+    reading at most `eval_batches` batches (None: all). `peak_tflops`: the peak TFLOP/s of one device for MFU
+    (default: from the GPU's name; none on CPU).
+    """
+
+    run_dir: Path | None = None
+    log_every: int = 10
+    tensorboard: Path | None = None
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    peak_tflops: float | None = None
+    config_text: str = ""
+
+    def __post_init__(self) -> None:
+        for name, value in (("log_every", self.log_every), ("eval_every", self.eval_every),
+                            ("eval_batches", self.eval_batches)):
+            if value is not None and (isinstance(value, bool) or value < 1):
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be 1 or more, got {value}", hint=f"pass {flag} 1 or more")
+        if self.eval_batches is not None and self.eval_every is None:
+            raise ConfigError("--eval-batches bounds the evaluations of --eval-every, which is not given",
+                              hint="add --eval-every N, or drop --eval-batches")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"--peak-tflops must be positive, got {self.peak_tflops:g}",
+                              hint="pass the dense peak TFLOP/s of one device, e.g. --peak-tflops 989")
+        if self.tensorboard is not None:
+            check_tensorboard()
+
+    def eval_due(self, step: int, *, epoch_end: bool) -> bool:
+        """Whether to evaluate after optimizer step `step`. At the end of an epoch a full evaluation (no
+        `eval_batches`) is left to the end-of-epoch one, which gives the same figures."""
+        if self.eval_every is None or step % self.eval_every:
+            return False
+        return not (epoch_end and self.eval_batches is None)
+
+
+def default_run_dir(workload: str, now: datetime | None = None, pid: int | None = None) -> Path:
+    """`runs/<workload>-<UTC time>-p<pid>`, e.g. `runs/classifier-20260101-120000-p4242` (the process id keeps
+    two jobs started in the same second apart)."""
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    return RUNS_DIR / f"{workload}-{stamp}-p{os.getpid() if pid is None else pid}"
+
+
+def _check_folder(path: Path, flag: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r} is not a folder", hint=f"pass {flag} with a folder path")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {flag} {str(path)!r}: {str(existing)!r} is not a writable folder",
+                          hint=f"pass {flag} in a folder you can write to")
+
+
+def check_log_folders(config: LogConfig) -> None:
+    """Before any rank starts: the run folder and the TensorBoard folder can be created (nothing is created)."""
+    if config.run_dir is not None:
+        _check_folder(Path(config.run_dir), "--run-dir")
+    if config.tensorboard is not None:
+        _check_folder(Path(config.tensorboard), "--tensorboard")

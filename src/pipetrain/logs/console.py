@@ -1,0 +1,64 @@
+"""The console sink: one readable line every N steps (what a Slurm log or any non-terminal run shows)."""
+
+from __future__ import annotations
+
+import logging
+
+from pipetrain.logs.records import EvalRecord, StepRecord
+
+__all__ = ["ConsoleSink", "step_line", "eval_line"]
+
+log = logging.getLogger("pipetrain")
+
+
+def _metrics(accuracy: float | None, perplexity: float | None) -> list[str]:
+    return ([f"acc {accuracy:.3f}"] if accuracy is not None else []) + (
+        [f"ppl {perplexity:.2f}"] if perplexity is not None else [])
+
+
+def step_line(record: StepRecord, total_steps: int | None = None) -> str:
+    """e.g. ``step 120/940 | loss 0.4123 | acc 0.812 | lr 9.1e-04 | gnorm 1.32 | 412 samples/s | 0.155 s/step |
+    mem 512 MB``: fields in this fixed order; absent ones (accuracy, grad norm, memory, MFU) left out."""
+    parts = [f"step {record.step}" + (f"/{total_steps}" if total_steps else ""), f"loss {record.loss:.4f}",
+             *_metrics(record.accuracy, record.perplexity), f"lr {record.lr:.1e}"]
+    if record.grad_norm is not None:
+        parts.append(f"gnorm {record.grad_norm:.2f}")
+    if record.tokens_per_s is not None:
+        parts.append(f"{record.tokens_per_s:.0f} tokens/s")
+    else:
+        parts.append(f"{record.samples_per_s:.0f} samples/s")
+    parts.append(f"{record.step_time_s:.3f} s/step")
+    if record.peak_mem_mb is not None:
+        parts.append(f"mem {record.peak_mem_mb:.0f} MB")
+    if record.mfu is not None:
+        parts.append(f"mfu {100 * record.mfu:.1f}%")
+    if record.skipped:
+        parts.append("skipped")
+    return " | ".join(parts)
+
+
+def eval_line(record: EvalRecord) -> str:
+    """e.g. ``eval at step 200 | loss 0.5012 | acc 0.771 | 32 batches in 1.2 s``."""
+    return " | ".join([f"eval at step {record.step}", f"loss {record.loss:.4f}",
+                       *_metrics(record.accuracy, record.perplexity),
+                       f"{record.batches} batches in {record.seconds:.1f} s"])
+
+
+class ConsoleSink:
+    """Logs every evaluation and, with `steps`, `step_line` every `every` steps and at the last step, to the
+    `pipetrain` logger."""
+
+    def __init__(self, *, every: int, total_steps: int | None = None, steps: bool = True) -> None:
+        self.every = every
+        self.total_steps = total_steps
+        self.steps = steps
+
+    def step(self, record: StepRecord) -> None:
+        if self.steps and (record.step % self.every == 0 or record.step == self.total_steps):
+            log.info(step_line(record, self.total_steps))
+
+    def eval(self, record: EvalRecord) -> None:
+        log.info(eval_line(record))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,117 @@
+"""The run log: the one object the training loop feeds (`step`, `eval`, `close`), fanning each record out to the
+console, `steps.jsonl` and TensorBoard on rank 0, and keeping the run's best held-out result on every rank."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+from pipetrain.blocks import BlockModel, Tensors
+from pipetrain.logs.config import LogConfig
+from pipetrain.logs.console import ConsoleSink
+from pipetrain.logs.jsonl import JsonLinesSink
+from pipetrain.logs.meter import StepMeter, model_flops
+from pipetrain.logs.records import EvalRecord, StepRecord
+from pipetrain.logs.tensorboard import TensorBoardSink
+from pipetrain.pipeline.engine import PipelineEngine, StepResult
+from pipetrain.pipeline.loss import SampleMeanLoss
+
+__all__ = ["RunLog", "open_run_log", "Sink", "STEPS_FILE", "CONFIG_FILE"]
+
+log = logging.getLogger("pipetrain")
+
+STEPS_FILE = "steps.jsonl"
+CONFIG_FILE = "config.toml"
+
+
+class Sink(Protocol):
+    """Where records go."""
+
+    def step(self, record: StepRecord) -> None: ...
+
+    def eval(self, record: EvalRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RunLog:
+    """One rank's log of a run. The loop calls `begin_step()` before each step and `step(result, ...)` after it,
+    asks `due(step, epoch_end=...)` whether to evaluate, hands each evaluation to `eval(record)`, and calls
+    `close()`. Only the `main` rank (global rank 0) measures and writes; `best` is kept on every rank (the
+    evaluations are identical everywhere). `console`: log a step line every `config.log_every` steps (off
+    under a progress bar; evaluations are logged either way)."""
+
+    def __init__(self, config: LogConfig, meter: StepMeter, *, main: bool, total_steps: int | None = None,
+                 console: bool = True, best: EvalRecord | None = None) -> None:
+        self.config = config
+        self.meter = meter
+        self.main = main
+        self.best = best
+        self.sinks: list[Sink] = []
+        if not main:
+            return
+        if config.run_dir is not None:
+            folder = Path(config.run_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            if config.config_text:
+                (folder / CONFIG_FILE).write_text(config.config_text, encoding="utf-8")
+            self.sinks.append(JsonLinesSink(folder / STEPS_FILE))
+        if config.tensorboard is not None:
+            self.sinks.append(TensorBoardSink(Path(config.tensorboard)))
+        self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps, steps=console))
+        if config.run_dir is not None:
+            log.info("pipetrain: logging to %s", Path(config.run_dir) / STEPS_FILE)
+
+    def begin_step(self) -> None:
+        """A step starts now (its time is measured from here)."""
+        if self.main:
+            self.meter.start()
+
+    def step(self, result: StepResult, *, step: int, epoch: int, lr: float, inputs: Tensors | None = None,
+             grad_norm: float | None = None, skipped: bool = False) -> StepRecord | None:
+        """Record optimizer step `step` (its `result` from the engine); returns the record on the main rank."""
+        if not self.main:
+            return None
+        record = self.meter.record(result, step=step, epoch=epoch, lr=lr, inputs=inputs, grad_norm=grad_norm,
+                                   skipped=skipped)
+        for sink in self.sinks:
+            sink.step(record)
+        return record
+
+    def due(self, step: int, *, epoch_end: bool) -> bool:
+        """Whether to evaluate after step `step` (see `LogConfig.eval_due`)."""
+        return self.config.eval_due(step, epoch_end=epoch_end)
+
+    def eval(self, record: EvalRecord) -> None:
+        """Record an evaluation; the lowest held-out loss so far becomes `best`."""
+        if self.best is None or record.loss < self.best.loss:
+            self.best = record
+        for sink in self.sinks if self.main else ():
+            sink.eval(record)
+
+    def best_line(self) -> str | None:
+        """e.g. ``best held-out loss 0.4012 (acc 0.812) at step 300, epoch 2``; None before any evaluation."""
+        best = self.best
+        if best is None:
+            return None
+        extra = ", ".join(([f"acc {best.accuracy:.3f}"] if best.accuracy is not None else [])
+                          + ([f"ppl {best.perplexity:.2f}"] if best.perplexity is not None else []))
+        return (f"best held-out loss {best.loss:.4f}" + (f" ({extra})" if extra else "")
+                + f" at step {best.step}, epoch {best.epoch}")
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def open_run_log(config: LogConfig, *, model: BlockModel, engine: PipelineEngine, world_size: int, precision: str,
+                 main: bool, total_steps: int | None = None, console: bool = True) -> RunLog:
+    """The run log of a job training `model` on `engine` over `world_size` devices; MFU is measured when a peak
+    FLOP/s is known (`config.peak_tflops`, or a GPU of `pipetrain.logs.mfu.PEAK_TFLOPS`)."""
+    meter = StepMeter(device=engine.device, devices=world_size, per_token=not isinstance(engine.loss, SampleMeanLoss),
+                      precision=precision, peak_tflops_=config.peak_tflops)
+    if main and meter.peak is not None:
+        meter.flops = model_flops(model)
+    return RunLog(config, meter, main=main, total_steps=total_steps, console=console)
