@@ -42,6 +42,20 @@ def test_print_config_is_read_back_unchanged(capsys, tmp_path):
     assert _print(capsys, ["train", "--config", str(path)]) == first
 
 
+@pytest.mark.parametrize("flags", [["--resume", "--keep", "all"], ["--keep", "5"], ["--resume", "{ckpt}"]])
+def test_flags_of_their_own_types_round_trip(flags, capsys, tmp_path):
+    """--resume alone or with a checkpoint (nargs="?"), --keep K|all (a type reading numbers and words)."""
+    (tmp_path / "step-00000004").mkdir()
+    flags = [f.replace("{ckpt}", str(tmp_path / "step-00000004")) for f in flags]
+    first = _print(capsys, TINY + ["--save-dir", str(tmp_path), *flags])
+    path = tmp_path / "run.toml"
+    path.write_text(first)
+    assert _print(capsys, ["train", "--config", str(path)]) == first
+    durable = train_cli._config(_args(["train", "--config", str(path)])).durable
+    expected = train_cli._config(_args(TINY + ["--save-dir", str(tmp_path), *flags])).durable
+    assert durable == expected
+
+
 def test_file_values_reach_train_config_and_flags_win(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text("""

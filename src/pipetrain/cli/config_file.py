@@ -141,6 +141,8 @@ def _scalar(action: argparse.Action, value: Any, where: str, source: str) -> Any
         if kind is None or kind is str or kind is Path or not all(isinstance(v, (int, float, str)) for v in value):
             raise wrong()
         value = ",".join(str(v) for v in value)  # a flag that reads comma-separated values
+    if isinstance(value, (int, float)) and kind not in (None, str, Path):
+        value = str(value)  # a flag whose own type reads numbers or words (e.g. --keep 3|all)
     if not isinstance(value, str):
         raise wrong()
     if kind is None or kind is str:
@@ -167,6 +169,8 @@ def _convert(action: argparse.Action, value: Any, where: str, source: str) -> An
         if isinstance(action, argparse.BooleanOptionalAction) or action.const is True:
             return value
         return action.default if not value else action.const  # store_false / store_const
+    if action.nargs == "?" and isinstance(value, bool):  # the flag alone (its const), or not given
+        return action.const if value else action.default
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{source}: {where} = {value!r} is not one of {list(action.choices)}",
                           hint=f"choose one of: {', '.join(map(str, action.choices))}")
