@@ -237,7 +237,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                 result = engine.step(x, y)
                 with span("optimizer"):
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
-            totals.add(result)
+            if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
+                totals.add(result)
             at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict())
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{outcome.lr:.2e}", grad_norm=f"{outcome.grad_norm:.3f}")
             bar.update()

@@ -71,6 +71,9 @@ class Recipe:
             group["lr"] = lr
         if self.guard.check(step, loss, norm):
             self.optimizer.zero_grad(set_to_none=True)
+            if _is_main():
+                log.warning("pipetrain: step %d skipped (loss %g, gradient norm %g): %d of --skip-nonfinite %d",
+                            step + 1, loss, norm, self.guard.skipped, self.config.skip_nonfinite)
             return StepOutcome(lr, norm, clipped=False, skipped=True, skipped_total=self.guard.skipped)
         max_norm = self.config.grad_clip
         clipped = max_norm is not None and norm > max_norm
