@@ -115,3 +115,15 @@ def test_a_diverging_run_stops_before_its_update_with_one_message(tmp_path, caps
     # the count is restored on resume: the next non-finite step is the third, and stops the job
     again = _train("--lr", "1e6", "--save-dir", str(skips), "--resume", "--skip-nonfinite", "2")
     _one_error(again, "training diverged at step 4", "2 such step(s) skipped before")
+
+
+def test_under_torchrun_the_divergence_is_said_once(tmp_path):
+    """Every rank stops (the values are global), rank 0 alone says it; before, each rank would print it."""
+    from tests.distributed.test_launch import environ, run_together, torchrun
+
+    argv = torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                    "-m", "pipetrain", "train", *ARGS, "--lr", "1e6")
+    [(code, output)] = run_together([(argv, environ())], tmp_path, timeout_s=180)
+    assert code != 0, output
+    assert output.count("pipetrain: error:") == 1, output
+    assert "training diverged at step 2 (loss nan" in output, output
