@@ -49,6 +49,8 @@ CASES = {
     2: {
         "pp2-1f1b": (_layout(2), PIPELINE_BATCHES),
         "pp2-interleaved-1f1b": (_layout(2, "interleaved-1f1b"), PIPELINE_BATCHES),
+        "pp2-zero-bubble": (_layout(2, "zero-bubble"), PIPELINE_BATCHES),
+        "pp2-gpipe": (_layout(2, "gpipe"), PIPELINE_BATCHES),
         "dp2-ddp": (_layout(1, "gpipe", dp=2), DP_BATCHES),
         "dp2-fsdp": (_layout(1, "gpipe", dp=2, dp_mode="fsdp"), DP_BATCHES),
     },
