@@ -115,7 +115,8 @@ def test_flags_make_the_config_and_default_to_it():
     add_recipe_arguments(parser)
     assert recipe_config(parser.parse_args([])) == RecipeConfig()
     args = parser.parse_args(["--lr", "3e-4", "--lr-schedule", "wsd", "--warmup-steps", "5", "--min-lr", "1e-5",
-                              "--decay-steps", "7", "--weight-decay", "0.1", "--grad-clip", "1", "--skip-nonfinite", "2"])
+                              "--decay-steps", "7", "--weight-decay", "0.1", "--grad-clip", "1",
+                              "--skip-nonfinite", "2"])
     assert recipe_config(args) == RecipeConfig(lr=3e-4, lr_schedule="wsd", warmup_steps=5, min_lr=1e-5, decay_steps=7,
                                                weight_decay=0.1, grad_clip=1.0, skip_nonfinite=2)
 
