@@ -58,6 +58,7 @@ CASES = {
         "pp4-1f1b": (_layout(4), PIPELINE_BATCHES),
         "pp4-interleaved-1f1b": (_layout(4, "interleaved-1f1b"), PIPELINE_BATCHES),
         "dp2xpp2-1f1b-ddp": (_layout(2, dp=2), DP_BATCHES),
+        "dp2xpp2-interleaved-1f1b-ddp": (_layout(2, "interleaved-1f1b", dp=2), DP_BATCHES),
         "dp2xpp2-1f1b-fsdp": (_layout(2, dp=2, dp_mode="fsdp"), DP_BATCHES),
         "dp2xpp2-interleaved-1f1b-fsdp": (_layout(2, "interleaved-1f1b", dp=2, dp_mode="fsdp"), DP_BATCHES),
     },
@@ -180,10 +181,13 @@ ALL = {name: case for cases in CASES.values() for name, case in cases.items()}
 
 @pytest.mark.parametrize("name", list(ALL))
 def test_clipped_training_matches_one_process(name, records, references):
-    ref = references["pipe" if ALL[name][1] is PIPELINE_BATCHES else "dp"]
+    assert_recipe_parity(references["pipe" if ALL[name][1] is PIPELINE_BATCHES else "dp"], records[name],
+                         rtol=RTOL, atol=ATOL)
+
+
+def assert_recipe_parity(ref: dict, ranks: list[dict], *, rtol: float, atol: float) -> None:
+    """Every rank's losses, norms, LRs, clipped gradients and final parameters are the reference's."""
     assert all(norm > MAX_NORM for norm in ref["norms"]), ref["norms"]  # clipping acts at every step
-    rtol, atol = RTOL, ATOL
-    ranks = records[name]
     for record in ranks:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol)
         torch.testing.assert_close(torch.tensor(record["norms"]), torch.tensor(ref["norms"]), rtol=rtol, atol=atol)
