@@ -3,11 +3,11 @@
 Each case trains the 8-block tiny classifier for 3 steps with `Recipe.step` (global gradient-norm clipping
 with a `max_norm` the reference's norms all exceed, a cosine LR with warm-up, weight decay on the decay group
 only; SGD, whose update is linear in the gradient, so parity measures the recipe and not Adam's amplification
-of float noise) and compares losses, gradient norms, clipped gradients and parameters with one process
-running the same steps on the unsplit `nn.Sequential`. Tolerance: rtol 1e-5, atol 4e-5 (fp32) for every case;
-the interleaved ones hold it too here, though upstream loosens it for them (more partial sums in another
-order): loosen those first if a change of summation order ever needs it. The gradient norm is also the same
-number, bitwise, on every rank: the ranks' decisions (clip, skip, stop) agree.
+of float noise) and compares losses, gradient norms (L2, and the inf-norm before clipping), clipped gradients
+and parameters with one process running the same steps on the unsplit `nn.Sequential`. Tolerance: rtol 1e-5,
+atol 4e-5 (fp32) for every case; the interleaved ones hold it too here, though upstream loosens it for them
+(more partial sums in another order): loosen those first if a change of summation order ever needs it. The
+norms are also the same numbers, bitwise, on every rank: the ranks' decisions (clip, skip, stop) agree.
 
 The same jobs check that the weight-decay groups, which each rank builds from its own parameters, union to
 the unsplit model's under pp 1 (dp2 DDP), 2 and 4 and FSDP, and that a non-finite gradient on one rank is
@@ -76,10 +76,11 @@ def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
     engine = session.engine
     optimizer = torch.optim.SGD(param_groups(engine, RECIPE.weight_decay), lr=RECIPE.lr)
     recipe = Recipe(RECIPE, optimizer, session, total_steps=len(batches))
-    record: dict = {"losses": [], "norms": [], "lrs": [], "clipped": [], "grads": []}
+    record: dict = {"losses": [], "norms": [], "inf_norms": [], "lrs": [], "clipped": [], "grads": []}
     for step, batch in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
         result = engine.step(*_share(batch, parallel.dp, session.mesh.dp_rank))
+        record["inf_norms"].append(session.grad_norm(math.inf))  # the largest |gradient| of the whole model
         outcome = recipe.step(step, result)
         record["losses"].append(result.loss)
         record["norms"].append(outcome.grad_norm)
@@ -152,11 +153,12 @@ def nonfinite(tmp_path_factory) -> dict[str, list[dict]]:
 def _reference(sizes: list[int]) -> dict:
     model = build_sequential(make_model(), seed=SEED)
     optimizer = torch.optim.SGD(param_groups(model, RECIPE.weight_decay), lr=RECIPE.lr)
-    record: dict = {"losses": [], "norms": [], "lrs": [], "grads": []}
+    record: dict = {"losses": [], "norms": [], "inf_norms": [], "lrs": [], "grads": []}
     for step, (x, y) in enumerate(make_batches(sizes)):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        record["inf_norms"].append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], math.inf).item())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         lr = lr_at(RECIPE, step, len(sizes))
         for group in optimizer.param_groups:
@@ -191,6 +193,8 @@ def assert_recipe_parity(ref: dict, ranks: list[dict], *, rtol: float, atol: flo
     for record in ranks:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol)
         torch.testing.assert_close(torch.tensor(record["norms"]), torch.tensor(ref["norms"]), rtol=rtol, atol=atol)
+        torch.testing.assert_close(torch.tensor(record["inf_norms"]), torch.tensor(ref["inf_norms"]), rtol=rtol,
+                                   atol=atol)
         assert record["lrs"] == ref["lrs"] and all(record["clipped"])
         for step, grads in enumerate(record["grads"]):
             for param, grad in grads.items():
@@ -199,7 +203,7 @@ def assert_recipe_parity(ref: dict, ranks: list[dict], *, rtol: float, atol: flo
         for param, value in record["params"].items():
             torch.testing.assert_close(value, ref["params"][param], rtol=rtol, atol=atol,
                                        msg=lambda m: f"parameter {param}: {m}")
-    assert len({tuple(record["norms"]) for record in ranks}) == 1  # bitwise the same norm on every rank
+    assert len({(tuple(r["norms"]), tuple(r["inf_norms"])) for r in ranks}) == 1  # bitwise the same on every rank
     assert set().union(*(record["names"] for record in ranks)) == set(ref["params"])
 
 
