@@ -22,6 +22,7 @@ _EXPORTS = {
     "LaunchError": "pipetrain.errors",
     "PipetrainError": "pipetrain.errors",
     "RankFailedError": "pipetrain.errors",
+    "NonFiniteError": "pipetrain.errors",
     "RankSpec": "pipetrain.launch.spawn",
     "launch_local": "pipetrain.launch.spawn",
     "Pipe": "pipetrain.pipe",
@@ -29,6 +30,10 @@ _EXPORTS = {
     "StepResult": "pipetrain.pipeline",
     "Loss": "pipetrain.pipeline",
     "TokenCrossEntropy": "pipetrain.pipeline",
+    "Recipe": "pipetrain.recipe",
+    "RecipeConfig": "pipetrain.recipe",
+    "StepOutcome": "pipetrain.recipe",
+    "build_optimizer": "pipetrain.recipe",
     "Session": "pipetrain.session",
     "open_session": "pipetrain.session",
     "close_session": "pipetrain.session",
@@ -39,10 +44,11 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from pipetrain.blocks import BlockModel, ModuleListModel, build_sequential
     from pipetrain.config import ParallelConfig, PipelineConfig
-    from pipetrain.errors import ConfigError, DataError, LaunchError, PipetrainError, RankFailedError
+    from pipetrain.errors import ConfigError, DataError, LaunchError, NonFiniteError, PipetrainError, RankFailedError
     from pipetrain.launch.spawn import RankSpec, launch_local
     from pipetrain.pipe import Pipe
     from pipetrain.pipeline import Loss, PipelineEngine, StepResult, TokenCrossEntropy
+    from pipetrain.recipe import Recipe, RecipeConfig, StepOutcome, build_optimizer
     from pipetrain.session import Session, close_session, open_session
 
 

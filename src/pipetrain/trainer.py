@@ -12,7 +12,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from pipetrain.checkpoint.durable import DurableConfig, DurableRun, Position
@@ -25,6 +24,7 @@ from pipetrain.logs.runlog import RunLog, open_run_log
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.pipeline.timeline import span
+from pipetrain.recipe import Recipe, RecipeConfig, StepOutcome, build_optimizer
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
@@ -47,7 +47,7 @@ class TrainConfig:
     batch_size: int = 64
     epochs: int = 2
     max_steps: int | None = None
-    lr: float = 1e-3
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 0
     bucket: bool = False
     progress: bool = True
@@ -78,10 +78,18 @@ class TrainConfig:
             raise ConfigError(f"--trace records no step: --max-steps {self.max_steps} ends within the "
                               f"{self.trace_warmup} warm-up step(s) before tracing",
                               hint=f"pass --max-steps {self.trace_warmup + self.trace_steps} or more, or lower --trace-warmup")
-        if self.lr <= 0:
-            raise ConfigError(f"learning rate must be positive, got {self.lr}", hint="pass e.g. --lr 1e-3")
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
+
+    @property
+    def lr(self) -> float:
+        """The peak learning rate (`recipe.lr`)."""
+        return self.recipe.lr
+
+    def total_steps(self, train: Dataset) -> int:
+        """The optimizer steps of the whole run on `train` (epochs of batches, or --max-steps when fewer)."""
+        per_epoch = self.task().num_batches(train, self.batch_size, replicas=self.parallel.dp)
+        return per_epoch * self.epochs if self.max_steps is None else min(per_epoch * self.epochs, self.max_steps)
 
     def task(self) -> Workload:
         """The registered workload this job trains."""
@@ -90,11 +98,6 @@ class TrainConfig:
     def model(self):
         """The workload's model for this preset (a `BlockModel`)."""
         return self.task().model(self.preset)
-
-    def total_steps(self, per_epoch: int) -> int:
-        """Optimizer steps of the whole job with `per_epoch` steps per epoch (`max_steps` included)."""
-        total = per_epoch * self.epochs
-        return total if self.max_steps is None else min(total, self.max_steps)
 
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""
@@ -194,7 +197,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                            precision=config.precision)
     try:
         engine, mesh = session.engine, session.mesh
-        optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr)
+        optimizer = build_optimizer(engine, config.recipe.lr, config.recipe.weight_decay)
+        recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         dp = config.parallel.dp
         if session.is_main:
             log.info(
@@ -210,9 +214,9 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                              job_config=config.as_json(), device=session.device, spec=spec)
         run_log = open_run_log(config.logs, model=config.model(), engine=engine, world_size=spec.world_size,
                                precision=config.precision, main=session.is_main, console=not config.progress,
-                               total_steps=config.total_steps(workload.num_batches(train, config.batch_size, replicas=dp)))
+                               total_steps=config.total_steps(train))
         try:
-            reports = _train_epochs(config, workload, engine, optimizer, train, test, mesh.dp_rank, durable, tracer,
+            reports = _train_epochs(config, workload, engine, recipe, train, test, mesh.dp_rank, durable, tracer,
                                     run_log, show=session.is_main)
         finally:
             durable.close()
@@ -233,13 +237,14 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         close_session()
 
 
-def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, optimizer: torch.optim.Optimizer,
+def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe,
                   train: Dataset, test: Dataset, dp_rank: int, durable: DurableRun, tracer: Tracer | None,
                   run_log: RunLog, *, show: bool) -> list[EpochReport]:
     """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
     dp = config.parallel.dp
     per_epoch = workload.num_batches(train, config.batch_size, replicas=dp)
     at = durable.start()
+    recipe.load_state_dict(at.recipe)
     reports = [EpochReport(**report) for report in at.reports]
     run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
     for epoch in range(at.epoch, config.epochs + 1):
@@ -255,18 +260,19 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         for x, y in itertools.islice(stream, at.in_epoch, total):  # the batches this epoch has not done yet
             run_log.begin_step()
             with tracer.step() if tracer is not None else nullcontext():
-                optimizer.zero_grad(set_to_none=True)
+                recipe.optimizer.zero_grad(set_to_none=True)
                 result = engine.step(x, y)
                 with span("optimizer"):
-                    optimizer.step()
-            totals.add(result)
-            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports)
-            # the recipe's StepOutcome(lr, grad_norm, skipped) plugs in here: pass its fields instead
-            run_log.step(result, step=at.step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], inputs=x)
+                    outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
+            if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
+                totals.add(result)
+            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict())
+            run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
+                         skipped=outcome.skipped)
             if run_log.due(at.step, epoch_end=at.in_epoch == total):
                 run_log.eval(_held_out(engine, workload, test, config, dp_rank, durable, at, "every",
                                        config.logs.eval_batches)[1])
-            bar.set_postfix(loss=f"{result.loss:.4f}")
+            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{outcome.lr:.2e}", grad_norm=f"{outcome.grad_norm:.3f}")
             bar.update()
             if durable.after_step(at):
                 bar.close()
@@ -288,7 +294,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
             log.info(report.line(config.epochs))
         if partial:
             break
-        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports))
+        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports), recipe.state_dict())
         durable.end_epoch(at)
     return reports
 
