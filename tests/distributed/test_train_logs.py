@@ -64,6 +64,7 @@ log-every = 3          # the command line's --log-every 5 wins
     assert [r["epoch"] for r in steps_b] == [1] * 6 + [2] * 6
     assert all(math.isfinite(r["loss"]) and r["samples"] == 16 and r["lr"] == 1e-3 and r["step_time_s"] > 0
                and r["peak_mem_mb"] > 0 and r["mfu"] is None and r["skipped"] is False for r in steps_b)
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in steps_b)  # the recipe's global norm
     evals_b = read_records(tmp_path / "b" / "steps.jsonl", "eval")
     assert [(r["step"], r["trigger"]) for r in evals_b] == [(4, "every"), (6, "epoch"), (8, "every"), (12, "epoch")]
     assert all(r["batches"] == 2 for r in evals_b)
@@ -96,9 +97,10 @@ log-every = 3          # the command line's --log-every 5 wins
 
         events = EventAccumulator(str(tmp_path / "tb"))
         events.Reload()
-        assert {"train/loss", "train/accuracy", "train/lr", "train/samples_per_s", "train/step_time_s",
-                "train/peak_mem_mb", "eval/loss", "eval/accuracy"} <= set(events.Tags()["scalars"])
+        assert {"train/loss", "train/accuracy", "train/lr", "train/grad_norm", "train/samples_per_s",
+                "train/step_time_s", "train/peak_mem_mb", "eval/loss", "eval/accuracy"} <= set(events.Tags()["scalars"])
         for tag, field, records in (("train/loss", "loss", steps_b), ("train/accuracy", "accuracy", steps_b),
+                                    ("train/grad_norm", "grad_norm", steps_b),
                                     ("eval/loss", "loss", evals_b)):
             scalars = events.Scalars(tag)
             assert [e.step for e in scalars] == [r["step"] for r in records]
