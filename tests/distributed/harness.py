@@ -235,19 +235,24 @@ def parallel_runs(world_size: int, cases: dict[str, tuple], out: Path) -> dict[s
     return {name: [records[name] for records in per_rank] for name in cases}
 
 
+def assert_grads_and_params(ref: dict, record: dict, *, rtol: float, atol: float) -> None:
+    """One rank's gradients of every step and final parameters (name -> tensor) equal the reference's."""
+    for step, grads in enumerate(record["grads"]):
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref["grads"][step][name], rtol=rtol, atol=atol,
+                                       msg=lambda m: f"step {step} gradient of {name}: {m}")
+    for name, value in record["params"].items():
+        torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"parameter {name}: {m}")
+
+
 def assert_parity(ref: dict, records: list[dict], *, rtol: float, atol: float) -> None:
     """Every rank reports the reference losses; every parameter's gradients and final values match."""
     seen = set()
     for record in records:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=atol)
-        for step, grads in enumerate(record["grads"]):
-            for name, grad in grads.items():
-                torch.testing.assert_close(grad, ref["grads"][step][name], rtol=rtol, atol=atol,
-                                           msg=lambda m: f"step {step} gradient of {name}: {m}")
-        for name, value in record["params"].items():
-            torch.testing.assert_close(value, ref["params"][name], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"parameter {name}: {m}")
-            seen.add(name)
+        assert_grads_and_params(ref, record, rtol=rtol, atol=atol)
+        seen.update(record["params"])
         for (loss, outputs), (ref_loss, ref_outputs) in zip(record["evals"], ref["evals"], strict=True):
             torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
             if outputs is not None:

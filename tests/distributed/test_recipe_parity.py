@@ -30,7 +30,7 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.recipe import Recipe, RecipeConfig, lr_at, no_decay_names, param_groups
 from pipetrain.session import build_session, close_session, join_job
-from tests.distributed.harness import SEED, _full, make_batches, make_model
+from tests.distributed.harness import SEED, _full, assert_grads_and_params, make_batches, make_model
 
 RTOL, ATOL = 1e-5, 4e-5
 MAX_NORM = 0.5
@@ -196,13 +196,7 @@ def assert_recipe_parity(ref: dict, ranks: list[dict], *, rtol: float, atol: flo
         torch.testing.assert_close(torch.tensor(record["inf_norms"]), torch.tensor(ref["inf_norms"]), rtol=rtol,
                                    atol=atol)
         assert record["lrs"] == ref["lrs"] and all(record["clipped"])
-        for step, grads in enumerate(record["grads"]):
-            for param, grad in grads.items():
-                torch.testing.assert_close(grad, ref["grads"][step][param], rtol=rtol, atol=atol,
-                                           msg=lambda m: f"step {step} clipped gradient of {param}: {m}")
-        for param, value in record["params"].items():
-            torch.testing.assert_close(value, ref["params"][param], rtol=rtol, atol=atol,
-                                       msg=lambda m: f"parameter {param}: {m}")
+        assert_grads_and_params(ref, record, rtol=rtol, atol=atol)  # the gradients after clipping
     assert len({(tuple(r["norms"]), tuple(r["inf_norms"])) for r in ranks}) == 1  # bitwise the same on every rank
     assert set().union(*(record["names"] for record in ranks)) == set(ref["params"])
 
