@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import json
 import logging
 import math
 import time
+import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -106,6 +110,23 @@ class TrainConfig:
     def as_json(self) -> dict:
         """This configuration as JSON data (recorded in checkpoints)."""
         return json.loads(json.dumps(asdict(self), default=str))
+
+
+def _accept_old_lr(init: Callable[..., None]) -> Callable[..., None]:
+    """`TrainConfig(lr=...)`, the spelling before the recipe (deprecated in 0.2): its value becomes `recipe.lr`."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, lr: float | None = None, **kwargs: Any) -> None:
+        if lr is not None:
+            warnings.warn("TrainConfig(lr=) is deprecated: pass recipe=RecipeConfig(lr=...)", DeprecationWarning,
+                          stacklevel=2)
+            kwargs["recipe"] = replace(kwargs.get("recipe", RecipeConfig()), lr=lr)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TrainConfig.__init__ = _accept_old_lr(TrainConfig.__init__)  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)
