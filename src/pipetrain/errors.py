@@ -10,6 +10,7 @@ __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "CheckpointError",
+    "NonFiniteError",
 ]
 
 
@@ -44,3 +45,7 @@ class RankTimeoutError(RankFailedError):
 
 class CheckpointError(PipetrainError):
     """A checkpoint could not be written or read (full disk, damaged files); earlier checkpoints are intact."""
+
+
+class NonFiniteError(PipetrainError):
+    """Training diverged: a step's loss or gradient norm is nan or inf; the job stopped before that step's update."""

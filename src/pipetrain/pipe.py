@@ -28,6 +28,7 @@ from pipetrain.parallel import pick_device
 from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.loss import SampleMeanLoss
+from pipetrain.recipe.clip import clip_grad_norm_
 from pipetrain.session import build_session, join_job
 
 __all__ = ["Pipe", "PipeOutput", "PipeLoss"]
@@ -102,17 +103,9 @@ class Pipe(nn.Module):
         return self
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over the whole pipeline: the norm of every stage's gradients."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        local = torch.stack([g.detach().norm(norm_type) ** norm_type for g in grads]).sum() if grads else \
-            torch.zeros((), device=self.device)
-        total = local.double()
-        dist.all_reduce(total)
-        norm = total ** (1.0 / norm_type)
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.mul_(scale.to(grad.dtype))
-        return norm.float()
+        """`torch.nn.utils.clip_grad_norm_` over the whole pipeline: the global norm of every stage's gradients
+        (returned as a tensor, as torch's), every gradient scaled by `min(1, max_norm / (norm + 1e-6))`."""
+        return torch.tensor(clip_grad_norm_(self.engine, max_norm, norm_type))
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool) -> StepResult:
         if self._engine is None:

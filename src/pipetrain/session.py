@@ -15,6 +15,7 @@ from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.pipeline import Loss, PipelineEngine
 from pipetrain.pipeline.precision import AutocastStage, check_precision
+from pipetrain.recipe.clip import clip_grad_norm_, grad_norm
 
 __all__ = ["Session", "join_job", "build_session", "open_session", "close_session"]
 
@@ -31,6 +32,16 @@ class Session:
     def is_main(self) -> bool:
         """True on the one rank that prints progress (global rank 0)."""
         return dist.get_rank() == 0
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The global norm of the gradients of the whole model (every stage, replica and shard); a collective
+        call, the same value on every rank."""
+        return grad_norm(self.engine, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model: scale every gradient by
+        `min(1, max_norm / (norm + 1e-6))` of the global norm, which is returned (a collective call)."""
+        return clip_grad_norm_(self.engine, max_norm, norm_type)
 
 
 def join_job(spec: RankSpec, *, cpu_threads: int | None = 1, timeout_s: float = 600.0) -> torch.device:

@@ -12,7 +12,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from pipetrain.checkpoint.durable import DurableConfig, DurableRun, Position
@@ -22,6 +21,7 @@ from pipetrain.launch.spawn import RankSpec
 from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.pipeline.timeline import span
+from pipetrain.recipe import Recipe, RecipeConfig, StepOutcome, build_optimizer
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
@@ -53,7 +53,7 @@ class TrainConfig:
     batch_size: int = 64
     epochs: int = 2
     max_steps: int | None = None
-    lr: float = 1e-3
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 0
     bucket: bool = False
     progress: bool = True
@@ -86,8 +86,6 @@ class TrainConfig:
             raise ConfigError(f"--trace records no step: --max-steps {self.max_steps} ends within the "
                               f"{self.trace_warmup} warm-up step(s) before tracing",
                               hint=f"pass --max-steps {self.trace_warmup + self.trace_steps} or more, or lower --trace-warmup")
-        if self.lr <= 0:
-            raise ConfigError(f"learning rate must be positive, got {self.lr}", hint="pass e.g. --lr 1e-3")
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
 
@@ -111,6 +109,16 @@ class TrainConfig:
     def window(self) -> int | None:
         """Tokens per sample (None for a workload whose preset alone sets it)."""
         return self.task().window(self.preset, seq_len=self.seq_len, synthetic=self.synthetic)
+
+    @property
+    def lr(self) -> float:
+        """The peak learning rate (`recipe.lr`)."""
+        return self.recipe.lr
+
+    def total_steps(self, train: Dataset) -> int:
+        """The optimizer steps of the whole run on `train` (epochs of batches, or --max-steps when fewer)."""
+        per_epoch = self.task().num_batches(train, self.batch_size, replicas=self.parallel.dp)
+        return per_epoch * self.epochs if self.max_steps is None else min(per_epoch * self.epochs, self.max_steps)
 
     def task(self) -> Workload:
         """The registered workload this job trains."""
@@ -209,7 +217,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                            precision=config.precision)
     try:
         engine, mesh = session.engine, session.mesh
-        optimizer = torch.optim.AdamW(engine.parameters(), lr=config.lr)
+        optimizer = build_optimizer(engine, config.recipe.lr, config.recipe.weight_decay)
+        recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         dp = config.parallel.dp
         if session.is_main:
             log.info(
@@ -224,7 +233,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         durable = DurableRun(config.durable, engine, optimizer, model_name=config.model_name(),
                              job_config=config.as_json(), device=session.device, spec=spec)
         try:
-            reports = _train_epochs(config, workload, engine, optimizer, train, test, mesh.dp_rank, durable, tracer,
+            reports = _train_epochs(config, workload, engine, recipe, train, test, mesh.dp_rank, durable, tracer,
                                     show=session.is_main)
         finally:
             durable.close()
@@ -242,13 +251,14 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         close_session()
 
 
-def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, optimizer: torch.optim.Optimizer,
+def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe,
                   train: Dataset, test: Dataset, dp_rank: int, durable: DurableRun, tracer: Tracer | None, *,
                   show: bool) -> list[EpochReport]:
     """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
     dp = config.parallel.dp
     per_epoch = workload.num_batches(train, config.batch_size, replicas=dp)
     at = durable.start()
+    recipe.load_state_dict(at.recipe)
     reports = [EpochReport(**report) for report in at.reports]
     for epoch in range(at.epoch, config.epochs + 1):
         if config.max_steps is not None and at.step >= config.max_steps:
@@ -262,13 +272,13 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                    disable=not (show and config.progress), leave=False, dynamic_ncols=True)
         for x, y in itertools.islice(stream, at.in_epoch, total):  # the batches this epoch has not done yet
             with tracer.step() if tracer is not None else nullcontext():
-                optimizer.zero_grad(set_to_none=True)
+                recipe.optimizer.zero_grad(set_to_none=True)
                 result = engine.step(x, y)
                 with span("optimizer"):
-                    optimizer.step()
+                    outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
             totals.add(result)
-            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports)
-            bar.set_postfix(loss=f"{result.loss:.4f}")
+            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict())
+            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{outcome.lr:.2e}", grad_norm=f"{outcome.grad_norm:.3f}")
             bar.update()
             if durable.after_step(at):
                 bar.close()
@@ -289,7 +299,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
             log.info(report.line(config.epochs))
         if partial:
             break
-        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports))
+        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports), recipe.state_dict())
         durable.end_epoch(at)
     return reports
 

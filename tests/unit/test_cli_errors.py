@@ -130,6 +130,23 @@ CASES = {
                                      ["--test-samples 8 sizes the synthetic corpus", "hint: pass --data synthetic"]),
     "lm-seq-len": (TRAIN + ["--workload", "lm", "--seq-len", "16"], ["workload 'lm' has no window", "hint: drop --seq-len"]),
     "seq-len-zero": (TRAIN + ["--seq-len", "0"], ["seq_len must be positive, got 0"]),
+    "lr-nan": (TRAIN + ["--lr", "nan"], ["learning rate (--lr) must be a positive finite number, got nan",
+                                         "hint: pass e.g. --lr 1e-3"]),
+    "lr-inf": (TRAIN + ["--lr", "inf"], ["(--lr) must be a positive finite number, got inf"]),
+    "lr-negative": (TRAIN + ["--lr", "-1"], ["(--lr) must be a positive finite number, got -1.0"]),
+    "unknown-lr-schedule": (TRAIN + ["--lr-schedule", "step"], ["unknown LR schedule (--lr-schedule) 'step'",
+                                                                "hint: choose one of: constant, linear, cosine, wsd"]),
+    "warmup-over-the-run": (TRAIN + ["--warmup-steps", "5"], ["--warmup-steps 5 is longer than the run, 1 step(s)",
+                                                             "hint: pass --warmup-steps 1 or fewer"]),
+    "wsd-decay-over-the-run": (TRAIN + ["--max-steps", "1", "--lr-schedule", "wsd", "--warmup-steps", "1"],
+                               ["--warmup-steps 1 and --decay-steps 1 add up to more than the run, 1 step(s)"]),
+    "negative-weight-decay": (TRAIN + ["--weight-decay", "-0.01"],
+                              ["--weight-decay must be a non-negative finite number, got -0.01"]),
+    "grad-clip-zero": (TRAIN + ["--grad-clip", "0"], ["--grad-clip must be a positive finite number, got 0.0",
+                                                     "or omit it for no clipping"]),
+    "min-lr-over-lr": (TRAIN + ["--lr-schedule", "cosine", "--min-lr", "0.1"], ["--min-lr 0.1 is above the peak"]),
+    "decay-steps-without-wsd": (TRAIN + ["--decay-steps", "3"], ["--decay-steps 3", "hint: pass --lr-schedule wsd"]),
+    "negative-skip-nonfinite": (TRAIN + ["--skip-nonfinite", "-1"], ["--skip-nonfinite must be an integer of 0 or more"]),
     "bench-unknown-axis": (["bench", "--grid", "foo=1"], ["'foo'", "hint: valid axes: preset, mem, pp"]),
     "bench-bad-value": (["bench", "--grid", "chunks=x"], ["'x'", "'chunks'", "positive integer", "hint: e.g. chunks="]),
     "bench-bad-schedule": (["bench", "--grid", "schedule=gpipe,nope"], ["'nope'", "hint: choose among: gpipe"]),
@@ -236,6 +253,7 @@ def test_ranks_per_node_needs_one_task_per_node(cli, monkeypatch):
 END_TO_END = {
     "pp-over-blocks": (TRAIN + ["--pp", "7", "--schedule", "gpipe", "--chunks", "1"], "the model has 6"),
     "bench-bad-value": (["bench", "--grid", "chunks=x"], "'x'"),
+    "lr-nan": (TRAIN + ["--lr", "nan"], "got nan"),  # before the fix: AdamW's traceback on every rank
 }
 
 

@@ -74,14 +74,16 @@ class DurableConfig:
 
 @dataclass
 class Position:
-    """Where training is: optimizer steps done, the epoch under way (1-based), its batches done, and what the
-    epoch has measured so far (`totals`) and the reports of finished epochs (`reports`), all JSON data."""
+    """Where training is: optimizer steps done, the epoch under way (1-based), its batches done, what the
+    epoch has measured so far (`totals`), the reports of finished epochs (`reports`) and the training recipe's
+    state (`recipe`: its skipped-step count; the LR is a function of `step`), all JSON data."""
 
     step: int = 0
     epoch: int = 1
     in_epoch: int = 0
     totals: dict[str, float] = field(default_factory=dict)
     reports: list[dict[str, Any]] = field(default_factory=list)
+    recipe: dict[str, Any] = field(default_factory=dict)
 
 
 class DurableRun:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from pipetrain.checkpoint.durable import DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
-from pipetrain.errors import ConfigError, DataError, PipetrainError, RankFailedError
+from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
+from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
+from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError, RankFailedError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.partition import cost_balance
@@ -157,7 +159,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
     group.add_argument("--epochs", type=int, default=2)
     group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    group.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    group.add_argument("--lr", type=float, default=RECIPE_DEFAULTS.lr,
+                       help=f"AdamW (peak) learning rate (default: {RECIPE_DEFAULTS.lr:g})")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--precision", default="fp32",
                        help=f"{' | '.join(PRECISIONS)}: bf16 runs each stage under autocast with fp32 weights (default: fp32)")
@@ -165,6 +168,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
     group.add_argument("--ranks-per-node", type=int, default=None,
                        help="under Slurm with one task per node: local ranks this task spawns")
+    add_recipe_arguments(parser)
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", type=Path, default=None, metavar="DIR",
                          help="record a few steps on every rank after a warm-up: DIR/trace.json (Perfetto), "
@@ -181,8 +185,7 @@ def check_trace(config: TrainConfig, train: Dataset) -> None:
     if config.trace is None:
         return
     check_trace_dir(config.trace)
-    per_epoch = config.task().num_batches(train, config.batch_size, replicas=config.parallel.dp)
-    total = per_epoch * config.epochs if config.max_steps is None else min(per_epoch * config.epochs, config.max_steps)
+    total = config.total_steps(train)
     if total <= config.trace_warmup:
         raise ConfigError(f"--trace records no step: the run has {total} step(s), all within the "
                           f"{config.trace_warmup} warm-up step(s)",
@@ -221,7 +224,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size,
         epochs=args.epochs,
         max_steps=args.max_steps,
-        lr=args.lr,
+        recipe=recipe_config(args),
         seed=args.seed,
         bucket=args.bucket,
         precision=args.precision,
@@ -292,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
         config = cost_balanced(_config(args), args, launched=False)
         _check_before_start(config, args.metrics)
         data = load_data(config)
+        config.recipe.check_run(config.total_steps(data[0]))
         check_trace(config, data[0])
         world = config.parallel.world_size
         spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
@@ -305,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         if env.rank == 0:  # the process that writes the metrics file and the trace, and commits checkpoints
             _check_before_start(config, args.metrics)
         data = load_data(config)
+        config.recipe.check_run(config.total_steps(data[0]))
         if env.rank == 0:
             check_trace(config, data[0])
     except PipetrainError as err:
@@ -316,5 +321,11 @@ def run(args: argparse.Namespace) -> int:
         spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
               master_addr=env.master_addr, master_port=env.master_port, args=(config, data, args.metrics))
         return 0
-    _rank_main(_spec(env), config, data, args.metrics)  # an error from here on is this rank's own: it says it
+    try:
+        _rank_main(_spec(env), config, data, args.metrics)  # an error from here on is this rank's own: it says it
+    except NonFiniteError:  # the same on every rank (global loss and norm): rank 0 says it
+        if env.rank == 0:
+            raise
+        time.sleep(QUIET_RANK_GRACE_S)
+        return 2
     return 0
