@@ -25,6 +25,7 @@ from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.trainer import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts, train_rank
+from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
 
 __all__ = [
@@ -152,7 +153,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                             "reviews, off otherwise")
     group.add_argument("--seq-len", type=int, default=None,
                        help="classifier: tokens kept per review (the model's window); default: the preset's, "
-                            "longer for real reviews than for the synthetic corpus (cpu: 256 and 64)")
+                            "longer for real reviews than for the synthetic corpus "
+                            f"(cpu: {PRESETS['cpu'].window(real=True)} and {PRESETS['cpu'].seq_len})")
     group.add_argument("--train-samples", type=int, default=None,
                        help=f"synthetic corpus only: training samples (default: {SYNTHETIC_TRAIN})")
     group.add_argument("--test-samples", type=int, default=None,
