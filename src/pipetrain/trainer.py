@@ -51,11 +51,12 @@ class TrainConfig:
     #: tokens per sample for a workload that `windows` (None: the preset's window for this data)
     seq_len: int | None = None
     batch_size: int = 64
-    epochs: int = 2
+    #: None: the workload's default for this data (`Workload.job_defaults`)
+    epochs: int | None = None
     max_steps: int | None = None
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 0
-    #: batches of similar lengths (None: the workload's default for this data, `Workload.bucket_default`)
+    #: batches of similar lengths (None: the workload's default for this data, `Workload.job_defaults`)
     bucket: bool | None = None
     progress: bool = True
     trace: Path | None = None
@@ -71,8 +72,9 @@ class TrainConfig:
         workload = self.task()
         workload.check_preset(self.preset)
         self._check_data(workload)
-        if self.bucket is None:
-            object.__setattr__(self, "bucket", workload.bucket_default(synthetic=self.synthetic))
+        for name, value in workload.job_defaults(synthetic=self.synthetic).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
                               hint="drop --bucket")

@@ -25,6 +25,7 @@ from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.trainer import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts, train_rank
+from pipetrain.workloads.classifier import REAL_EPOCHS
 from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
 
@@ -160,7 +161,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--test-samples", type=int, default=None,
                        help=f"synthetic corpus only: test samples (default: {SYNTHETIC_TEST})")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
-    group.add_argument("--epochs", type=int, default=2)
+    group.add_argument("--epochs", type=int, default=None,
+                       help=f"default: {REAL_EPOCHS} on the classifier's real reviews, 2 otherwise")
     group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--lr", type=float, default=RECIPE_DEFAULTS.lr,
                        help=f"AdamW (peak) learning rate (default: {RECIPE_DEFAULTS.lr:g})")

@@ -88,9 +88,9 @@ class Workload(ABC):
         """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank); a workload
         that `windows` also takes `seq_len=` (the window, default the preset's)."""
 
-    def bucket_default(self, *, synthetic: bool) -> bool:
-        """Whether a job that does not say (no --bucket / --no-bucket) batches samples of similar lengths."""
-        return False
+    def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
+        """What a job on this data does when it does not say: `bucket` (batches of similar lengths) and `epochs`."""
+        return {"bucket": False, "epochs": 2}
 
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
         """The window a job trains with: `seq_len` when given, else the preset's for this kind of data (None for
