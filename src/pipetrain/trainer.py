@@ -226,10 +226,13 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         dp = config.parallel.dp
         if session.is_main:
+            window = "" if config.window is None else f", window {config.window}"
+            data = (f"{train.source} (evaluation: {len(test):,} {workload.eval_split(test)} samples{window}"
+                    f"{', bucketed' if config.bucket else ''})")
             log.info(
                 "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
                 "balance %s | %s | device %s",
-                f"{train.source} (evaluated on {len(test):,} {workload.eval_split(test)} samples)", workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
+                data, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
                 config.parallel.pipeline.checkpoint, engine.balance, config.precision, session.device,
             )

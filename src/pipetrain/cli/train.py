@@ -24,7 +24,8 @@ from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.trainer import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts, train_rank
+from pipetrain.trainer import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
+                               train_rank)
 from pipetrain.workloads.classifier import REAL_EPOCHS
 from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
