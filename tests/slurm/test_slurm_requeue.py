@@ -19,8 +19,8 @@ from tests.slurm.test_slurm_job import _cluster_problem, submit_script, wait_unt
 pytestmark = pytest.mark.slurm
 
 WAIT_SECONDS = 300
-TRAIN = ["--preset", "tiny", "--train-samples", "3200", "--test-samples", "32", "--batch-size", "16", "--epochs", "1",
-         "--no-progress", "--save-every", "4"]
+TRAIN = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "3200", "--test-samples", "32",
+         "--batch-size", "16", "--epochs", "1", "--no-progress", "--save-every", "4"]
 
 
 def _losses(path: Path) -> list[tuple[float, float]]:

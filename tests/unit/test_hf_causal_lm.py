@@ -87,7 +87,8 @@ def test_hf_workload_trains_on_the_language_model_corpus(preset):
 
     workload = get_workload("hf")
     model = workload.model(preset)
-    train, _ = workload.load_data(DataRequest(preset=preset, path=None, train_samples=16, test_samples=4, seed=0))
+    train, _ = workload.load_data(DataRequest(preset=preset, path=None, synthetic=True, train_samples=16,
+                                                test_samples=4, seed=0))
     x, y = next(workload.batches(train, 8, shuffle=False, seed=0, epoch=0, replica=0, replicas=1))
     net = build_sequential(model, seed=0)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)

@@ -102,8 +102,8 @@ def test_cost_partition_needs_costs_and_checks_the_profile():
         cost_balance(mlp([8, 16, 8, 8]), config, micro_batch_size=2, profile=profile)
 
 
-TRAIN = ["train", "--preset", "tiny", "--train-samples", "64", "--test-samples", "32", "--epochs", "1",
-         "--no-progress", "--batch-size", "8", "--chunks", "2"]
+TRAIN = ["train", "--preset", "tiny", "--data", "synthetic", "--train-samples", "64", "--test-samples", "32",
+         "--epochs", "1", "--no-progress", "--batch-size", "8", "--chunks", "2"]
 
 
 @pytest.fixture

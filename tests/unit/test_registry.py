@@ -14,7 +14,7 @@ from pipetrain.workloads.transformer import TransformerClassifier
 
 
 def test_classifier_is_the_default_workload():
-    config = TrainConfig(preset="tiny", train_samples=16, test_samples=8, batch_size=8)
+    config = TrainConfig(preset="tiny", data="synthetic", train_samples=16, test_samples=8, batch_size=8)
     assert config.workload == "classifier"
     assert isinstance(config.task(), ClassifierWorkload)
     assert isinstance(config.model(), TransformerClassifier)

@@ -74,8 +74,8 @@ def _measure(
     try:
         engine = session.engine
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
-        train, _ = workload.load_data(DataRequest(preset=preset, path=None, train_samples=cell.batch_size,
-                                                  test_samples=1, seed=0))
+        train, _ = workload.load_data(DataRequest(preset=preset, path=None, synthetic=True,  # never real data
+                                                  train_samples=cell.batch_size, test_samples=1, seed=0))
         x, y = next(iter(workload.batches(train, cell.batch_size, shuffle=False, seed=0, epoch=0,
                                           replica=spec.rank // cell.pp, replicas=cell.dp)))
         reset_peak_memory(device)

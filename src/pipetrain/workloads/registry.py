@@ -1,7 +1,7 @@
 """The workload registry: name -> `Workload` (model presets, data streams, loss and metrics) for the trainer.
 
 The trainer knows no workload by name: it asks `get_workload(config.workload)` for a `BlockModel`, the
-train/test datasets, their batches, the loss the engine minimises and which metrics to report. Built-in
+train/evaluation datasets, their batches, the loss the engine minimises and which metrics to report. Built-in
 workloads are imported only when asked for (so an optional one, e.g. needing `transformers`, costs
 nothing until used); `register` adds one under a new name.
 """
@@ -37,13 +37,23 @@ class Dataset(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class DataRequest:
-    """Which data the trainer wants: a folder/file (`path`) or, when None, the synthetic corpus of this size."""
+    """Which data the trainer wants: the synthetic corpus of `train_samples` / `test_samples` samples when
+    `synthetic`, else the folder/file `path`, else (`path` None) the workload's default data (its
+    `default_data`; the synthetic corpus for a workload without one). `seq_len`, when set, is the window (tokens
+    per sample) of a workload that `windows`, instead of its default."""
 
     preset: str
     path: Path | None
+    synthetic: bool
     train_samples: int
     test_samples: int
     seed: int
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.synthetic and self.path is not None:
+            raise ConfigError(f"data request for both the synthetic corpus and {str(self.path)!r}",
+                              hint="ask for one of them")
 
 
 class Workload(ABC):
@@ -61,6 +71,10 @@ class Workload(ABC):
     data_help: ClassVar[str] = ""
     #: whether `batches(..., bucket=True)` groups samples by length (else --bucket is refused)
     buckets: ClassVar[bool] = False
+    #: the real data loaded when a job names none (no --data), or None: the synthetic corpus is the default
+    default_data: ClassVar[str | None] = None
+    #: whether `model(preset, seq_len=N)` and `DataRequest.seq_len` change the window (else --seq-len is refused)
+    windows: ClassVar[bool] = False
 
     def check_preset(self, preset: str) -> None:
         """Raise ConfigError unless `preset` is one of this workload's presets."""
@@ -71,11 +85,21 @@ class Workload(ABC):
 
     @abstractmethod
     def model(self, preset: str) -> BlockModel:
-        """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank)."""
+        """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank); a workload
+        that `windows` also takes `seq_len=` (the window, default the preset's)."""
+
+    def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
+        """What a job on this data does when it does not say: `bucket` (batches of similar lengths) and `epochs`."""
+        return {"bucket": False, "epochs": 2}
+
+    def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
+        """The window a job trains with: `seq_len` when given, else the preset's for this kind of data (None for
+        a workload that does not `windows`)."""
+        return None
 
     @abstractmethod
     def load_data(self, request: DataRequest) -> tuple[Dataset, Dataset]:
-        """The train and test datasets (real when `request.path` is set, else synthetic and deterministic)."""
+        """The train and evaluation datasets of `request` (the synthetic ones are deterministic)."""
 
     @abstractmethod
     def batches(
@@ -95,6 +119,10 @@ class Workload(ABC):
     def describe_data(self, dataset: Dataset) -> str:
         """A short label of the data for progress lines."""
         return "synthetic data" if dataset.synthetic else "real data"
+
+    def eval_split(self, dataset: Dataset) -> str:
+        """What the evaluation dataset is, in one word or two ("test", "held-out", "synthetic test")."""
+        return "synthetic test" if dataset.synthetic else "test"
 
 
 #: Built-in workloads, imported on first use: name -> "module:class".
