@@ -13,7 +13,7 @@ from pipetrain.cli.config_file import add_config_arguments, apply_config_file, l
 from pipetrain.cli.main import build_parser, main
 from pipetrain.errors import ConfigError
 
-TINY = ["train", "--preset", "tiny", "--train-samples", "64", "--test-samples", "32", "--epochs", "1"]
+TINY = ["train", "--preset", "tiny", "--data", "synthetic", "--train-samples", "64", "--test-samples", "32", "--epochs", "1"]
 
 
 def _print(capsys, argv: list[str]) -> str:
@@ -70,6 +70,7 @@ batch-size = 32
 epochs = 3
 lr = 1                    # an integer for a float flag
 bucket = true
+data = "synthetic"
 train-samples = 64
 
 [logs]
@@ -123,7 +124,8 @@ def test_any_parser(tmp_path):
         "cosine", 20, False, [2, 3], 1.0, False)
     path.write_text(args.effective_config)
     again = apply_config_file(top := _parser(), ["fit", "--config", str(path)], top.parse_args(["fit", "--config", str(path)]))
-    assert vars(again) | {"config": None} == vars(args) | {"config": None}
+    same = {"config": None, "config_parser": None}  # the file's path, and a parser made anew
+    assert vars(again) | same == vars(args) | same
     assert again.effective_config == args.effective_config
 
 
@@ -149,3 +151,11 @@ def test_bad_files(tmp_path, text, message):
         load_config(path, _parser()._subparsers._group_actions[0].choices["fit"])
     assert message in str(caught.value) and "\n" not in str(caught.value)
     assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize(("data", "expected"), [([], ["bucket = true", "seq-len = 256", "epochs = 1"]),
+                                                (["--data", "synthetic"], ["bucket = false", "seq-len = 64",
+                                                                           "epochs = 2"])])
+def test_defaults_that_depend_on_the_data_are_printed_resolved(data, expected, capsys):
+    printed = _print(capsys, ["train", *data])
+    assert all(line in printed.splitlines() for line in expected), printed

@@ -34,10 +34,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["add_config_arguments", "apply_config_file", "load_config", "dump_config", "section_name"]
+__all__ = ["add_config_arguments", "apply_config_file", "effective_config", "load_config", "dump_config",
+           "section_name"]
 
 #: dests that configure the configuration itself, never keys of a file
-_OWN = ("config", "print_config", "help")
+_OWN = ("config", "print_config", "help", "config_parser")
 #: the title argparse gives the group of flags added outside any group
 _UNGROUPED = ("options", "optional arguments")
 
@@ -267,5 +268,12 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: Sequence[str], args
     if args.config is not None:
         verb.set_defaults(**load_config(args.config, verb))
         args = parser.parse_args(list(argv))
-    args.effective_config = dump_config(verb, args, title=f"{verb.prog}: effective configuration (read by --config FILE)")
+    args.config_parser = verb  # to print the configuration again once the verb has resolved its defaults
+    args.effective_config = effective_config(args)
     return args
+
+
+def effective_config(args: argparse.Namespace) -> str:
+    """The configuration of `args` (parsed and passed through `apply_config_file`) as a file `--config` reads."""
+    verb = args.config_parser
+    return dump_config(verb, args, title=f"{verb.prog}: effective configuration (read by --config FILE)")

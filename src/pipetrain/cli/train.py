@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.checkpoint.folders import META_FILE
-from pipetrain.cli.config_file import add_config_arguments
+from pipetrain.cli.config_file import add_config_arguments, effective_config
 from pipetrain.cli.log_flags import add_log_arguments, log_config
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
@@ -249,6 +249,21 @@ def durable_config(args: argparse.Namespace) -> DurableConfig:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
+    """The job of parsed arguments; the defaults that depend on the data (epochs, bucketing, the window) are
+    written back into `args` and its effective configuration, so `--print-config` and the run folder's
+    config.toml say what the job does."""
+    config = _parsed_config(args)
+    resolved = {"epochs": config.epochs, "bucket": config.bucket, "seq_len": config.window}
+    unset = {name: value for name, value in resolved.items() if getattr(args, name) is None and value is not None}
+    if unset and hasattr(args, "config_parser"):
+        for name, value in unset.items():
+            setattr(args, name, value)
+        args.effective_config = effective_config(args)
+        config = replace(config, logs=replace(config.logs, config_text=args.effective_config))
+    return config
+
+
+def _parsed_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         parallel=parallel_config(args),
         workload=args.workload,
