@@ -153,7 +153,7 @@ def test_bad_files(tmp_path, text, message):
     assert str(path) in str(caught.value)
 
 
-@pytest.mark.parametrize(("data", "expected"), [([], ["bucket = true", "seq-len = 256", "epochs = 1"]),
+@pytest.mark.parametrize(("data", "expected"), [([], ["bucket = true", "seq-len = 160", "epochs = 1"]),
                                                 (["--data", "synthetic"], ["bucket = false", "seq-len = 64",
                                                                            "epochs = 2"])])
 def test_defaults_that_depend_on_the_data_are_printed_resolved(data, expected, capsys):

