@@ -30,11 +30,11 @@ from pipetrain.trainer import TrainConfig, train_rank
 RTOL = 1e-5
 STEPS = 10  # 160 samples in batches of 16
 RECIPE = RecipeConfig(lr=3e-3, lr_schedule="cosine", warmup_steps=2, min_lr=3e-4, grad_clip=1.0)
-CONFIG = TrainConfig(preset="tiny", data=None, train_samples=16 * STEPS, test_samples=16, batch_size=16, epochs=1,
+CONFIG = TrainConfig(preset="tiny", data="synthetic", train_samples=16 * STEPS, test_samples=16, batch_size=16, epochs=1,
                      progress=False, recipe=RECIPE,
                      parallel=ParallelConfig(pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)))
 DP2 = ParallelConfig(dp=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=2))
-ARGS = ["--preset", "tiny", "--train-samples", "160", "--test-samples", "16", "--batch-size", "16", "--epochs", "1",
+ARGS = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "160", "--test-samples", "16", "--batch-size", "16", "--epochs", "1",
         "--no-progress", "--pp", "2", "--chunks", "2"]
 
 

@@ -23,7 +23,7 @@ from pipetrain.checkpoint import latest_checkpoint
 from pipetrain.checkpoint.folders import read_meta
 from pipetrain.logs.jsonl import read_records
 
-ARGS = ["--preset", "tiny", "--train-samples", "96", "--test-samples", "32", "--batch-size", "16", "--epochs", "2",
+ARGS = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "96", "--test-samples", "32", "--batch-size", "16", "--epochs", "2",
         "--no-progress"]
 TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
