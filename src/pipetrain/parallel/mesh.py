@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +47,20 @@ def init_process_group(
         timeout=timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    atexit.unregister(_leave_at_exit)  # once per process, however often it joins
+    atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    """Destroy the process group while the interpreter is still whole (a no-op if the script already did).
+
+    A script that ends without `destroy_process_group` (the `Pipe` tutorial's loop does) leaves gloo's worker
+    threads holding work and tensors; freed during the interpreter's finalization they abort the process
+    ("terminate called without an active exception", SIGABRT) after its work succeeded (pytorch/pytorch#179291).
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
