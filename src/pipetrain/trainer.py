@@ -286,6 +286,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         try:
             reports = _train_epochs(config, workload, engine, recipe, train, test, mesh.dp_rank, durable, tracer,
                                     run_log, show=session.is_main)
+            durable.finish()
         finally:
             durable.close()
             run_log.close()

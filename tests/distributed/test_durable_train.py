@@ -1,5 +1,5 @@
 """`pipetrain train` that survives: exact resume, resume under another layout, stop signals, dead and hung ranks,
-kill -9 during a save, and the errors of bad checkpoint flags (real processes, real files, CPU/gloo).
+kill -9 during a save (and during a background write of --async-save), and the errors of bad checkpoint flags (real processes, real files, CPU/gloo).
 
 Each job trains the tiny preset for 40 steps (batch 16 over 640 synthetic reviews, one epoch). A reference job
 saves every 4 steps; other jobs start from copies of its checkpoints. Same layout: the epoch report (train loss
@@ -164,6 +164,55 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_and_resume_cleans_up(
     assert not any(p.name.endswith(".partial") for p in save_dir.iterdir())
 
 
+def test_async_saves_commit_every_checkpoint_and_change_no_loss(reference, tmp_path):
+    # resuming from a background write, exactly: the next test
+    done = _train("--save-dir", str(tmp_path / "ckpt"), "--save-every", "4", "--keep", "all", "--async-save",
+                  "--metrics", str(tmp_path / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    assert _losses(tmp_path / "metrics.json") == _losses(reference / "metrics.json")
+    assert [p.name for p in complete_checkpoints(tmp_path / "ckpt")] == [f"step-{s:08d}" for s in range(4, 41, 4)]
+
+
+_STALLED_WRITE = """
+import threading, time
+import torch.distributed.checkpoint.filesystem as filesystem
+_write = filesystem._FileSystemWriter.write_data
+def _stalled(self, plan, planner):  # the background write of step 8 never ends (the test kills the job)
+    if "step-00000008" in str(self.path) and threading.current_thread() is not threading.main_thread():
+        time.sleep(3600)
+    return _write(self, plan, planner)
+filesystem._FileSystemWriter.write_data = _stalled
+"""
+
+
+def test_kill_during_a_background_write_keeps_the_previous_checkpoint_and_resume_is_exact(reference, tmp_path,
+                                                                                         monkeypatch):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_STALLED_WRITE)  # loaded by every rank's interpreter
+    original = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), *([original] if original else [])]))
+    save_dir = tmp_path / "ckpt"
+    job = _start_and_wait_for_checkpoint(save_dir, "--save-every", "4", "--async-save")
+    deadline = time.monotonic() + 60
+    while not (save_dir / "step-00000008.partial").exists():  # the write of step 8 is under way, in the background
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    time.sleep(1.0)
+    for pid in _tree(job.pid):
+        os.kill(pid, signal.SIGKILL)
+    job.communicate()
+    assert [p.name for p in complete_checkpoints(save_dir)] == ["step-00000004"]
+    if original:
+        monkeypatch.setenv("PYTHONPATH", original)
+    else:
+        monkeypatch.delenv("PYTHONPATH")
+    done = _train("--save-dir", str(save_dir), "--resume", "--async-save", "--metrics", str(tmp_path / "metrics.json"))
+    assert done.returncode == 0, done.stderr
+    assert "step 4" in done.stdout
+    assert _losses(tmp_path / "metrics.json") == _losses(reference / "metrics.json")
+    assert not any(p.name.endswith(".partial") for p in save_dir.iterdir())
+
+
 def test_sigterm_stops_every_rank_at_one_step_and_saves(tmp_path):
     # exact resume after a stop signal: see tests/slurm/test_slurm_requeue.py (SIGUSR1, requeue, resume)
     save_dir = tmp_path / "ckpt"
@@ -209,6 +258,7 @@ def test_a_stopped_rank_is_named_by_the_step_watchdog(tmp_path):
         (["--resume", "--save-dir", "{empty}"], "no complete checkpoint"),
         (["--resume", "{empty}/step-00000004"], "no such checkpoint or folder"),
         (["--keep", "2"], "--keep needs --save-dir"),
+        (["--async-save"], "--async-save needs --save-dir"),
         (["--save-dir", "/proc/pipetrain-checkpoints"], "cannot write checkpoints to --save-dir"),
         (["--metrics", "/proc/pipetrain-metrics.json"], "cannot write the metrics file"),
     ],

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.blocks import BlockModel
+from pipetrain.checkpoint.background import BackgroundSaver
 from pipetrain.checkpoint.folders import probe_writable, read_meta
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.checkpoint.state import check_compatible, find_checkpoint, load_checkpoint, save_checkpoint
@@ -47,6 +48,7 @@ class DurableConfig:
     resume_from: Path | None = None
     keep: int | None = DEFAULT_KEEP
     step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
+    async_save: bool = False  # write checkpoints in the background (see checkpoint.background)
     requeue_job: str | None = None  # the Slurm job id to requeue after a stop request (None: not under Slurm)
 
     def __post_init__(self) -> None:
@@ -55,6 +57,8 @@ class DurableConfig:
                               hint="pass --save-dir DIR, the folder the job saved to")
         if self.resume_from is not None and not self.resume:
             raise ConfigError("resume_from is set but resume is not", hint="pass resume=True with resume_from")
+        if self.save_dir is None and self.async_save:
+            raise ConfigError("--async-save needs --save-dir", hint="pass --save-dir DIR, or drop --async-save")
         if self.save_dir is None and self.save_every is not None:
             raise ConfigError("--save-every needs --save-dir", hint="pass --save-dir DIR")
         for name in ("save_every", "keep"):
@@ -123,6 +127,7 @@ class DurableRun:
                                           master_addr=spec.master_addr, master_port=spec.master_port, on_stuck=fail_now)
         self._step = 0
         self._saved: dict[str, Any] | None = None
+        self._saver = BackgroundSaver() if config.async_save and config.save_dir is not None else None
         self.stopped_by: str | None = None
 
     @property
@@ -165,6 +170,7 @@ class DurableRun:
         if self._stop.agreed(self.device):
             self.stopped_by = self._stop.signal_name
             self.save(position)
+            self.finish()  # the job ends now: its last checkpoint must be committed
             return True
         if self.config.save_every and position.step % self.config.save_every == 0:
             self.save(position)
@@ -179,9 +185,9 @@ class DurableRun:
         """Save now unless this very position is already saved."""
         if self.config.save_dir is None or self._saved == position.__dict__:
             return
-        save_checkpoint(self.config.save_dir, self.engine, self.optimizer, step=position.step,
-                        model_name=self.model_name, config=self.job_config, extras={"position": position.__dict__},
-                        keep=self.config.keep)
+        save = self._saver.save if self._saver is not None else save_checkpoint
+        save(self.config.save_dir, self.engine, self.optimizer, step=position.step, model_name=self.model_name,
+             config=self.job_config, extras={"position": position.__dict__}, keep=self.config.keep)
         self._saved = copy.deepcopy(position.__dict__)
         self.progress()
 
@@ -196,7 +202,16 @@ class DurableRun:
         else:
             log.info("pipetrain: requeued Slurm job %s; it resumes from the checkpoint", self.config.requeue_job)
 
+    def finish(self) -> None:
+        """At the end of a job that went well: wait until the background save in flight, if any, is committed."""
+        if self._saver is not None:
+            self._saver.wait()
+            self.progress()
+
     def close(self) -> None:
+        """Stop watching (no collectives: it also runs after an error, when a background save is abandoned)."""
+        if self._saver is not None:
+            self._saver.close()
         if self._watchdog is not None:
             self._watchdog.stop()
         self._stop.uninstall()

@@ -110,8 +110,19 @@ def save_checkpoint(
     complete. Left-over partial folders and checkpoints beyond the `keep` newest are then removed. `extras`
     (JSON-serialisable) come back from `load_checkpoint`.
     """
-    directory = Path(directory)
-    partial, final = partial_folder(directory, step), final_folder(directory, step)
+    partial, final = begin_save(Path(directory), step)
+    try:
+        dcp.save(saved_state(engine, optimizer), checkpoint_id=str(partial))
+    except (Exception, dcp.CheckpointException) as err:  # DCP raises the same CheckpointException on every rank
+        raise save_failed(final, err) from None
+    meta = checkpoint_meta(engine, step, model_name, config, extras) if _rank() == 0 else None
+    _agree(commit_save(partial, final, meta, keep) if meta is not None else None)
+    return final
+
+
+def begin_save(directory: Path, step: int) -> tuple[Path, Path]:
+    """Before any rank writes the checkpoint of `step` (a collective call): rank 0 makes `directory` and removes a
+    partial folder a killed job left; returns (the partial folder to write, the folder it is committed to)."""
     error = None
     if _rank() == 0:
         try:
@@ -120,24 +131,35 @@ def save_checkpoint(
         except OSError as err:
             error = f"cannot write checkpoints to {str(directory)!r}: {err}"
     _agree(error)
+    return partial_folder(directory, step), final_folder(directory, step)
+
+
+def saved_state(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What this rank writes: its model (and optimizer) state under layout-free keys, and its RNG state."""
     _, _, state = _states(engine, optimizer)
     state[_rng_key()] = _rng_state()
+    return state
+
+
+def checkpoint_meta(engine: PipelineEngine, step: int, model_name: str, config: Mapping[str, Any] | None,
+                    extras: Mapping[str, Any] | None, *, fingerprint_: str | None = None) -> CheckpointMeta:
+    """The metadata rank 0 writes beside the shards (`fingerprint_`: the model's, when already known)."""
+    layout = engine_layout(engine)
+    return CheckpointMeta(step=step, model=model_name, fingerprint=fingerprint_ or fingerprint(engine.model),
+                          layout=layout, world_size=layout["world_size"], config=dict(config or {}),
+                          extras=dict(extras or {}))
+
+
+def commit_save(partial: Path, final: Path, meta: CheckpointMeta, keep: int | None) -> str | None:
+    """On rank 0, once every rank's shards are in `partial`: write the metadata, commit, prune older
+    checkpoints beyond `keep`. Returns what went wrong, or None."""
     try:
-        dcp.save(state, checkpoint_id=str(partial))
-    except (Exception, dcp.CheckpointException) as err:  # DCP raises the same CheckpointException on every rank
-        raise _save_failed(final, err) from None
-    if _rank() == 0:
-        meta = CheckpointMeta(step=step, model=model_name, fingerprint=fingerprint(engine.model),
-                              layout=engine_layout(engine), world_size=engine_layout(engine)["world_size"],
-                              config=dict(config or {}), extras=dict(extras or {}))
-        try:
-            write_meta(partial, meta)
-            commit(partial, final)
-            prune(directory, keep=keep)
-        except OSError as err:
-            error = f"could not commit checkpoint {str(final)!r}: {err}"
-    _agree(error)
-    return final
+        write_meta(partial, meta)
+        commit(partial, final)
+        prune(final.parent, keep=keep)
+    except OSError as err:
+        return f"could not commit checkpoint {str(final)!r}: {err}"
+    return None
 
 
 def _root(err: BaseException) -> tuple[BaseException, int | None]:
@@ -156,7 +178,7 @@ def _cause(err: BaseException) -> str:
     return f"{type(root).__name__}: {root}" + ("" if rank is None else f" (rank {rank})")
 
 
-def _save_failed(final: Path, err: BaseException) -> PipetrainError:
+def save_failed(final: Path, err: BaseException) -> PipetrainError:
     """A full or read-only disk says so; a peer lost during the save (a rank died) is a rank failure."""
     root, _ = _root(err)
     if isinstance(root, OSError):

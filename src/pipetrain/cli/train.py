@@ -216,6 +216,8 @@ def add_durable_arguments(parser: argparse.ArgumentParser) -> None:
                             "any layout may resume it")
     group.add_argument("--keep", type=_keep, default=None, metavar="K|all",
                        help=f"keep the K newest checkpoints, or all (default: {DEFAULT_KEEP})")
+    group.add_argument("--async-save", action="store_true",
+                       help="write checkpoints in the background: training waits only while the state is copied")
     group.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                        help=f"end the job when no step finishes for this many seconds, naming the stuck rank; "
                             f"0 disables (default: {DEFAULT_STEP_TIMEOUT_S:g})")
@@ -245,6 +247,7 @@ def durable_config(args: argparse.Namespace) -> DurableConfig:
     keep = DEFAULT_KEEP if args.keep is None else None if args.keep == "all" else args.keep
     return DurableConfig(save_dir=save_dir, save_every=args.save_every, resume=bool(args.resume),
                          resume_from=resume_from, keep=keep, step_timeout_s=args.step_timeout or None,
+                         async_save=args.async_save,
                          requeue_job=slurm_job_id())
 
 
