@@ -14,6 +14,8 @@ __all__ = [
     "PipelineConfig",
     "ParallelConfig",
     "schedule_is_multi_stage",
+    "V_SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
 ]
 
 #: Schedule name -> number of stages each pipeline rank holds by default.
@@ -22,7 +24,13 @@ SCHEDULES: dict[str, int] = {
     "1f1b": 1,
     "interleaved-1f1b": 2,
     "zero-bubble": 2,
+    "zbv": 2,
+    "dualpipev": 2,
 }
+#: The V-shaped schedules: pipeline rank r of p holds stages r and 2p - 1 - r (the others: r, r + p, ...).
+V_SCHEDULES = ("zbv", "dualpipev")
+#: The schedules that split a backward into its input and weight parts (and DDP cannot run: see ParallelConfig).
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 CHECKPOINT_POLICIES = ("never", "except_last", "always")
 DP_MODES = ("ddp", "fsdp")
 PARTITION_METHODS = ("parameters", "uniform", "time", "memory")
@@ -78,6 +86,12 @@ class PipelineConfig:
                     f"schedule {self.schedule!r} runs one stage per rank, got stages_per_rank={self.stages_per_rank}",
                     hint="use --schedule interleaved-1f1b or zero-bubble for virtual stages",
                 )
+            if self.schedule in V_SCHEDULES and self.stages_per_rank != 2:
+                raise ConfigError(
+                    f"schedule {self.schedule!r} holds exactly 2 stages per rank (a V), got "
+                    f"stages_per_rank={self.stages_per_rank}",
+                    hint="leave stages_per_rank unset, or use --schedule interleaved-1f1b for more stages per rank",
+                )
             if self.stages_per_rank < 2 and schedule_is_multi_stage(self.schedule):
                 raise ConfigError(
                     f"schedule {self.schedule!r} needs at least 2 stages per rank, got {self.stages_per_rank}",
@@ -89,7 +103,14 @@ class PipelineConfig:
                 f"chunks={self.n_microbatches} < pp={self.pp}",
                 hint=f"pass --chunks {self.pp} or more, or use --schedule gpipe",
             )
-        if schedule_is_multi_stage(self.schedule) and self.n_microbatches % self.pp:
+        if self.schedule == "dualpipev" and (self.n_microbatches % 2 or self.n_microbatches < 2 * self.pp):
+            raise ConfigError(
+                f"schedule 'dualpipev' needs an even number of micro-batches, at least 2 x pp = {2 * self.pp}: "
+                f"got chunks={self.n_microbatches}",
+                hint=f"pass --chunks {max(2 * self.pp, self.n_microbatches + self.n_microbatches % 2)}",
+            )
+        if (schedule_is_multi_stage(self.schedule) and self.schedule not in V_SCHEDULES
+                and self.n_microbatches % self.pp):
             raise ConfigError(
                 f"schedule {self.schedule!r} needs chunks to be a multiple of pp: "
                 f"chunks={self.n_microbatches}, pp={self.pp}",
@@ -116,6 +137,13 @@ class PipelineConfig:
     def num_stages(self) -> int:
         """Stages in the whole pipeline."""
         return self.pp * self.virtual_stages
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` holds, in order: a V (r, 2p - 1 - r) under the V schedules, else
+        looped (r, r + p, ...)."""
+        if self.schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + v * self.pp for v in range(self.virtual_stages)]
 
     def check_blocks(self, num_blocks: int) -> None:
         """Raise if the model has too few blocks for this pipeline, or a balance of the wrong total."""
@@ -151,6 +179,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
         _choice("dp mode", self.dp_mode, DP_MODES)
+        if self.dp > 1 and self.dp_mode == "ddp" and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+            # measured on torch 2.13 (parity against one process): zero-bubble's and zbv's backward split into
+            # input and weight parts gives DDP wrong gradients; dualpipev's overlapped forward/backward trips
+            # DDP's reducer ("gradient which is undefined, but still allreduced by DDP reducer")
+            raise ConfigError(
+                f"schedule {self.pipeline.schedule!r} splits each backward in two, which DDP does not follow in "
+                f"torch 2.13: its gradients would be wrong (dp={self.dp}, --dp-mode ddp)",
+                hint="pass --dp-mode fsdp, which trains it exactly, or another schedule",
+            )
 
     @property
     def pp(self) -> int:

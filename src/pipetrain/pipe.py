@@ -76,7 +76,7 @@ class Pipe(nn.Module):
                                      balance=tuple(balance) if balance else None)
         children = list(module.children())
         bounds = balance_bounds(resolve_balance(ModuleListModel(children, torch.empty(0)), self.config))
-        mine = [i for v in range(self.config.virtual_stages) for i in range(*bounds[dist.get_rank() + v * pp])]
+        mine = [i for stage in self.config.stage_ids(dist.get_rank()) for i in range(*bounds[stage])]
         self.device = _device()
         self.stages = nn.ModuleList([children[i].to(self.device) for i in mine])  # this rank's parameters
         self._model = _Children(children, dict(zip(mine, self.stages)))

@@ -46,6 +46,10 @@ WORLD_CASES = {
         "pp2-interleaved<-pp2-interleaved": (_layout(2, "interleaved-1f1b"), "pp2-interleaved"),
         "pp2-interleaved<-pp2-1f1b": (_layout(2, "interleaved-1f1b"), "pp2-1f1b"),
         "pp2-balance-5-3<-pp2-1f1b": (_layout(2, "1f1b", balance=(5, 3)), "pp2-1f1b"),
+        "pp2-zbv": (_layout(2, "zbv"), None),  # V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+        "pp2-zbv<-pp2-zbv": (_layout(2, "zbv"), "pp2-zbv"),
+        "pp2-zbv<-pp2-1f1b": (_layout(2, "zbv"), "pp2-1f1b"),
+        "pp2-1f1b<-pp2-zbv": (_layout(2, "1f1b"), "pp2-zbv"),
         "dp2-fsdp<-dp2-ddp": (_layout(1, "gpipe", dp=2, dp_mode="fsdp"), "dp2-ddp"),
         "dp2-ddp<-dp2-fsdp": (_layout(1, "gpipe", dp=2), "dp2-fsdp"),
     },

@@ -101,6 +101,18 @@ CASES = {
         TRAIN + ["--schedule", "1f1b", "--pp", "2", "--chunks", "1"],
         ["'1f1b'", "chunks=1 < pp=2", "hint: pass --chunks 2 or more"],
     ),
+    "dualpipev-odd-chunks": (
+        TRAIN + ["--schedule", "dualpipev", "--pp", "2", "--chunks", "5"],
+        ["'dualpipev' needs an even number of micro-batches, at least 2 x pp = 4", "chunks=5", "hint: pass --chunks 6"],
+    ),
+    "dualpipev-too-few-blocks": (  # the tiny preset's 6 blocks make 4 stages at pp=2, not 8 at pp=4
+        TRAIN + ["--schedule", "dualpipev", "--pp", "4", "--chunks", "8"],
+        ["pp=4 with 2 stage(s) per rank needs 8 blocks", "the model has 6"],
+    ),
+    "zbv-under-ddp": (
+        TRAIN + ["--schedule", "zbv", "--dp", "2", "--pp", "1", "--chunks", "2"],
+        ["'zbv' splits each backward in two", "hint: pass --dp-mode fsdp"],
+    ),
     "unknown-schedule": (TRAIN + ["--schedule", "pipedream"], ["'pipedream'", "hint: choose one of: gpipe, 1f1b"]),
     "unknown-checkpoint": (
         TRAIN + ["--checkpoint", "sometimes"], ["'sometimes'", "hint: choose one of: never, except_last, always"],

@@ -9,7 +9,8 @@ m + p − 1 slots: (m + p − 1)·T/m. So the ideal speed-up of m chunks over 1 
 
 and, for interleaved schedules with v stages per rank, whose bubble shrinks to (p − 1)/v slots,
 p·m / (m + (p − 1)/v). It ignores communication and per-micro-batch overheads; it is None for
-zero-bubble (no closed form: it depends on how backward splits into input and weight gradients).
+the schedules that split the backward (zero-bubble, zbv, dualpipev: no closed form, it depends on how the
+backward splits into input and weight gradients).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.bench.grid import Cell
-from pipetrain.config import SCHEDULES
+from pipetrain.config import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.trace.summary import ideal_bubble
 
@@ -35,7 +36,7 @@ _FORMAT_VERSION = 1
 
 def ideal_speedup(pp: int, chunks: int, schedule: str = "gpipe") -> float | None:
     """Speed-up of `chunks` micro-batches over naive (1 chunk) on `pp` equal stages, bubble only."""
-    if schedule == "zero-bubble":
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
         return None
     virtual = SCHEDULES.get(schedule, 1)
     return pp * chunks / (chunks + (pp - 1) / virtual)

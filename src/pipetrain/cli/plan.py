@@ -8,12 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, SCHEDULES
+from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES
 from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, default_calibration_path,
                                      load_calibration, save_calibration)
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
+from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.plan.search import SearchResult, SearchSpace, search
 from pipetrain.workloads.presets import PRESETS
 
@@ -54,8 +55,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="per-block profile from `pipetrain profile` (instead of the analytic model)")
     model.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--schedules", type=_names(tuple(SCHEDULES)), default=tuple(SCHEDULES),
-                        help="schedules to consider, comma-separated (default: all)")
+    limits.add_argument("--schedules", type=_names(SIMULATED_SCHEDULES), default=SIMULATED_SCHEDULES,
+                        help="schedules to consider, comma-separated (default: all the simulator plays)")
     limits.add_argument("--checkpoints", type=_names(CHECKPOINT_POLICIES), default=CHECKPOINT_POLICIES,
                         help="recomputation policies to consider (default: all)")
     limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")

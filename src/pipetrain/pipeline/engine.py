@@ -92,7 +92,7 @@ class PipelineEngine:
         self.pp_rank = dist.get_rank(pp_group)
         self.balance = resolve_balance(model, config)
         self._bounds = balance_bounds(self.balance)
-        self.stage_ids = [self.pp_rank + v * config.pp for v in range(config.virtual_stages)]
+        self.stage_ids = config.stage_ids(self.pp_rank)
         self._recompute: list[RecomputeWrapper] = []
         self.modules: list[nn.Module] = []
         for stage_id in self.stage_ids:

@@ -11,12 +11,16 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from pipetrain.config import V_SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline.plan import Run
 
@@ -27,7 +31,35 @@ SCHEDULE_CLASSES = {
     "1f1b": Schedule1F1B,
     "interleaved-1f1b": ScheduleInterleaved1F1B,
     "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
+
+
+class BreadthFirstV(ScheduleLoopedBFS):
+    """GPipe order over the V placement (rank r holds stages r and 2p - 1 - r): every forward of the rank's first
+    stage, then of its second, then the second's backwards, then the first's.
+
+    What a V-shaped job runs where its own schedule cannot: forward-only passes (torch 2.13's `eval()` of
+    `ScheduleZBVZeroBubble` and `ScheduleDualPipeV` fails) and a batch's remainder micro-batch. torch infers the
+    stage-to-rank mapping from these actions, so the V's middle hop (stage p - 1 to p) stays on one rank.
+    """
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, *, train: bool, **kwargs) -> None:
+        super().__init__(stages, n_microbatches, **kwargs)
+        if not train:  # torch's runtime would hand the V's local hop a gradient that a forward-only stage lacks;
+            # the backward is skipped, and its (empty: no backward) receive forgotten, as running it would
+            def skip(action: _Action, ctx: object) -> None:
+                self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+            self.register_custom_function(_ComputationType.FULL_BACKWARD, skip)
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[_Action | None]:
+        first, second = rank, 2 * self.pp_group_size - 1 - rank
+        forward, backward = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+        micro = range(self._n_microbatches)
+        return ([_Action(stage, forward, mb) for stage in (first, second) for mb in micro]
+                + [_Action(stage, backward, mb) for stage in (second, first) for mb in reversed(micro)])
 
 
 def _real(meta: tuple[torch.Tensor, ...], device: torch.device, requires_grad: bool) -> tuple[torch.Tensor, ...]:
@@ -51,7 +83,7 @@ def build_schedule(
     """The schedule running `run` over this rank's stages, with static shapes from `boundaries`.
 
     A fallback run (a remainder micro-batch) and every forward-only run use GPipe order (looped BFS with
-    several stages per rank), which any number of micro-batches allows. The model's outputs were checked
+    several stages per rank, `BreadthFirstV` under a V schedule), which any number of micro-batches allows. The model's outputs were checked
     when the engine was built (`shapes.check_model_outputs`).
     """
     stages = [
@@ -65,6 +97,8 @@ def build_schedule(
     ]
     multi = len(stages) > 1
     if run.fallback or not train:
+        if multi and schedule in V_SCHEDULES:
+            return BreadthFirstV(stages, run.count, train=train, loss_fn=loss_fn, scale_grads=False)
         cls = ScheduleLoopedBFS if multi else ScheduleGPipe
     else:
         cls = SCHEDULE_CLASSES[schedule]

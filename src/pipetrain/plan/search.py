@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
@@ -70,6 +71,8 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
                         if checkpoint == "except_last" and chunks == 1:
                             continue  # the last (only) micro-batch does not recompute: same as "never"
                         for mode in space.dp_modes if dp > 1 else ("ddp",):
+                            if dp > 1 and mode == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
+                                continue  # refused by ParallelConfig: DDP gets such a backward wrong
                             for balance in space.balances if pp * v > 1 else ("uniform",):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
                                                       virtual=v, checkpoint=checkpoint, dp_mode=mode, balance=balance,
