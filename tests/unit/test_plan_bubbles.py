@@ -21,3 +21,14 @@ def test_rows_equal_the_closed_forms(capsys):
     assert table.count("\n") == len(rows) + 1 and "| 4 | 8 | 1f1b | 27.3 % | 1.000 | 4 |" in table
     assert main(["--pp", "2", "--per-rank", "2"]) == 0
     assert "| 2 | 4 | zbv | 4.0 % | 0.833 | 2 |" in capsys.readouterr().out
+
+
+def test_predicted_table_uses_the_calibration(tmp_path, capsys):
+    from pipetrain.plan.hardware import DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, save_calibration
+
+    save_calibration(Calibration(device=DEFAULT_DEVICE, network=DEFAULT_NETWORK, backend="nccl", measured="now"),
+                     tmp_path / "c.json")
+    assert main(["--calibration", str(tmp_path / "c.json"), "--pp", "2", "--per-rank", "2", "--batch", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[3].strip() for line in lines[2:]] == ["1f1b", "zero-bubble", "zbv", "dualpipev"]
+    assert lines[2].split("|")[5].strip() == "1.00"

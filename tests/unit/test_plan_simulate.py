@@ -94,7 +94,8 @@ def test_sharing_at_full_speed_equals_dedicated_devices(schedule, v):
         assert got == pytest.approx(want, rel=1e-9)
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2), ("dualpipev", 2)])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2),
+                                        ("dualpipev", 2)])
 def test_one_core_shared_by_every_rank_runs_all_the_work_back_to_back(schedule, v):
     """p ranks on one core (each of n busy ranks at 1/n speed): without transfers the core never idles,
     so the step lasts the sum of every action; with p cores it is the pipeline's span."""

@@ -5,7 +5,8 @@ forward of 1 and a backward of 2 per rank and micro-batch (so F = I = W within a
 no host overhead: what the schedule's order alone costs. `bubble` is the simulator's fraction (idle over
 ranks x compute span), `step` the compute span relative to 1F1B's on the same pp and micro-batches,
 `peak` the most activations a rank holds at once, in micro-batches of the rank's whole share of the model
-(1F1B's first rank: pp).
+(1F1B's first rank: pp). With `--calibration FILE` it prints instead the planner's full predictions
+(`predict`: measured device, host cost per action, transfers, shared CPU cores) for a preset's model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pipetrain.plan.schedules import V_SCHEDULES, min_microbatches, schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
 
-__all__ = ["BubbleRow", "bubble_rows", "markdown", "main"]
+__all__ = ["BubbleRow", "bubble_rows", "markdown", "predicted_markdown", "main"]
 
 SCHEDULES = (("1f1b", 1), ("zero-bubble", 2), ("zbv", 2), ("dualpipev", 2))
 
@@ -59,7 +60,32 @@ def markdown(rows: Sequence[BubbleRow]) -> str:
              "|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r.span / base[r.pp, r.chunks]:.3f}" if (r.pp, r.chunks) in base else "-"
-        lines.append(f"| {r.pp} | {r.chunks} | {r.schedule} | {100 * r.bubble:.1f} % | {ratio} | {r.peak_activations:g} |")
+        lines.append(f"| {r.pp} | {r.chunks} | {r.schedule} | {100 * r.bubble:.1f} % | {ratio} "
+                     f"| {r.peak_activations:g} |")
+    return "\n".join(lines)
+
+
+def predicted_markdown(calibration: str, preset: str, batch: int, pps: Sequence[int], per_rank: Sequence[int]) -> str:
+    """The planner's predicted step time and bubble of each schedule for the `preset` model (dp 1)."""
+    from pipetrain.plan.hardware import load_calibration
+    from pipetrain.plan.model import config_blocks
+    from pipetrain.plan.predict import Layout, predict
+    from pipetrain.workloads.presets import PRESETS
+
+    calib, blocks = load_calibration(calibration), config_blocks(PRESETS[preset])
+    lines = ["| pp | micro-batches | schedule | predicted step s | vs 1F1B | predicted bubble |",
+             "|---:|---:|---|---:|---:|---:|"]
+    for pp in pps:
+        for k in per_rank:
+            m, base = k * pp, None
+            for schedule, v in SCHEDULES:
+                if m < min_microbatches(schedule, pp) or batch % m:
+                    continue
+                p = predict(blocks, Layout(dp=1, pp=pp, batch=batch, chunks=m, schedule=schedule, virtual=v),
+                            calib.device, calib.network)
+                base = base or p.step_s
+                lines.append(f"| {pp} | {m} | {schedule} | {p.step_s:.3f} | {p.step_s / base:.2f} | "
+                             f"{100 * p.bubble:.0f} % |")
     return "\n".join(lines)
 
 
@@ -68,8 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--per-rank", type=int, nargs="+", default=[2, 4, 8], help="micro-batches per pp rank")
+    parser.add_argument("--calibration", default=None, help="a calibration file: print the planner's predictions")
+    parser.add_argument("--preset", default="cpu", help="model preset for --calibration (default: cpu)")
+    parser.add_argument("--batch", type=int, default=64, help="batch for --calibration (default: 64)")
     args = parser.parse_args(argv)
-    print(markdown(bubble_rows(args.pp, args.per_rank)))
+    if args.calibration:
+        print(predicted_markdown(args.calibration, args.preset, args.batch, args.pp, args.per_rank))
+    else:
+        print(markdown(bubble_rows(args.pp, args.per_rank)))
     return 0
 
 
