@@ -5,28 +5,30 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.pipeline.compat import torch_schedule_order
-from pipetrain.plan.schedules import Action, schedule_order
+from pipetrain.pipeline.compat import torch_lowers, torch_schedule_order
+from pipetrain.plan.schedules import Action, min_microbatches, rank_stages, schedule_order, stage_rank
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12, 16, 32)]
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("interleaved-1f1b", 4),
-         ("zero-bubble", 2), ("zero-bubble", 3)]
+         ("zero-bubble", 2), ("zero-bubble", 3), ("zbv", 2), ("dualpipev", 2)]
+V_SIZES = [(p, m) for p in (2, 4) for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16)]
 
 
 def _supported(schedule: str, p: int, m: int, v: int) -> bool:
-    if schedule == "1f1b" and m < p:
+    if m < min_microbatches(schedule, p):
         return False
-    return v == 1 or m % max(1, m // p) == 0
+    return v == 1 or schedule in ("zbv", "dualpipev") or m % max(1, m // p) == 0
 
 
-def _plain(order: list[list[Action]]) -> list[list[tuple[int, str, int]]]:
-    return [[tuple(action) for action in actions] for actions in order]
+def _plain(order: list[list[Action]]) -> list[list[tuple]]:
+    """As compat writes torch's: (stage, kind, microbatch), with a fourth item True on a fused action."""
+    return [[tuple(action) if action.fused else tuple(action)[:3] for action in actions] for actions in order]
 
 
 @pytest.mark.parametrize("schedule,v", CASES)
 def test_order_equals_torch(schedule, v):
     checked = 0
-    for p, m in SIZES:
+    for p, m in SIZES + V_SIZES:
         if not _supported(schedule, p, m, v):
             continue
         ours = _plain(schedule_order(schedule, p, m, v))
@@ -52,16 +54,49 @@ def test_orders_hold_every_action_once():
     for schedule, v in CASES:
         p, m = 4, 8
         order = schedule_order(schedule, p, m, v)
-        kinds = ("F", "I", "W") if schedule == "zero-bubble" else ("F", "B")
+        style = "v" if schedule in ("zbv", "dualpipev") else "loop"
         for rank, actions in enumerate(order):
-            for kind in kinds:
-                got = sorted((a.stage, a.microbatch) for a in actions if a.kind == kind)
-                assert got == sorted((rank + k * p, i) for k in range(v) for i in range(m))
+            want = sorted((s, i) for s in rank_stages(rank, p, v, style) for i in range(m))
+            assert sorted((a.stage, a.microbatch) for a in actions if a.kind == "F") == want
+            full = [(a.stage, a.microbatch) for a in actions if a.kind == "B"]
+            inputs = [(a.stage, a.microbatch) for a in actions if a.kind == "I"]
+            weights = [(a.stage, a.microbatch) for a in actions if a.kind == "W"]
+            assert sorted(inputs) == sorted(weights) and sorted(full + inputs) == want, schedule
             assert sum(a.kind == "R" for a in actions) == v
+            if schedule != "dualpipev":
+                assert not any(a.fused for a in actions)
+            else:  # a fused action is a forward followed by a full backward of the rank's other stage
+                for a, b in zip(actions, actions[1:]):
+                    assert not a.fused or (a.kind, b.kind) == ("F", "B") and a.stage != b.stage
+
+
+def test_v_placement():
+    """V schedules: rank r holds stages r and 2p-1-r, as torch's `generate_stage_to_rank_mapping(style="v")`."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for p in (1, 2, 3, 4, 8):
+        assert [stage_rank(s, p, "v") for s in range(2 * p)] == list(range(p)) + list(range(p - 1, -1, -1))
+        for stages in (2 * p, 4 * p):
+            torch_map = generate_stage_to_rank_mapping(p, stages, style="v")
+            assert [stage_rank(s, p, "v") for s in range(stages)] == [torch_map[s] for s in range(stages)]
+        assert rank_stages(0, p, 2, "v") == [0, 2 * p - 1]
+        for rank, actions in enumerate(schedule_order("zbv", p, 2 * p, 2)):
+            assert {a.stage for a in actions} == {rank, 2 * p - 1 - rank}
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_torch_validates_and_lowers_the_v_orders(schedule):
+    """torch's own checks (every action once, in a valid order; sends and receives placeable) pass on the
+    orders compared above: zbv for any m >= 1, dualpipev from m = 2p (torch's __init__ refuses fewer)."""
+    for p, m in V_SIZES:
+        if m >= min_microbatches(schedule, p):
+            assert torch_lowers(schedule, p, m)
+    assert min_microbatches("zbv", 4) == 1 and min_microbatches("dualpipev", 4) == 8
 
 
 @pytest.mark.parametrize("args", [("pipedream", 2, 4, 1), ("1f1b", 4, 2, 1), ("gpipe", 2, 4, 2),
-                                  ("interleaved-1f1b", 2, 4, 1), ("interleaved-1f1b", 4, 9, 2), ("gpipe", 0, 1, 1)])
+                                  ("interleaved-1f1b", 2, 4, 1), ("interleaved-1f1b", 4, 9, 2), ("gpipe", 0, 1, 1),
+                                  ("zbv", 2, 4, 1), ("zbv", 2, 4, 4), ("dualpipev", 2, 3, 2), ("dualpipev", 4, 7, 2)])
 def test_bad_sizes_are_config_errors(args):
     with pytest.raises(ConfigError):
         schedule_order(*args)

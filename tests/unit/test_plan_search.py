@@ -113,3 +113,66 @@ def test_flop_rate_by_micro_batch_size():
     assert device.flops_at(8) == pytest.approx(18.0)
     assert device.flops_at(64) == 16.0
     assert DEFAULT_DEVICE.flops_at(3) == DEFAULT_DEVICE.flops_per_s
+
+
+def test_v_layouts_follow_torchs_constraints():
+    """zbv: 2 stages per rank, any chunks; dualpipev: 2 stages per rank and at least 2p micro-batches."""
+    space = SearchSpace(schedules=("zbv", "dualpipev"), checkpoints=("never",), balances=("uniform",))
+    layouts = enumerate_layouts(len(BLOCKS), 8, 128, space)
+    assert layouts and all(lay.virtual == 2 and lay.pp > 1 for lay in layouts)
+    assert {lay.chunks for lay in layouts if lay.schedule == "zbv" and lay.pp == 4} == {1, 2, 4, 8, 16, 32, 64}
+    assert all(lay.chunks >= 2 * lay.pp for lay in layouts if lay.schedule == "dualpipev")
+    assert any(lay.schedule == "dualpipev" and lay.chunks == 2 * lay.pp for lay in layouts)
+    assert not enumerate_layouts(8, 8, 128, replace(space, only_pp=8))  # 16 stages need 16 blocks
+
+
+def _one_heavy_block(count: int, heavy: int):
+    from pipetrain.plan.model import BlockCost
+
+    return [BlockCost(name=f"b{i}", params=0, param_bytes=2.0**30 if i == heavy else 0.0, activation_bytes=0.0,
+                      output_bytes=0.0, forward_flops=1e9) for i in range(count)]
+
+
+def test_v_placement_puts_the_last_stage_on_rank_0():
+    """Rank r holds stages r and 2p-1-r: the last block's parameters weigh on rank 0 under zbv and
+    dualpipev, on rank p-1 under the looped interleaved schedule."""
+    p = 4
+    blocks = _one_heavy_block(2 * p, heavy=2 * p - 1)
+    heaviest = {}
+    for schedule in ("zbv", "dualpipev", "interleaved-1f1b"):
+        layout = Layout(dp=1, pp=p, batch=16, chunks=8, schedule=schedule, virtual=2)
+        memory = predict(blocks, layout, DEFAULT_DEVICE, DEFAULT_NETWORK).memory_bytes
+        heaviest[schedule] = max(range(p), key=lambda r: memory[r])
+        assert max(memory) - min(memory) == pytest.approx(4 * 2.0**30)  # parameters, gradients, 2 moments
+    assert heaviest == {"zbv": 0, "dualpipev": 0, "interleaved-1f1b": p - 1}
+
+
+def test_v_activation_memory_is_the_simulated_orders():
+    """The activation part of a V layout's memory is the peak of its own order: zbv holds 1F1B's amount
+    (2p stage activations on every rank), dualpipev one stage more."""
+    p, chunks = 2, 8
+    blocks = transformer_blocks(**{**GPU, "nlayers": 2})  # 4 blocks: one per stage
+    peaks = {}
+    for schedule in ("zbv", "dualpipev"):
+        layout = Layout(dp=1, pp=p, batch=64, chunks=chunks, schedule=schedule, virtual=2)
+        bare = [replace(b, activation_bytes=0.0) for b in blocks]
+        with_acts = predict(blocks, layout, DEFAULT_DEVICE, DEFAULT_NETWORK).memory_bytes
+        without = predict(bare, layout, DEFAULT_DEVICE, DEFAULT_NETWORK).memory_bytes
+        peaks[schedule] = [a - b for a, b in zip(with_acts, without)]
+    assert all(v > 0 for v in peaks["zbv"])
+    assert all(d > z for d, z in zip(peaks["dualpipev"], peaks["zbv"]))
+
+
+def test_search_ranks_v_layouts_and_renders_their_flags():
+    from argparse import Namespace
+
+    from pipetrain.cli.plan import train_args
+
+    device = replace(DEFAULT_DEVICE, memory_bytes=80 * 2**30)
+    space = SearchSpace(schedules=("1f1b", "zbv", "dualpipev"), max_chunks=16, only_pp=4)
+    result = search(BLOCKS, gpus=4, batch=64, device=device, network=DEFAULT_NETWORK, space=space, top=20)
+    v = next(p for p in result.best if p.layout.schedule in ("zbv", "dualpipev"))
+    flags = train_args(v, Namespace(profile=None, preset="gpu"))
+    at = flags.index("--schedule")
+    assert flags[at + 1] == v.layout.schedule and flags[flags.index("--stages-per-rank") + 1] == "2"
+    assert len(v.balance) == 8

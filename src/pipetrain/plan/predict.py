@@ -7,6 +7,8 @@ metrics). Memory per rank = parameters, gradients and the two AdamW moments (4 c
 bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharded over dp; DDP adds its
 gradient buckets) + the simulated activation peak + the receive buffers torch's stages allocate per
 micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory before the model).
+A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
+(r and 2pp-1-r); the activation peak is the simulated one of the rank's own order (both its stages).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.partition.solver import solve_balance, uniform_balance
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.schedules import Action, schedule_order
+from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
 
 __all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of",
@@ -121,10 +123,12 @@ def _time_balance(times: tuple[float, ...], stages: int) -> tuple[int, ...]:
 
 
 def _crosses_node(stage: int, layout: Layout) -> bool:
-    """Whether the hop from `stage` to `stage + 1` leaves the node (pipeline ranks are contiguous)."""
+    """Whether the hop from `stage` to `stage + 1` leaves the node (pipeline ranks are contiguous; stages
+    placed looped or, for the V schedules, in a V)."""
     if layout.gpus_per_node <= 0:
         return False
-    rank, nxt = stage % layout.pp, (stage + 1) % layout.pp
+    style = placement(layout.schedule)
+    rank, nxt = stage_rank(stage, layout.pp, style), stage_rank(stage + 1, layout.pp, style)
     return rank // layout.gpus_per_node != nxt // layout.gpus_per_node
 
 
@@ -183,14 +187,15 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
                         overhead_s=device.action_overhead_s, speeds=speeds)
     memory, optimizer = [], 0.0
     for rank in range(layout.pp):
-        mine = [blocks[i] for s in range(rank, len(bounds), layout.pp) for i in range(*bounds[s])]
+        held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
+        mine = [blocks[i] for s in held for i in range(*bounds[s])]
         param_bytes = sum(b.param_bytes for b in mine)
         sharded = layout.dp_mode == "fsdp" and layout.dp > 1
         if sharded:
             static = 2 * param_bytes + 4 * param_bytes / layout.dp
         else:
             static = (5 if layout.dp > 1 else 4) * param_bytes
-        buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in range(rank, len(bounds), layout.pp))
+        buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
         memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
         optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once

@@ -17,15 +17,17 @@ from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout, Prediction, block_times, optimizer_s, predict, reduce_s
+from pipetrain.plan.schedules import MULTI_STAGE_SCHEDULES, SIMULATED_SCHEDULES, V_SCHEDULES, min_microbatches
 
 __all__ = ["SearchSpace", "SearchResult", "enumerate_layouts", "search", "lower_bound_s"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
-    """What may vary. `max_chunks` bounds micro-batches per replica; `virtual` the interleaved depths."""
+    """What may vary. `max_chunks` bounds micro-batches per replica; `virtual` the interleaved depths (the
+    V schedules always have 2 stages per rank)."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    schedules: tuple[str, ...] = SIMULATED_SCHEDULES
     checkpoints: tuple[str, ...] = ("never", "except_last", "always")
     dp_modes: tuple[str, ...] = ("ddp", "fsdp")
     balances: tuple[str, ...] = ("uniform", "time")
@@ -58,14 +60,16 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
         dp = gpus // pp
         local = batch // dp
         for schedule in space.schedules:
-            multi = schedule in ("interleaved-1f1b", "zero-bubble")
+            multi = schedule in MULTI_STAGE_SCHEDULES
             if pp == 1 and schedule != "gpipe":
                 continue  # one stage: every schedule is the same computation
-            for v in (space.virtual if multi else (1,)):
+            depths = (2,) if schedule in V_SCHEDULES else space.virtual if multi else (1,)
+            for v in depths:
                 if pp * v > num_blocks:
                     continue
                 for chunks in _chunk_options(local, pp, space):
-                    if schedule == "1f1b" and chunks < pp or multi and chunks % pp:
+                    if chunks < min_microbatches(schedule, pp) or (multi and schedule not in V_SCHEDULES
+                                                                   and chunks % pp):
                         continue
                     for checkpoint in space.checkpoints:
                         if checkpoint == "except_last" and chunks == 1:

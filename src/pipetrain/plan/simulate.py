@@ -3,9 +3,12 @@
 Pure code. Each rank runs its actions strictly in the given order (as torch's schedules do); an action
 starts when its rank is free and its inputs have arrived:
 
-- F(s, i) needs F(s-1, i) plus the transfer of stage s-1's output when s-1 is on another rank;
+- F(s, i) needs F(s-1, i) plus the transfer of stage s-1's output when s-1 is on another rank (a rank holds
+  the stages its order runs: looped or V placement alike; V's hop from stage pp-1 to pp costs nothing);
 - B or I(s, i) needs F(s, i) and, below the last stage, the backward of (s+1, i) plus the transfer of the
   gradient (same bytes as the activation);
+- a transfer out of a fused action (DualPipeV's OVERLAP_F_B: a forward run with the next backward) starts
+  when the pair ends, as torch posts its sends after both;
 - W(s, i) needs I(s, i); R(s) (gradient reduction) needs the stage's last backward (its place in the order).
 
 Durations: F = forward; B = backward (+ forward again for a micro-batch that recomputes); I and W split the
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipetrain.errors import ConfigError
-from pipetrain.plan.schedules import Action, stage_rank
+from pipetrain.plan.schedules import Action
 
 __all__ = ["StageCost", "Timeline", "simulate", "recomputed_microbatches", "RECOMPUTE_POLICIES", "clear_cache"]
 
@@ -73,15 +76,20 @@ _KINDS = {"F": 0, "B": 1, "I": 2, "W": 3, "R": 4}
 @lru_cache(maxsize=1024)
 def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, int, int, int, int, int], ...], ...]:
     """Each action as (stage, kind code, microbatch, its slot, its dependency's slot or -1, the stage whose
-    transfer delays it or -1), the dependencies of the module docstring resolved once per order."""
-    pp = len(order)
-    slots = {tuple(a): i for i, a in enumerate(a for actions in order for a in actions)}
-    last = max(a.stage for actions in order for a in actions)
-    backward = "I" if any(a.kind == "I" for a in order[0]) else "B"
+    transfer delays it or -1), the dependencies of the module docstring resolved once per order. Stages
+    are placed where the order runs them; a dependency on another rank's fused action (DualPipeV's
+    OVERLAP_F_B) waits for the end of the pair, when torch posts the send."""
+    slots, leaves, rank_of = {}, [], {}
+    for rank, actions in enumerate(order):
+        for at, action in enumerate(actions):
+            slots[tuple(action[:3])] = len(leaves)
+            leaves.append(len(leaves) + 1 if action.fused and at + 1 < len(actions) else len(leaves))
+            rank_of.setdefault(action.stage, rank)
+    last = max(rank_of)
     compiled = []
     for actions in order:
         rows = []
-        for stage, kind, mb in actions:
+        for stage, kind, mb, *_ in actions:
             dep, hop = -1, -1
             if kind == "F" and stage > 0:
                 dep, hop = slots[(stage - 1, "F", mb)], stage - 1
@@ -89,9 +97,12 @@ def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, in
                 if stage == last:
                     dep = slots[(stage, "F", mb)]
                 else:
-                    dep, hop = slots[(stage + 1, backward, mb)], stage
-            if hop >= 0 and stage_rank(hop, pp) == stage_rank(hop + 1, pp):
+                    after = slots.get((stage + 1, "I", mb))
+                    dep, hop = (slots[(stage + 1, "B", mb)] if after is None else after), stage
+            if hop >= 0 and rank_of[hop] == rank_of[hop + 1]:
                 hop = -1
+            elif hop >= 0:
+                dep = leaves[dep]
             rows.append((stage, _KINDS[kind], mb, slots[(stage, kind, mb)], dep, hop))
         compiled.append(tuple(rows))
     return tuple(compiled)
@@ -116,8 +127,8 @@ def _duration(row: tuple[int, int, int, int, int, int], costs: Sequence[StageCos
 
 
 def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) -> tuple[list[float], list[int]]:
-    """Each rank's peak activation bytes and micro-batches held: they depend on the order only, not on time."""
-    frees_at = 3 if any(row[1] == 3 for row in program[0]) else 1
+    """Each rank's peak activation bytes and micro-batches held: they depend on the order only, not on time.
+    A micro-batch's activations go with its full backward (B) or its weight backward (W, after an I)."""
     peaks, inflights = [], []
     for rows in program:
         live = peak = 0.0
@@ -132,7 +143,7 @@ def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) ->
             elif again and kind in (1, 2):
                 peak = max(peak, live - held + cost.activation_bytes)
             peak, peak_inflight = max(peak, live), max(peak_inflight, inflight)
-            if kind == frees_at:
+            if kind in (1, 3):
                 live -= held
                 inflight -= 1
         peaks.append(peak)

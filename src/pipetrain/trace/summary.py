@@ -21,7 +21,15 @@ _WORK = (*COMPUTE_KINDS, "recompute")
 
 def ideal_bubble(schedule: str, pp: int, chunks: int, stages_per_rank: int = 1) -> float:
     """The schedule's ideal bubble fraction: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) with `v`
-    stages per rank (interleaved 1F1B; an upper bound for the zero-bubble schedule, which fills part of it)."""
+    stages per rank (interleaved 1F1B; an upper bound for the zero-bubble schedule, which fills part of it).
+    V schedules, with equal forward, input-backward and weight-backward times (t each per stage): ZB-V
+    idles only (p-1)t per rank (the start-up skew; Qi et al. 2024's zero bubble in steady state), hence
+    (p-1)/(6m+p-1); DualPipeV idles (p-1)(F&B+B-3W) = 2(p-1)t per rank (DeepSeek-V3's DualPipe bubble,
+    its fused F&B run as F then B), hence (p-1)/(3m+p-1). Both for m >= 2p (the simulator's tests)."""
+    if schedule == "zbv":
+        return (pp - 1) / (6 * chunks + pp - 1)
+    if schedule == "dualpipev":
+        return (pp - 1) / (3 * chunks + pp - 1)
     v = stages_per_rank if schedule not in ("gpipe", "1f1b") else 1
     return (pp - 1) / (v * chunks + pp - 1)
 
