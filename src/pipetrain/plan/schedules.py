@@ -30,16 +30,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
+from pipetrain.config import SCHEDULES, V_SCHEDULES
 from pipetrain.errors import ConfigError
 
 __all__ = ["Action", "schedule_order", "stage_rank", "rank_stages", "placement", "min_microbatches",
            "SIMULATED_SCHEDULES", "V_SCHEDULES", "MULTI_STAGE_SCHEDULES"]
 
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
-#: Schedules with exactly 2 stages per rank placed in a V.
-V_SCHEDULES = ("zbv", "dualpipev")
-#: Schedules with more than one stage per rank.
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble", *V_SCHEDULES)
+#: Schedules with more than one stage per rank (V_SCHEDULES, from the configuration: exactly 2, in a V).
+MULTI_STAGE_SCHEDULES = tuple(name for name, per_rank in SCHEDULES.items() if per_rank > 1)
 
 
 class Action(NamedTuple):
