@@ -141,6 +141,8 @@ def make_token_batches(sizes: list[int], seed: int = 11, widths: list[int] | Non
 #: model name -> (BlockModel factory, loss given to the engine, loss of the single-process reference, eval batches)
 MODELS = {
     "classifier": (make_model, F.cross_entropy, F.cross_entropy, lambda: make_batches(EVAL_BATCHES)),
+    # one shape evaluated twice in a row (one cached forward-only schedule run again), then another
+    "classifier-eval-twice": (make_model, F.cross_entropy, F.cross_entropy, lambda: make_batches([8, 8, 3])),
     "gpt": (make_gpt, TokenCrossEntropy(), _reference_token_loss, lambda: make_token_batches(EVAL_BATCHES, seed=5)),
     "table": (PositionTableModel, F.cross_entropy, F.cross_entropy, lambda: make_float_batches(EVAL_BATCHES, seed=17)),
     "gpt-mask-input": (make_mask_input_gpt, TokenCrossEntropy(), _reference_token_loss,

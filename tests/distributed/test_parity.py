@@ -41,19 +41,11 @@ WORLD_CASES = {
         **{f"pp2-{s}-{p}": (_pipe(2, s, p), PIPELINE_BATCHES) for s in SCHEDULES for p in POLICIES},
         "dp2-ddp": (_pipe(1, "gpipe", dp=2), DP_BATCHES),
         "dp2-fsdp": (_pipe(1, "gpipe", dp=2, dp_mode="fsdp"), DP_BATCHES),
-        # the V schedules (rank r holds stages r and 3 - r); batches 6 and 3 run their remainder and their
-        # evaluation in `BreadthFirstV` (torch 2.13's own eval() of a V schedule fails)
-        "pp2-zbv-never": (_pipe(2, "zbv"), PIPELINE_BATCHES),
-        "pp2-zbv-always": (_pipe(2, "zbv", "always"), PIPELINE_BATCHES),
-        "pp2-dualpipev-except_last": (_pipe(2, "dualpipev", "except_last"), PIPELINE_BATCHES),
     },
     4: {
         **{f"pp4-{s}": (_pipe(4, s, "except_last"), PIPELINE_BATCHES) for s in SCHEDULES},
         **{f"dp2xpp2-{s}-ddp": (_pipe(2, s, dp=2), DP_BATCHES) for s in ("gpipe", "1f1b", "interleaved-1f1b")},
         "dp2xpp2-interleaved-1f1b-fsdp": (_pipe(2, "interleaved-1f1b", dp=2, dp_mode="fsdp"), DP_BATCHES),
-        "pp4-zbv": (_pipe(4, "zbv", "except_last"), PIPELINE_BATCHES),
-        "pp4-dualpipev": (_pipe(4, "dualpipev", chunks=8), PIPELINE_BATCHES),  # at least 2 x pp micro-batches
-        **{f"dp2xpp2-{s}-fsdp": (_pipe(2, s, dp=2, dp_mode="fsdp"), DP_BATCHES) for s in ("zbv", "dualpipev")},
     },
 }
 # The causal decoder: (hidden states, boolean padding mask) cross every stage boundary; the loss is per token
