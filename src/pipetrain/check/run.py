@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +91,8 @@ def run_checks(jobs: list[tuple], *, steps: int = DEFAULT_STEPS, lr: float = DEF
                work_dir: Path | None = None) -> list[CheckReport]:
     """Check each `(config, train data)` of `jobs`: the layouts of one world size run on one spawned set of
     local ranks (one after another), each compared with the unsplit model run in this process."""
-    sides = [_reference_side(config, train, steps, lr) for config, train in jobs]
+    with _one_thread():
+        sides = [_reference_side(config, train, steps, lr) for config, train in jobs]
     records: dict[int, list[dict]] = {}
     for world in sorted({side.config.parallel.world_size for side in sides}):
         chosen = [i for i, side in enumerate(sides) if side.config.parallel.world_size == world]
@@ -110,6 +113,17 @@ def _report(side: _Side, records: list[dict], steps: int, lr: float) -> CheckRep
     return CheckReport(header=_header(config, steps, lr, records[0]["balance"]), precision=config.precision,
                        tolerances=TOLERANCES[config.precision], labels=side.labels,
                        steps=step_diffs(side.ref, records), hazards=side.hazards, reference_spread=side.spread)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """One CPU thread for the reference, as each rank has (on a busy machine, many threads spin for nothing)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _nondeterministic(value: float) -> Hazard:
