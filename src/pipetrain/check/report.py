@@ -21,17 +21,19 @@ class Tolerances:
     param: float
 
     def line(self, precision: str) -> str:
-        return (f"tolerances ({precision}): loss {self.loss:.0e}, gradients {self.grad:.0e}, parameters "
-                f"{self.param:.0e} (relative: |a-b|/|ref| for losses, ||a-b||/||ref|| per tensor, worst tensor "
+        return (f"tolerances ({precision}): loss {self.loss:g}, gradients {self.grad:g}, parameters "
+                f"{self.param:g} (relative: |a-b|/|ref| for losses, ||a-b||/||ref|| per tensor, worst tensor "
                 "of each block)")
 
 
-#: fp32: sums in another order (torch's own pipelining tests use rtol 1e-5); a reference run repeats bit for bit.
+#: fp32: sums in another order (torch's own pipelining tests use rtol 1e-5; measured here up to 1.1e-6 for
+#: gradients); a reference run repeats bit for bit. Parameters get the gradients' bound: a zero-initialised bias
+#: is one update big after the first step, so its relative difference is its gradient's (measured up to 4.6e-6).
 #: bf16: each micro-batch's gradient is rounded to bf16 once instead of the batch's, and after the first step
 #: the fp32 master weights' last bits flip the bf16 rounding of some activations (see tests/distributed/
 #: test_precision.py: gradients within 0.25 after step 1, final parameters within 1e-3 absolute).
 TOLERANCES: dict[str, Tolerances] = {
-    "fp32": Tolerances(loss=1e-5, grad=1e-4, param=1e-5),
+    "fp32": Tolerances(loss=1e-5, grad=1e-4, param=1e-4),
     "bf16": Tolerances(loss=1e-2, grad=0.25, param=5e-2),
 }
 
