@@ -148,3 +148,30 @@ def test_the_verb_exits_1_on_fail_and_2_on_a_layout_that_does_not_fit(capsys, mo
     assert main(argv + ["--pp", "8", "--schedule", "gpipe"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pp=8" in err[0] and "the model has 6" in err[0], err
+
+
+def test_a_layout_that_crashes_fails_with_its_error_and_the_likely_cause():
+    from dataclasses import replace
+
+    hazard = Hazard("parameter never used", 2, "2.unused.weight gets no gradient", cause=True)
+    report = replace(_report(hazards=[hazard]), steps=[], crashed="RuntimeError: Expected to have finished reduction")
+    assert not report.passed
+    assert report.lines()[-2:] == ["FAIL: the layout stopped with an error: RuntimeError: Expected to have finished "
+                                   "reduction", "  likely cause: parameter never used: block 2 (?): 2.unused.weight "
+                                   "gets no gradient"]
+
+
+def test_an_unused_parameter_is_a_cause_only_under_ddp_replicas():
+    from pipetrain.check.run import _crash_line
+    from pipetrain.errors import RankFailedError
+
+    workload = check_models.hazards
+    batches = [(torch.randn(4, check_models.WIDTH), torch.randint(0, 3, (4,)))]
+    ref = reference_run(workload.model("tiny"), batches, workload.loss(), seed=0, lr=0.1, precision="fp32",
+                        device=torch.device("cpu"))
+    net = _net(workload)
+    for ddp in (False, True):
+        unused, _bias = [h for h in static_hazards(net, {}, ref, ddp_replicas=ddp) if h.kind == "parameter never used"]
+        assert unused.cause is ddp and ("--dp-mode fsdp" in unused.detail) is ddp
+    err = RankFailedError("rank 0 failed:\nTraceback (most recent call last):\n  File x\nRuntimeError: boom\n\nmore")
+    assert _crash_line(err) == "RuntimeError: boom"

@@ -86,9 +86,11 @@ def reference_run(model: BlockModel, batches: list, loss_fn: Callable, *, seed: 
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def static_hazards(net: BlockSequential, switched: dict[int, list[str]], ref: dict) -> list[Hazard]:
+def static_hazards(net: BlockSequential, switched: dict[int, list[str]], ref: dict, *,
+                   ddp_replicas: bool = False) -> list[Hazard]:
     """What the model's structure and its reference run show: dropout switched off, BatchNorm layers, buffers
-    outside the state dict, plain tensor attributes, parameters without gradient, tied weights."""
+    outside the state dict, plain tensor attributes, parameters without gradient (a cause of failure under DDP
+    replicas, `ddp_replicas`), tied weights."""
     found = []
     for block, names in sorted(switched.items()):
         found.append(Hazard("dropout", block, f"switched off for the comparison (p=0 on both sides): "
@@ -112,7 +114,9 @@ def static_hazards(net: BlockSequential, switched: dict[int, list[str]], ref: di
     unused = [n for n, g in ref["grads"][0].items() if g is None]
     for name in unused:
         found.append(Hazard("parameter never used", int(name.partition(".")[0]),
-                            f"{name} gets no gradient in the reference (DDP needs find_unused_parameters)"))
+                            f"{name} gets no gradient in the reference"
+                            + (": DDP replicas wait for its gradient (use --dp-mode fsdp, or drop the parameter)"
+                               if ddp_replicas else ""), cause=ddp_replicas))
     found += _tied(net)
     return found
 

@@ -100,6 +100,8 @@ class CheckReport:
     hazards: list[Hazard] = field(default_factory=list)
     #: the largest relative difference between two runs of the reference (loss, gradient or parameter)
     reference_spread: float = 0.0
+    #: the layout's error in one line when its ranks failed before finishing the steps (then `steps` is empty)
+    crashed: str | None = None
 
     def over(self) -> list[tuple[int, str, int, float, str]]:
         """Every figure over tolerance: (step, "loss" | "gradient" | "parameter", block or -1, value, tensor)."""
@@ -122,7 +124,7 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        return self.reproducible and not self.over()
+        return self.crashed is None and self.reproducible and not self.over()
 
     def table(self) -> list[str]:
         n = len(self.steps)
@@ -142,6 +144,9 @@ class CheckReport:
 
     def verdict(self) -> list[str]:
         """The PASS or FAIL lines, naming the blocks over tolerance and the hazards that can explain them."""
+        causes = [f"  likely cause: {h.line(self.labels)}" for h in self.hazards if h.cause]
+        if self.crashed is not None:
+            return [f"FAIL: the layout stopped with an error: {self.crashed}", *causes]
         if not self.reproducible:
             return [f"FAIL: the reference itself is not reproducible (two single-process runs differ by "
                     f"{self.reference_spread:.1e}): nothing can be compared; see the hazards above"]
@@ -155,16 +160,14 @@ class CheckReport:
         lines = [f"FAIL: {len(over)} figure(s) over tolerance in {len(blocks)} block(s) "
                  f"({', '.join(map(str, blocks)) or 'the loss only'}); worst: {what} of {where} at step {step}: "
                  f"{value:.1e}"]
-        causes = [h for h in self.hazards if h.cause]
-        for hazard in causes:
-            lines.append(f"  likely cause: {hazard.line(self.labels)}")
+        lines += causes
         if not causes:
             lines.append("  no hazard found that explains it: the blocks over tolerance are where to look first "
                          "(a gradient difference spreads to every earlier block)")
         return lines
 
     def lines(self) -> list[str]:
-        out = [*self.header, self.tolerances.line(self.precision), "", *self.table(), ""]
+        out = [*self.header, self.tolerances.line(self.precision), "", *(self.table() if self.steps else []), ""]
         out.append("hazards:" if self.hazards else "hazards: none found")
         out += [f"  - {h.line(self.labels)}" for h in self.hazards]
         spread = ("identical (bit for bit)" if self.reference_spread == 0.0

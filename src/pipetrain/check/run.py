@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 import tempfile
@@ -16,7 +17,7 @@ from pipetrain.check.compare import spread, step_diffs
 from pipetrain.check.layout import layout_runs
 from pipetrain.check.reference import probe_hazards, quiet, reference_run, static_hazards
 from pipetrain.check.report import TOLERANCES, CheckReport, Hazard
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, RankFailedError
 from pipetrain.pipeline.plan import plan_runs
 
 __all__ = ["check_batches", "run_check", "run_checks", "DEFAULT_STEPS", "DEFAULT_LR"]
@@ -79,7 +80,8 @@ def _reference_side(config, train, steps: int, lr: float) -> _Side:
     switched = {i: names for i, block in enumerate(blocks) if (names := quiet(block))}
     net = BlockSequential(*blocks)
     micro = plan_runs(config.batch_size // config.parallel.dp, config.parallel.pipeline.n_microbatches)[0].size
-    hazards = static_hazards(net, switched, ref) + probe_hazards(net, batches[0][0], micro)
+    ddp = config.parallel.dp > 1 and config.parallel.dp_mode == "ddp"
+    hazards = static_hazards(net, switched, ref, ddp_replicas=ddp) + probe_hazards(net, batches[0][0], micro)
     reference_spread = spread(ref, again)
     if reference_spread > 0:
         hazards.append(_nondeterministic(reference_spread))
@@ -93,13 +95,26 @@ def run_checks(jobs: list[tuple], *, steps: int = DEFAULT_STEPS, lr: float = DEF
     local ranks (one after another), each compared with the unsplit model run in this process."""
     with _one_thread():
         sides = [_reference_side(config, train, steps, lr) for config, train in jobs]
-    records: dict[int, list[dict]] = {}
+    records: dict[int, list[dict] | str] = {}
     for world in sorted({side.config.parallel.world_size for side in sides}):
         chosen = [i for i, side in enumerate(sides) if side.config.parallel.world_size == world]
         with tempfile.TemporaryDirectory(dir=work_dir) as out:
-            runs = layout_runs([(sides[i].config, sides[i].batches) for i in chosen], lr=lr, out=Path(out))
+            try:
+                runs = layout_runs([(sides[i].config, sides[i].batches) for i in chosen], lr=lr, out=Path(out))
+            except RankFailedError as err:
+                if len(chosen) > 1:  # which layout crashed is unknown: say it the plain way
+                    raise
+                runs = [_crash_line(err)]
         records.update(zip(chosen, runs))
     return [_report(side, records[i], steps, lr) for i, side in enumerate(sides)]
+
+
+def _crash_line(err: RankFailedError) -> str:
+    """The layout's error in one line: the first exception line of the rank's traceback, or its message."""
+    text = err.message
+    found = re.search(r"^(\w+(Error|Exception)): (.+)$", text, flags=re.MULTILINE)
+    line = f"{found.group(1)}: {found.group(3)}" if found else text.strip().splitlines()[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def run_check(config, train, *, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
@@ -108,11 +123,14 @@ def run_check(config, train, *, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_
     return run_checks([(config, train)], steps=steps, lr=lr, work_dir=work_dir)[0]
 
 
-def _report(side: _Side, records: list[dict], steps: int, lr: float) -> CheckReport:
+def _report(side: _Side, records: list[dict] | str, steps: int, lr: float) -> CheckReport:
     config = side.config
-    return CheckReport(header=_header(config, steps, lr, records[0]["balance"]), precision=config.precision,
+    crashed = records if isinstance(records, str) else None
+    balance = (config.parallel.pipeline.balance or ("?",)) if crashed else records[0]["balance"]
+    return CheckReport(header=_header(config, steps, lr, balance), precision=config.precision,
                        tolerances=TOLERANCES[config.precision], labels=side.labels,
-                       steps=step_diffs(side.ref, records), hazards=side.hazards, reference_spread=side.spread)
+                       steps=[] if crashed else step_diffs(side.ref, records), hazards=side.hazards,
+                       reference_spread=side.spread, crashed=crashed)
 
 
 @contextmanager
