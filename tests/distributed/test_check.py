@@ -2,12 +2,14 @@
 naming the block, on models that cannot train the same split (batch statistics, hidden Python-side state).
 
 All the layouts of world size 2 run on one spawned job (`run_checks`); the references run in this process.
+`examples/my_model.py` is among them, named by its file path (each rank loads the file).
 The tolerances are the check's own (pipetrain.check.TOLERANCES): what is tested is its verdict.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.trainer import TrainConfig, load_data
 
 MODELS = "tests.distributed.check_models"
+EXAMPLE = f"{Path(__file__).resolve().parents[2] / 'examples' / 'my_model.py'}:workload"  # file.py:NAME
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
@@ -36,6 +39,7 @@ CASES = {
     "lm-pp2-1f1b-recompute": _config("lm", checkpoint="except_last"),
     "lm-dp2-ddp": _config("lm", pp=1, dp=2, schedule="gpipe", chunks=2),
     "lm-dp2-fsdp": _config("lm", pp=1, dp=2, dp_mode="fsdp", schedule="gpipe", chunks=2),
+    "example-file-pp2-1f1b": _config(EXAMPLE),
     "toy-hazards-pp2": _config(f"{MODELS}:hazards"),
     "toy-batch-stat-pp2": _config(f"{MODELS}:batch_stat"),
     "toy-counter-pp2": _config(f"{MODELS}:counter", schedule="gpipe"),
@@ -82,6 +86,12 @@ def test_fails_naming_the_block_with_hidden_state(reports):
     text = "\n".join(report.lines())
     assert not report.passed and "FAIL" in text
     assert "likely cause: hidden state: block 2 (Counter)" in text, text
+
+
+def test_a_file_workload_is_checked_block_by_block(reports):
+    text = "\n".join(reports["example-file-pp2-1f1b"].lines())
+    assert "balance 3,3" in text and "0 Embed" in text and "5 Linear" in text
+    assert text.splitlines()[-1].startswith("PASS: every loss, gradient and parameter of 2 step(s)")
 
 
 def test_bf16_is_judged_with_the_looser_tolerances(reports):

@@ -1,6 +1,8 @@
-"""A model of its own from the command line: examples/my_model.py through `train` (2 ranks) and `check`.
+"""A model of its own from the command line: examples/my_model.py through `train` on 2 ranks.
 
-Each rank is a fresh process that loads the file again (and unpickles the file's own dataset type). `bench`
+Each rank is a fresh process that loads the file again (and unpickles the file's own dataset type). `check`
+runs the same file on its ranks in tests/distributed/test_check.py (in the job of every check case, which
+saves a spawn; the verb's flags and exit codes are tests/unit/test_check_report.py's). `bench`
 reads the same spec (its cells' `preset` axis, tests/unit/test_bench_grid.py); a real bench run of the file is
 in docs/check.md (a cell costs one more spawned job, ~25 s on the loaded CI machine).
 """
@@ -26,11 +28,3 @@ def test_train_a_file_workload_on_two_ranks(tmp_path, capfd):
     (report,) = json.loads(metrics.read_text())
     assert report["steps"] == 4 and report["synthetic"] and 0 < report["train_loss"] < 5
     assert "workload spiral, preset tiny" in out
-
-
-def test_check_a_file_workload_passes(capfd):
-    code = main(["check", "--workload", EXAMPLE, "--preset", "tiny", "--pp", "2", "--schedule", "gpipe"])
-    out = capfd.readouterr().out
-    assert code == 0, out
-    assert "balance 3,3" in out and "0 Embed" in out and "5 Linear" in out
-    assert out.strip().splitlines()[-1].startswith("PASS: every loss, gradient and parameter of 3 step(s)")

@@ -137,8 +137,9 @@ class CheckReport:
         lines.append(f"{'block':<22}{steps}   {steps}")
         for block in sorted(self.labels):
             label = f"{block} {self.labels[block]}"[:21]
-            grads = "".join(f" {_num(s.blocks[block].grad)}" if block in s.blocks else f"{'-':>9}" for s in self.steps)
-            params = "".join(f" {_num(s.blocks[block].param)}" if block in s.blocks else f"{'-':>9}" for s in self.steps)
+            cells = [(f" {_num(s.blocks[block].grad)}", f" {_num(s.blocks[block].param)}") if block in s.blocks
+                     else (f"{'-':>9}", f"{'-':>9}") for s in self.steps]
+            grads, params = "".join(c[0] for c in cells), "".join(c[1] for c in cells)
             lines.append(f"{label:<22}{grads}   {params}")
         return lines
 
@@ -152,8 +153,8 @@ class CheckReport:
                     f"{self.reference_spread:.1e}): nothing can be compared; see the hazards above"]
         over = self.over()
         if not over:
-            return [f"PASS: every loss, gradient and parameter of {len(self.steps)} step(s) within the {self.precision} "
-                    "tolerances"]
+            return [f"PASS: every loss, gradient and parameter of {len(self.steps)} step(s) within the "
+                    f"{self.precision} tolerances"]
         blocks = sorted({block for _, _, block, _, _ in over if block >= 0})
         step, what, block, value, tensor = max(over, key=lambda o: o[3])
         where = f"block {block} ({self.labels.get(block, '?')}) {tensor}" if block >= 0 else "the loss"

@@ -19,21 +19,24 @@ def _data(text: str) -> Path | str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    tol = ", ".join(f"{p}: loss {t.loss:g}, gradients {t.grad:g}, parameters {t.param:g}" for p, t in TOLERANCES.items())
+    tol = ", ".join(f"{p}: loss {t.loss:g}, gradients {t.grad:g}, parameters {t.param:g}"
+                    for p, t in TOLERANCES.items())
     parser = subparsers.add_parser(
         "check", help=__doc__, description=f"{__doc__} Exit 0 on PASS, 1 on FAIL, 2 on bad input. Relative "
                                            f"tolerances ({tol}); see docs/check.md.")
     add_parallel_arguments(parser)
     group = parser.add_argument_group("what to check")
     group.add_argument("--workload", default="classifier",
-                       help=f"{' | '.join(workload_names())}, or MODULE:NAME or path/to/file.py:NAME (default: classifier)")
+                       help=f"{' | '.join(workload_names())}, or MODULE:NAME or path/to/file.py:NAME "
+                            "(default: classifier)")
     group.add_argument("--preset", default="cpu", help="model size of the workload (default: cpu)")
     group.add_argument("--data", type=_data, default=SYNTHETIC, metavar="DIR|FILE|synthetic",
-                       help="the batches: the workload's synthetic corpus (default), or its real data as `train --data` "
-                            "reads it")
+                       help="the batches: the workload's synthetic corpus (default), or its real data as "
+                            "`train --data` reads it")
     group.add_argument("--seq-len", type=int, default=None, help="the window, for a workload that has one")
     group.add_argument("--batch-size", type=int, default=8, help="global batch size (default: 8)")
-    group.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps compared (default: {DEFAULT_STEPS})")
+    group.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                       help=f"optimizer steps compared (default: {DEFAULT_STEPS})")
     group.add_argument("--lr", type=float, default=DEFAULT_LR,
                        help=f"plain SGD learning rate on both sides (default: {DEFAULT_LR:g})")
     group.add_argument("--seed", type=int, default=0)

@@ -78,7 +78,8 @@ def _import_failed(spec: str, where: str, err: BaseException) -> ConfigError:
             line = f" (line {tb.tb_lineno})"
         tb = tb.tb_next
     return ConfigError(f"--workload {spec!r}: importing {where!r} failed{line}: {type(err).__name__}: {err}",
-                       hint="fix the error above (run `python -c 'import ...'` or the file itself to see the traceback)")
+                       hint="fix the error above (run `python -c 'import ...'` or the file itself to see the "
+                            "traceback)")
 
 
 def _load_module(spec: str, where: str) -> Any:
