@@ -110,3 +110,14 @@ def test_default_axes() -> None:
     assert gpu["pp"] == [2, 4] and gpu["batch"] == [32, 64, 128, 256] and gpu["chunks"] == [1, 2, 4, 8, 16]
     with pytest.raises(ConfigError):
         default_axes("tpu", quick=False)
+
+
+def test_bench_workload_flag_names_the_workload_of_every_preset():
+    from pipetrain.cli.bench import _with_workload
+
+    grid = GridSpec({"batch": [8], "preset": ["tiny", "cpu"]})
+    spec = "examples/my_model.py:workload"
+    assert [c.preset for c in _with_workload(grid, spec).cells()] == [f"{spec}:tiny", f"{spec}:cpu"]
+    assert _with_workload(grid, None) is grid
+    with pytest.raises(ConfigError, match="both name the workload"):
+        _with_workload(GridSpec({"batch": [8], "preset": ["lm:tiny"]}), spec)

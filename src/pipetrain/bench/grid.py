@@ -42,7 +42,7 @@ AXES: dict[str, str] = {
 }
 _ALIASES = {"batch_size": "batch", "mem_limit_mb": "mem", "n_microbatches": "chunks"}
 _INT_AXES = ("pp", "dp", "batch", "chunks")
-_PRESET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")  # PRESET or WORKLOAD:PRESET
+_PRESET_RE = re.compile(r"^[A-Za-z0-9./~][A-Za-z0-9_./~:-]*$")  # PRESET, WORKLOAD:PRESET or path/file.py:NAME:PRESET
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="a small grid (pp 1,2 x batch 32,128 x chunks 1,4, cpu preset; about 2 minutes on 2 idle CPU cores)")
     parser.add_argument("--mem-limit", type=int, default=None, metavar="MB",
                         help="emulate a device of this much memory per rank (cells beyond it are OOM)")
+    parser.add_argument("--workload", default=None, metavar="NAME|MODULE:NAME|FILE.py:NAME",
+                        help="the workload whose presets the preset axis names (default: the classifier; "
+                             "preset=WORKLOAD:PRESET names one per value)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: bench-out)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per cell (default: 2)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per cell (default: 5)")
@@ -52,6 +55,18 @@ def _check_out(out: Path) -> None:
                           hint="pass --out with a folder you can write to") from None
 
 
+def _with_workload(grid: GridSpec, workload: str | None) -> GridSpec:
+    """`grid` whose presets are `workload`'s (`WORKLOAD:PRESET`, the form a cell reads)."""
+    if workload is None:
+        return grid
+    presets = grid.axes.get("preset", ["cpu"])
+    named = [p for p in presets if ":" in p]
+    if named:
+        raise ConfigError(f"--workload {workload} and the preset axis value {named[0]!r} both name the workload",
+                          hint="pass --workload with plain preset names (preset=tiny), or preset=WORKLOAD:PRESET alone")
+    return GridSpec({**grid.axes, "preset": [f"{workload}:{p}" for p in presets]})
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("warmup", "steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
@@ -60,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout {args.timeout:g} is not a positive number of seconds", hint="e.g. --timeout 180")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = list(args.grid) + ([f"mem={args.mem_limit}"] if args.mem_limit is not None else [])
-    cells = GridSpec(default_axes(device, args.quick)).with_overrides(overrides).cells()
+    grid = GridSpec(default_axes(device, args.quick)).with_overrides(overrides)
+    cells = _with_workload(grid, args.workload).cells()
     _check_out(args.out)
     if args.trace is not None:
         check_trace_dir(args.trace)

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from pipetrain.logs.config import LogConfig, default_run_dir
+from pipetrain.workloads.loader import workload_label
 
 __all__ = ["add_log_arguments", "log_config"]
 
@@ -33,7 +34,7 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
 def log_config(args: argparse.Namespace) -> LogConfig:
     """The validated `LogConfig` of parsed arguments; `args.effective_config` (set by
     `pipetrain.cli.config_file.apply_config_file`) becomes the run folder's config.toml."""
-    return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(args.workload),
+    return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(workload_label(args.workload)),
                      log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, peak_tflops=args.peak_tflops,
                      config_text=getattr(args, "effective_config", ""))

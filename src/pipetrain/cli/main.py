@@ -14,7 +14,7 @@ from pipetrain.errors import PipetrainError
 __all__ = ["main"]
 
 #: verb -> module under pipetrain.cli providing add_parser(subparsers) and run(args) -> int
-VERBS = ("train", "bench", "sbatch", "profile", "plan", "tune", "export")
+VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export")
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

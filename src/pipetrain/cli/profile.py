@@ -18,7 +18,8 @@ __all__ = ["add_parser", "run", "profile_lines"]
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("profile", help=__doc__, description=__doc__)
     parser.add_argument("--workload", default="classifier",
-                        help=f"whose model: {' | '.join(workload_names())} (default: classifier)")
+                        help=f"whose model: {' | '.join(workload_names())}, or MODULE:NAME or path/to/file.py:NAME "
+                             "(default: classifier)")
     parser.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     parser.add_argument("--micro-batch-size", type=int, default=16,
                         help="samples per micro-batch = batch size / dp / chunks (default: 16)")

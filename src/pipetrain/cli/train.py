@@ -31,6 +31,7 @@ from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.trainer import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
                                train_rank)
 from pipetrain.workloads.classifier import REAL_EPOCHS
+from pipetrain.workloads.loader import portable
 from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
 
@@ -145,7 +146,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_parallel_arguments(parser)
     group = parser.add_argument_group("training")
     group.add_argument("--workload", default="classifier",
-                       help=f"what to train: {' | '.join(workload_names())} (default: classifier)")
+                       help=f"what to train: {' | '.join(workload_names())}, or your own as MODULE:NAME or "
+                            "path/to/file.py:NAME (default: classifier)")
     group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     group.add_argument("--data", type=_data, default=None, metavar="DIR|FILE|synthetic",
                        help=f"'{SYNTHETIC}': the workload's synthetic corpus; classifier: an aclImdb folder "
@@ -360,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
         check_trace(config, data[0])
         world = config.parallel.world_size
         spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
-              args=(config, data, args.metrics))
+              args=(config, portable(config.workload, data), args.metrics))
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
@@ -380,7 +382,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if ranks:  # one task per node (Slurm): this task spawns its node's ranks
         spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
-              master_addr=env.master_addr, master_port=env.master_port, args=(config, data, args.metrics))
+              master_addr=env.master_addr, master_port=env.master_port,
+              args=(config, portable(config.workload, data), args.metrics))
         return 0
     try:
         _rank_main(_spec(env), config, data, args.metrics)  # an error from here on is this rank's own: it says it

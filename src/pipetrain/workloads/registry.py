@@ -3,7 +3,8 @@
 The trainer knows no workload by name: it asks `get_workload(config.workload)` for a `BlockModel`, the
 train/evaluation datasets, their batches, the loss the engine minimises and which metrics to report. Built-in
 workloads are imported only when asked for (so an optional one, e.g. needing `transformers`, costs
-nothing until used); `register` adds one under a new name.
+nothing until used); `register` adds one under a new name, and an import path (`MODULE:NAME`,
+`path/to/file.py:NAME`, see `loader`) names a workload defined anywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from pipetrain.blocks import BlockModel
 from pipetrain.errors import ConfigError
+from pipetrain.workloads.loader import is_import_spec, load_workload
 
 __all__ = ["Batch", "Dataset", "DataRequest", "Workload", "register", "get_workload", "workload_names"]
 
@@ -147,10 +149,15 @@ def workload_names() -> tuple[str, ...]:
 
 
 def get_workload(name: str) -> Workload:
-    """The workload registered as `name`; an unknown name raises ConfigError listing the known ones."""
+    """The workload registered as `name`, or named by the import path `MODULE:NAME` / `file.py:NAME`; an unknown
+    name raises ConfigError listing the known ones."""
     if name in _REGISTERED:
         return _REGISTERED[name]()
     if name not in _BUILTIN:
-        raise ConfigError(f"unknown workload {name!r}", hint=f"choose one of: {', '.join(workload_names())}")
+        if is_import_spec(name):
+            return load_workload(name)
+        raise ConfigError(f"unknown workload {name!r}",
+                          hint=f"choose one of: {', '.join(workload_names())}, or name your own as MODULE:NAME "
+                               "or path/to/file.py:NAME")
     module, _, cls = _BUILTIN[name].partition(":")
     return getattr(importlib.import_module(module), cls)()

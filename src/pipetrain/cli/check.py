@@ -1,0 +1,59 @@
+"""`pipetrain check`: does a layout train like the unsplit model? A few steps of both, compared block by block."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipetrain.check import DEFAULT_LR, DEFAULT_STEPS, TOLERANCES, run_check
+from pipetrain.cli.train import add_parallel_arguments, cost_balanced, parallel_config
+from pipetrain.pipeline.precision import PRECISIONS
+from pipetrain.trainer import SYNTHETIC, TrainConfig, load_data
+from pipetrain.workloads.registry import workload_names
+
+__all__ = ["add_parser", "run"]
+
+
+def _data(text: str) -> Path | str:
+    return SYNTHETIC if text == SYNTHETIC else Path(text)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    tol = ", ".join(f"{p}: loss {t.loss:g}, gradients {t.grad:g}, parameters {t.param:g}"
+                    for p, t in TOLERANCES.items())
+    parser = subparsers.add_parser(
+        "check", help=__doc__, description=f"{__doc__} Exit 0 on PASS, 1 on FAIL, 2 on bad input. Relative "
+                                           f"tolerances ({tol}); see docs/check.md.")
+    add_parallel_arguments(parser)
+    group = parser.add_argument_group("what to check")
+    group.add_argument("--workload", default="classifier",
+                       help=f"{' | '.join(workload_names())}, or MODULE:NAME or path/to/file.py:NAME "
+                            "(default: classifier)")
+    group.add_argument("--preset", default="cpu", help="model size of the workload (default: cpu)")
+    group.add_argument("--data", type=_data, default=SYNTHETIC, metavar="DIR|FILE|synthetic",
+                       help="the batches: the workload's synthetic corpus (default), or its real data as "
+                            "`train --data` reads it")
+    group.add_argument("--seq-len", type=int, default=None, help="the window, for a workload that has one")
+    group.add_argument("--batch-size", type=int, default=8, help="global batch size (default: 8)")
+    group.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                       help=f"optimizer steps compared (default: {DEFAULT_STEPS})")
+    group.add_argument("--lr", type=float, default=DEFAULT_LR,
+                       help=f"plain SGD learning rate on both sides (default: {DEFAULT_LR:g})")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--precision", default="fp32", help=f"{' | '.join(PRECISIONS)} (default: fp32)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    synthetic = args.data == SYNTHETIC
+    config = TrainConfig(
+        parallel=parallel_config(args), workload=args.workload, preset=args.preset, data=args.data,
+        train_samples=args.batch_size * max(args.steps, 1) if synthetic else None,
+        test_samples=args.batch_size if synthetic else None, seq_len=args.seq_len, batch_size=args.batch_size,
+        epochs=1, seed=args.seed, precision=args.precision, progress=False,
+    )
+    config = cost_balanced(config, args, launched=False)
+    train, _ = load_data(config)
+    report = run_check(config, train, steps=args.steps, lr=args.lr)
+    print("\n".join(report.lines()), flush=True)
+    return 0 if report.passed else 1

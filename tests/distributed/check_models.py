@@ -1,0 +1,125 @@
+"""Small workloads for `pipetrain check` tests, named as `tests.distributed.check_models:NAME` (MODULE:NAME).
+
+`sound` trains the same split as unsplit; `batch_stat` (block 2 normalises with its batch's mean) and
+`counter` (block 2 scales by a Python-side call count) do not; `hazards` passes but carries every hazard
+the check reports without failing (dropout, a non-persistent buffer, a plain tensor attribute, an unused
+parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.workloads.registry import DataRequest, Workload
+
+WIDTH, BLOCKS = 8, 6
+
+
+class BatchMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return h - h.mean(dim=0, keepdim=True)  # batch statistics: micro-batching changes them
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # hidden Python-side state: every micro-batch calls it once more
+        return self.linear(x) * (1 + 0.1 * self.calls)
+
+
+class Hazardous(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+        self.dropout = nn.Dropout(0.5)
+        self.register_buffer("scale", torch.ones(WIDTH), persistent=False)
+        self.offset = torch.zeros(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(torch.tanh(self.linear(x))) * self.scale + self.offset
+
+
+def _plain() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+
+class ToyModel:
+    def __init__(self, special: Callable[[], nn.Module] | None) -> None:
+        self.special = special
+
+    num_blocks = BLOCKS
+
+    def build_block(self, index: int) -> nn.Module:
+        if index == BLOCKS - 1:
+            return nn.Linear(WIDTH, 3)
+        return self.special() if index == 2 and self.special is not None else _plain()
+
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, WIDTH)
+
+
+@dataclass(frozen=True)
+class Points:
+    x: torch.Tensor
+    y: torch.Tensor
+    synthetic: bool = True
+    source: str = "random points"
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+class ToyWorkload(Workload):
+    name = "toy"
+    summary = "6 small blocks; block 2 may be special"
+    presets = {"tiny": None}
+
+    def __init__(self, special: Callable[[], nn.Module] | None = None) -> None:
+        self.special = special
+
+    def model(self, preset: str) -> ToyModel:
+        self.check_preset(preset)
+        return ToyModel(self.special)
+
+    def load_data(self, request: DataRequest) -> tuple[Points, Points]:
+        gen = torch.Generator().manual_seed(request.seed)
+
+        def points(n: int) -> Points:
+            return Points(torch.randn(n, WIDTH, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+
+        return points(request.train_samples), points(request.test_samples)
+
+    def batches(self, dataset: Points, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
+                replica: int, replicas: int, bucket: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        share = batch_size // replicas
+        for start in range(0, len(dataset) - batch_size + 1, batch_size):
+            part = slice(start + replica * share, start + (replica + 1) * share)
+            yield dataset.x[part], dataset.y[part]
+
+    def num_batches(self, dataset: Points, batch_size: int, *, replicas: int) -> int:
+        return len(dataset) // batch_size
+
+    def loss(self):
+        return F.cross_entropy
+
+
+sound = ToyWorkload()
+batch_stat = ToyWorkload(BatchMean)
+counter = ToyWorkload(Counter)
+hazards = ToyWorkload(Hazardous)
+not_a_workload = 42
