@@ -46,7 +46,7 @@ class Session:
 
 def join_job(spec: RankSpec, *, cpu_threads: int | None = 1, timeout_s: float = 600.0) -> torch.device:
     """Join the process group of the job described by `spec`; returns this rank's device."""
-    device = pick_device(spec.local_rank)
+    device = pick_device(spec.local_rank, spec.device)
     init_process_group(
         rank=spec.rank,
         world_size=spec.world_size,

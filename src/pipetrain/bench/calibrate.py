@@ -41,6 +41,7 @@ from torch import nn
 from pipetrain.bench.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.launch.device import resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.plan.hardware import Calibration, Device, Network
@@ -269,16 +270,20 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
         close_session()
 
 
-def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeout_s: float = 600.0) -> Calibration:
+def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeout_s: float = 600.0,
+              device: str | None = None) -> Calibration:
     """Measure with two spawned ranks and return the calibration (its `measured` field says when and on what).
-    `samples` (>= 4): the largest micro-batch the layer is timed at."""
+    `samples` (>= 4): the largest micro-batch the layer is timed at; `device`: "cpu" or "cuda" (default: as
+    `resolve_device`; on CUDA two GPUs are needed, checked before the ranks start)."""
     if samples < 4:
         raise ValueError(f"calibrate needs samples >= 4, got {samples}")
+    device = resolve_device(device)
     with tempfile.TemporaryDirectory(prefix="pipetrain-calibrate-") as work:
         spawn(_rank, ranks=range(2), world_size=2, master_addr="127.0.0.1", master_port=free_port(),
-              args=(shape, samples, repeats, work), timeout_s=timeout_s)
+              args=(shape, samples, repeats, work), timeout_s=timeout_s, device=device)
         m = json.loads(Path(work, "calibration.json").read_text())
-    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else _host_memory()
+    on_gpu = device == "cuda"
+    memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else _host_memory()
     device = Device(name=m["device"], flops_per_s=m["flops_per_s"], bytes_per_s=m["bytes_per_s"],
                     kernel_overhead_s=m["kernel_overhead_s"], action_overhead_s=m["action_overhead_s"],
                     optimizer_s_per_param=m["optimizer_s_per_param"],
@@ -286,7 +291,7 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     activation_factor=m["activation_factor"], contention=m["contention"],
                     pipeline_slowdown=m["pipeline_slowdown"],
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
-                    cores=0.0 if torch.cuda.is_available() else float(len(os.sched_getaffinity(0))),
+                    cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
                     baseline_bytes=m["baseline_bytes"] if m["device"] == "cpu" else 0.0)
     network = Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
                       inter_latency_s=m["p2p_latency_s"], inter_bytes_per_s=m["p2p_bytes_per_s"],

@@ -50,7 +50,7 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
 
     After the timed steps, `TRACED_STEPS` more are traced for the measured bubble (their files go to
     `trace_dir` when given)."""
-    device = pick_device(spec.local_rank)
+    device = pick_device(spec.local_rank, spec.device)
     out = Path(out_dir)
     apply_memory_limit(cell.mem_limit_mb, device)
     try:

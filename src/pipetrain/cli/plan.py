@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, default_calibration_path,
@@ -48,6 +49,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                            "built-in A100-class figures when missing)")
     gpus.add_argument("--calibrate", action="store_true",
                       help="measure this machine first (2 ranks, about 30 s) and store it in the calibration file")
+    add_device_argument(gpus)
     model = parser.add_argument_group("model and batch")
     model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
     model.add_argument("--profile", type=Path, default=None, metavar="FILE",
@@ -115,7 +117,8 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
 
         c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
         log.info("calibrating this machine (2 ranks)...")
-        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout))
+        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout),
+                             device=device_choice(args))
         save_calibration(measured, path)
         return measured, f"measured now, stored in {path}"
     if path.exists() or args.calibration is not None:

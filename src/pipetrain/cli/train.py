@@ -14,6 +14,7 @@ from pathlib import Path
 from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.checkpoint.folders import META_FILE
 from pipetrain.cli.config_file import add_config_arguments, effective_config
+from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.cli.log_flags import add_log_arguments, log_config
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
@@ -178,6 +179,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
     group.add_argument("--ranks-per-node", type=int, default=None,
                        help="under Slurm with one task per node: local ranks this task spawns")
+    add_device_argument(group)
     add_recipe_arguments(parser)
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -307,8 +309,8 @@ def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) 
         partial.replace(metrics)  # atomic: a reader never sees half a file
 
 
-def _spec(env: ClusterEnv) -> RankSpec:
-    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port)
+def _spec(env: ClusterEnv, device: str) -> RankSpec:
+    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device)
 
 
 def _check_metrics(metrics: Path | None) -> None:
@@ -351,17 +353,18 @@ def run(args: argparse.Namespace) -> int:
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
         config = cost_balanced(_config(args), args, launched=False)
+        device = device_choice(args, local_ranks=config.parallel.world_size)  # before the data is loaded
         _check_before_start(config, args.metrics)
         data = load_data(config)
         config.recipe.check_run(config.total_steps(data[0]))
         check_trace(config, data[0])
         world = config.parallel.world_size
         spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
-              args=(config, data, args.metrics))
+              args=(config, data, args.metrics), device=device)
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
-        config = cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
+        device, config = device_choice(args, env), cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
         if env.rank == 0:  # the process that writes the metrics file and the trace, and commits checkpoints
@@ -377,10 +380,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if ranks:  # one task per node (Slurm): this task spawns its node's ranks
         spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
-              master_addr=env.master_addr, master_port=env.master_port, args=(config, data, args.metrics))
+              master_addr=env.master_addr, master_port=env.master_port, args=(config, data, args.metrics),
+              device=device)
         return 0
     try:
-        _rank_main(_spec(env), config, data, args.metrics)  # an error from here on is this rank's own: it says it
+        _rank_main(_spec(env, device), config, data, args.metrics)  # an error from here on is this rank's own: it says it
     except NonFiniteError:  # the same on every rank (global loss and norm): rank 0 says it
         if env.rank == 0:
             raise

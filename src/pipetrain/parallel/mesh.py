@@ -11,14 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain.launch.device import pick_device
+
 __all__ = ["Mesh", "pick_device", "init_process_group", "build_mesh"]
-
-
-def pick_device(local_rank: int) -> torch.device:
-    """`cuda:<local_rank>` when CUDA is there, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def init_process_group(
