@@ -59,7 +59,7 @@ def _from_step(reference: Path, step: int, target: Path) -> Path:
     return target
 
 
-@pytest.mark.parametrize("extra", [[], ["--strict-fp32"], ["--precision", "bf16"], ["--checkpoint", "always"]],
+@pytest.mark.parametrize("extra", [[], ["--precision", "fp32-strict"], ["--precision", "bf16"], ["--checkpoint", "always"]],
                          ids=["fp32-tf32", "fp32-strict", "bf16", "recompute"])
 def test_pp1_trains_on_cuda(tmp_path, extra):
     (train_loss, test_loss), = _metrics(tmp_path, "run", *extra)
@@ -67,7 +67,7 @@ def test_pp1_trains_on_cuda(tmp_path, extra):
 
 
 def test_strict_fp32_on_cuda_matches_the_cpu(tmp_path):
-    cuda = _metrics(tmp_path, "cuda", "--strict-fp32")
+    cuda = _metrics(tmp_path, "cuda", "--precision", "fp32-strict")
     cpu = _metrics(tmp_path, "cpu", device="cpu")
     assert cuda == pytest.approx(cpu, rel=1e-3)  # different kernels, same fp32 arithmetic up to summation order
 

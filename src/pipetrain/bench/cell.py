@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from pipetrain.bench.memory import (
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import pick_device
+from pipetrain.pipeline.clock import clock_for
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import DataRequest, Workload, get_workload
@@ -79,16 +79,17 @@ def _measure(
         x, y = next(iter(workload.batches(train, cell.batch_size, shuffle=False, seed=0, epoch=0,
                                           replica=spec.rank // cell.pp, replicas=cell.dp)))
         reset_peak_memory(device)
-        times = []
-        for index in range(warmup + steps):
-            start = time.perf_counter()
+        times, clock = [], clock_for(device)
+
+        def one_step() -> None:
             optimizer.zero_grad(set_to_none=True)
             engine.step(x, y)  # ends with a collective over the whole job: every rank has finished
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+
+        for index in range(warmup + steps):
+            seconds = clock.seconds(one_step)  # on CUDA: to the end of the queued work
             if index >= warmup:
-                times.append(time.perf_counter() - start)
+                times.append(seconds)
         peaks: list[float] = [0.0] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_memory_mb(device))
         per_stage = [max(peaks[r] for r in range(pp_rank, len(peaks), cell.pp)) for pp_rank in range(cell.pp)]

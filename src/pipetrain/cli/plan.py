@@ -11,8 +11,8 @@ from pathlib import Path
 from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, SCHEDULES
 from pipetrain.errors import ConfigError
-from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, default_calibration_path,
-                                     load_calibration, save_calibration)
+from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, Calibration, default_calibration_path,
+                                     default_device, load_calibration, save_calibration)
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
@@ -55,6 +55,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--profile", type=Path, default=None, metavar="FILE",
                        help="per-block profile from `pipetrain profile` (instead of the analytic model)")
     model.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    model.add_argument("--precision", choices=tuple(DEFAULT_RATES), default="fp32",
+                       help="the training precision the device's rates are those of: fp32 (TF32 matmuls on CUDA), "
+                            "fp32-strict, bf16 (default: fp32)")
     limits = parser.add_argument_group("limits")
     limits.add_argument("--schedules", type=_names(tuple(SCHEDULES)), default=tuple(SCHEDULES),
                         help="schedules to consider, comma-separated (default: all)")
@@ -118,13 +121,20 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
         c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
         log.info("calibrating this machine (2 ranks)...")
         measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout),
-                             device=device_choice(args))
+                             device=device_choice(args), precision=args.precision)
         save_calibration(measured, path)
-        return measured, f"measured now, stored in {path}"
+        return measured, f"measured now at {args.precision}, stored in {path}"
     if path.exists() or args.calibration is not None:
-        return load_calibration(path), f"{path} ({load_calibration(path).measured})"
-    return Calibration(device=DEFAULT_DEVICE, network=DEFAULT_NETWORK, backend="nccl (assumed)",
-                       measured="built-in"), "built-in A100-class figures (no calibration file; see --calibrate)"
+        loaded = load_calibration(path)
+        if loaded.precision != args.precision:
+            raise ConfigError(f"the calibration {str(path)!r} holds {loaded.precision} rates, this plan is for "
+                              f"--precision {args.precision}",
+                              hint=f"pass --precision {loaded.precision}, or measure again with --calibrate "
+                                   f"--precision {args.precision}")
+        return loaded, f"{path} ({loaded.measured}, {loaded.precision})"
+    return (Calibration(device=default_device(args.precision), network=DEFAULT_NETWORK, backend="nccl (assumed)",
+                        measured="built-in", precision=args.precision),
+            f"built-in A100-class figures at {args.precision} (no calibration file; see --calibrate)")
 
 
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
@@ -158,6 +168,8 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
         out += ["--stages-per-rank", str(lay.virtual)]
     if lay.balance == "time" and len(prediction.balance) > 1:
         out += ["--balance", ",".join(str(b) for b in prediction.balance)]
+    if args.precision != "fp32":
+        out += ["--precision", args.precision]
     if args.profile:  # the profile names its model "workload:preset"
         workload, _, preset = getattr(args, "profile_model", "").rpartition(":")
         return out + (["--workload", workload] if workload else []) + ["--preset", preset or "cpu"]

@@ -174,7 +174,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"AdamW (peak) learning rate (default: {RECIPE_DEFAULTS.lr:g})")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--precision", default="fp32",
-                       help=f"{' | '.join(PRECISIONS)}: bf16 runs each stage under autocast with fp32 weights (default: fp32)")
+                       help=f"{' | '.join(PRECISIONS)}: bf16 runs each stage under autocast with fp32 weights; fp32 "
+                            "multiplies in TF32 on CUDA, fp32-strict in IEEE fp32 (default: fp32)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
     group.add_argument("--ranks-per-node", type=int, default=None,

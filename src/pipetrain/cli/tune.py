@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("candidates", "first_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", hint="pass 1 or more")
+    if args.precision != "fp32":
+        raise ConfigError(f"tune measures its layouts in fp32, not --precision {args.precision}",
+                          hint="drop --precision (use `pipetrain plan --precision` to plan other precisions)")
     if not args.min_seconds >= 0:
         raise ConfigError(f"--min-seconds must be >= 0, got {args.min_seconds}", hint="pass e.g. --min-seconds 0.3")
     preset, device = args.preset or "cpu", device_choice(args)

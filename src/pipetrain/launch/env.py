@@ -1,7 +1,7 @@
 """Cluster environment: where this process's rank comes from (torchrun or Slurm variables), read in one place.
 
-This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_* and PIPETRAIN_DEVICE variables. It never
-creates processes; launchers use what `detect` reports, or spawn the ranks themselves when it reports None.
+This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_* and PIPETRAIN_DEVICE variables.
+It never creates processes; launchers use what `detect` reports, or spawn the ranks themselves when it reports None.
 """
 
 from __future__ import annotations
