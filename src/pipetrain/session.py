@@ -13,6 +13,7 @@ from pipetrain.blocks import BlockModel
 from pipetrain.config import ParallelConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
+from pipetrain.parallel.mesh import leave_after_error
 from pipetrain.pipeline import Loss, PipelineEngine
 from pipetrain.pipeline.precision import AutocastStage, check_precision, compute_dtype, set_fp32_matmuls
 from pipetrain.recipe.clip import clip_grad_norm_, grad_norm
@@ -131,7 +132,10 @@ def open_session(
     return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision)
 
 
-def close_session() -> None:
-    """Leave the process group (safe to call when none was joined)."""
-    if dist.is_initialized():
+def close_session(*, after_error: bool = False) -> None:
+    """Leave the process group (safe to call when none was joined). `after_error`: this rank failed, so never
+    block on the group (see `parallel.mesh.leave_after_error`): the error is reported first."""
+    if after_error:
+        leave_after_error()
+    elif dist.is_initialized():
         dist.destroy_process_group()

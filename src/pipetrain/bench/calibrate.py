@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.bench.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
+from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
@@ -46,7 +46,7 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline.clock import Clock, clock_for
 from pipetrain.pipeline.precision import set_fp32_matmuls
-from pipetrain.plan.hardware import Calibration, Device, Network
+from pipetrain.plan.hardware import DEFAULT_NETWORK, Calibration, Device, Network
 from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import block_times
 from pipetrain.plan.schedules import schedule_order
@@ -55,7 +55,7 @@ from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.presets import TransformerConfig
 from pipetrain.workloads.transformer import TransformerClassifier
 
-__all__ = ["calibrate", "LayerShape"]
+__all__ = ["calibrate", "LayerShape", "measured_network", "NOT_MEASURED"]
 
 LayerShape = dict  # seq_len, emsize, nhead, nhid, dropout (the planned model's encoder layer)
 _SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 20]  # float32 elements: 4 KB .. 4 MB
@@ -257,7 +257,8 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
     device = join_job(spec)
     set_fp32_matmuls(device, precision)  # the arithmetic training at `precision` uses (TF32 or IEEE on CUDA)
     try:
-        baseline = current_memory_mb(device) * 2**20
+        dist.barrier()  # NCCL's communicator and buffers exist after a first collective
+        baseline = device_baseline_bytes(device)
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
                    "baseline_bytes": baseline}
         figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
@@ -271,8 +272,10 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
             merged["backend"] = dist.get_backend()
             merged["device"] = str(device)
             Path(out, "calibration.json").write_text(json.dumps(merged))
-    finally:
-        close_session()
+    except BaseException:
+        close_session(after_error=True)  # no blocking destroy before the launcher has the report
+        raise
+    close_session()
 
 
 def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeout_s: float = 600.0,
@@ -301,13 +304,22 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     pipeline_slowdown=m["pipeline_slowdown"],
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
                     cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
-                    baseline_bytes=m["baseline_bytes"] if m["device"] == "cpu" else 0.0)
-    network = Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
-                      inter_latency_s=m["p2p_latency_s"], inter_bytes_per_s=m["p2p_bytes_per_s"],
-                      collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"])
+                    baseline_bytes=m["baseline_bytes"])  # CUDA: context, NCCL buffers (device_baseline_bytes)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Calibration(device=device, network=network, backend=m["backend"], precision=precision,
-                       measured=f"{stamp}, 2 ranks on one node, layer {shape}")
+    return Calibration(device=device, network=measured_network(m), backend=m["backend"], precision=precision,
+                       measured=f"{stamp}, 2 ranks on one node, layer {shape}; {NOT_MEASURED}")
+
+
+#: What a calibration on one node does not measure, said in its `measured` field.
+NOT_MEASURED = "inter-node links not measured (built-in figures)"
+
+
+def measured_network(m: dict[str, float]) -> Network:
+    """The network of the ranks' figures `m`: point-to-point and collectives as measured on this node; the links
+    across nodes, which two ranks of one node cannot see, stay the built-in ones (`DEFAULT_NETWORK`'s)."""
+    return Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
+                   inter_latency_s=DEFAULT_NETWORK.inter_latency_s, inter_bytes_per_s=DEFAULT_NETWORK.inter_bytes_per_s,
+                   collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"])
 
 
 def _host_memory() -> int:

@@ -50,6 +50,7 @@ def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir
             steps_per_epoch=num_batches(EPOCH_SAMPLES, cell.batch_size),
             peak_mem_mb_per_stage=measured["peak_mem_mb_per_stage"],
             measured_bubble=measured.get("measured_bubble"),
+            peak_reserved_mb_per_stage=measured.get("peak_reserved_mb_per_stage"),
         )
     except RankTimeoutError:
         return CellResult.failed(cell, "timeout", f"not finished after {timeout_s:g} s")

@@ -19,8 +19,9 @@ from pipetrain.cli.log_flags import add_log_arguments, log_config
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
-from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError, RankFailedError
+from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
+from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.logs.config import check_log_folders
 from pipetrain.partition import cost_balance
@@ -129,7 +130,8 @@ def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bo
         log.info("pipetrain: measuring each block at micro-batch size %d for --partition %s "
                  "(pass --profile FILE to reuse a profile)", micro, pipeline.partition)
     pipeline, choice = cost_balance(config.model(), pipeline, micro_batch_size=micro, profile=profile,
-                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}")
+                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}",
+                                    device=device_choice(args) if profile is None else "cpu")  # the job's device
     if say:
         for line in choice.lines():
             log.info("pipetrain: %s", line)
@@ -291,19 +293,15 @@ def _parsed_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-#: What gloo says when the rank at the other end of a connection has died.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
-
-
 def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     try:
         reports = train_rank(spec, config, data)
-    except RuntimeError as err:  # a peer that died is not this rank's failure: one line, not gloo's traceback
-        if not any(text in str(err) for text in _PEER_LOST):
+    except RuntimeError as err:  # a dead peer, an NCCL timeout or abort: one line, not the backend's traceback
+        known = backend_failure(err, spec.rank)
+        if known is None:
             raise
-        raise RankFailedError(f"rank {spec.rank} lost its connection to another rank, which probably died",
-                              hint="the launcher (or Slurm) names the rank that failed first") from None
+        raise known from None
     if metrics is not None and spec.rank == 0:
         partial = metrics.with_name(f".{metrics.name}.partial")
         partial.write_text(json.dumps(report_dicts(reports), indent=2) + "\n")

@@ -19,6 +19,7 @@ from typing import NoReturn
 from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
 from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
+from pipetrain.launch.failures import signal_hint
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
 
@@ -267,11 +268,9 @@ def _failure(reports: list[Report], deaths: list[tuple[int, mp.process.BaseProce
     silent = [process for rank, process in deaths if rank not in reported]
     if silent:
         code = silent[0].exitcode
-        how = f"{code} ({signal.Signals(-code).name})" if code is not None and -code in signal.valid_signals() else code
-        return RankFailedError(
-            f"{silent[0].name} exited with code {how} without a report",
-            hint="it was probably killed (out of memory?); see the system log",
-        )
+        name = signal.Signals(-code).name if code is not None and -code in signal.valid_signals() else None
+        return RankFailedError(f"{silent[0].name} exited with code {code if name is None else f'{code} ({name})'} "
+                               "without a report", hint=signal_hint(name))
     _, rank, detail, unexpected = min(reports)
     if unexpected:
         return RankFailedError(f"rank {rank} failed:\n{detail.rstrip()}")

@@ -36,7 +36,8 @@ class StepResult:
     `loss` is the mean over what the loss counts (`count`: the samples, or the non-padding tokens of a
     token loss); `accuracy` is the fraction of them predicted right (None unless outputs are logits of
     integer targets); `perplexity` is exp(loss) for a token cross-entropy (else None). `outputs` holds the
-    last stage's merged outputs on the rank(s) that own it (None elsewhere).
+    last stage's merged outputs on the rank(s) that own it (None elsewhere, and None when the engine's
+    `keep_outputs` is False: a loop that never reads them, such as `pipetrain train`, need not hold the logits).
     """
 
     loss: float
@@ -83,6 +84,8 @@ class PipelineEngine:
         self.pp_group = pp_group
         self.dp_group = dp_group
         self.metrics_group = metrics_group
+        #: whether `StepResult.outputs` holds the last stage's outputs (set False when nobody reads them)
+        self.keep_outputs = True
         group_size = dist.get_world_size(pp_group)
         if group_size != config.pp:
             raise ConfigError(
@@ -205,10 +208,11 @@ class PipelineEngine:
             dist.all_reduce(count, group=self.dp_group)
         else:
             count *= self.dp
-        if count.item() == 0:
+        value = count.item()  # one host sync (was two)
+        if value == 0:
             raise ConfigError("every target of this batch is padding (ignore_index): nothing to learn from",
                               hint="drop batches without any non-padding target")
-        return count.item()
+        return value
 
     @contextmanager
     def _grads_kept(self, fresh: bool) -> Iterator[None]:
@@ -248,7 +252,7 @@ class PipelineEngine:
             loss=loss,
             accuracy=correct / max(count, 1.0) if classified else None,
             samples=int(samples),
-            outputs=outputs,
+            outputs=outputs if self.keep_outputs else None,
             count=int(count),
             perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
         )
