@@ -11,6 +11,7 @@ order; a dropout stream replayed from its start moves the losses by about 1e-2).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ ARGS = ["--pp", "1", "--chunks", "2", "--preset", "cpu", "--data", "synthetic", 
 
 def _train(*extra: str, device: str = "cuda", timeout: float = 300) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pipetrain", "train", *ARGS, "--device", device, *extra]
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PIPETRAIN_DEVICE"}  # --device decides
+    env = {k: v for k, v in os.environ.items() if k != "PIPETRAIN_DEVICE"}  # --device decides, not the tier's pin
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
 
 
@@ -59,8 +60,8 @@ def _from_step(reference: Path, step: int, target: Path) -> Path:
     return target
 
 
-@pytest.mark.parametrize("extra", [[], ["--precision", "fp32-strict"], ["--precision", "bf16"], ["--checkpoint", "always"]],
-                         ids=["fp32-tf32", "fp32-strict", "bf16", "recompute"])
+@pytest.mark.parametrize("extra", [[], ["--precision", "fp32-strict"], ["--precision", "bf16"],
+                                   ["--checkpoint", "always"]], ids=["fp32-tf32", "fp32-strict", "bf16", "recompute"])
 def test_pp1_trains_on_cuda(tmp_path, extra):
     (train_loss, test_loss), = _metrics(tmp_path, "run", *extra)
     assert 0 < train_loss < 10 and 0 < test_loss < 10

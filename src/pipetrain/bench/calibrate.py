@@ -41,7 +41,7 @@ from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, pea
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
-from pipetrain.launch.device import resolve_device
+from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline.clock import Clock, clock_for
@@ -290,6 +290,7 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
         raise ConfigError(f"the calibration measures fp32 layers, not {precision}",
                           hint="calibrate with --precision fp32 or fp32-strict (bf16 calibration is not built)")
     device = resolve_device(device)
+    check_local_ranks(2, device, what="the calibration (two ranks: P2P, all-reduce, a 2-stage pipeline)")
     with tempfile.TemporaryDirectory(prefix="pipetrain-calibrate-") as work:
         spawn(_rank, ranks=range(2), world_size=2, master_addr="127.0.0.1", master_port=free_port(),
               args=(shape, samples, repeats, work, precision), timeout_s=timeout_s, device=device)

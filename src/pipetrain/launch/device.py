@@ -30,7 +30,7 @@ def resolve_device(choice: str | None = None, *, flag: str = "--device") -> str:
     pinned = device_override()
     if choice is not None and pinned is not None and choice != pinned:
         raise ConfigError(f"{flag} {choice} contradicts {DEVICE_VARIABLE}={pinned} set by the launcher or job script",
-                          hint=f"drop {flag}, or unset {DEVICE_VARIABLE} (or set it to {choice})")
+                          hint=f"drop {flag}, or unset {DEVICE_VARIABLE} or set it to {choice}")
     wanted = choice or pinned
     source = f"{flag} cuda" if choice else f"{DEVICE_VARIABLE}=cuda"
     if wanted == "cuda" and gpu_count() == 0:
