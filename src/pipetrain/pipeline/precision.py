@@ -29,7 +29,7 @@ def check_precision(precision: str) -> str:
     why = _UNSUPPORTED.get(precision, "")
     raise ConfigError(
         f"precision {precision!r} is not supported" + (f": {why}" if why else ""),
-        hint=f"pass --precision {' or '.join(PRECISIONS)} (default fp32)",
+        hint=f"pass --precision {', '.join(list(PRECISIONS)[:-1])} or {list(PRECISIONS)[-1]} (default fp32)",
     )
 
 
