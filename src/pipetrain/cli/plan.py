@@ -168,8 +168,9 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
         out += ["--stages-per-rank", str(lay.virtual)]
     if lay.balance == "time" and len(prediction.balance) > 1:
         out += ["--balance", ",".join(str(b) for b in prediction.balance)]
-    if args.precision != "fp32":
-        out += ["--precision", args.precision]
+    precision = getattr(args, "precision", "fp32")  # a Namespace made by hand may lack it
+    if precision != "fp32":
+        out += ["--precision", precision]
     if args.profile:  # the profile names its model "workload:preset"
         workload, _, preset = getattr(args, "profile_model", "").rpartition(":")
         return out + (["--workload", workload] if workload else []) + ["--preset", preset or "cpu"]
