@@ -31,7 +31,7 @@ from pipetrain.pipeline.loss import SampleMeanLoss
 from pipetrain.recipe.clip import clip_grad_norm_
 from pipetrain.session import build_session, join_job
 
-__all__ = ["Pipe", "PipeOutput", "PipeLoss"]
+__all__ = ["Pipe", "PipeOutput", "PipeLoss", "free_other_stages"]
 
 _SHAPE_METHODS = ("view", "reshape", "flatten", "float", "contiguous", "squeeze", "transpose", "permute")
 
@@ -79,6 +79,7 @@ class Pipe(nn.Module):
         mine = [i for stage in self.config.stage_ids(dist.get_rank()) for i in range(*bounds[stage])]
         self.device = _device()
         self.stages = nn.ModuleList([children[i].to(self.device) for i in mine])  # this rank's parameters
+        free_other_stages(children, mine)
         self._model = _Children(children, dict(zip(mine, self.stages)))
         self._seed = seed
         self._engine: PipelineEngine | None = None  # built at the first batch, whose shapes it needs
@@ -120,6 +121,15 @@ class Pipe(nn.Module):
         inputs, samplewise = inputs.to(self.device), samplewise.to(self.device)
         self.last = self.engine.step(inputs, samplewise) if train else self.engine.evaluate(inputs, samplewise)
         return self.last
+
+
+def free_other_stages(children: list[nn.Module], mine: list[int]) -> None:
+    """Move the children of other ranks' stages to the meta device, in place: their weights (on the CPU, or on the
+    GPUs the script's `.cuda(i)` put them) are freed; only their shapes are still needed (shape inference)."""
+    keep = set(mine)
+    for index, child in enumerate(children):
+        if index not in keep:
+            child.to("meta")
 
 
 def _device() -> torch.device:

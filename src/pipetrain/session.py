@@ -13,8 +13,9 @@ from pipetrain.blocks import BlockModel
 from pipetrain.config import ParallelConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
+from pipetrain.parallel.mesh import leave_after_error
 from pipetrain.pipeline import Loss, PipelineEngine
-from pipetrain.pipeline.precision import AutocastStage, check_precision
+from pipetrain.pipeline.precision import AutocastStage, check_precision, compute_dtype, set_fp32_matmuls
 from pipetrain.recipe.clip import clip_grad_norm_, grad_norm
 
 __all__ = ["Session", "join_job", "build_session", "open_session", "close_session"]
@@ -46,7 +47,7 @@ class Session:
 
 def join_job(spec: RankSpec, *, cpu_threads: int | None = 1, timeout_s: float = 600.0) -> torch.device:
     """Join the process group of the job described by `spec`; returns this rank's device."""
-    device = pick_device(spec.local_rank)
+    device = pick_device(spec.local_rank, spec.device)
     init_process_group(
         rank=spec.rank,
         world_size=spec.world_size,
@@ -70,9 +71,11 @@ def build_session(
 ) -> Session:
     """Build the dp × pp mesh over the joined world and this rank's stages of `model`.
 
-    `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`).
+    `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`); on CUDA,
+    fp32 matmuls are TF32 except under "fp32-strict" (see `set_fp32_matmuls`).
     """
     check_precision(precision)
+    set_fp32_matmuls(device, precision)
     parallel.check_world(dist.get_world_size())
     mesh = build_mesh(parallel.dp, parallel.pp, device)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
@@ -97,7 +100,7 @@ def _stage_wrapper(
     replicate = data_parallel_wrapper(
         parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision
     )
-    if precision == "fp32":
+    if compute_dtype(precision) is None:
         return replicate
 
     def wrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -120,7 +123,8 @@ def open_session(
 ) -> Session:
     """Join the job described by `spec` and build this rank's stages of `model` for the `parallel` mesh.
 
-    `precision`: "fp32" (default) or "bf16" (autocast, fp32 master weights and optimizer state).
+    `precision`: "fp32" (default; TF32 matmuls on CUDA), "fp32-strict" (IEEE fp32 on CUDA too) or "bf16"
+    (autocast, fp32 master weights and optimizer state).
     """
     check_precision(precision)
     parallel.check_world(spec.world_size)
@@ -128,7 +132,10 @@ def open_session(
     return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision)
 
 
-def close_session() -> None:
-    """Leave the process group (safe to call when none was joined)."""
-    if dist.is_initialized():
+def close_session(*, after_error: bool = False) -> None:
+    """Leave the process group (safe to call when none was joined). `after_error`: this rank failed, so never
+    block on the group (see `parallel.mesh.leave_after_error`): the error is reported first."""
+    if after_error:
+        leave_after_error()
+    elif dist.is_initialized():
         dist.destroy_process_group()

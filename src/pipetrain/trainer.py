@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
 import json
 import logging
@@ -259,9 +260,10 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
     train, test = data if data is not None else load_data(config)
     tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed rank would leak its semaphore
     session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=workload.loss(),
-                           precision=config.precision)
+                           precision=config.precision, timeout_s=config.durable.process_group_timeout_s)
     try:
         engine, mesh = session.engine, session.mesh
+        engine.keep_outputs = False  # the loop reads the metrics only: no full-batch logits held between steps
         optimizer = build_optimizer(engine, config.recipe.lr, config.recipe.weight_decay)
         recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         dp = config.parallel.dp
@@ -302,8 +304,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                          *files.lines()]:
                 log.info("pipetrain: %s", line)
         return reports
-    finally:
-        close_session()
+    finally:  # after an error (propagating here, so in sys.exc_info()): no blocking destroy before it is reported
+        close_session(after_error=sys.exc_info()[1] is not None)
 
 
 def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe,

@@ -72,7 +72,7 @@ def _share(batch, dp: int, dp_rank: int):
 
 
 def _train(parallel: ParallelConfig, batches, device: torch.device) -> dict:
-    session = build_session(make_model(), parallel, device, seed=SEED)
+    session = build_session(make_model(), parallel, device, seed=SEED, precision="fp32-strict")  # IEEE on CUDA too
     engine = session.engine
     optimizer = torch.optim.SGD(param_groups(engine, RECIPE.weight_decay), lr=RECIPE.lr)
     recipe = Recipe(RECIPE, optimizer, session, total_steps=len(batches))

@@ -30,7 +30,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[Cell]:
     """Replace `run_cell` in the runner with a recorder that returns a made-up "ok" result."""
     seen: list[Cell] = []
 
-    def fake_run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir: Path | None = None) -> CellResult:
+    def fake_run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir: Path | None = None,
+                      device: str | None = None) -> CellResult:
         seen.append(cell)
         return _fake_result(cell)
 

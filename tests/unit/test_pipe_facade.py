@@ -29,3 +29,11 @@ def test_other_methods_before_the_loss_are_refused_by_name():
 def test_a_loss_needs_one_target_tensor():
     with pytest.raises(TypeError, match="exactly one target tensor"):
         F.mse_loss(PipeOutput(None, torch.zeros(2), []), PipeOutput(None, torch.zeros(2), []))  # type: ignore[arg-type]
+
+
+def test_other_ranks_children_are_freed():
+    from pipetrain.pipe import free_other_stages
+
+    children = [torch.nn.Linear(4, 4) for _ in range(4)]
+    free_other_stages(children, [1, 2])
+    assert [next(c.parameters()).device.type for c in children] == ["meta", "cpu", "cpu", "meta"]

@@ -26,7 +26,7 @@ class TwoOutputs(nn.Module):
 def test_unsupported_precision_names_the_supported_ones(name):
     with pytest.raises(ConfigError, match=f"precision '{name}' is not supported") as err:
         check_precision(name)
-    assert err.value.hint == "pass --precision fp32 or bf16 (default fp32)"
+    assert err.value.hint == "pass --precision fp32, fp32-strict or bf16 (default fp32)"
 
 
 def test_fp16_error_says_why():

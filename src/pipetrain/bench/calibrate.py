@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,12 +37,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.bench.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
+from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.errors import ConfigError
+from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
-from pipetrain.plan.hardware import Calibration, Device, Network
+from pipetrain.pipeline.clock import Clock, clock_for
+from pipetrain.pipeline.precision import set_fp32_matmuls
+from pipetrain.plan.hardware import DEFAULT_NETWORK, Calibration, Device, Network
 from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import block_times
 from pipetrain.plan.schedules import schedule_order
@@ -52,21 +55,21 @@ from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.presets import TransformerConfig
 from pipetrain.workloads.transformer import TransformerClassifier
 
-__all__ = ["calibrate", "LayerShape"]
+__all__ = ["calibrate", "LayerShape", "measured_network", "NOT_MEASURED"]
 
 LayerShape = dict  # seq_len, emsize, nhead, nhid, dropout (the planned model's encoder layer)
 _SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 20]  # float32 elements: 4 KB .. 4 MB
 
 
-def _once(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _once(fn: Callable[[], None], clock: Clock) -> float:
+    """Seconds `fn` took on the device (`clock`: on CUDA, synchronised before and after, so that queued kernels
+    and NCCL calls are timed to their end, not to their launch)."""
+    return clock.seconds(fn)
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
+def _median_time(fn: Callable[[], None], repeats: int, clock: Clock) -> float:
     fn()  # warm-up
-    return statistics.median(_once(fn) for _ in range(repeats))
+    return statistics.median(_once(fn, clock) for _ in range(repeats))
 
 
 def _reference(shape: LayerShape) -> TransformerClassifier:
@@ -98,7 +101,7 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _network(rank: int, device: torch.device, repeats: int) -> dict[str, float]:
-    p2p, reduce = [], []
+    p2p, reduce, clock = [], [], clock_for(device)
     for n in _SIZES:
         t = torch.ones(n, device=device)
 
@@ -110,8 +113,8 @@ def _network(rank: int, device: torch.device, repeats: int) -> dict[str, float]:
                 dist.recv(t, 0)
                 dist.send(t, 0)
 
-        p2p.append(_median_time(ping, repeats) / 2)
-        reduce.append(_median_time(lambda: dist.all_reduce(t), repeats))
+        p2p.append(_median_time(ping, repeats, clock) / 2)
+        reduce.append(_median_time(lambda: dist.all_reduce(t), repeats, clock))
     nbytes = [4.0 * n for n in _SIZES]
     p2p_lat, p2p_slope = _line(nbytes, p2p)
     ar_lat, ar_slope = _line([b * 2 * (2 - 1) / 2 for b in nbytes], reduce)  # ring volume for n = 2
@@ -154,7 +157,7 @@ def _optimizer(device: torch.device, repeats: int) -> tuple[float, float]:
         params = [nn.Parameter(torch.zeros(numel, device=device)) for _ in range(tensors)]
         for param in params:
             param.grad = torch.ones_like(param)
-        return _median_time(torch.optim.AdamW(params).step, repeats)
+        return _median_time(torch.optim.AdamW(params).step, repeats, clock_for(device))
 
     per_param = adamw(1, 1 << 20) / (1 << 20)
     per_tensor = max(adamw(256, 16) / 256 - 16 * per_param, 0.0)
@@ -163,8 +166,9 @@ def _optimizer(device: torch.device, repeats: int) -> tuple[float, float]:
 
 def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int) -> dict[str, Any]:
     factor = _activation_factor(shape, 64, device)  # first, while the allocator holds nothing
+    clock = clock_for(device)
     big = torch.ones(1 << 22, device=device)
-    add = _median_time(lambda: big.add_(1.0), repeats)
+    add = _median_time(lambda: big.add_(1.0), repeats, clock)
     bytes_per_s = 2 * 4 * big.numel() / add
     model = _reference(shape)
     layer = model.layer().to(device)
@@ -178,7 +182,7 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
     for turn in range(dist.get_world_size()):  # each rank in turn while the others wait
         dist.barrier()
         if dist.get_rank() == turn:
-            alone = [_median_time(step(b), repeats) for b in sizes]
+            alone = [_median_time(step(b), repeats, clock) for b in sizes]
         dist.barrier()
     middle = step(min(64, sizes[-1]))
     turns = itertools.count()
@@ -186,11 +190,11 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
     def alone_once() -> float | None:  # the ranks take turns; the others wait at the barrier
         dist.barrier()
         mine = next(turns) % dist.get_world_size() == dist.get_rank()
-        seconds = _once(middle) if mine else None
+        seconds = _once(middle, clock) if mine else None
         dist.barrier()
         return seconds
 
-    slower = _paired_ratio(lambda: _once(middle), alone_once, 2 * repeats)  # together first: alone's turn is its pair's
+    slower = _paired_ratio(lambda: _once(middle, clock), alone_once, 2 * repeats)  # together first: alone's turn is its pair's
     block = config_blocks(model.config)[1]
     fixed, _ = _fit(sizes[:3], alone[:3])  # the launch overhead, for blocks without a measured rate
     rates = [(b, 3 * b * block.forward_flops / t) for b, t in zip(sizes, alone)]  # everything included
@@ -202,7 +206,7 @@ def _compute(shape: LayerShape, samples: int, device: torch.device, repeats: int
 
 
 def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, float]],
-              repeats: int) -> dict[str, float]:
+              repeats: int, precision: str = "fp32") -> dict[str, float]:
     """A 2-stage GPipe of 4 layers of the planned shape (2 per stage) at 64 samples, against the simulator.
 
     With 1 micro-batch, alternately with the same layers in one process: how much longer the same work takes
@@ -218,22 +222,23 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
 
     def engine(chunks: int):
         config = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=chunks))
-        return build_session(model, config, device).engine
+        return build_session(model, config, device, precision=precision).engine
 
-    whole, plain = engine(1), nn.Sequential(*blocks).to(device)
+    whole, plain, clock = engine(1), nn.Sequential(*blocks).to(device), clock_for(device)
 
     def single_once() -> float | None:  # the same layers in one process, while rank 1 waits
         dist.barrier()
-        seconds = _once(lambda: nn.functional.cross_entropy(plain(x), y).backward()) if dist.get_rank() == 0 else None
+        seconds = (_once(lambda: nn.functional.cross_entropy(plain(x), y).backward(), clock)
+                   if dist.get_rank() == 0 else None)
         dist.barrier()
         return seconds
 
-    ratio = [(_paired_ratio(lambda: _once(lambda: whole.step(x, y)), single_once, 3 * repeats) or 1.0) - 1.0]
+    ratio = [(_paired_ratio(lambda: _once(lambda: whole.step(x, y), clock), single_once, 3 * repeats) or 1.0) - 1.0]
     dist.broadcast_object_list(ratio, src=0)
     slowdown = max(ratio[0], 0.0)
     split = engine(16)
-    longer = _paired_ratio(lambda: _once(lambda: split.step(x, y)), lambda: _once(lambda: whole.step(x, y)),
-                           2 * repeats)
+    longer = _paired_ratio(lambda: _once(lambda: split.step(x, y), clock),
+                           lambda: _once(lambda: whole.step(x, y), clock), 2 * repeats)
     rated = Device(name="calibrating", flops_per_s=rates[-1][1], bytes_per_s=1.0, kernel_overhead_s=0.0,
                    action_overhead_s=0.0, optimizer_s_per_param=0.0, memory_bytes=0.0, rate_by_samples=tuple(rates))
     layer = config_blocks(reference.config)[1]
@@ -248,13 +253,15 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
     return {"pipeline_slowdown": slowdown, "action_overhead_s": max(overhead, 0.0)}
 
 
-def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: str) -> None:
+def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: str, precision: str = "fp32") -> None:
     device = join_job(spec)
+    set_fp32_matmuls(device, precision)  # the arithmetic training at `precision` uses (TF32 or IEEE on CUDA)
     try:
-        baseline = current_memory_mb(device) * 2**20
+        dist.barrier()  # NCCL's communicator and buffers exist after a first collective
+        baseline = device_baseline_bytes(device)
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
                    "baseline_bytes": baseline}
-        figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats))
+        figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
         if spec.rank == 0:
@@ -265,20 +272,31 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
             merged["backend"] = dist.get_backend()
             merged["device"] = str(device)
             Path(out, "calibration.json").write_text(json.dumps(merged))
-    finally:
-        close_session()
+    except BaseException:
+        close_session(after_error=True)  # no blocking destroy before the launcher has the report
+        raise
+    close_session()
 
 
-def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeout_s: float = 600.0) -> Calibration:
+def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeout_s: float = 600.0,
+              device: str | None = None, precision: str = "fp32") -> Calibration:
     """Measure with two spawned ranks and return the calibration (its `measured` field says when and on what).
-    `samples` (>= 4): the largest micro-batch the layer is timed at."""
+    `samples` (>= 4): the largest micro-batch the layer is timed at; `device`: "cpu" or "cuda" (default: as
+    `resolve_device`; on CUDA two GPUs are needed, checked before the ranks start); `precision`: "fp32" (TF32
+    matmuls on CUDA) or "fp32-strict" (bf16 layers are not measured yet)."""
     if samples < 4:
         raise ValueError(f"calibrate needs samples >= 4, got {samples}")
+    if precision not in ("fp32", "fp32-strict"):
+        raise ConfigError(f"the calibration measures fp32 layers, not {precision}",
+                          hint="calibrate with --precision fp32 or fp32-strict (bf16 calibration is not built)")
+    device = resolve_device(device)
+    check_local_ranks(2, device, what="the calibration (two ranks: P2P, all-reduce, a 2-stage pipeline)")
     with tempfile.TemporaryDirectory(prefix="pipetrain-calibrate-") as work:
         spawn(_rank, ranks=range(2), world_size=2, master_addr="127.0.0.1", master_port=free_port(),
-              args=(shape, samples, repeats, work), timeout_s=timeout_s)
+              args=(shape, samples, repeats, work, precision), timeout_s=timeout_s, device=device)
         m = json.loads(Path(work, "calibration.json").read_text())
-    memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else _host_memory()
+    on_gpu = device == "cuda"
+    memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else _host_memory()
     device = Device(name=m["device"], flops_per_s=m["flops_per_s"], bytes_per_s=m["bytes_per_s"],
                     kernel_overhead_s=m["kernel_overhead_s"], action_overhead_s=m["action_overhead_s"],
                     optimizer_s_per_param=m["optimizer_s_per_param"],
@@ -286,14 +304,23 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     activation_factor=m["activation_factor"], contention=m["contention"],
                     pipeline_slowdown=m["pipeline_slowdown"],
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
-                    cores=0.0 if torch.cuda.is_available() else float(len(os.sched_getaffinity(0))),
-                    baseline_bytes=m["baseline_bytes"] if m["device"] == "cpu" else 0.0)
-    network = Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
-                      inter_latency_s=m["p2p_latency_s"], inter_bytes_per_s=m["p2p_bytes_per_s"],
-                      collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"])
+                    cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
+                    baseline_bytes=m["baseline_bytes"])  # CUDA: context, NCCL buffers (device_baseline_bytes)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Calibration(device=device, network=network, backend=m["backend"],
-                       measured=f"{stamp}, 2 ranks on one node, layer {shape}")
+    return Calibration(device=device, network=measured_network(m), backend=m["backend"], precision=precision,
+                       measured=f"{stamp}, 2 ranks on one node, layer {shape}; {NOT_MEASURED}")
+
+
+#: What a calibration on one node does not measure, said in its `measured` field.
+NOT_MEASURED = "inter-node links not measured (built-in figures)"
+
+
+def measured_network(m: dict[str, float]) -> Network:
+    """The network of the ranks' figures `m`: point-to-point and collectives as measured on this node; the links
+    across nodes, which two ranks of one node cannot see, stay the built-in ones (`DEFAULT_NETWORK`'s)."""
+    return Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
+                   inter_latency_s=DEFAULT_NETWORK.inter_latency_s, inter_bytes_per_s=DEFAULT_NETWORK.inter_bytes_per_s,
+                   collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"])
 
 
 def _host_memory() -> int:

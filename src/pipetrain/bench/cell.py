@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -16,11 +15,13 @@ from pipetrain.bench.memory import (
     lift_memory_limit,
     oom_reason,
     peak_memory_mb,
+    peak_reserved_mb,
     reset_peak_memory,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import pick_device
+from pipetrain.pipeline.clock import clock_for
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import DataRequest, Workload, get_workload
@@ -50,7 +51,7 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
 
     After the timed steps, `TRACED_STEPS` more are traced for the measured bubble (their files go to
     `trace_dir` when given)."""
-    device = pick_device(spec.local_rank)
+    device = pick_device(spec.local_rank, spec.device)
     out = Path(out_dir)
     apply_memory_limit(cell.mem_limit_mb, device)
     try:
@@ -60,46 +61,50 @@ def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: s
         reason = oom_reason(exc, device) if status == "oom" else f"{type(exc).__name__}: {exc}".splitlines()[0]
         lift_memory_limit(device)  # so that writing this report and the launcher's one cannot fail in turn
         (out / f"rank{spec.rank}.json").write_text(json.dumps({"status": status, "reason": reason}))
+        close_session(after_error=True)  # the report first, then no blocking destroy (NCCL can hang in it)
         raise
+    close_session()
     if spec.rank == 0:
-        (out / "result.json").write_text(json.dumps({"step_times_s": times, "peak_mem_mb_per_stage": peaks,
+        (out / "result.json").write_text(json.dumps({"step_times_s": times, "peak_mem_mb_per_stage": peaks[0],
+                                                     "peak_reserved_mb_per_stage": peaks[1],
                                                      "measured_bubble": bubble}))
 
 
 def _measure(
     spec: RankSpec, cell: Cell, warmup: int, steps: int, device: torch.device, trace_dir: str | None
-) -> tuple[list[float], list[float], float | None]:
+) -> tuple[list[float], tuple[list[float], list[float] | None], float | None]:
     workload, preset = cell_workload(cell)
     session = open_session(spec, workload.model(preset), parallel_config(cell), seed=0, loss_fn=workload.loss())
-    try:
-        engine = session.engine
-        optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
-        train, _ = workload.load_data(DataRequest(preset=preset, path=None, synthetic=True,  # never real data
-                                                  train_samples=cell.batch_size, test_samples=1, seed=0))
-        x, y = next(iter(workload.batches(train, cell.batch_size, shuffle=False, seed=0, epoch=0,
-                                          replica=spec.rank // cell.pp, replicas=cell.dp)))
-        reset_peak_memory(device)
-        times = []
-        for index in range(warmup + steps):
-            start = time.perf_counter()
+    # no `finally: close_session()`: measure_rank closes it, after reporting a failure
+    engine = session.engine
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+    train, _ = workload.load_data(DataRequest(preset=preset, path=None, synthetic=True,  # never real data
+                                              train_samples=cell.batch_size, test_samples=1, seed=0))
+    x, y = next(iter(workload.batches(train, cell.batch_size, shuffle=False, seed=0, epoch=0,
+                                      replica=spec.rank // cell.pp, replicas=cell.dp)))
+    reset_peak_memory(device)
+    times, clock = [], clock_for(device)
+
+    def one_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        engine.step(x, y)  # ends with a collective over the whole job: every rank has finished
+        optimizer.step()
+
+    for index in range(warmup + steps):
+        seconds = clock.seconds(one_step)  # on CUDA: to the end of the queued work
+        if index >= warmup:
+            times.append(seconds)
+    peaks: list = [None] * dist.get_world_size()  # (allocated, reserved or None on the CPU) per rank
+    dist.all_gather_object(peaks, (peak_memory_mb(device), peak_reserved_mb(device)))
+    per_stage = [max(peaks[r][0] for r in range(pp_rank, len(peaks), cell.pp)) for pp_rank in range(cell.pp)]
+    reserved = None if peaks[0][1] is None else [max(peaks[r][1] for r in range(pp_rank, len(peaks), cell.pp))
+                                                 for pp_rank in range(cell.pp)]
+    tracer = Tracer(engine, trace_dir, steps=TRACED_STEPS, warmup=0)
+    for _ in range(TRACED_STEPS):
+        with tracer.step():
             optimizer.zero_grad(set_to_none=True)
-            engine.step(x, y)  # ends with a collective over the whole job: every rank has finished
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if index >= warmup:
-                times.append(time.perf_counter() - start)
-        peaks: list[float] = [0.0] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak_memory_mb(device))
-        per_stage = [max(peaks[r] for r in range(pp_rank, len(peaks), cell.pp)) for pp_rank in range(cell.pp)]
-        tracer = Tracer(engine, trace_dir, steps=TRACED_STEPS, warmup=0)
-        for _ in range(TRACED_STEPS):
-            with tracer.step():
-                optimizer.zero_grad(set_to_none=True)
-                engine.step(x, y)
-                with tracer.span("optimizer"):
-                    optimizer.step()
-        traced = tracer.close()
-        return times, per_stage, traced.mean_bubble if traced is not None else None
-    finally:
-        close_session()
+            engine.step(x, y)
+            with tracer.span("optimizer"):
+                optimizer.step()
+    traced = tracer.close()
+    return times, (per_stage, reserved), traced.mean_bubble if traced is not None else None

@@ -42,6 +42,8 @@ __all__ = [
     "is_oom_error",
     "oom_reason",
     "peak_memory_mb",
+    "peak_reserved_mb",
+    "device_baseline_bytes",
     "current_memory_mb",
     "reset_peak_memory",
 ]
@@ -179,6 +181,24 @@ def peak_memory_mb(device: torch.device | str) -> float:
         return hwm
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss / _MB if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB on Linux
+
+
+def peak_reserved_mb(device: torch.device | str) -> float | None:
+    """CUDA: the caching allocator's peak reservation since the last reset, MB (what the device gave it: at least the
+    peak allocated, plus the allocator's reserve); None on the CPU, whose peak RSS already is what the OS gave."""
+    dev = _device(device)
+    return torch.cuda.max_memory_reserved(dev) / _MB if dev.type == "cuda" else None
+
+
+def device_baseline_bytes(device: torch.device | str) -> float:
+    """Memory a rank holds on its device before any model, bytes. CUDA: what the device has in use
+    (`mem_get_info`) less the caching allocator's reservation: the CUDA context, NCCL's buffers (measure after
+    the first collective) and any other process on the GPU; CPU: the resident set size."""
+    dev = _device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        return float(max(total - free - torch.cuda.memory_reserved(dev), 0))
+    return current_memory_mb(dev) * _MB
 
 
 def current_memory_mb(device: torch.device | str) -> float:

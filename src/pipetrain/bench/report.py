@@ -31,8 +31,8 @@ __all__ = ["write_reports", "collect_environment", "summary_lines", "markdown_re
 CSV_COLUMNS = (
     "key", "preset", "mem_limit_mb", "pp", "dp", "schedule", "checkpoint", "batch_size", "chunks",
     "status", "reason", "median_step_s", "step_s_spread", "samples_per_s", "epoch_s", "peak_mem_mb",
-    "peak_mem_mb_per_stage", "speedup_vs_chunks1", "speedup_vs_pp1", "ideal_speedup", "measured_bubble",
-    "ideal_bubble",
+    "peak_mem_mb_per_stage", "peak_reserved_mb_per_stage", "speedup_vs_chunks1", "speedup_vs_pp1", "ideal_speedup",
+    "measured_bubble", "ideal_bubble",
 )
 _SHORT = {"oom": "OOM", "invalid": "—", "error": "err", "timeout": "timeout"}
 _WORD = {"ok": "ok", "oom": "OOM", "invalid": "invalid", "error": "error", "timeout": "timeout"}
@@ -181,6 +181,7 @@ def _csv_row(r: CellResult) -> dict[str, Any]:
     row: dict[str, Any] = {"key": r.key, **r.cell.as_dict(), **r.as_dict()}
     row["peak_mem_mb"] = r.peak_mem_mb
     row["peak_mem_mb_per_stage"] = ";".join(f"{m:.1f}" for m in r.peak_mem_mb_per_stage or [])
+    row["peak_reserved_mb_per_stage"] = ";".join(f"{m:.1f}" for m in r.peak_reserved_mb_per_stage or [])
     return {k: ("" if row.get(k) is None else row[k]) for k in CSV_COLUMNS}
 
 

@@ -67,6 +67,8 @@ class CellResult:
     samples_per_s: float | None = None
     epoch_s: float | None = None
     peak_mem_mb_per_stage: list[float] | None = None
+    #: CUDA: the caching allocator's peak reservation per pipeline rank, MB (None on the CPU)
+    peak_reserved_mb_per_stage: list[float] | None = None
     speedup_vs_chunks1: float | None = None
     speedup_vs_pp1: float | None = None
     ideal_speedup: float | None = None
@@ -100,6 +102,7 @@ class CellResult:
         steps_per_epoch: int,
         peak_mem_mb_per_stage: Sequence[float],
         measured_bubble: float | None = None,
+        peak_reserved_mb_per_stage: Sequence[float] | None = None,
     ) -> CellResult:
         """An "ok" result from the measured step times (warm-up already removed)."""
         if not step_times_s:
@@ -119,6 +122,8 @@ class CellResult:
             samples_per_s=cell.batch_size / median if median > 0 else None,
             epoch_s=median * steps_per_epoch,
             peak_mem_mb_per_stage=[float(m) for m in peak_mem_mb_per_stage],
+            peak_reserved_mb_per_stage=(None if peak_reserved_mb_per_stage is None
+                                        else [float(m) for m in peak_reserved_mb_per_stage]),
             ideal_speedup=ideal_speedup(cell.pp, cell.chunks, cell.schedule),
             measured_bubble=measured_bubble,
             ideal_bubble=_ideal_bubble(cell),

@@ -16,6 +16,7 @@ from pipetrain.bench.grid import Cell, cell_problem
 from pipetrain.bench.results import CellResult, ResultStore
 from pipetrain.errors import RankFailedError, RankTimeoutError
 from pipetrain.launch.env import free_port
+from pipetrain.launch.device import gpu_count, resolve_device
 from pipetrain.launch.spawn import spawn
 from pipetrain.workloads.imdb import num_batches
 
@@ -27,18 +28,21 @@ log = logging.getLogger("pipetrain")
 EPOCH_SAMPLES = 25_000
 
 
-def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir: Path | None = None) -> CellResult:
+def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir: Path | None = None,
+             device: str | None = None) -> CellResult:
     """Measure one cell in fresh rank processes; failures become "oom", "error" or "timeout" results.
 
-    With `trace_dir`, the traced steps' files go to `trace_dir/<cell folder>` (see `trace_folder`)."""
-    problem = cell_problem(cell)
+    With `trace_dir`, the traced steps' files go to `trace_dir/<cell folder>` (see `trace_folder`). `device`:
+    "cpu" or "cuda" (default: as `resolve_device`); on CUDA a cell of more ranks than GPUs is "invalid"."""
+    device = resolve_device(device)
+    problem = cell_problem(cell, max_ranks=gpu_count() if device == "cuda" else None)
     if problem:
         return CellResult.failed(cell, "invalid", problem)
     work = Path(tempfile.mkdtemp(prefix="pipetrain-cell-"))
     try:
         spawn(measure_rank, ranks=range(cell.world_size), world_size=cell.world_size, master_addr="127.0.0.1",
               master_port=free_port(), args=(cell, warmup, steps, str(work), None if trace_dir is None else str(trace_folder(trace_dir, cell))),
-              timeout_s=timeout_s)
+              timeout_s=timeout_s, device=device)
         measured = json.loads((work / "result.json").read_text())
         return CellResult.from_steps(
             cell,
@@ -46,6 +50,7 @@ def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir
             steps_per_epoch=num_batches(EPOCH_SAMPLES, cell.batch_size),
             peak_mem_mb_per_stage=measured["peak_mem_mb_per_stage"],
             measured_bubble=measured.get("measured_bubble"),
+            peak_reserved_mb_per_stage=measured.get("peak_reserved_mb_per_stage"),
         )
     except RankTimeoutError:
         return CellResult.failed(cell, "timeout", f"not finished after {timeout_s:g} s")
@@ -65,7 +70,7 @@ def trace_folder(trace_dir: Path, cell: Cell) -> Path:
 
 def run_grid(
     cells: Sequence[Cell], store: ResultStore, *, warmup: int, steps: int, timeout_s: float, progress: bool = True,
-    trace_dir: Path | None = None,
+    trace_dir: Path | None = None, device: str | None = None,
 ) -> dict[str, CellResult]:
     """Measure every cell not already in `store`, appending each result as soon as it is known.
 
@@ -80,7 +85,7 @@ def run_grid(
     try:
         for index, cell in enumerate(todo, 1):
             bar.set_description(f"pp={cell.pp} batch={cell.batch_size} chunks={cell.chunks}")
-            result = run_cell(cell, warmup=warmup, steps=steps, timeout_s=timeout_s, trace_dir=trace_dir)
+            result = run_cell(cell, warmup=warmup, steps=steps, timeout_s=timeout_s, trace_dir=trace_dir, device=device)
             store.append(result)
             bar.update()
             if not progress:

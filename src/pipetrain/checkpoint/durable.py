@@ -51,6 +51,13 @@ class DurableConfig:
     async_save: bool = False  # write checkpoints in the background (see checkpoint.background)
     requeue_job: str | None = None  # the Slurm job id to requeue after a stop request (None: not under Slurm)
 
+    @property
+    def process_group_timeout_s(self) -> float:
+        """The collectives' own timeout: above `step_timeout_s`, so that the step watchdog, which names the stuck
+        rank, fires before NCCL's, which aborts the process (SIGABRT): 2 x the step timeout, at least 600 s
+        (torch's default, kept when the step timeout is off)."""
+        return max(600.0, 2.0 * self.step_timeout_s) if self.step_timeout_s else 600.0
+
     def __post_init__(self) -> None:
         if self.resume and self.save_dir is None:
             raise ConfigError("--resume needs --save-dir (or a checkpoint: --resume DIR/step-N)",

@@ -30,6 +30,7 @@ from pipetrain.checkpoint.folders import (
     write_meta,
 )
 from pipetrain.checkpoint.keys import StageNames, fingerprint
+from pipetrain.checkpoint.rng import restore_rng, rng_state, rng_targets
 from pipetrain.errors import CheckpointError, ConfigError, PipetrainError, RankFailedError
 from pipetrain.pipeline import PipelineEngine
 
@@ -69,17 +70,6 @@ def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> 
         optim = get_optimizer_state_dict(container, optimizer, options=_OPTIONS)
         state.update({f"optim.{k}": v for k, v in names.optimizer_state(optim).items()})
     return container, names, state
-
-
-def _rng_key() -> str:
-    return f"rng.rank{_rank()}"
-
-
-def _rng_state() -> torch.Tensor:
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    return torch.stack(states) if len(states) > 1 and states[0].shape == states[1].shape else states[0]
 
 
 def _agree(error: str | None) -> None:
@@ -137,7 +127,7 @@ def begin_save(directory: Path, step: int) -> tuple[Path, Path]:
 def saved_state(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What this rank writes: its model (and optimizer) state under layout-free keys, and its RNG state."""
     _, _, state = _states(engine, optimizer)
-    state[_rng_key()] = _rng_state()
+    state.update(rng_state(_rank()))
     return state
 
 
@@ -226,7 +216,7 @@ def load_checkpoint(
     container, names, state = _states(engine, optimizer)
     same_layout = meta.layout == engine_layout(engine)
     if same_layout:
-        state[_rng_key()] = _rng_state()
+        state.update(rng_targets(_rank(), saved_keys(folder)))
     try:
         dcp.load(state, checkpoint_id=str(folder))
     except (Exception, dcp.CheckpointException) as err:
@@ -238,12 +228,17 @@ def load_checkpoint(
         optim = {k[len("optim."):]: v for k, v in state.items() if k.startswith("optim.")}
         set_optimizer_state_dict(container, optimizer, names.local_optimizer_state(optim), options=_OPTIONS)
     if same_layout:
-        rng = state[_rng_key()]
-        torch.set_rng_state(rng[0] if rng.dim() > 1 else rng)
-        if rng.dim() > 1:
-            torch.cuda.set_rng_state(rng[1])
+        restore_rng(state, _rank())
     _barrier()
     return meta
+
+
+def saved_keys(folder: Path) -> set[str]:
+    """The keys a committed checkpoint holds (from DCP's metadata; empty when it cannot be read)."""
+    try:
+        return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    except Exception:  # a damaged checkpoint: dcp.load reports it with its hint
+        return set()
 
 
 def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | None, fingerprint_: str) -> None:

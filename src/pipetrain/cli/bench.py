@@ -7,12 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from pipetrain.bench.grid import GridSpec, default_axes
 from pipetrain.bench.report import collect_environment, summary_lines, write_reports
 from pipetrain.bench.results import ResultStore, compute_speedups
 from pipetrain.bench.runner import run_grid
+from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
 from pipetrain.trace.report import check_trace_dir
 
@@ -41,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
                         help="also write each cell's traced steps (trace.json, gantt.png, summary) to DIR/<cell>; "
                              "the measured-bubble column is always computed from 2 steps traced after the timed ones")
+    add_device_argument(parser)
     return parser
 
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name} {getattr(args, name)} is too small", hint=f"pass --{name} 1 or more")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout {args.timeout:g} is not a positive number of seconds", hint="e.g. --timeout 180")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_choice(args)
     overrides = list(args.grid) + ([f"mem={args.mem_limit}"] if args.mem_limit is not None else [])
     grid = GridSpec(default_axes(device, args.quick)).with_overrides(overrides)
     cells = _with_workload(grid, args.workload).cells()
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         run_grid(cells, store, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout,
-                 progress=sys.stderr.isatty(), trace_dir=args.trace)
+                 progress=sys.stderr.isatty(), trace_dir=args.trace, device=device)
     except KeyboardInterrupt:
         interrupted = True
         log.info("interrupted: every finished cell is kept in %s; run the same command again to resume", store.path)

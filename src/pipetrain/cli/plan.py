@@ -8,10 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES
 from pipetrain.errors import ConfigError
-from pipetrain.plan.hardware import (DEFAULT_DEVICE, DEFAULT_NETWORK, Calibration, default_calibration_path,
-                                     load_calibration, save_calibration)
+from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, Calibration, default_calibration_path,
+                                     default_device, load_calibration, save_calibration)
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
@@ -49,11 +50,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                            "built-in A100-class figures when missing)")
     gpus.add_argument("--calibrate", action="store_true",
                       help="measure this machine first (2 ranks, about 30 s) and store it in the calibration file")
+    add_device_argument(gpus)
     model = parser.add_argument_group("model and batch")
     model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
     model.add_argument("--profile", type=Path, default=None, metavar="FILE",
                        help="per-block profile from `pipetrain profile` (instead of the analytic model)")
     model.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    model.add_argument("--precision", choices=tuple(DEFAULT_RATES), default="fp32",
+                       help="the training precision the device's rates are those of: fp32 (TF32 matmuls on CUDA), "
+                            "fp32-strict, bf16 (default: fp32)")
     limits = parser.add_argument_group("limits")
     limits.add_argument("--schedules", type=_names(SIMULATED_SCHEDULES), default=SIMULATED_SCHEDULES,
                         help="schedules to consider, comma-separated (default: all the simulator plays)")
@@ -116,13 +121,21 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
 
         c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
         log.info("calibrating this machine (2 ranks)...")
-        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout))
+        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout),
+                             device=device_choice(args), precision=args.precision)
         save_calibration(measured, path)
-        return measured, f"measured now, stored in {path}"
+        return measured, f"measured now at {args.precision}, stored in {path}"
     if path.exists() or args.calibration is not None:
-        return load_calibration(path), f"{path} ({load_calibration(path).measured})"
-    return Calibration(device=DEFAULT_DEVICE, network=DEFAULT_NETWORK, backend="nccl (assumed)",
-                       measured="built-in"), "built-in A100-class figures (no calibration file; see --calibrate)"
+        loaded = load_calibration(path)
+        if loaded.precision != args.precision:
+            raise ConfigError(f"the calibration {str(path)!r} holds {loaded.precision} rates, this plan is for "
+                              f"--precision {args.precision}",
+                              hint=f"pass --precision {loaded.precision}, or measure again with --calibrate "
+                                   f"--precision {args.precision}")
+        return loaded, f"{path} ({loaded.measured}, {loaded.precision})"
+    return (Calibration(device=default_device(args.precision), network=DEFAULT_NETWORK, backend="nccl (assumed)",
+                        measured="built-in", precision=args.precision),
+            f"built-in A100-class figures at {args.precision} (no calibration file; see --calibrate)")
 
 
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
@@ -156,6 +169,9 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
         out += ["--stages-per-rank", str(lay.virtual)]
     if lay.balance == "time" and len(prediction.balance) > 1:
         out += ["--balance", ",".join(str(b) for b in prediction.balance)]
+    precision = getattr(args, "precision", "fp32")  # a Namespace made by hand may lack it
+    if precision != "fp32":
+        out += ["--precision", precision]
     if args.profile:  # the profile names its model "workload:preset"
         workload, _, preset = getattr(args, "profile_model", "").rpartition(":")
         return out + (["--workload", workload] if workload else []) + ["--preset", preset or "cpu"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
 from pipetrain.partition.measure import profile_model
 from pipetrain.partition.profile import ModelProfile, save_profile
@@ -29,6 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="CPU threads while measuring (default: 1, as each training rank uses)")
     parser.add_argument("--output", "-o", type=Path, default=Path("profile.json"),
                         help="profile JSON to write (default: profile.json)")
+    add_device_argument(parser)
     return parser
 
 
@@ -48,7 +50,7 @@ def profile_lines(profile: ModelProfile) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is too small", hint="pass --threads 1 or more")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_choice(args)
     if device == "cpu":
         torch.set_num_threads(args.threads)
     model = get_workload(args.workload).model(args.preset)

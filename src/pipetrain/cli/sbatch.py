@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipetrain.config import SCHEDULES
 from pipetrain.errors import ConfigError
+from pipetrain.launch.env import DEVICES
 from pipetrain.launch.sbatch import DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, SbatchRequest, render_sbatch
 
 __all__ = ["add_parser", "run"]
@@ -59,6 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="one Slurm task per node that spawns the node's ranks (default: one task per rank)",
     )
     job.add_argument("--ranks-per-node", type=int, default=None, help="ranks each node spawns with --one-task-per-node")
+    job.add_argument("--device", choices=DEVICES, default=None,
+                     help="pin every rank to this device type: the script exports PIPETRAIN_DEVICE (default: cuda "
+                          "with --gpus-per-node, else cpu)")
     mesh = parser.add_argument_group("training layout (appended to the training command)")
     mesh.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     mesh.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
@@ -102,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         setup=args.setup,
         one_task_per_node=args.one_task_per_node,
         ranks_per_node=args.ranks_per_node,
+        device=args.device,
     )
     script = render_sbatch(request)
     if args.output is None:

@@ -14,12 +14,14 @@ from pathlib import Path
 from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
 from pipetrain.checkpoint.folders import META_FILE
 from pipetrain.cli.config_file import add_config_arguments, effective_config
+from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.cli.log_flags import add_log_arguments, log_config
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
-from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError, RankFailedError
+from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
+from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.logs.config import check_log_folders
 from pipetrain.partition import cost_balance
@@ -129,7 +131,8 @@ def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bo
         log.info("pipetrain: measuring each block at micro-batch size %d for --partition %s "
                  "(pass --profile FILE to reuse a profile)", micro, pipeline.partition)
     pipeline, choice = cost_balance(config.model(), pipeline, micro_batch_size=micro, profile=profile,
-                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}")
+                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}",
+                                    device=device_choice(args) if profile is None else "cpu")  # the job's device
     if say:
         for line in choice.lines():
             log.info("pipetrain: %s", line)
@@ -175,11 +178,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"AdamW (peak) learning rate (default: {RECIPE_DEFAULTS.lr:g})")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--precision", default="fp32",
-                       help=f"{' | '.join(PRECISIONS)}: bf16 runs each stage under autocast with fp32 weights (default: fp32)")
+                       help=f"{' | '.join(PRECISIONS)}: bf16 runs each stage under autocast with fp32 weights; fp32 "
+                            "multiplies in TF32 on CUDA, fp32-strict in IEEE fp32 (default: fp32)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--metrics", type=Path, default=None, help="write the epoch reports to this JSON file")
     group.add_argument("--ranks-per-node", type=int, default=None,
                        help="under Slurm with one task per node: local ranks this task spawns")
+    add_device_argument(group)
     add_recipe_arguments(parser)
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", type=Path, default=None, metavar="DIR",
@@ -293,27 +298,23 @@ def _parsed_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-#: What gloo says when the rank at the other end of a connection has died.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
-
-
 def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     try:
         reports = train_rank(spec, config, data)
-    except RuntimeError as err:  # a peer that died is not this rank's failure: one line, not gloo's traceback
-        if not any(text in str(err) for text in _PEER_LOST):
+    except RuntimeError as err:  # a dead peer, an NCCL timeout or abort: one line, not the backend's traceback
+        known = backend_failure(err, spec.rank)
+        if known is None:
             raise
-        raise RankFailedError(f"rank {spec.rank} lost its connection to another rank, which probably died",
-                              hint="the launcher (or Slurm) names the rank that failed first") from None
+        raise known from None
     if metrics is not None and spec.rank == 0:
         partial = metrics.with_name(f".{metrics.name}.partial")
         partial.write_text(json.dumps(report_dicts(reports), indent=2) + "\n")
         partial.replace(metrics)  # atomic: a reader never sees half a file
 
 
-def _spec(env: ClusterEnv) -> RankSpec:
-    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port)
+def _spec(env: ClusterEnv, device: str) -> RankSpec:
+    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device)
 
 
 def _check_metrics(metrics: Path | None) -> None:
@@ -356,17 +357,18 @@ def run(args: argparse.Namespace) -> int:
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
         config = cost_balanced(_config(args), args, launched=False)
+        device = device_choice(args, local_ranks=config.parallel.world_size)  # before the data is loaded
         _check_before_start(config, args.metrics)
         data = load_data(config)
         config.recipe.check_run(config.total_steps(data[0]))
         check_trace(config, data[0])
         world = config.parallel.world_size
         spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
-              args=(config, portable(config.workload, data), args.metrics))
+              args=(config, portable(config.workload, data), args.metrics), device=device)
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
-        config = cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
+        device, config = device_choice(args, env), cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
         if env.rank == 0:  # the process that writes the metrics file and the trace, and commits checkpoints
@@ -383,10 +385,10 @@ def run(args: argparse.Namespace) -> int:
     if ranks:  # one task per node (Slurm): this task spawns its node's ranks
         spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
               master_addr=env.master_addr, master_port=env.master_port,
-              args=(config, portable(config.workload, data), args.metrics))
+              args=(config, portable(config.workload, data), args.metrics), device=device)
         return 0
     try:
-        _rank_main(_spec(env), config, data, args.metrics)  # an error from here on is this rank's own: it says it
+        _rank_main(_spec(env, device), config, data, args.metrics)  # an error from here on is this rank's own: it says it
     except NonFiniteError:  # the same on every rank (global loss and norm): rank 0 says it
         if env.rank == 0:
             raise

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipetrain.bench.grid import Cell, cell_problem
 from pipetrain.bench.runner import run_cell
+from pipetrain.cli.device_flags import device_choice
 from pipetrain.cli.plan import add_plan_arguments, planned
 from pipetrain.errors import ConfigError
 from pipetrain.plan.halving import successive_halving
@@ -57,9 +58,12 @@ def run(args: argparse.Namespace) -> int:
     for name in ("candidates", "first_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", hint="pass 1 or more")
+    if args.precision != "fp32":
+        raise ConfigError(f"tune measures its layouts in fp32, not --precision {args.precision}",
+                          hint="drop --precision (use `pipetrain plan --precision` to plan other precisions)")
     if not args.min_seconds >= 0:
         raise ConfigError(f"--min-seconds must be >= 0, got {args.min_seconds}", hint="pass e.g. --min-seconds 0.3")
-    preset = args.preset or "cpu"
+    preset, device = args.preset or "cpu", device_choice(args)
     args.top = 4 * args.candidates  # some predicted-best layouts may be ones a bench cell does not run
     result, info = planned(args, dp_modes=("ddp",), balances=("uniform",), virtual=(2,))
     chosen = [p for p in result.best if cell_problem(_cell(p.layout, preset)) is None][: args.candidates]
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     measured: dict[tuple[Cell, int], float | None] = {}
 
     def measure(cell: Cell, steps: int) -> float | None:
-        outcome = run_cell(cell, warmup=args.warmup, steps=steps, timeout_s=args.timeout)
+        outcome = run_cell(cell, warmup=args.warmup, steps=steps, timeout_s=args.timeout, device=device)
         step_s = outcome.median_step_s if outcome.ok else None
         measured[cell, steps] = step_s
         log.info("  %s: %d steps, %s", _describe(cell), steps,

@@ -1,7 +1,7 @@
 """Cluster environment: where this process's rank comes from (torchrun or Slurm variables), read in one place.
 
-This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* and SLURM_* variables. It never
-creates processes; launchers use what `detect` reports, or spawn the ranks themselves when it reports None.
+This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_* and PIPETRAIN_DEVICE variables.
+It never creates processes; launchers use what `detect` reports, or spawn the ranks themselves when it reports None.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from pipetrain.errors import LaunchError
 
 __all__ = [
     "ClusterEnv",
+    "DEVICE_VARIABLE",
+    "DEVICES",
     "detect",
+    "device_override",
     "expand_for_local_ranks",
     "expand_nodelist",
     "expand_tasks_per_node",
@@ -31,6 +34,10 @@ _PORT_SPAN = 20000
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")  # one entry inside brackets: "07" or "01-04"
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # "2" or "2(x3)"
+#: The variable a launcher (a job script, a test tier) sets to choose the device of every rank.
+DEVICE_VARIABLE = "PIPETRAIN_DEVICE"
+#: The device types a run can be pinned to.
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,18 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
     if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         return _from_slurm(env)
     return None
+
+
+def device_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """The device type PIPETRAIN_DEVICE pins every rank to ("cpu" or "cuda"), or None when unset or empty."""
+    env = os.environ if environ is None else environ
+    raw = env.get(DEVICE_VARIABLE, "").strip()
+    if not raw:
+        return None
+    if raw.lower() not in DEVICES:
+        raise LaunchError(f"{DEVICE_VARIABLE}={raw!r} is not a device type",
+                          hint=f"set {DEVICE_VARIABLE} to {' or '.join(DEVICES)}, or unset it")
+    return raw.lower()
 
 
 def expand_for_local_ranks(env: ClusterEnv, ranks_per_node: int) -> list[ClusterEnv]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
+from pipetrain.launch.env import DEVICE_VARIABLE, DEVICES
 
 __all__ = ["SbatchRequest", "render_sbatch", "DEFAULT_CPUS_PER_GPU", "DEFAULT_WARN_SECONDS"]
 
@@ -52,9 +53,12 @@ class SbatchRequest:
     setup: str | None = None
     one_task_per_node: bool = False
     ranks_per_node: int | None = None
+    #: the device every rank is pinned to (PIPETRAIN_DEVICE in the script); default: cuda with GPUs, else cpu
+    device: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
+        _check_device(self)
         for name in ("nodes", "tasks_per_node", "dp", "pp", "cpus_per_gpu", "warn_seconds"):
             _count(name, getattr(self, name), minimum=1)
         if self.cpus_per_task is not None:
@@ -221,6 +225,7 @@ def render_sbatch(req: SbatchRequest) -> str:
     else:
         lines.append("export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK")
     lines += [
+        f"export {DEVICE_VARIABLE}={req.device}  # every rank on {req.device}; a --device of the command must agree",
         "RESUME=()",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi',
         "",
@@ -228,6 +233,23 @@ def render_sbatch(req: SbatchRequest) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _check_device(req: SbatchRequest) -> None:
+    """`device` known and possible on the job's nodes, and not contradicted by a `--device` of the command."""
+    if req.device is None:
+        object.__setattr__(req, "device", "cuda" if req.gpus_per_node else "cpu")
+    if req.device not in DEVICES:
+        raise ConfigError(f"device {req.device!r} is not a device type", hint=f"pass --device {' or '.join(DEVICES)}")
+    if req.device == "cuda" and not req.gpus_per_node:
+        raise ConfigError("--device cuda but the job asks for no GPU (--gpus-per-node 0)",
+                          hint="pass --gpus-per-node N, or --device cpu")
+    given = [req.command[i + 1] for i, a in enumerate(req.command[:-1]) if a == "--device"]
+    given += [a.split("=", 1)[1] for a in req.command if a.startswith("--device=")]
+    if any(value != req.device for value in given):
+        raise ConfigError(f"the training command sets --device {given[0]} but the job runs on {req.device} "
+                          f"({DEVICE_VARIABLE}={req.device} in the script)",
+                          hint="pass --device to `pipetrain sbatch` itself, not after `--`")
 
 
 def _count(name: str, value: object, *, minimum: int) -> None:

@@ -17,7 +17,9 @@ from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
 from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
+from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
+from pipetrain.launch.failures import signal_hint
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
 
@@ -31,6 +33,8 @@ class RankSpec:
     world_size: int
     master_addr: str
     master_port: int
+    #: the device type chosen for the job ("cpu" or "cuda"; None: PIPETRAIN_DEVICE, else CUDA when present)
+    device: str | None = None
 
 
 #: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).
@@ -115,6 +119,7 @@ def spawn(
     args: tuple = (),
     first_local_rank: int = 0,
     timeout_s: float | None = None,
+    device: str | None = None,
 ) -> None:
     """Run `fn(RankSpec, *args)` in one fresh process per rank in `ranks`; return when all succeed.
 
@@ -122,7 +127,11 @@ def spawn(
     failure (its message, or its traceback for an unexpected error), reported once. A rank's report is
     acted on when it is sent, not when the rank's process has ended (tearing down a process group can
     take long). After `timeout_s` seconds all ranks are stopped and `RankTimeoutError` is raised.
+    `device` ("cpu", "cuda"; default: PIPETRAIN_DEVICE, else CUDA when present) goes to every rank's spec; on CUDA,
+    more ranks than GPUs raise `ConfigError` before any rank starts.
     """
+    device = resolve_device(device)
+    check_local_ranks(first_local_rank + len(ranks), device)
     ctx = mp.get_context("spawn")
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
@@ -131,7 +140,7 @@ def spawn(
     with _forwarding(processes):
         try:
             for local, rank in enumerate(ranks):
-                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port)
+                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device)
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
                 process = ctx.Process(target=_child, args=(fn, spec, args, writer), name=f"pipetrain-rank{rank}")
@@ -259,18 +268,18 @@ def _failure(reports: list[Report], deaths: list[tuple[int, mp.process.BaseProce
     silent = [process for rank, process in deaths if rank not in reported]
     if silent:
         code = silent[0].exitcode
-        how = f"{code} ({signal.Signals(-code).name})" if code is not None and -code in signal.valid_signals() else code
-        return RankFailedError(
-            f"{silent[0].name} exited with code {how} without a report",
-            hint="it was probably killed (out of memory?); see the system log",
-        )
+        name = signal.Signals(-code).name if code is not None and -code in signal.valid_signals() else None
+        return RankFailedError(f"{silent[0].name} exited with code {code if name is None else f'{code} ({name})'} "
+                               "without a report", hint=signal_hint(name))
     _, rank, detail, unexpected = min(reports)
     if unexpected:
         return RankFailedError(f"rank {rank} failed:\n{detail.rstrip()}")
     return RankFailedError(detail)
 
 
-def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeout_s: float | None = None) -> None:
-    """Run `fn(RankSpec, *args)` on `world_size` local ranks (127.0.0.1, a free port); raise if one fails."""
+def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeout_s: float | None = None,
+                 device: str | None = None) -> None:
+    """Run `fn(RankSpec, *args)` on `world_size` local ranks (127.0.0.1, a free port); raise if one fails.
+    `device` as for `spawn` (more ranks than GPUs are refused before any starts)."""
     spawn(fn, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1", master_port=free_port(),
-          args=args, timeout_s=timeout_s)
+          args=args, timeout_s=timeout_s, device=device)

@@ -47,19 +47,20 @@ class ModelFlops:
         return self.per_token(seq_len) * samples * seq_len
 
 
-#: Dense peak TFLOP/s per GPU by precision; names are matched in this order against the device's name.
+#: Dense peak TFLOP/s per GPU by precision; names are matched in this order against the device's name. "fp32" runs
+#: its matmuls in TF32 on CUDA (pipetrain's default there), "fp32-strict" in IEEE fp32 (NVIDIA's datasheets).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.0},
-    "H100 NVL": {"bf16": 835.0, "fp32": 60.0},
-    "H100": {"bf16": 989.0, "fp32": 67.0},  # SXM
-    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "H200": {"bf16": 989.0, "fp32": 495.0, "fp32-strict": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp32": 378.0, "fp32-strict": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp32": 418.0, "fp32-strict": 60.0},
+    "H100": {"bf16": 989.0, "fp32": 495.0, "fp32-strict": 67.0},  # SXM
+    "A100": {"bf16": 312.0, "fp32": 156.0, "fp32-strict": 19.5},
 }
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
     """The dense peak TFLOP/s of one GPU named `device_name` (e.g. "NVIDIA H100 80GB HBM3") at `precision`
-    ("bf16" or "fp32"); None for a device or precision not in `PEAK_TFLOPS`."""
+    ("bf16", "fp32" (TF32 matmuls) or "fp32-strict"); None for a device or precision not in `PEAK_TFLOPS`."""
     name = device_name.upper()
     for key, peaks in PEAK_TFLOPS.items():
         if all(part.upper() in name for part in key.split()):

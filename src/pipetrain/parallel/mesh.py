@@ -11,14 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Mesh", "pick_device", "init_process_group", "build_mesh"]
+from pipetrain.launch.device import pick_device
 
+__all__ = ["Mesh", "pick_device", "init_process_group", "build_mesh", "leave_after_error", "PRIVATE_C10D"]
 
-def pick_device(local_rank: int) -> torch.device:
-    """`cuda:<local_rank>` when CUDA is there, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+#: Private torch names used here (tests/unit/test_leave_after_error.py fails loudly when one moves).
+PRIVATE_C10D = ("_abort_process_group",)
 
 
 def init_process_group(
@@ -61,6 +59,24 @@ def _leave_at_exit() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_after_error() -> str:
+    """Leave the process group after this rank failed, without waiting on it; returns what was done.
+
+    NCCL's `destroy_process_group` can block on the failed work (pytorch/pytorch#141510): the error would never be
+    reported and a peer's watchdog would blame the wrong rank. An NCCL group is aborted instead ("aborted":
+    non-blocking, and the peers' pending calls fail at once); a gloo group is left to the exit hook, after the
+    error is reported ("left").
+    """
+    if not dist.is_initialized():
+        return "none"
+    if dist.get_backend() == "nccl":
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._abort_process_group()
+        return "aborted"
+    return "left"
 
 
 @dataclass(frozen=True)

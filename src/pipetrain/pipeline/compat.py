@@ -110,8 +110,11 @@ def torch_schedule_order(schedule: str, pp: int, n_microbatches: int, virtual_st
 
 
 @contextmanager
-def timed_p2p_waits(record: Callable[[int, int], None]) -> Iterator[None]:
-    """While inside, every wait of the schedules on their P2P sends/receives calls `record(start_ns, end_ns)`.
+def timed_p2p_waits(record: Callable[[Any, Any], None],
+                    now: Callable[[], Any] = time.perf_counter_ns) -> Iterator[None]:
+    """While inside, every wait of the schedules on their P2P sends/receives calls `record(start, end)`, two
+    readings of `now` (host nanoseconds by default; a `pipetrain.pipeline.clock` mark on CUDA, where the wait
+    only makes the stream wait and the device's clock sees how long).
 
     torch's schedules wait through the module-level `_wait_batch_p2p` (looked up at each call), so it is
     swapped for a timed version here and restored on exit.
@@ -119,11 +122,11 @@ def timed_p2p_waits(record: Callable[[int, int], None]) -> Iterator[None]:
     original = _schedules._wait_batch_p2p
 
     def timed(work: Any) -> Any:
-        start = time.perf_counter_ns()
+        start = now()
         try:
             return original(work)
         finally:
-            record(start, time.perf_counter_ns())
+            record(start, now())
 
     _schedules._wait_batch_p2p = timed
     try:

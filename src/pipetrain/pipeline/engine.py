@@ -36,7 +36,8 @@ class StepResult:
     `loss` is the mean over what the loss counts (`count`: the samples, or the non-padding tokens of a
     token loss); `accuracy` is the fraction of them predicted right (None unless outputs are logits of
     integer targets); `perplexity` is exp(loss) for a token cross-entropy (else None). `outputs` holds the
-    last stage's merged outputs on the rank(s) that own it (None elsewhere).
+    last stage's merged outputs on the rank(s) that own it (None elsewhere, and None when the engine's
+    `keep_outputs` is False: a loop that never reads them, such as `pipetrain train`, need not hold the logits).
     """
 
     loss: float
@@ -83,6 +84,8 @@ class PipelineEngine:
         self.pp_group = pp_group
         self.dp_group = dp_group
         self.metrics_group = metrics_group
+        #: whether `StepResult.outputs` holds the last stage's outputs (set False when nobody reads them)
+        self.keep_outputs = True
         group_size = dist.get_world_size(pp_group)
         if group_size != config.pp:
             raise ConfigError(
@@ -192,23 +195,21 @@ class PipelineEngine:
             if self.has_last_stage:
                 outputs.append(out)
         merged = torch.cat(outputs) if outputs else None
-        return self._metrics(merged, targets, batch_size)
+        return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None)
 
-    def _global_count(self, targets: torch.Tensor | None, given: int | None) -> float:
-        """What the loss of this step is averaged over, across the data-parallel replicas."""
+    def _global_count(self, targets: torch.Tensor | None, given: int | None) -> float | torch.Tensor:
+        """What the loss of this step is averaged over, across the data-parallel replicas: `given`, else a tensor
+        on the device (no host sync; a batch of padding only is refused with the step's metrics)."""
         if given is not None:
             return float(given)
         if targets is None:
             raise ConfigError("the last pipeline stage got no targets", hint="pass the targets on every rank")
-        count = torch.tensor([float(self.loss.count(targets))], dtype=torch.float64, device=self.device)
+        count = torch.as_tensor(self.loss.count(targets), dtype=torch.float64, device=self.device).reshape(1)
         if self.dp > 1 and self.dp_group is not None:
             dist.all_reduce(count, group=self.dp_group)
         else:
-            count *= self.dp
-        if count.item() == 0:
-            raise ConfigError("every target of this batch is padding (ignore_index): nothing to learn from",
-                              hint="drop batches without any non-padding target")
-        return count.item()
+            count = count * self.dp
+        return count[0]
 
     @contextmanager
     def _grads_kept(self, fresh: bool) -> Iterator[None]:
@@ -229,7 +230,10 @@ class PipelineEngine:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
         return self.loss.total(output, target) / self._loss_denominator
 
-    def _metrics(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int) -> StepResult:
+    def _metrics(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int, *,
+                 refuse_empty: bool = False) -> StepResult:
+        """The step's loss, counts and accuracy on every rank, from device-side sums: one host sync per step
+        (`tolist`; the built-in losses count on the device)."""
         totals = torch.zeros(5, dtype=torch.float64, device=self.device)
         if outputs is not None and targets is not None:
             outputs_ = outputs.detach()
@@ -243,12 +247,15 @@ class PipelineEngine:
             with span("metrics"):
                 dist.all_reduce(totals, group=self.metrics_group)
         loss_sum, count, samples, correct, classified = totals.tolist()
+        if refuse_empty and count == 0:  # every rank sees it: the same message everywhere, before the update
+            raise ConfigError("every target of this batch is padding (ignore_index): nothing to learn from",
+                              hint="drop batches without any non-padding target")
         loss = loss_sum / max(count, 1.0)
         return StepResult(
             loss=loss,
             accuracy=correct / max(count, 1.0) if classified else None,
             samples=int(samples),
-            outputs=outputs,
+            outputs=outputs if self.keep_outputs else None,
             count=int(count),
             perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
         )

@@ -32,12 +32,14 @@ class Loss(Protocol):
         """The loss summed over the counted units of this (micro-)batch (a scalar tensor)."""
         ...
 
-    def count(self, target: torch.Tensor) -> int:
-        """How many units (samples, non-padding tokens) `total` sums over."""
+    def count(self, target: torch.Tensor) -> int | torch.Tensor:
+        """How many units (samples, non-padding tokens) `total` sums over (a 0-d tensor stays on the device: the
+        engine then reads it with the step's other metrics, in one host sync)."""
         ...
 
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
-        """How many counted units the output predicts right (None when accuracy means nothing)."""
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | torch.Tensor | None:
+        """How many counted units the output predicts right (None when accuracy means nothing; a 0-d tensor as
+        for `count`)."""
         ...
 
 
@@ -60,10 +62,10 @@ class SampleMeanLoss:
     def count(self, target: torch.Tensor) -> int:
         return target.shape[0]
 
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         if output.dim() != 2 or target.dim() != 1 or target.is_floating_point():
             return None
-        return int((output.argmax(dim=1) == target).sum())
+        return (output.argmax(dim=1) == target).sum()
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,11 @@ class TokenCrossEntropy:
         logits = output.reshape(-1, output.shape[-1])
         return F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="sum")
 
-    def count(self, target: torch.Tensor) -> int:
-        return int((target != self.ignore_index).sum())
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != self.ignore_index).sum()
 
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
-        return int(((output.argmax(dim=-1) == target) & (target != self.ignore_index)).sum())
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+        return ((output.argmax(dim=-1) == target) & (target != self.ignore_index)).sum()
 
 
 def as_loss(loss: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Loss:

@@ -7,12 +7,14 @@ and waiting are timed here: while a `Recorder` records, `PipelineStage.forward_o
 `perform_reduce_grad` are wrapped on the class, the schedules' P2P waits are timed (see
 `compat.timed_p2p_waits`), and forwards of recomputed modules inside a backward are marked. Nothing is
 wrapped when no step is recorded: `span()` then costs one global lookup.
+
+Times come from the recorder's clock (`pipeline.clock`): host nanoseconds on the CPU; on CUDA, events on the
+stream, resolved to host nanoseconds after the step (host time would measure kernel launches, not work).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from pipetrain.pipeline.clock import Clock, HostClock
 from pipetrain.pipeline.compat import timed_p2p_waits
 
 __all__ = ["Record", "Recorder", "span"]
@@ -37,11 +40,11 @@ def span(kind: str, *, stage: int = -1, microbatch: int = -1) -> Iterator[None]:
     if recorder is None:
         yield
         return
-    start = time.perf_counter_ns()
+    start = recorder.clock.mark()
     try:
         yield
     finally:
-        recorder.add(kind, start, time.perf_counter_ns(), stage=stage, microbatch=microbatch)
+        recorder.add(kind, start, recorder.clock.mark(), stage=stage, microbatch=microbatch)
 
 
 class Recorder:
@@ -49,18 +52,29 @@ class Recorder:
 
     `recompute_modules` are the modules that `checkpoint` re-runs in backward (the engine's
     `RecomputeWrapper.module`s): their forwards inside a backward are recorded as "recompute" (the end hook
-    runs even when `checkpoint` stops the recomputation early by raising).
+    runs even when `checkpoint` stops the recomputation early by raising). `clock`: see `pipeline.clock`
+    (default: the host's).
     """
 
-    def __init__(self, recompute_modules: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, recompute_modules: Sequence[nn.Module] = (), clock: Clock | None = None) -> None:
         self.records: list[Record] = []
+        self.clock: Clock = clock or HostClock()
+        self._pending: list[tuple[str, object, object, int, int, int]] = []
         self._recompute_modules = list(recompute_modules)
         self._step = -1
         self._in_backward: tuple[int, int] | None = None  # (stage, micro-batch) of the running backward
-        self._recompute_start: int | None = None
+        self._recompute_start: object | None = None
 
-    def add(self, kind: str, start_ns: int, end_ns: int, *, stage: int = -1, microbatch: int = -1) -> None:
-        self.records.append((kind, start_ns, end_ns, self._step, stage, microbatch))
+    def add(self, kind: str, start: object, end: object, *, stage: int = -1, microbatch: int = -1) -> None:
+        """Record a span between two marks of `clock` (resolved into `records` when the step's recording ends)."""
+        self._pending.append((kind, start, end, self._step, stage, microbatch))
+
+    def _resolve(self) -> None:
+        self.clock.finish()
+        resolve = self.clock.resolve
+        self.records.extend((kind, resolve(start), resolve(end), step, stage, mb)
+                            for kind, start, end, step, stage, mb in self._pending)
+        self._pending.clear()
 
     @contextmanager
     def recording(self, step: int) -> Iterator[None]:
@@ -69,8 +83,10 @@ class Recorder:
         if _ACTIVE is not None:
             raise RuntimeError("a pipeline step is already being recorded on this rank")
         self._step = step
+        self.clock.begin()
         with ExitStack() as stack:
-            stack.enter_context(timed_p2p_waits(lambda start, end: self.add("wait", start, end)))
+            stack.callback(self._resolve)  # last: after the step span is added
+            stack.enter_context(timed_p2p_waits(lambda start, end: self.add("wait", start, end), self.clock.mark))
             for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
                                ("backward_weight_one_chunk", "W"), ("perform_reduce_grad", "dp")):
                 stack.enter_context(_wrapped(PipelineStage, name, self._timer(kind)))
@@ -79,11 +95,11 @@ class Recorder:
                 stack.callback(module.register_forward_hook(self._recompute_end, always_call=True).remove)
             _ACTIVE = self
             stack.callback(_clear_active)
-            start = time.perf_counter_ns()
+            start = self.clock.mark()
             try:
                 yield
             finally:
-                self.add("step", start, time.perf_counter_ns())
+                self.add("step", start, self.clock.mark())
 
     def _timer(self, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         recorder = self
@@ -97,11 +113,11 @@ class Recorder:
                     label = "I"  # zero-bubble: input gradients now, weight gradients later ("W")
                 if label in ("B", "I"):
                     recorder._in_backward = (stage.stage_index, chunk)
-                start = time.perf_counter_ns()
+                start = recorder.clock.mark()
                 try:
                     return method(stage, *args, **kwargs)
                 finally:
-                    recorder.add(label, start, time.perf_counter_ns(), stage=stage.stage_index, microbatch=chunk)
+                    recorder.add(label, start, recorder.clock.mark(), stage=stage.stage_index, microbatch=chunk)
                     recorder._in_backward = None
 
             return timed
@@ -110,12 +126,12 @@ class Recorder:
 
     def _recompute_begin(self, module: nn.Module, args: Any) -> None:
         if self._in_backward is not None:
-            self._recompute_start = time.perf_counter_ns()
+            self._recompute_start = self.clock.mark()
 
     def _recompute_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._in_backward is not None and self._recompute_start is not None:
             stage, chunk = self._in_backward
-            self.add("recompute", self._recompute_start, time.perf_counter_ns(), stage=stage, microbatch=chunk)
+            self.add("recompute", self._recompute_start, self.clock.mark(), stage=stage, microbatch=chunk)
             self._recompute_start = None
 
 

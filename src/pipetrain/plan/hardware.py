@@ -12,14 +12,14 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["Device", "Network", "Calibration", "DEFAULT_DEVICE", "DEFAULT_NETWORK", "default_calibration_path",
-           "load_calibration", "save_calibration", "CALIBRATION_FORMAT"]
+__all__ = ["Device", "Network", "Calibration", "DEFAULT_DEVICE", "DEFAULT_NETWORK", "DEFAULT_RATES", "default_device",
+           "default_calibration_path", "load_calibration", "save_calibration", "CALIBRATION_FORMAT"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration/1"
 
@@ -85,11 +85,25 @@ class Calibration:
     network: Network
     backend: str
     measured: str
+    #: the training precision the device's rates hold for ("fp32": TF32 matmuls on CUDA, "fp32-strict", "bf16")
+    precision: str = "fp32"
 
 
 DEFAULT_DEVICE = Device(name="gpu-a100-class (assumed)", flops_per_s=150e12, bytes_per_s=1.5e12,
                         kernel_overhead_s=5e-6, action_overhead_s=2e-4, optimizer_s_per_param=1e-11,
                         memory_bytes=80 * 2**30)
+#: The built-in device's effective FLOP rate per training precision: an A100-class GPU runs fp32 matmuls in TF32 on
+#: CUDA (pipetrain's default; 156 dense TFLOP/s peak), bf16 at twice that, IEEE fp32 ("fp32-strict") at 19.5.
+DEFAULT_RATES = {"fp32": 150e12, "bf16": 300e12, "fp32-strict": 19.5e12}
+
+
+def default_device(precision: str = "fp32") -> Device:
+    """The built-in device at the FLOP rate of `precision` (one of `DEFAULT_RATES`)."""
+    if precision not in DEFAULT_RATES:
+        raise ConfigError(f"precision {precision!r} has no built-in rate", hint=f"use one of {', '.join(DEFAULT_RATES)}")
+    return replace(DEFAULT_DEVICE, flops_per_s=DEFAULT_RATES[precision])
+
+
 DEFAULT_NETWORK = Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_latency_s=5e-6, inter_bytes_per_s=20e9,
                           collective_latency_s=2e-5, collective_bytes_per_s=100e9)
 
@@ -136,7 +150,8 @@ def load_calibration(path: Path) -> Calibration:
             raise ValueError(f"its format is not {CALIBRATION_FORMAT!r}")
         return Calibration(device=_numbers(Device, data.get("device"), "device"),
                            network=_numbers(Network, data.get("network"), "network"),
-                           backend=str(data.get("backend", "?")), measured=str(data.get("measured", "?")))
+                           backend=str(data.get("backend", "?")), measured=str(data.get("measured", "?")),
+                           precision=str(data.get("precision", "fp32")))
     except OSError as err:
         raise ConfigError(f"cannot read the calibration file {str(path)!r}: {err.strerror}",
                           hint="run `pipetrain plan --calibrate` first, or pass --calibration PATH") from None
@@ -150,7 +165,7 @@ def save_calibration(calibration: Calibration, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"format": CALIBRATION_FORMAT, "backend": calibration.backend, "measured": calibration.measured,
-            "device": asdict(calibration.device), "network": asdict(calibration.network)}
+            "precision": calibration.precision, "device": asdict(calibration.device), "network": asdict(calibration.network)}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-")
     with os.fdopen(fd, "w") as fh:
         json.dump(data, fh, indent=2)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.recompute import RecomputeWrapper
+from pipetrain.pipeline.clock import clock_for
 from pipetrain.pipeline.timeline import Recorder, span
 from pipetrain.trace.report import TraceFiles, check_trace_dir, trace_result, write_trace_files
 from pipetrain.trace.spans import Span
@@ -53,7 +54,7 @@ class Tracer:
         self.title = title or (f"{config.schedule}, pp={config.pp}, chunks={config.n_microbatches}, "
                                f"{config.virtual_stages} stage(s) per rank")
         wrappers = [m for module in engine.modules for m in module.modules() if isinstance(m, RecomputeWrapper)]
-        self._recorder = Recorder([w.module for w in wrappers])
+        self._recorder = Recorder([w.module for w in wrappers], clock_for(engine.device))
         self._seen = 0
 
     @property

@@ -26,7 +26,13 @@ PAD_ID = 0
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """Sizes of `GPTModel`; `emsize` must be a multiple of `nhead`; `seq_len` is the longest input."""
+    """Sizes of `GPTModel`; `emsize` must be a multiple of `nhead`; `seq_len` is the longest input.
+
+    `causal_flag` (default): attention runs with `is_causal=True` and no mask tensor, which lets CUDA pick
+    FlashAttention. It is exact for right-padded batches (each sample's tokens first, padding after: the corpus's
+    layout): a token's earlier keys are then never padding, and only padding positions, which the loss skips,
+    attend differently. False: the explicit mask of earlier non-padding keys, for padding anywhere.
+    """
 
     vocab_size: int
     seq_len: int
@@ -35,6 +41,7 @@ class GPTConfig:
     nlayers: int
     dropout: float = 0.0
     mlp_ratio: int = 4
+    causal_flag: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "emsize", "nhead", "nlayers", "mlp_ratio"):
@@ -87,6 +94,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.nhead = config.nhead
         self.dropout = config.dropout
+        self.causal_flag = config.causal_flag
         self.norm1 = nn.LayerNorm(config.emsize)
         self.qkv = nn.Linear(config.emsize, 3 * config.emsize)
         self.proj = nn.Linear(config.emsize, config.emsize)
@@ -101,11 +109,12 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, length, width = hidden.shape
         q, k, v = self.qkv(self.norm1(hidden)).view(batch, length, 3, self.nhead, width // self.nhead).unbind(2)
-        causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
-        # a query sees earlier non-padding keys, and always itself (so no row is empty)
-        allowed = (causal & mask[:, None, None, :]) | torch.eye(length, dtype=torch.bool, device=hidden.device)
+        allowed = None
+        if not self.causal_flag:  # a query sees earlier non-padding keys, and always itself (so no row is empty)
+            causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
+            allowed = (causal & mask[:, None, None, :]) | torch.eye(length, dtype=torch.bool, device=hidden.device)
         attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, is_causal=allowed is None,
             dropout_p=self.dropout if self.training else 0.0,
         )
         hidden = hidden + self.proj(attended.transpose(1, 2).reshape(batch, length, width))

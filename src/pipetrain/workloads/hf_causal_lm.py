@@ -58,15 +58,15 @@ class CausalLMLoss:
         logits = output[:, :-1].flatten(0, 1).float()
         return F.cross_entropy(logits, target[:, 1:].flatten(), ignore_index=self.ignore_index, reduction="sum")
 
-    def count(self, target: torch.Tensor) -> int:
-        return int((target[:, 1:] != self.ignore_index).sum())
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target[:, 1:] != self.ignore_index).sum()
 
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> int | None:
+    def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         shifted = target[:, 1:]
-        return int(((output[:, :-1].argmax(dim=-1) == shifted) & (shifted != self.ignore_index)).sum())
+        return ((output[:, :-1].argmax(dim=-1) == shifted) & (shifted != self.ignore_index)).sum()
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.total(output, target) / max(self.count(target), 1)
+        return self.total(output, target) / self.count(target).clamp_min(1)
 
 
 #: the loss to give the engine (`build_session(..., loss_fn=causal_lm_loss)`), with the labels as targets
