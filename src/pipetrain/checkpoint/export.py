@@ -13,6 +13,7 @@ from pipetrain.checkpoint.folders import read_meta
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.checkpoint.state import check_compatible, find_checkpoint
 from pipetrain.errors import CheckpointError, ConfigError
+from pipetrain.pipeline.tied import tied_aliases
 
 __all__ = ["export_checkpoint"]
 
@@ -28,7 +29,8 @@ def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Pat
     meta = read_meta(folder)
     check_compatible(meta, folder, model_name=None, fingerprint_=fingerprint(model))
     sequential = build_sequential(model, seed=0)
-    state = {f"model.{key}": value for key, value in sequential.state_dict().items()}
+    aliases = tied_aliases(model, model.num_blocks)  # copies of a tied weight: stored once, under the canonical key
+    state = {f"model.{key}": value for key, value in sequential.state_dict().items() if key not in aliases}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -37,6 +39,7 @@ def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Pat
         raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {err}",
                               hint="the checkpoint is damaged; export an older one") from None
     weights = {key[len("model."):]: value.detach().clone() for key, value in state.items()}
+    weights.update({alias: weights[canonical] for alias, canonical in aliases.items()})
     file = Path(file)
     if file.is_dir():
         raise ConfigError(f"export target {str(file)!r} is a folder", hint="pass a file path, e.g. model.pt")
