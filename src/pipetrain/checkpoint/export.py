@@ -15,16 +15,13 @@ from pipetrain.checkpoint.state import check_compatible, find_checkpoint
 from pipetrain.errors import CheckpointError, ConfigError
 from pipetrain.pipeline.tied import tied_aliases
 
-__all__ = ["export_checkpoint"]
+__all__ = ["export_checkpoint", "read_weights"]
 
 
-def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Path) -> dict[str, torch.Tensor]:
-    """Write the model weights of `checkpoint` (a `step-N` folder or a --save-dir) to `file` with `torch.save`.
-
-    No process group is needed. The file holds the state dict of `pipetrain.build_sequential(model)`
-    (keys `<block>.<name in block>`): `nn.Sequential.load_state_dict(torch.load(file, weights_only=True))`.
-    Returns that state dict.
-    """
+def read_weights(checkpoint: str | Path, model: BlockModel) -> dict[str, torch.Tensor]:
+    """The model weights of `checkpoint` (a `step-N` folder or a --save-dir), read in this one process, as the
+    state dict of `pipetrain.build_sequential(model)` (keys `<block>.<name in block>`; every copy of a tied
+    weight filled from the one stored)."""
     folder = find_checkpoint(checkpoint)
     meta = read_meta(folder)
     check_compatible(meta, folder, model_name=None, fingerprint_=fingerprint(model))
@@ -40,6 +37,17 @@ def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Pat
                               hint="the checkpoint is damaged; export an older one") from None
     weights = {key[len("model."):]: value.detach().clone() for key, value in state.items()}
     weights.update({alias: weights[canonical] for alias, canonical in aliases.items()})
+    return weights
+
+
+def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Path) -> dict[str, torch.Tensor]:
+    """Write the model weights of `checkpoint` (a `step-N` folder or a --save-dir) to `file` with `torch.save`.
+
+    No process group is needed. The file holds the state dict of `pipetrain.build_sequential(model)`
+    (keys `<block>.<name in block>`): `nn.Sequential.load_state_dict(torch.load(file, weights_only=True))`.
+    Returns that state dict.
+    """
+    weights = read_weights(checkpoint, model)
     file = Path(file)
     if file.is_dir():
         raise ConfigError(f"export target {str(file)!r} is a folder", hint="pass a file path, e.g. model.pt")
