@@ -11,6 +11,10 @@ the unsplit model's within the fp32 parity tolerance (rtol 1e-5, atol 4e-5); bot
 job checks that the global gradient norm counts the tied weight once (against `get_total_norm` of the unsplit
 model's parameters), that the recipe's parameter groups give the head's copy no weight decay (as the embedding),
 and that a checkpoint written at dp=2 x pp=2 stores the tied weight once and exports it to both blocks.
+Round trip through Hugging Face: the Llama folder (with a tokenizer of its own) trained at pp=2 is checkpointed,
+exported with `pipetrain export CKPT OUT --hf`, reloaded with `AutoModelForCausalLM.from_pretrained` (tied) and
+`AutoTokenizer.from_pretrained`: its logits equal the unsplit model's after the same steps (rtol 1e-5, atol
+4e-5) and differ from the folder's before them. The spawned job is test_hf_parity's (one start-up for both).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from pipetrain.checkpoint import export_checkpoint  # noqa: E402
+from pipetrain.cli import main as cli_main  # noqa: E402
 from pipetrain.checkpoint.state import save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
@@ -35,7 +40,9 @@ from pipetrain.recipe.clip import grad_norm  # noqa: E402
 from pipetrain.recipe.groups import no_decay_names  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
-from tests.distributed.test_hf_parity import ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, make_batches, reference  # noqa: E402
+from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, make_batches,  # noqa: E402
+                                             reference, spawned)
+from tests.hf_folders import tiny_tokenizer  # noqa: E402
 
 #: case -> (dp, dp mode, pp, schedule); "pp2" runs two independent pipelines of 2 ranks (dp=1 each)
 LAYOUTS = {
@@ -44,12 +51,12 @@ LAYOUTS = {
     "dp2xpp2-gpipe-fsdp": (2, "fsdp", 2, "gpipe"),
 }
 EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
-CHECKPOINTED = "dp2xpp2-gpipe-fsdp"
+CHECKPOINTED = {"dp2xpp2-gpipe-fsdp": "ckpt", "pp2-1f1b": "ckpt-pp2"}
 
 
 def tied_configs() -> dict:
     return {
-        "llama": transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        "llama": transformers.LlamaConfig(vocab_size=len(tiny_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                           tie_word_embeddings=True),
         "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
@@ -88,33 +95,30 @@ def _train(folder: str, family: str, layout: str, device: torch.device, pairs: l
         grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
         opt.step()
     params = [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]
-    if layout == CHECKPOINTED:
-        save_checkpoint(save / family, engine, opt, step=3)
+    if layout in CHECKPOINTED:
+        save_checkpoint(save / CHECKPOINTED[layout] / family, engine, opt, step=3)
     return {"losses": losses, "grads": grads, "params": params, "norms": norms,
             "no_decay": sorted(no_decay_names(engine)), "names": [n for n, _ in engine.named_parameters()]}
 
 
-def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
-    device = join_job(spec)
-    try:
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        records = {f"{family}-{layout}": _train(folder, family, layout, device, pairs, Path(out) / "ckpt")
-                   for family, folder in folders.items() for layout in LAYOUTS}
-        torch.save(records, Path(out) / f"rank{spec.rank}.pt")
-    finally:
-        close_session()
+def tied_records(folders: dict[str, str], device: torch.device, out: Path) -> dict:
+    """This rank's records of every tied case (called by test_hf_parity's worker, in its job)."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return {f"tied-{family}-{layout}": _train(folder, family, layout, device, pairs, out)
+            for family, folder in folders.items() for layout in LAYOUTS}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf-tied")
+def tied_setup(root: Path) -> tuple[dict, dict]:
+    """The tied folders (the Llama one with a tokenizer) and their single-process references."""
     folders, references = {}, {}
     for family, config in tied_configs().items():
         torch.manual_seed(SEED)
         model = transformers.AutoModelForCausalLM.from_config(config)
         assert model.lm_head.weight is model.get_input_embeddings().weight  # the reference is tied
-        folders[family] = str(root / family)
+        folders[family] = str(root / f"tied-{family}")
         model.save_pretrained(folders[family])
+        if family == "llama":
+            tiny_tokenizer().save_pretrained(folders[family])
         initial = {n: p.detach().clone() for n, p in model.state_dict().items()}
         for dp in (1, 2):
             model.load_state_dict(initial)
@@ -122,9 +126,13 @@ def runs(tmp_path_factory):
             model.load_state_dict(initial)
             ref["norm0"] = _first_norm(model, dp)
             references[family, dp] = ref
-    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
-          args=(folders, str(root)), timeout_s=600)
-    return [torch.load(root / f"rank{r}.pt") for r in range(4)], references, root, folders
+    return folders, references
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    job = spawned(tmp_path_factory)
+    return job["per_rank"], job["tied_references"], job["root"], job["tied_folders"]
 
 
 def _first_norm(model: torch.nn.Module, dp: int) -> float:
@@ -141,7 +149,7 @@ def test_tied_pipelined_model_matches_unsplit_tied_model(family, layout, runs):
     ref = references[family, LAYOUTS[layout][0]]
     seen, tied_copies = set(), []
     for records in per_rank:
-        record = records[f"{family}-{layout}"]
+        record = records[f"tied-{family}-{layout}"]
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
         # the tied weight counts once in the global norm (the unsplit model has it once)
         assert record["norms"][0] == pytest.approx(ref["norm0"], rel=1e-5)
@@ -175,3 +183,23 @@ def test_checkpoint_stores_a_tied_weight_once(family, runs):
     final = references[family, 2]["params"][EMBEDDING[family]]
     for name in (embedding, head):
         torch.testing.assert_close(weights[name], final, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_export_hf_round_trip_reloads_the_trained_tied_model(runs, tmp_path, capsys):
+    _, references, root, folders = runs
+    out = tmp_path / "exported"
+    code = cli_main.main(["export", str(root / "ckpt-pp2" / "llama"), str(out), "--hf", "--workload", "hf",
+                          "--preset", "llama-tiny", "--model", folders["llama"]])
+    assert code == 0, capsys.readouterr()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert exported.lm_head.weight is exported.get_input_embeddings().weight  # written tied, loaded tied
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("The cat sat")["input_ids"] == tiny_tokenizer()("The cat sat")["input_ids"]
+    trained = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"]).eval()
+    before = trained(input_ids=make_batches()[0][0]).logits.detach()
+    trained.load_state_dict(references["llama", 1]["params"], strict=False)  # the unsplit model after the steps
+    ids = make_batches()[0][0]
+    with torch.no_grad():
+        theirs, ours = exported(input_ids=ids).logits, trained(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=RTOL, atol=ATOL)
+    assert (theirs - before).abs().max() > 100 * ATOL, "the steps did not change the model"

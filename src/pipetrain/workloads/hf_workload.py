@@ -92,11 +92,17 @@ class HFWorkload(LanguageModelWorkload):
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int:
         if seq_len is not None:
             return seq_len
-        return self.seq_len if self.folder is not None else HF_PRESETS[preset].seq_len
+        return self._folder_window() if self.folder is not None else HF_PRESETS[preset].seq_len
+
+    def _folder_window(self) -> int:
+        """`seq_len`, or the folder model's longest sequence when shorter."""
+        config = json.loads((Path(self.folder) / "config.json").read_text())
+        longest = config.get("max_position_embeddings") or config.get("n_positions") or self.seq_len
+        return min(self.seq_len, longest)
 
     def model(self, preset: str, *, seq_len: int | None = None) -> HFCausalLM:
         if self.folder is not None:
-            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self.seq_len)
+            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self._folder_window())
         self.check_preset(preset)
         spec = HF_PRESETS[preset]
         return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len)
