@@ -36,6 +36,10 @@ class BlockModel(Protocol):
     parameters. Every tensor's first dimension is the batch (micro-batches are cut along it). The last
     block returns the one tensor the loss reads. Only tensors cross a stage: a block returning anything
     else (a Python number, None, a dict) is refused with an error naming it.
+
+    Optional hook: `tied_parameters()` returns groups of `(block index, name in block)` that are one tensor
+    of the unsplit model (an input embedding tied to the output head); each block holds a copy, and the
+    engine keeps the copies equal (see `pipetrain.pipeline.tied`); a checkpoint stores the first one.
     """
 
     @property

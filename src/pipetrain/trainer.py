@@ -50,6 +50,9 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     workload: str = "classifier"
     preset: str = "cpu"
+    #: a pretrained model folder (`--model DIR`, `Workload.with_model`) and whether its text is packed (`--no-pack`)
+    model_dir: Path | None = None
+    pack: bool = True
     #: None: the workload's default data (`Workload.default_data`, else its synthetic corpus); SYNTHETIC: the
     #: synthetic corpus; else a folder/file
     data: Path | str | None = None
@@ -135,8 +138,9 @@ class TrainConfig:
         return per_epoch * self.epochs if self.max_steps is None else min(per_epoch * self.epochs, self.max_steps)
 
     def task(self) -> Workload:
-        """The registered workload this job trains."""
-        return get_workload(self.workload)
+        """The registered workload this job trains (on `model_dir` when set)."""
+        workload = get_workload(self.workload)
+        return workload if self.model_dir is None else workload.with_model(self.model_dir, pack=self.pack)
 
     def model(self):
         """The workload's model for this preset and window (a `BlockModel`)."""

@@ -2,7 +2,7 @@
 
 Each reference model is built from its config under a fixed seed and saved as a safetensors folder; every
 rank builds only its own blocks from that folder (`HFCausalLM.from_folder`). One spawned job of 4 ranks runs
-pp=4 (1F1B) and dp=2 x pp=2 (GPipe with FSDP2, 1F1B with DDP). Over three SGD steps (a full batch, a short
+pp=4 (1F1B) and dp=2 x pp=2 (GPipe with FSDP2, 1F1B with DDP), and, in the same job, test_hf_tied's cases. Over three SGD steps (a full batch, a short
 right-padded one that 4 micro-batches do not divide, and one smaller than 4, per replica): the loss on every
 rank, every gradient at every step and every final parameter equal the transformers model's
 (`model(input_ids, labels=labels).loss`) within the fp32 tolerance of the other parity tests (rtol 1e-5,
@@ -103,19 +103,45 @@ def _train(folder: str, layout: str, device: torch.device) -> dict:
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
+def _worker(spec: RankSpec, folders: dict[str, str], tied_folders: dict[str, str], out: str) -> None:
+    from tests.distributed.test_hf_tied import tied_records
+
     device = join_job(spec)
     try:
         records = {f"{family}-{layout}": _train(folder, layout, device) for family, folder in folders.items()
                    for layout in LAYOUTS}
+        records.update(tied_records(tied_folders, device, Path(out)))  # test_hf_tied's cases, in the same job
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
 
+_SPAWNED: dict = {}
+
+
+def spawned(tmp_path_factory) -> dict:
+    """One job of 4 ranks for this module's cases and test_hf_tied's (one start-up, not two), run once."""
+    if _SPAWNED:
+        return _SPAWNED
+    from tests.distributed.test_hf_tied import tied_setup
+
+    root = tmp_path_factory.mktemp("hf")
+    folders, references = _untied_setup(root)
+    tied_folders, tied_references = tied_setup(root)
+    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+          args=(folders, tied_folders, str(root)), timeout_s=600)
+    _SPAWNED.update(per_rank=[torch.load(root / f"rank{r}.pt") for r in range(4)], references=references,
+                    tied_references=tied_references, root=root, tied_folders=tied_folders)
+    return _SPAWNED
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
+    job = spawned(tmp_path_factory)
+    return job["per_rank"], job["references"]
+
+
+def _untied_setup(root: Path) -> tuple[dict, dict]:
     folders, references = {}, {}
     for family, config in tiny_configs().items():
         torch.manual_seed(SEED)
@@ -126,9 +152,7 @@ def runs(tmp_path_factory):
         for dp in (1, 2):
             model.load_state_dict(initial)
             references[family, dp] = reference(model, dp)
-    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
-          args=(folders, str(root)), timeout_s=600)
-    return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
+    return folders, references
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -118,7 +118,8 @@ def test_bad_text_data_says_what_and_how(tmp_path, make, message):
 
 
 def test_lm_workload_from_the_registry():
-    config = TrainConfig(workload="lm", preset="tiny", train_samples=20, test_samples=5, batch_size=4, bucket=True)
+    config = TrainConfig(workload="lm", preset="tiny", data="synthetic", train_samples=20, test_samples=5, batch_size=4,
+                         bucket=True)
     assert isinstance(config.model(), GPTModel)
     train, test = load_data(config)
     assert (len(train), len(test)) == (20, 5)

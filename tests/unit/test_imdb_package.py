@@ -152,7 +152,9 @@ def test_trainer_defaults_to_the_package_and_names_the_split(fake_package):
     assert TrainConfig(preset="tiny", data="synthetic").bucket is False
     # one epoch of the real reviews (make train's time), two of the synthetic corpus or of the lm's
     assert config.epochs == 1 and TrainConfig(preset="tiny", data="synthetic").epochs == 2
-    assert TrainConfig(preset="tiny", epochs=3).epochs == 3 and TrainConfig(workload="lm", preset="tiny").epochs == 2
+    assert TrainConfig(preset="tiny", epochs=3).epochs == 3
+    assert TrainConfig(workload="lm", preset="tiny", data="synthetic").epochs == 2
+    assert TrainConfig(workload="lm", preset="tiny").epochs == 1  # the Gutenberg text: one epoch
     with pytest.raises(ConfigError, match="--train-samples 8 sizes the synthetic corpus"):
         TrainConfig(preset="tiny", train_samples=8)
 

@@ -13,8 +13,31 @@ from pipetrain.checkpoint.folders import read_meta
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.checkpoint.state import check_compatible, find_checkpoint
 from pipetrain.errors import CheckpointError, ConfigError
+from pipetrain.pipeline.tied import tied_aliases
 
-__all__ = ["export_checkpoint"]
+__all__ = ["export_checkpoint", "read_weights"]
+
+
+def read_weights(checkpoint: str | Path, model: BlockModel) -> dict[str, torch.Tensor]:
+    """The model weights of `checkpoint` (a `step-N` folder or a --save-dir), read in this one process, as the
+    state dict of `pipetrain.build_sequential(model)` (keys `<block>.<name in block>`; every copy of a tied
+    weight filled from the one stored)."""
+    folder = find_checkpoint(checkpoint)
+    meta = read_meta(folder)
+    check_compatible(meta, folder, model_name=None, fingerprint_=fingerprint(model))
+    sequential = build_sequential(model, seed=0)
+    aliases = tied_aliases(model, model.num_blocks)  # copies of a tied weight: stored once, under the canonical key
+    state = {f"model.{key}": value for key, value in sequential.state_dict().items() if key not in aliases}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:
+        raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {err}",
+                              hint="the checkpoint is damaged; export an older one") from None
+    weights = {key[len("model."):]: value.detach().clone() for key, value in state.items()}
+    weights.update({alias: weights[canonical] for alias, canonical in aliases.items()})
+    return weights
 
 
 def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Path) -> dict[str, torch.Tensor]:
@@ -24,19 +47,7 @@ def export_checkpoint(checkpoint: str | Path, model: BlockModel, file: str | Pat
     (keys `<block>.<name in block>`): `nn.Sequential.load_state_dict(torch.load(file, weights_only=True))`.
     Returns that state dict.
     """
-    folder = find_checkpoint(checkpoint)
-    meta = read_meta(folder)
-    check_compatible(meta, folder, model_name=None, fingerprint_=fingerprint(model))
-    sequential = build_sequential(model, seed=0)
-    state = {f"model.{key}": value for key, value in sequential.state_dict().items()}
-    try:
-        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    except (Exception, dcp.CheckpointException) as err:
-        raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {err}",
-                              hint="the checkpoint is damaged; export an older one") from None
-    weights = {key[len("model."):]: value.detach().clone() for key, value in state.items()}
+    weights = read_weights(checkpoint, model)
     file = Path(file)
     if file.is_dir():
         raise ConfigError(f"export target {str(file)!r} is a folder", hint="pass a file path, e.g. model.pt")

@@ -33,6 +33,7 @@ from pipetrain.checkpoint.keys import StageNames, fingerprint
 from pipetrain.checkpoint.rng import restore_rng, rng_state, rng_targets
 from pipetrain.errors import CheckpointError, ConfigError, PipetrainError, RankFailedError
 from pipetrain.pipeline import PipelineEngine
+from pipetrain.pipeline.tied import tied_aliases
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "engine_layout"]
 
@@ -64,7 +65,7 @@ def _barrier() -> None:
 def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict]:
     """(container of the stage modules, its key renamer, this rank's layout-free state dict)."""
     container = nn.ModuleList(engine.modules)
-    names = StageNames(engine.stage_ids, engine.balance)
+    names = StageNames(engine.stage_ids, engine.balance, tied_aliases(engine.model, engine.model.num_blocks))
     state: dict[str, Any] = {f"model.{k}": v for k, v in names.model_state(get_model_state_dict(container)).items()}
     if optimizer is not None:
         optim = get_optimizer_state_dict(container, optimizer, options=_OPTIONS)

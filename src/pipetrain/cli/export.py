@@ -1,4 +1,5 @@
-"""`pipetrain export CHECKPOINT FILE`: the weights of a checkpoint as one state dict of the unsplit nn.Sequential."""
+"""`pipetrain export CHECKPOINT FILE`: the weights of a checkpoint as one state dict of the unsplit nn.Sequential
+(`--hf`: as a Hugging Face folder, with the tokenizer, that `from_pretrained` loads)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         " Load it with `pipetrain.build_sequential(model, seed=0).load_state_dict(torch.load(FILE, "
         "weights_only=True))`; no process group is needed."))
     parser.add_argument("checkpoint", type=Path, help="a step-NNNNNNNN folder, or a --save-dir (its latest checkpoint)")
-    parser.add_argument("file", type=Path, help="the file to write (torch.save format)")
+    parser.add_argument("file", type=Path, metavar="OUT",
+                        help="the file to write (torch.save format); with --hf, the folder to write")
+    parser.add_argument("--hf", action="store_true",
+                        help="write a Hugging Face folder (config.json, model.safetensors, the tokenizer of the "
+                             "--model folder that trained it): AutoModelForCausalLM.from_pretrained(OUT) and "
+                             "AutoTokenizer.from_pretrained(OUT) load it (--workload hf checkpoints)")
+    parser.add_argument("--model", type=Path, default=None, metavar="DIR",
+                        help="the pretrained model folder the checkpoint was fine-tuned from (default: the one "
+                             "that wrote the checkpoint)")
     parser.add_argument("--workload", default=None, help="the workload (default: the one that wrote the checkpoint)")
     parser.add_argument("--preset", default=None, help="the preset (default: the one that wrote the checkpoint)")
     return parser
@@ -34,9 +43,27 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"checkpoint {str(folder)!r} does not say which model wrote it",
                           hint="pass --workload and --preset")
     task = get_workload(workload)
+    model_dir = args.model or config.get("model_dir")
+    if model_dir:
+        task = task.with_model(model_dir, pack=True)
     task.check_preset(preset)
+    if args.hf:
+        return _export_hf(folder, task.model(preset), args.file, model_dir, workload)
     weights = export_checkpoint(folder, task.model(preset), args.file)
     count = sum(t.numel() for t in weights.values())
     log.info("wrote %s: %d tensors, %d values, from %s (%s, preset %s)", args.file, len(weights), count, folder,
              workload, preset)
+    return 0
+
+
+def _export_hf(folder: Path, model, out: Path, model_dir: str | Path | None, workload: str) -> int:
+    from pipetrain.checkpoint.hf_export import export_hf
+    from pipetrain.workloads.hf_causal_lm import HFCausalLM
+
+    if not isinstance(model, HFCausalLM):
+        raise ConfigError(f"--hf exports a Hugging Face model; checkpoint {str(folder)!r} holds workload {workload!r}",
+                          hint="drop --hf (a torch.save state dict), or export a --workload hf checkpoint")
+    export_hf(folder, model, out, tokenizer_from=model_dir)
+    log.info("wrote %s: a Hugging Face %s model%s, from %s", out, model.config.model_type,
+             " with its tokenizer" if model_dir else " (no tokenizer: the model was built from a preset)", folder)
     return 0

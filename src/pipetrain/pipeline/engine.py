@@ -22,6 +22,7 @@ from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule
+from pipetrain.pipeline.tied import TiedWeights, model_ties
 from pipetrain.pipeline.timeline import span
 
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
@@ -108,6 +109,11 @@ class PipelineEngine:
         self._meta_blocks = meta_blocks(model)
         check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1))
         self._loss_denominator = 1.0
+        rank_of_block = [stage % config.pp for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
+        #: the model's tied weights (`BlockModel.tied_parameters`): copies kept equal, gradients summed per step
+        self.tied = TiedWeights(model_ties(model, model.num_blocks), dict(self.named_parameters()), rank_of_block,
+                                pp_group)
+        self.tied.sync_values()
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
 
@@ -157,7 +163,10 @@ class PipelineEngine:
                           "number for a per-sample loss)", DeprecationWarning, stacklevel=2)
             global_count = global_batch_size
         self.train(True)
-        return self._run(inputs, targets, train=True, global_count=global_count)
+        kept = self.tied.take_grads()
+        result = self._run(inputs, targets, train=True, global_count=global_count)
+        self.tied.reduce_grads(kept)  # tied copies: this step's gradients summed over every copy
+        return result
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensors | None, targets: torch.Tensor | None) -> StepResult:

@@ -4,7 +4,8 @@ No rank holds every gradient. This rank's share is the gradients of all its stag
 parameter counted once (a parameter shared by two local stages is one tensor). FSDP2 gradients are DTensor
 shards: their norm is reduced over the shards' mesh (`full_tensor()`), so every replica of the dp axis holds
 the norm of the whole stage. DDP gradients are equal on every replica after DDP's all-reduce: they are not
-summed again. Then the pipeline's ranks add their `norm ** p` (the largest for the inf-norm) over the pp
+summed again. A tied weight (see `pipetrain.pipeline.tied`) counts once: its canonical copy only. Then the
+pipeline's ranks add their `norm ** p` (the largest for the inf-norm) over the pp
 group. The result is the same number on every rank of the job, computed from global values only, so every
 rank takes the same decision from it (clip, skip, stop).
 """
@@ -23,9 +24,10 @@ from pipetrain.pipeline import PipelineEngine
 __all__ = ["grad_norm", "clip_grad_norm_", "clip_grads_with_norm_"]
 
 
-def _with_grads(engine: PipelineEngine) -> list[torch.Tensor]:
-    """This rank's parameters that have a gradient, each once."""
-    seen: set[int] = set()
+def _with_grads(engine: PipelineEngine, *, once: bool = False) -> list[torch.Tensor]:
+    """This rank's parameters that have a gradient, each once (`once`: tied copies left out but the canonical)."""
+    tied = getattr(engine, "tied", None)
+    seen: set[int] = tied.copies() if once and tied else set()
     params = []
     for param in engine.parameters():
         if id(param) not in seen and param.grad is not None:
@@ -59,7 +61,7 @@ def grad_norm(engine: PipelineEngine, norm_type: float = 2.0) -> float:
     """The `norm_type` norm of every gradient of the whole model (all stages, replicas and shards), on every
     rank; a collective call (every rank of the job calls it). nan or inf when a gradient is not finite."""
     norm_type = float(norm_type)
-    local = _local_norm([p.grad for p in _with_grads(engine)], norm_type).to(engine.device)
+    local = _local_norm([p.grad for p in _with_grads(engine, once=True)], norm_type).to(engine.device)
     group = engine.pp_group
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         if math.isinf(norm_type):

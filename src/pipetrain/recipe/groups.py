@@ -3,7 +3,8 @@
 The rule looks at each parameter alone, so every stage, replica and shard sorts its parameters the same way
 under any layout: a parameter decays iff it has 2 or more dimensions and is not owned by an `nn.Embedding`.
 An FSDP2 parameter is a DTensor whose `ndim` is that of the whole tensor, so a shard is sorted as the
-unsharded parameter is; DDP wraps the parameters themselves.
+unsharded parameter is; DDP wraps the parameters themselves. A copy of a tied weight (an output head tied
+to the input embedding, see `pipetrain.pipeline.tied`) is sorted as its canonical copy, so the copies update alike.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def _named(source: Source) -> Iterator[tuple[str, nn.Parameter]]:
 
 def _embedding_ids(source: Source) -> set[int]:
     modules: Iterable[nn.Module] = source.modules if isinstance(source, PipelineEngine) else [source]
-    return {id(p) for module in modules for sub in module.modules() if isinstance(sub, nn.Embedding)
-            for p in sub.parameters(recurse=False)}
+    ids = {id(p) for module in modules for sub in module.modules() if isinstance(sub, nn.Embedding)
+           for p in sub.parameters(recurse=False)}
+    if isinstance(source, PipelineEngine):  # a head tied to the embedding is sorted as the embedding is
+        ids |= source.tied.embedding_ids(source.model)
+    return ids
 
 
 def decays(param: torch.Tensor, *, embedding: bool) -> bool:

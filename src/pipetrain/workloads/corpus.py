@@ -8,7 +8,9 @@ token loss skips them. With `bucket`, documents of similar lengths are batched t
 Real text uses the classifier's word tokenisation (`imdb.tokenize`: lower-case `[a-z0-9']+` words) and a
 vocabulary of the most frequent training words (ids 0 padding, 1 unknown). A folder gives one document
 per `*.txt` file (recursively, in path order); a single file gives one document per paragraph (blocks of
-text separated by blank lines). Every tenth document (the 10th, 20th, ...) is held out as the test set.
+text separated by blank lines). Files are read as UTF-8, else Latin-1. Every tenth document (the 10th, 20th,
+...) is held out as the test set. Without `--data`, the text is the Gutenberg corpus (`load_gutenberg`): each
+book cut into windows of `seq_len + 1` words, every tenth window held out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.buckets import LENGTH_STEP, batch_order, padded_length
+from pipetrain.workloads.gutenberg import GUTENBERG, gutenberg_books, read_text_file, word_windows
 from pipetrain.workloads.imdb import (
     LENGTH_SIGMA,
     MAX_WORDS,
@@ -35,7 +38,8 @@ from pipetrain.workloads.imdb import (
     tokenize,
 )
 
-__all__ = ["TokenCorpus", "synthetic_corpus", "load_text", "token_batches", "LENGTH_STEP", "MIN_VOCAB"]
+__all__ = ["TokenCorpus", "synthetic_corpus", "load_text", "load_documents", "load_gutenberg", "text_documents",
+           "token_batches", "LENGTH_STEP", "MIN_VOCAB", "HOLD_OUT_EVERY"]
 
 #: Smallest vocabulary the synthetic corpus accepts (padding, unknown and some words).
 MIN_VOCAB = 16
@@ -112,16 +116,16 @@ def synthetic_corpus(*, num_train: int, num_test: int, seq_len: int, vocab_size:
             _synthetic_split(num_test, seq_len + 1, vocab_size, seed, "lm-test"))
 
 
-def _documents(path: Path) -> list[str]:
+def text_documents(path: Path) -> list[str]:
+    """The documents of `--data`: one per `*.txt` file of a folder, one per paragraph of a file."""
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
         if not files:
             raise DataError(f"text folder {path} has no .txt files", hint="pass a folder of .txt files or one text file")
-        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        return [read_text_file(f) for f in files]
     if not path.is_file():
         raise DataError(f"text data {path} does not exist", hint="pass a plain-text file or a folder of .txt files")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    return [part for part in text.replace("\r\n", "\n").split("\n\n") if part.strip()]
+    return [part for part in read_text_file(path).split("\n\n") if part.strip()]
 
 
 def _encode(texts: list[str], vocab: Vocabulary, max_len: int, source: str) -> TokenCorpus:
@@ -137,15 +141,26 @@ def _encode(texts: list[str], vocab: Vocabulary, max_len: int, source: str) -> T
 def load_text(path: Path | str, *, seq_len: int, vocab_size: int) -> tuple[TokenCorpus, TokenCorpus]:
     """Train and test corpora of a plain-text file or folder (see the module docstring for the rules)."""
     path = Path(path)
-    documents = _documents(path)
+    return load_documents(text_documents(path), seq_len=seq_len, vocab_size=vocab_size, source=f"text at {path}")
+
+
+def load_gutenberg(*, seq_len: int, vocab_size: int) -> tuple[TokenCorpus, TokenCorpus]:
+    """Train and held-out corpora of the Gutenberg books: windows of `seq_len + 1` words, every tenth held out."""
+    windows = word_windows([text for _, text in gutenberg_books()], seq_len + 1)
+    return load_documents(windows, seq_len=seq_len, vocab_size=vocab_size, source=GUTENBERG)
+
+
+def load_documents(documents: list[str], *, seq_len: int, vocab_size: int, source: str
+                   ) -> tuple[TokenCorpus, TokenCorpus]:
+    """Train and test corpora of `documents` (every tenth held out), with a word vocabulary of the train split."""
     test = documents[HOLD_OUT_EVERY - 1 :: HOLD_OUT_EVERY]
     train = [d for i, d in enumerate(documents) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
     if not train or not test:
-        raise DataError(f"text data {path} has {len(documents)} document(s); a train and a test split need {HOLD_OUT_EVERY}",
+        raise DataError(f"{source} has {len(documents)} document(s); a train and a test split need {HOLD_OUT_EVERY}",
                         hint=f"give at least {HOLD_OUT_EVERY} documents (files, or paragraphs split by blank lines)")
     vocab = Vocabulary.build(train, max_size=vocab_size)
-    result = (_encode(train, vocab, seq_len + 1, f"text at {path}, train split"),
-              _encode(test, vocab, seq_len + 1, f"text at {path}, test split"))
+    result = (_encode(train, vocab, seq_len + 1, f"{source}, train split"),
+              _encode(test, vocab, seq_len + 1, f"{source}, test split"))
     for split in result:
         if not len(split):
             raise DataError(f"{split.source}: no document has 2 words or more", hint="give longer documents")

@@ -6,8 +6,9 @@ mask and (Llama) the rotary position tables from the sequence length, exactly as
 them once. Batches are right-padded or unpadded; padding is ignored through the labels (`ignore_index`).
 Weights come from transformers' initialisation scheme, or from a local safetensors checkpoint folder
 (`config.json` + `model.safetensors` or a sharded index), from which a rank reads only its own tensors.
-Tied input/output embeddings (GPT-2's default) are untied: the head gets its own copy of the embedding
-matrix (loaded from the same tensor), since the two ends of the model sit on different ranks.
+Tied input/output embeddings (GPT-2's default, SmolLM2's) stay tied (`tied_parameters`): the head holds a copy
+of the embedding matrix (loaded from the same tensor) and the engine sums the two copies' gradients every
+step (`pipetrain.pipeline.tied`), so they update as the one tensor of the unsplit model.
 Needs the optional extra: `pip install pipetrain[hf]`.
 """
 
@@ -281,6 +282,18 @@ class HFCausalLM:
 
     def example_input(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, self.seq_len, dtype=torch.long)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output head is the input embedding matrix (`config.tie_word_embeddings`)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def tied_parameters(self) -> list[tuple[tuple[int, str], ...]]:
+        """The `BlockModel` tie hook: the embedding (block 0) and the head's matrix, when the config ties them."""
+        if not self.tied:
+            return []
+        embedding = "embed_tokens.weight" if self.family == "llama" else "wte.weight"
+        return [((0, embedding), (self.num_blocks - 1, "lm_head.weight"))]
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(layers, query heads, head dimension), for MFU (`pipetrain.logs.mfu`)."""

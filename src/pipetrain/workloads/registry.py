@@ -90,6 +90,12 @@ class Workload(ABC):
         """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank); a workload
         that `windows` also takes `seq_len=` (the window, default the preset's)."""
 
+    def with_model(self, folder: str | Path, *, pack: bool = True) -> Workload:
+        """This workload on the pretrained model of a local folder (`--model DIR`); `pack`: whether text is
+        packed into windows. Only a workload of pretrained models has one (`hf`)."""
+        raise ConfigError(f"workload {self.name!r} does not train a pretrained model folder: --model does not apply",
+                          hint=f"pass --workload hf --model {folder}, or drop --model")
+
     def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
         """What a job on this data does when it does not say: `bucket` (batches of similar lengths) and `epochs`."""
         return {"bucket": False, "epochs": 2}

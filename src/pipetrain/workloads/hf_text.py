@@ -1,0 +1,128 @@
+"""Text for a pretrained Hugging Face model: its own tokenizer, documents packed into windows (or one per row).
+
+Packing (the pretraining convention, the default): every document is tokenized with the model folder's
+tokenizer (`AutoTokenizer`, no special tokens added), followed by the EOS token, and the documents are joined
+into one stream, cut into windows of `seq_len + 1` tokens that overlap by one (so every token is predicted
+once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--no-pack`), each
+document is one row: its first `seq_len + 1` tokens, right-padded with the pad token (EOS where the
+tokenizer has none), padding ignored by the loss; every tenth document is held out. The documents are those
+of `--data` (one per .txt file of a folder, one per paragraph of a file) or the Gutenberg books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.errors import ConfigError, DataError
+from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.workloads.buckets import batch_order
+from pipetrain.workloads.corpus import HOLD_OUT_EVERY
+from pipetrain.workloads.imdb import num_batches
+
+__all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "load_tokenizer", "tokenize_documents", "window_batches"]
+
+#: files of which a folder needs one for `AutoTokenizer` to load a tokenizer from it
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TokenWindows:
+    """Rows of token ids `[N, seq_len + 1]` (padding after `lengths[i]`), as one split of a text."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    pad_id: int
+    packed: bool
+    source: str
+    synthetic: bool = False
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens predicted in this split (each row's length minus one)."""
+        return int((self.lengths - 1).clamp(min=0).sum())
+
+
+def check_tokenizer(folder: Path) -> None:
+    """One ConfigError when a model folder has no tokenizer files (cheap: nothing is loaded)."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model folder {str(folder)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
+                          hint="save the model's tokenizer into it: AutoTokenizer.from_pretrained(...)"
+                               f".save_pretrained({str(folder)!r})")
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The tokenizer of a model folder; one ConfigError when the folder has none."""
+    from pipetrain.workloads.hf_causal_lm import require_transformers
+
+    check_tokenizer(folder)
+    try:
+        return require_transformers().AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"cannot load the tokenizer of {str(folder)!r}: {err}",
+                          hint="save a complete tokenizer with tokenizer.save_pretrained(DIR)") from None
+
+
+def _ids(tokenizer: Any, documents: list[str]) -> list[list[int]]:
+    return tokenizer(documents, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vocab_size: int, pack: bool,
+                       source: str) -> tuple[TokenWindows, TokenWindows]:
+    """Train and held-out splits of `documents` with `tokenizer` (see the module docstring)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError(f"the tokenizer of {source} has no EOS token to join documents with",
+                          hint="set eos_token in its tokenizer_config.json")
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab_size}",
+                          hint="pass the model folder whose tokenizer this is")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = seq_len + 1
+    if pack:
+        stream = torch.tensor([t for ids in _ids(tokenizer, documents) for t in (*ids, eos)], dtype=torch.long)
+        count = (len(stream) - 1) // seq_len
+        rows = [stream[i * seq_len : i * seq_len + width] for i in range(count)]
+        how = f"packed into windows of {seq_len} tokens"
+    else:
+        rows = [torch.tensor(ids[:width], dtype=torch.long) for ids in _ids(tokenizer, documents) if len(ids) >= 2]
+        how = f"one document per row, cut to {seq_len} tokens"
+    unit = "window" if pack else "document"
+    test, train = rows[HOLD_OUT_EVERY - 1 :: HOLD_OUT_EVERY], [r for i, r in enumerate(rows) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+    if not train or not test:
+        raise DataError(f"{source} gives {len(rows)} {unit}(s) of {seq_len} tokens; a train and a held-out split "
+                        f"need {HOLD_OUT_EVERY}", hint="give more text, or a shorter --seq-len")
+
+    def split(part: list[torch.Tensor], name: str) -> TokenWindows:
+        tokens = torch.full((len(part), width), pad, dtype=torch.long)
+        for i, row in enumerate(part):
+            tokens[i, : len(row)] = row
+        lengths = torch.tensor([len(row) for row in part], dtype=torch.long)
+        return TokenWindows(tokens, lengths, pad, pack, f"{source}, {how}, {name} split ({len(part)} {unit}s)")
+
+    return split(train, "train"), split(test, "held-out")
+
+
+def window_batches(data: TokenWindows, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int = 0,
+                   replicas: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of `(input ids, next-token targets)` `[share, seq_len]` for replica `replica` of `replicas`:
+    global batches of `batch_size` rows cut into equal contiguous shares (as `corpus.token_batches`);
+    targets past a row's end are `IGNORE_INDEX` (by position: a pad id may be a real token)."""
+    order = batch_order(data.lengths, batch_size, shuffle=shuffle, bucket=False, seed=seed,
+                        stream=f"hf-epoch-{epoch}", bucket_stream=f"hf-buckets-{epoch}")
+    positions = torch.arange(1, data.tokens.shape[1])
+    for index in range(num_batches(len(data), batch_size, replicas=replicas)):
+        global_batch = order[index * batch_size : (index + 1) * batch_size]
+        share = len(global_batch) // replicas
+        part = global_batch[replica * share : (replica + 1) * share]
+        tokens = data.tokens[part]
+        targets = tokens[:, 1:].clone()
+        targets[positions[None, :] >= data.lengths[part][:, None]] = IGNORE_INDEX
+        yield tokens[:, :-1], targets

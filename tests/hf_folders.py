@@ -1,0 +1,47 @@
+"""Tiny Hugging Face model folders with a tokenizer of their own, built offline in a second (for tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TEXT = ["The capital of France is Paris. The cat sat on the mat; the dog sat on the log. " * 4,
+        "It was the best of times, it was the worst of times, it was the age of wisdom.",
+        "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'\"-()"]
+EOS = "<|endoftext|>"
+
+
+def tiny_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on `TEXT` (every byte encodes), EOS `<|endoftext|>` at id 0."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
+
+
+def tiny_model_folder(folder: Path, family: str = "llama", *, tied: bool = True, tokenizer: bool = True,
+                      layers: int = 2, seed: int = 0) -> Path:
+    """A saved tiny Llama or GPT-2 (tied embeddings by default) with its tokenizer: a `--model DIR` folder."""
+    import transformers
+
+    tok = tiny_tokenizer()
+    common = {"vocab_size": len(tok), "tie_word_embeddings": tied, "eos_token_id": tok.eos_token_id,
+              "bos_token_id": tok.bos_token_id}
+    if family == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                          **common)
+    else:
+        config = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=128, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    if tokenizer:
+        tok.save_pretrained(folder)
+    return folder
