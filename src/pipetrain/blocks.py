@@ -125,6 +125,15 @@ def build_blocks(
 def build_sequential(model: BlockModel, *, seed: int, device: torch.device | str = "cpu") -> BlockSequential:
     """The whole model on one device: the single-process reference the pipelined runs must match.
 
-    Call it like the first block: `model(*inputs)` when `example_input` is a tuple.
+    Call it like the first block: `model(*inputs)` when `example_input` is a tuple. Weights the model ties
+    (`tied_parameters()`) are one parameter here, as in the unsplit model: each copy after the first is replaced
+    by the first (its gradient sums every use; `named_parameters(remove_duplicate=False)` names every copy).
     """
-    return BlockSequential(*build_blocks(model, range(model.num_blocks), seed=seed, device=device))
+    net = BlockSequential(*build_blocks(model, range(model.num_blocks), seed=seed, device=device))
+    hook = getattr(model, "tied_parameters", None)
+    for (first_block, first_name), *others in (hook() if hook is not None else ()):
+        shared = net[first_block].get_parameter(first_name)
+        for block, name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(net[block].get_submodule(owner), leaf, shared)
+    return net

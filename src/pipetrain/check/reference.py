@@ -80,9 +80,10 @@ def reference_run(model: BlockModel, batches: list, loss_fn: Callable, *, seed: 
         value = loss.total(out.float(), target) / loss.count(target)
         value.backward()
         losses.append(value.item())
-        grads.append({n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in net.named_parameters()})
+        named = list(net.named_parameters(remove_duplicate=False))  # every copy of a tied weight, by its name
+        grads.append({n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in named})
         optimizer.step()
-        params.append({n: p.detach().cpu().clone() for n, p in net.named_parameters()})
+        params.append({n: p.detach().cpu().clone() for n, p in net.named_parameters(remove_duplicate=False)})
     return {"losses": losses, "grads": grads, "params": params}
 
 
@@ -127,7 +128,8 @@ def _tied(net: BlockSequential) -> list[Hazard]:
     for name, param in net.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             found.append(Hazard("tied weights", int(name.partition(".")[0]),
-                                f"{name} is the same tensor as {seen[id(param)]}"))
+                                f"{name} is the same tensor as {seen[id(param)]} (tied by the model: the layout "
+                                "keeps its copies equal, gradients summed across stages)"))
         else:
             seen[id(param)] = name
     with torch.no_grad():  # separate tensors equal at initialisation: a tie the layout may not keep

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.blocks import BlockSequential, build_blocks
+from pipetrain.blocks import build_sequential
 from pipetrain.check.compare import spread, step_diffs
 from pipetrain.check.layout import layout_runs
 from pipetrain.check.reference import probe_hazards, quiet, reference_run, static_hazards
@@ -76,9 +76,8 @@ def _reference_side(config, train, steps: int, lr: float) -> _Side:
     kwargs = dict(seed=config.seed, lr=lr, precision=config.precision, device=device)
     ref = reference_run(model, batches, workload.loss(), **kwargs)
     again = reference_run(model, batches, workload.loss(), **kwargs)
-    blocks = build_blocks(model, range(model.num_blocks), seed=config.seed)
-    switched = {i: names for i, block in enumerate(blocks) if (names := quiet(block))}
-    net = BlockSequential(*blocks)
+    net = build_sequential(model, seed=config.seed)  # the model's declared ties are one tensor here
+    switched = {i: names for i, block in enumerate(net) if (names := quiet(block))}
     micro = plan_runs(config.batch_size // config.parallel.dp, config.parallel.pipeline.n_microbatches)[0].size
     ddp = config.parallel.dp > 1 and config.parallel.dp_mode == "ddp"
     hazards = static_hazards(net, switched, ref, ddp_replicas=ddp) + probe_hazards(net, batches[0][0], micro)

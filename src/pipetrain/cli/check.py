@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipetrain.check import DEFAULT_LR, DEFAULT_STEPS, TOLERANCES, run_check
+from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.cli.train import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.trainer import SYNTHETIC, TrainConfig, load_data
@@ -41,6 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"plain SGD learning rate on both sides (default: {DEFAULT_LR:g})")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--precision", default="fp32", help=f"{' | '.join(PRECISIONS)} (default: fp32)")
+    add_model_arguments(parser)  # --workload hf --model DIR: check your pretrained model's layout
     return parser
 
 
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         parallel=parallel_config(args), workload=args.workload, preset=args.preset, data=args.data,
         train_samples=args.batch_size * max(args.steps, 1) if synthetic else None,
         test_samples=args.batch_size if synthetic else None, seq_len=args.seq_len, batch_size=args.batch_size,
-        epochs=1, seed=args.seed, precision=args.precision, progress=False,
+        epochs=1, seed=args.seed, precision=args.precision, progress=False, **model_fields(args),
     )
     config = cost_balanced(config, args, launched=False)
     train, _ = load_data(config)
