@@ -47,6 +47,7 @@ from tests.hf_folders import tiny_tokenizer  # noqa: E402
 #: case -> (dp, dp mode, pp, schedule); "pp2" runs two independent pipelines of 2 ranks (dp=1 each)
 LAYOUTS = {
     "pp2-1f1b": (1, "ddp", 2, "1f1b"),
+    "pp2-zbv": (1, "ddp", 2, "zbv"),  # V placement: the embedding (stage 0) and the head (stage 3) share rank 0
     "pp4-1f1b": (1, "ddp", 4, "1f1b"),
     "dp2xpp2-gpipe-fsdp": (2, "fsdp", 2, "gpipe"),
 }

@@ -109,7 +109,8 @@ class PipelineEngine:
         self._meta_blocks = meta_blocks(model)
         check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1))
         self._loss_denominator = 1.0
-        rank_of_block = [stage % config.pp for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
+        rank_of_stage = {stage: rank for rank in range(config.pp) for stage in config.stage_ids(rank)}  # V or looped
+        rank_of_block = [rank_of_stage[stage] for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
         #: the model's tied weights (`BlockModel.tied_parameters`): copies kept equal, gradients summed per step
         self.tied = TiedWeights(model_ties(model, model.num_blocks), dict(self.named_parameters()), rank_of_block,
                                 pp_group)
