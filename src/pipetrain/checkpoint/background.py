@@ -4,7 +4,8 @@
 returns; a thread writes the copy with `dcp.save` over a gloo process group of its own (the training's
 collectives never meet the save's), and rank 0 commits the checkpoint once every rank's shards are written: the
 same atomic commit as a synchronous save, so a job killed during a background write leaves the previous
-checkpoint the latest complete one. One save is in flight at a time: the next save, and `wait`, wait for it and agree on its outcome.
+checkpoint the latest complete one. One save is in flight at a time: the next save, and `wait`, wait for it
+and agree on its outcome.
 (`dcp.async_save` itself is not used: in torch 2.13 it logs two DCP debug events per state-dict key on the
 calling thread, which blocked training three times longer than the copy.)
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,15 +53,12 @@ class BackgroundSaver:
                                                     use_async_staging=False, use_non_blocking_copy=False))
         self._in_flight: _InFlight | None = None
         self._fingerprint: str | None = None
-        #: seconds each save blocked the training loop (waiting for the previous save included)
-        self.blocked_s: list[float] = []
 
     def save(self, directory: Path, engine: PipelineEngine, optimizer: torch.optim.Optimizer | None, *, step: int,
              model_name: str, config: Mapping[str, Any] | None, extras: Mapping[str, Any] | None,
              keep: int | None) -> Path:
         """Start writing the checkpoint of `step` (a collective call) once the previous one is committed;
         returns the folder it will be committed to."""
-        start = time.perf_counter()
         self.wait()
         partial, final = begin_save(directory, step)
         staged = self._stager.stage(saved_state(engine, optimizer))  # the copy the thread writes
@@ -74,7 +71,6 @@ class BackgroundSaver:
                                             name=f"pipetrain-save-{step}", daemon=True)
         in_flight.thread.start()
         self._in_flight = in_flight
-        self.blocked_s.append(time.perf_counter() - start)
         return final
 
     def _write(self, in_flight: _InFlight, staged: dict[str, Any], partial: Path, meta: CheckpointMeta | None,

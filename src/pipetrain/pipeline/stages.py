@@ -83,8 +83,8 @@ def build_schedule(
     """The schedule running `run` over this rank's stages, with static shapes from `boundaries`.
 
     A fallback run (a remainder micro-batch) and every forward-only run use GPipe order (looped BFS with
-    several stages per rank, `BreadthFirstV` under a V schedule), which any number of micro-batches allows. The model's outputs were checked
-    when the engine was built (`shapes.check_model_outputs`).
+    several stages per rank, `BreadthFirstV` under a V schedule), which any number of micro-batches allows.
+    The model's outputs were checked when the engine was built (`shapes.check_model_outputs`).
     """
     stages = [
         PipelineStage(
