@@ -11,26 +11,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
-from pipetrain.checkpoint.folders import META_FILE
 from pipetrain.cli.config_file import add_config_arguments, effective_config
 from pipetrain.cli.device_flags import add_device_argument, device_choice
+from pipetrain.cli.durable_args import add_durable_arguments, durable_config
 from pipetrain.cli.log_flags import add_log_arguments, log_config
-from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
+from pipetrain.cli.model_args import add_model_arguments, model_fields
+from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
 from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError
-from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, slurm_job_id
+from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.logs.config import check_log_folders
-from pipetrain.partition import cost_balance
-from pipetrain.partition.profile import load_profile
-from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
-from pipetrain.pipeline.plan import plan_runs
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.trainer import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
                                train_rank)
 from pipetrain.workloads.classifier import REAL_EPOCHS
@@ -38,6 +33,8 @@ from pipetrain.workloads.loader import portable
 from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
 
+#: add_parallel_arguments, parallel_config, cost_balanced (cli/parallel_args.py) and add_durable_arguments,
+#: durable_config (cli/durable_args.py) are imported from here too, as they were before the split.
 __all__ = [
     "add_parser",
     "run",
@@ -55,89 +52,6 @@ log = logging.getLogger("pipetrain")
 #: `srun --kill-on-bad-exit` stop every rank at the first failed one: a silent rank exiting first would get the
 #: rank that prints killed before it says anything. The launcher ends the wait when the printing rank exits.
 QUIET_RANK_GRACE_S = 20.0
-
-
-def _balance(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"balance must be comma-separated block counts like 3,5, got {text!r}") from None
-
-
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """The mesh and pipeline flags shared by the verbs that train."""
-    group = parser.add_argument_group("parallelism")
-    group.add_argument("--pp", type=int, default=2, help="pipeline ranks (stages) (default: 2)")
-    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
-    group.add_argument("--dp-mode", default="ddp", help=f"{' | '.join(DP_MODES)} (default: ddp)")
-    group.add_argument("--schedule", default="1f1b", help=f"{' | '.join(SCHEDULES)} (default: 1f1b)")
-    group.add_argument("--chunks", "--n-microbatches", dest="chunks", type=int, default=4,
-                       help="micro-batches per batch; 1 is naive model parallelism (default: 4)")
-    group.add_argument("--checkpoint", default="never",
-                       help=f"activation recomputation: {' | '.join(CHECKPOINT_POLICIES)} (default: never)")
-    group.add_argument("--stages-per-rank", type=int, default=None, help="virtual stages per rank (interleaved schedules)")
-    group.add_argument("--balance", type=_balance, default=None, help="blocks per stage, e.g. 3,5")
-    group.add_argument("--partition", default=None,
-                       help=f"split without --balance: {' | '.join(PARTITION_METHODS)} (default: uniform; time "
-                            "with --mem-cap); time and memory use measured per-block costs")
-    group.add_argument("--mem-cap", type=float, default=None, metavar="MB",
-                       help="with --partition time: the fastest balance whose predicted memory per rank fits MB")
-    group.add_argument("--profile", type=Path, default=None, metavar="FILE",
-                       help="per-block costs for --partition time|memory (from `pipetrain profile`); "
-                            "default: measure the blocks at start")
-    group.add_argument("--shape-cache", type=int, default=16,
-                       help="schedules kept, one per micro-batch shape (sequence length); least recently used "
-                            "dropped (default: 16)")
-
-
-def parallel_config(args: argparse.Namespace) -> ParallelConfig:
-    """The validated mesh configuration of parsed arguments."""
-    pipeline = PipelineConfig(
-        pp=args.pp,
-        schedule=args.schedule,
-        n_microbatches=args.chunks,
-        checkpoint=args.checkpoint,
-        stages_per_rank=args.stages_per_rank,
-        balance=args.balance,
-        partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
-        shape_cache=args.shape_cache,
-    )
-    return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline)
-
-
-def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:
-    """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs.
-
-    Costs come from `--profile`, else the blocks are measured here (not on a launched rank: every rank
-    must split the model the same way, so ranks started by torchrun or srun need `--profile`).
-    """
-    pipeline = config.parallel.pipeline
-    if pipeline.partition not in COST_METHODS:
-        for flag, value in (("--mem-cap", args.mem_cap), ("--profile", args.profile)):
-            if value is not None:
-                raise ConfigError(f"{flag} is only used by --partition time|memory, not {pipeline.partition!r}",
-                                  hint=f"add --partition time, or drop {flag}")
-        return config
-    if pipeline.balance is not None:
-        raise ConfigError(f"--balance {','.join(map(str, pipeline.balance))} and --partition {pipeline.partition} "
-                          "both choose the split", hint="pass one of them")
-    if args.profile is None and launched:
-        raise ConfigError(f"--partition {pipeline.partition} on ranks started by a launcher needs --profile FILE "
-                          "(each rank measuring on its own could split the model differently)",
-                          hint="write one first with `pipetrain profile --output FILE` and pass --profile FILE")
-    check_mem_cap(pipeline.partition, args.mem_cap)
-    profile = load_profile(args.profile) if args.profile is not None else None
-    micro = plan_runs(config.batch_size // config.parallel.dp, pipeline.n_microbatches)[0].size
-    if say and profile is None:
-        log.info("pipetrain: measuring each block at micro-batch size %d for --partition %s "
-                 "(pass --profile FILE to reuse a profile)", micro, pipeline.partition)
-    pipeline, choice = cost_balance(config.model(), pipeline, micro_batch_size=micro, profile=profile,
-                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}",
-                                    device=device_choice(args) if profile is None else "cpu")  # the job's device
-    if say:
-        for line in choice.lines():
-            log.info("pipetrain: %s", line)
-    return replace(config, parallel=replace(config.parallel, pipeline=pipeline))
 
 
 def _data(text: str) -> Path | str:
@@ -211,53 +125,6 @@ def check_trace(config: TrainConfig, train: Dataset) -> None:
         raise ConfigError(f"--trace records no step: the run has {total} step(s), all within the "
                           f"{config.trace_warmup} warm-up step(s)",
                           hint="train more steps (more samples, --epochs) or lower --trace-warmup")
-
-
-def add_durable_arguments(parser: argparse.ArgumentParser) -> None:
-    """Checkpoints, resume and failure detection (see pipetrain.checkpoint)."""
-    group = parser.add_argument_group("checkpoints and failures")
-    group.add_argument("--save-dir", type=Path, default=None,
-                       help="save checkpoints here (at each epoch end, at the end, and on SIGTERM/SIGUSR1)")
-    group.add_argument("--save-every", type=int, default=None, help="also save every N optimizer steps")
-    group.add_argument("--resume", nargs="?", const=True, default=False, type=Path, metavar="CHECKPOINT",
-                       help="go on from the latest complete checkpoint in --save-dir, or from CHECKPOINT (a "
-                            "step-N folder, or a folder of them; --save-dir then defaults to its folder); "
-                            "any layout may resume it")
-    group.add_argument("--keep", type=_keep, default=None, metavar="K|all",
-                       help=f"keep the K newest checkpoints, or all (default: {DEFAULT_KEEP})")
-    group.add_argument("--async-save", action="store_true",
-                       help="write checkpoints in the background: training waits only while the state is copied")
-    group.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
-                       help=f"end the job when no step finishes for this many seconds, naming the stuck rank; "
-                            f"0 disables (default: {DEFAULT_STEP_TIMEOUT_S:g})")
-
-
-def _keep(text: str) -> int | str:
-    if text == "all":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--keep takes a number of checkpoints or 'all', got {text!r}") from None
-
-
-def durable_config(args: argparse.Namespace) -> DurableConfig:
-    """The validated checkpoint and failure-handling configuration of parsed arguments."""
-    resume_from = args.resume if isinstance(args.resume, Path) else None
-    if resume_from is not None and not resume_from.exists():  # before --save-dir creates anything
-        raise ConfigError(f"--resume {str(resume_from)!r}: no such checkpoint or folder",
-                          hint="pass a step-NNNNNNNN folder or the --save-dir holding them, or --resume alone "
-                               "for the latest in --save-dir")
-    save_dir = args.save_dir
-    if save_dir is None and resume_from is not None:  # go on saving beside the checkpoint resumed
-        save_dir = resume_from.parent if (resume_from / META_FILE).is_file() else resume_from
-    if args.keep is not None and save_dir is None:
-        raise ConfigError("--keep needs --save-dir", hint="pass --save-dir DIR")
-    keep = DEFAULT_KEEP if args.keep is None else None if args.keep == "all" else args.keep
-    return DurableConfig(save_dir=save_dir, save_every=args.save_every, resume=bool(args.resume),
-                         resume_from=resume_from, keep=keep, step_timeout_s=args.step_timeout or None,
-                         async_save=args.async_save,
-                         requeue_job=slurm_job_id())
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
