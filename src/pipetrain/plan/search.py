@@ -9,6 +9,9 @@ simulated and does not fit is reported with its memory per stage.
 Tensor parallelism: `SearchSpace.tps` lists the degrees to try (default 1 only); a degree is enumerated only
 where it divides the GPUs of a node (so a TP group never leaves its node: ranks are dp × pp × tp with tp
 innermost) and the GPU count, and `search` keeps only those the model splits into (`tensor.tp_problem`).
+Where a degree may run with or without sequence parallelism, only the former is searched: it moves the same
+collective volume in the same time and holds less (activations, receive buffers) and moves less (memory
+traffic, stage-to-stage bytes), so it is never slower nor larger in this model.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
            space: SearchSpace = SearchSpace(), gpus_per_node: int = 0, top: int = 10) -> SearchResult:
     """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
     tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
+    tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps]  # sequence parallelism dominates: see above
     layouts = enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
