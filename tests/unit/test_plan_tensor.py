@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.plan.hardware import DEFAULT_DEVICE, DEFAULT_NETWORK, Device, Network
+from pipetrain.plan.hardware import DEFAULT_DEVICE, DEFAULT_NETWORK, Network
 from pipetrain.plan.model import transformer_activation_bytes, transformer_blocks
 from pipetrain.plan.predict import Layout, block_times, predict, stage_costs
 from pipetrain.plan.search import SearchSpace, enumerate_layouts, search
@@ -49,17 +49,6 @@ def test_parameters_split_and_replicated_by_hand():
     assert tp_param_bytes(layer, 2) == 4 * (8352 / 2 + 192)
     assert tp_param_bytes(layer, 4) == 4 * (8352 / 4 + 192)
     assert tp_param_bytes(BLOCKS[0], 4) == BLOCKS[0].param_bytes and tp_param_bytes(BLOCKS[-1], 4) == BLOCKS[-1].param_bytes
-
-
-def test_split_parameters_are_the_torch_layers_matrices():
-    torch = pytest.importorskip("torch")
-    from torch import nn
-
-    with torch.device("meta"):
-        layer = nn.TransformerEncoderLayer(32, 2, 64)
-    split = ("self_attn.in_proj_weight", "self_attn.in_proj_bias", "self_attn.out_proj.weight", "linear1.weight",
-             "linear1.bias", "linear2.weight")
-    assert sum(p.numel() for n, p in layer.named_parameters() if n in split) == BLOCKS[1].tensor.params
 
 
 def test_communication_volume_by_hand():
@@ -159,3 +148,16 @@ def test_a_model_too_big_for_pp_alone_gets_tp_on_a_fast_node():
     with pytest.raises(ConfigError, match="no layout of 16 GPUs fits"):
         search(big, gpus=16, batch=16, device=device, network=network, space=replace(space, tps=(1,)),
                gpus_per_node=8)
+
+
+def test_tp_table_fills_the_node(capsys):
+    from pipetrain.plan.hardware import NODES
+    from pipetrain.plan.tp_table import main, node_cells
+
+    device, network = NODES["a100"]
+    cells = node_cells(transformer_blocks(**{**TINY, "nhead": 4}), 4, 32, device, network)
+    assert sorted((c.tp, c.pp, c.dp) for c in cells) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+    assert all(c.best and c.best.layout.world_size == 4 and c.memory_bytes <= device.memory_bytes for c in cells)
+    main(["--preset", "tiny", "--gpus", "4", "--node", "h100", "--batch", "32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| h100")]
+    assert len(rows) == 5 and sum("**best**" in row for row in rows) == 1  # tiny has 2 heads: tp 1 and 2 only
