@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python -m pipetrain.plan.tp_table                     # gpu preset, A100 and H100, 4 and 8 GPUs
     PYTHONPATH=src python -m pipetrain.plan.tp_table --batch 32 --node h100 --gpus 8
+    PYTHONPATH=src python -m pipetrain.plan.tp_table --preset cpu --gpus 2 --batch 64 --calibration FILE  # this machine
 
 For each node (`hardware.NODES`: stated A100-/H100-class constants) and each (tp, pp, dp) with tp × pp × dp =
 the node's GPUs, the fastest layout the planner finds at that mesh (schedule, micro-batches, recomputation,
@@ -12,11 +13,12 @@ the leanest one would need when none fits. Pure: no torch, no process.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.errors import ConfigError
-from pipetrain.plan.hardware import NODES, Device, Network
+from pipetrain.plan.hardware import NODES, Device, Network, load_calibration
 from pipetrain.plan.model import BlockCost, config_blocks
 from pipetrain.plan.predict import Prediction, predict
 from pipetrain.plan.search import SearchSpace, enumerate_layouts, search
@@ -75,14 +77,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--node", nargs="+", default=list(NODES), choices=tuple(NODES))
     parser.add_argument("--gpus", type=int, nargs="+", default=[4, 8], help="GPUs in the node (default: 4 8)")
     parser.add_argument("--gpu-mem", type=float, default=None, metavar="GB", help="memory per GPU (default: 80)")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                        help="a measured device and network (`pipetrain plan --calibrate`) instead of --node")
     args = parser.parse_args(argv)
+    nodes = {name: NODES[name] for name in args.node}
+    if args.calibration is not None:
+        calib = load_calibration(args.calibration)
+        nodes = {args.calibration.stem: (calib.device, calib.network)}
     blocks = config_blocks(PRESETS[args.preset])
-    print(f"preset {args.preset!r}, global batch {args.batch}, fp32 (TF32 matmuls); memory per GPU is the largest "
+    rates = f"the calibration's {calib.precision}" if args.calibration is not None else "fp32 (TF32 matmuls)"
+    print(f"preset {args.preset!r}, global batch {args.batch}, {rates}; memory per GPU is the largest "
           f"pipeline rank's{'' if args.gpu_mem is None else f', {args.gpu_mem:g} GB per GPU'}")
     print("| node | GPUs | tp | pp | dp | best layout of the mesh | step s | samples/s | memory GB per GPU | vs best |")
     print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
-    for name in args.node:
-        device, network = NODES[name]
+    for name, (device, network) in nodes.items():
         if args.gpu_mem is not None:
             device = replace(device, memory_bytes=args.gpu_mem * _GB)
         for gpus in args.gpus:
@@ -91,11 +99,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             for c in cells:
                 if c.best is None:
                     print(f"| {name} | {gpus} | {c.tp} | {c.pp} | {c.dp} | does not fit in "
-                          f"{device.memory_bytes / _GB:.0f} GB | - | - | {c.memory_bytes / _GB:.1f} (leanest) | - |")
+                          f"{device.memory_bytes / _GB:.0f} GB | - | - | {c.memory_bytes / _GB:.2f} (leanest) | - |")
                     continue
                 mark = " **best**" if c.best.step_s == fastest else ""
                 print(f"| {name} | {gpus} | {c.tp} | {c.pp} | {c.dp} | {_describe(c.best)} | {c.best.step_s:.3f} | "
-                      f"{c.best.samples_per_s:.0f} | {c.memory_bytes / _GB:.1f} | "
+                      f"{c.best.samples_per_s:.0f} | {c.memory_bytes / _GB:.2f} | "
                       f"{c.best.step_s / fastest:.2f}x{mark} |")
 
 
