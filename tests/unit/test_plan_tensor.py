@@ -98,6 +98,7 @@ def test_predicted_memory_divides_as_stated():
 def test_what_tp_must_divide():
     assert tp_problem(BLOCKS, 2) is None
     assert tp_problem(BLOCKS, 4) == "tp=4 does not divide nhead=2"
+    assert tp_problem(BLOCKS, 0) == "tp must be a positive integer, got 0"
     odd = transformer_blocks(**{**TINY, "seq_len": 31})
     assert tp_problem(odd, 2) is None  # the sequence splits only under sequence parallelism
     assert tp_problem(odd, 2, True) == "tp=2 does not divide the sequence length 31 (sequence parallelism)"

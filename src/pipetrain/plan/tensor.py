@@ -30,6 +30,8 @@ __all__ = ["tp_problem", "tp_params", "tp_param_bytes", "tp_activation_bytes", "
 
 def tp_problem(blocks: Sequence[BlockCost], tp: int, sequence_parallel: bool = False) -> str | None:
     """Why the model cannot run at `tp` (a sentence naming the size), or None when it can."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return f"tp must be a positive integer, got {tp!r}"
     if tp == 1:
         return None
     splits = [b.tensor for b in blocks if b.tensor is not None]
