@@ -36,17 +36,19 @@ def main() -> None:
     args = parser.parse_args()
     space, per_node = (SearchSpace(), 0) if args.tp is None else (SearchSpace(tps=tuple(args.tp)), 8)
     blocks = config_blocks(PRESETS[args.preset])
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
         clear_caches()  # every repeat starts cold
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = search(blocks, gpus=args.gpus, batch=args.batch, device=DEFAULT_DEVICE, network=DEFAULT_NETWORK,
                         space=space, gpus_per_node=per_node)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     tps = "" if args.tp is None else f", tp {args.tp} on nodes of 8"
     print(f"{args.gpus} GPUs{tps}, preset {args.preset}, batch {args.batch}: {result.enumerated} layouts, "
           f"{result.simulated} simulated; search median {statistics.median(times):.3f} s, "
-          f"min {min(times):.3f} s, max {max(times):.3f} s over {args.repeats} runs")
+          f"min {min(times):.3f} s, max {max(times):.3f} s over {args.repeats} runs (CPU time: median "
+          f"{statistics.median(cpu):.3f} s, which a loaded machine inflates less)")
     command = [sys.executable, "-m", "pipetrain", "plan", "--gpus", str(args.gpus), "--preset", args.preset,
                "--batch", str(args.batch), "--gpu-mem", "80"]
     walls = []

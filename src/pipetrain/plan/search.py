@@ -117,19 +117,36 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
     return layouts
 
 
-def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> float:
-    """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer."""
+def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network,
+                  cache: dict | None = None) -> float:
+    """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer.
+    `cache`: a dict kept across calls on the same blocks, device and network (the model's sums per size)."""
     samples = layout.batch // layout.dp // layout.chunks
     tp, sp = layout.tp, layout.sequence_parallel
-    times = [block_times(b, samples, device, tp, sp) for b in blocks]
-    comm = sum(tp_comm_s(b, samples, tp, network) for b in blocks)
-    work = sum(sum(t) for t in times) + 2 * comm
+    key = (samples, tp, sp)
+    if cache is None or key not in cache:
+        times = [block_times(b, samples, device, tp, sp) for b in blocks]
+        comm = sum(tp_comm_s(b, samples, tp, network) for b in blocks)
+        sums = (sum(t[0] for t in times), sum(sum(t) for t in times), comm,
+                sum(tp_param_bytes(b, tp) for b in blocks))
+        if cache is not None:
+            cache[key] = sums
+    else:
+        sums = cache[key]
+    forward, total, comm, param_bytes = sums
+    work = total + 2 * comm
     if layout.checkpoint != "never":
         again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
-        work += again / layout.chunks * (sum(t[0] for t in times) + comm)
+        work += again / layout.chunks * (forward + comm)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
-    optimizer = optimizer_s(blocks, device, layout.dp if layout.dp_mode == "fsdp" else 1, tp)
-    reduce = reduce_s(sum(tp_param_bytes(b, tp) for b in blocks), layout, network)
+    shards = layout.dp if layout.dp_mode == "fsdp" else 1
+    if cache is None or (shards, tp) not in cache:
+        optimizer = optimizer_s(blocks, device, shards, tp)
+        if cache is not None:
+            cache[shards, tp] = optimizer
+    else:
+        optimizer = cache[shards, tp]
+    reduce = reduce_s(param_bytes, layout, network)
     return (layout.chunks * work + reduce + optimizer) / layout.pp + actions
 
 
@@ -141,7 +158,8 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
     layouts = enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
-    bounded = sorted(((lower_bound_s(blocks, layout, device, network), i) for i, layout in enumerate(layouts)))
+    cache: dict = {}
+    bounded = sorted(((lower_bound_s(blocks, layout, device, network, cache), i) for i, layout in enumerate(layouts)))
     result = SearchResult(best=[], enumerated=len(layouts))
     seen_balance: set[tuple] = set()
     for bound, index in bounded:
