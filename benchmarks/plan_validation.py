@@ -15,6 +15,11 @@ allocates: measured peak minus the calibrated baseline, against the prediction m
 A cell found in several folders (the same grid run again) is compared by the median of its runs, and
 several `--calibration` files give the median prediction: this machine's speed drifts by more than 10 %
 between runs minutes apart, and repeated runs on both sides average that drift out.
+
+Tensor-parallel cells: a cell with a `tp` field above 1 (the bench grid's tp axis, once the engine has one;
+`sequence_parallel` read the same way) is predicted at that tp. When any cell has tp > 1 the rows compared by
+Spearman are (ranks, batch), so tp2, pp2 and dp2 cells of one batch are ranked against each other, and the
+tp cells' own step-time error is printed apart. Cells without the field are tp = 1, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from pipetrain.plan.predict import Layout, predict
 from pipetrain.workloads.presets import PRESETS
 
 MB = 2**20
+
+
+def tensor_axes(cell) -> tuple[int, bool]:
+    """(tp, sequence parallelism) of a bench cell: (1, False) for cells of a bench without those axes."""
+    return int(getattr(cell, "tp", 1) or 1), bool(getattr(cell, "sequence_parallel", False))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -77,13 +87,16 @@ def main() -> None:
     calibs = [load_calibration(path) for path in args.calibration]
     base = statistics.median(c.device.baseline_bytes for c in calibs) / MB
     rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    time_errors, mem_errors, above_errors, noise, rerun = [], [], [], [], []
+    time_errors, mem_errors, above_errors, noise, rerun, tp_errors = [], [], [], [], [], []
+    cells = _measured(args.folders)
+    by_ranks = any(tensor_axes(cell)[0] > 1 for cell in cells)
     for path, calib in zip(args.calibration, calibs):
         print(f"calibration: {path} ({calib.measured})")
     print(f"{'cell':<48} {'measured s':>10} {'predicted':>10} {'error':>7}  memory MB measured/predicted per stage")
-    for cell, results in _measured(args.folders).items():
+    for cell, results in cells.items():
+        tp, sp = tensor_axes(cell)
         layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
-                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint)
+                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint, tp=tp, sequence_parallel=sp)
         blocks = config_blocks(PRESETS[cell.preset])
         predictions = [predict(blocks, layout, c.device, c.network) for c in calibs]
         predicted = statistics.median(p.step_s for p in predictions)
@@ -93,13 +106,17 @@ def main() -> None:
         if len(results) > 1:
             rerun.append((max(r.median_step_s for r in results) - min(r.median_step_s for r in results)) / measured)
         time_errors.append(abs(error))
-        rows.setdefault((cell.pp, cell.batch_size), []).append((measured, predicted))
+        if tp > 1:
+            tp_errors.append(abs(error))
+        rows.setdefault((layout.world_size if by_ranks else cell.pp, cell.batch_size), []).append((measured, predicted))
         measured_mem = [statistics.median(stage) for stage in zip(*(r.peak_mem_mb_per_stage for r in results))]
         predicted_mem = [statistics.median(stage) / MB for stage in zip(*(p.memory_bytes for p in predictions))]
         for got, want in zip(measured_mem, predicted_mem):
             mem_errors.append(abs(want - got) / got)
             above_errors.append(abs((want - base) - (got - base)) / max(got - base, 1.0))
         name = f"pp={cell.pp} {cell.schedule} batch={cell.batch_size} chunks={cell.chunks} {cell.checkpoint}"
+        if by_ranks:
+            name = f"dp={cell.dp} tp={tp}{'sp' if sp else ''} " + name
         mems = " ".join(f"{g:.0f}/{w:.0f}" for g, w in zip(measured_mem, predicted_mem))
         print(f"{name:<48} {measured:>10.3f} {predicted:>10.3f} {100 * error:>+6.1f}%  {mems}")
     print(f"\ncells: {len(time_errors)}")
@@ -110,9 +127,13 @@ def main() -> None:
     if rerun:
         print(f"repeated runs of a cell: median (slowest - fastest) / median {100 * statistics.median(rerun):.1f}% "
               f"(max {100 * max(rerun):.1f}%) over {len(rerun)} cells")
+    if tp_errors:
+        print(f"tensor-parallel cells: {len(tp_errors)}, step time median |error| {100 * statistics.median(tp_errors):.1f}%, "
+              f"max {100 * max(tp_errors):.1f}%")
     for key in sorted(rows):
         measured, predicted = zip(*rows[key])
-        print(f"  row pp={key[0]} batch={key[1]}: {len(measured)} cells, Spearman {spearman(list(measured), list(predicted)):+.2f}")
+        print(f"  row {'ranks' if by_ranks else 'pp'}={key[0]} batch={key[1]}: {len(measured)} cells, "
+              f"Spearman {spearman(list(measured), list(predicted)):+.2f}")
     print(f"peak memory per stage (whole process): median |error| {100 * statistics.median(mem_errors):.1f}%, "
           f"max {100 * max(mem_errors):.1f}%")
     print(f"peak memory above the {base:.0f} MB baseline: median |error| "

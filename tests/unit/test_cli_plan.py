@@ -27,9 +27,9 @@ def test_plan_prints_table_and_commands_that_parse(capsys, tmp_path):
     train = next(line for line in out.splitlines() if line.strip().startswith("pipetrain train"))
     sbatch = next(line for line in out.splitlines() if line.strip().startswith("pipetrain sbatch"))
     args = build_parser().parse_args(shlex.split(train)[1:])
-    assert args.dp * args.pp == 8
+    assert args.dp * args.pp * getattr(args, "tp", 1) == 8  # tp: once the engine has --tp, plan may choose it
     sb = build_parser().parse_args(shlex.split(sbatch)[1:])
-    assert sb.nodes == 2 and sb.gpus_per_node == 4 and sb.dp * sb.pp == 8
+    assert sb.nodes == 2 and sb.gpus_per_node == 4 and sb.dp * sb.pp * getattr(sb, "tp", 1) == 8
     build_parser().parse_args(["train", *sb.train_args[1:]])
 
 

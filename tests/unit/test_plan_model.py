@@ -44,3 +44,19 @@ def test_layer_flops_follow_narayanan():
     layer = transformer_blocks(vocab_size=10, seq_len=s, emsize=h, nhead=4, nhid=4 * h, nlayers=1,
                                num_classes=2, dropout=0.0)[1]
     assert layer.forward_flops == 24 * s * h * h + 4 * s * s * h  # per sample (Narayanan et al. 2021, eq. 3 / 3)
+
+
+def test_tensor_split_parameters_are_the_torch_layers_matrices():
+    """What the planner divides by tp: the attention's in/out projection weights, the MLP's weights, the
+    column-parallel biases (in_proj, linear1); the row-parallel biases and the norms stay whole."""
+    import torch
+    from torch import nn
+
+    layer_cost = transformer_blocks(vocab_size=10, seq_len=8, emsize=32, nhead=2, nhid=64, nlayers=1,
+                                    num_classes=2, dropout=0.1)[1]
+    with torch.device("meta"):
+        layer = nn.TransformerEncoderLayer(32, 2, 64)
+    split = ("self_attn.in_proj_weight", "self_attn.in_proj_bias", "self_attn.out_proj.weight", "linear1.weight",
+             "linear1.bias", "linear2.weight")
+    assert sum(p.numel() for n, p in layer.named_parameters() if n in split) == layer_cost.tensor.params
+    assert sum(p.numel() for p in layer.parameters()) == layer_cost.params

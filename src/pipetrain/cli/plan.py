@@ -1,15 +1,16 @@
-"""`pipetrain plan`: choose dp, pp, schedule, chunks, recomputation and balance before a job is submitted."""
+"""`pipetrain plan`: choose dp, pp, tp, schedule, chunks, recomputation and balance before a job is submitted."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 from pathlib import Path
 
 from pipetrain.cli.device_flags import add_device_argument, device_choice
-from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES
+from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, Calibration, default_calibration_path,
                                      default_device, load_calibration, save_calibration)
@@ -17,6 +18,7 @@ from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.plan.search import SearchResult, SearchSpace, search
+from pipetrain.plan.tensor import tp_problem
 from pipetrain.workloads.presets import PRESETS
 
 __all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args"]
@@ -67,6 +69,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")
     limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
     limits.add_argument("--pp", type=int, default=None, help="consider only this pipeline degree")
+    limits.add_argument("--tp", type=int, default=None,
+                        help="consider only this tensor-parallel degree (default: every degree dividing a node's "
+                             "GPUs, when this pipetrain trains with --tp; else 1)")
+    limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
+                        help="tensor-parallel layouts with sequence parallelism, without, or both (default: both, "
+                             "when this pipetrain trains with it; else off)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
     limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
 
@@ -83,7 +91,7 @@ def _positive(name: str, value: int | float | None) -> None:
 
 
 def _devices(args: argparse.Namespace) -> tuple[int, int]:
-    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "pp", "gpu_mem"):
+    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "pp", "gpu_mem", "tp"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.gpus is not None and args.nodes is not None:
         raise ConfigError("both --gpus and --nodes given", hint="pass --gpus N, or --nodes N --gpus-per-node G")
@@ -138,6 +146,38 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
             f"built-in A100-class figures at {args.precision} (no calibration file; see --calibrate)")
 
 
+def engine_has(axis: str) -> bool:
+    """Whether this pipetrain's `ParallelConfig` takes `axis` ("tp", "sequence_parallel"): the train line may
+    carry the flag (the planner itself models tensor parallelism either way)."""
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+    nested = [f.default for f in dataclasses.fields(ParallelConfig) if dataclasses.is_dataclass(f.default)]
+    return axis in names(ParallelConfig) or any(axis in names(type(value)) for value in nested)
+
+
+def tensor_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int, per_node: int) -> dict:
+    """The SearchSpace fields for tensor parallelism: `--tp N` checked (one message naming the problem), or
+    every degree that divides a node when the engine has tp."""
+    sp = getattr(args, "sequence_parallel", "both")
+    with_sp = {"on": (True,), "off": (False,)}.get(sp, (False, True) if engine_has("sequence_parallel") else (False,))
+    tp = getattr(args, "tp", None)
+    if tp is None:
+        tps = tuple(t for t in range(1, per_node + 1) if per_node % t == 0) if engine_has("tp") else (1,)
+        return {"tps": tps, "sequence_parallel": with_sp}
+    if per_node % tp:
+        raise ConfigError(f"--tp {tp} would put a tensor-parallel group across nodes of {per_node} GPUs",
+                          hint=f"pass a --tp that divides --gpus-per-node {per_node}")
+    if gpus % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {gpus} GPUs", hint="pass a --tp that divides --gpus")
+    problem = tp_problem(blocks, tp, sequence_parallel=with_sp == (True,))
+    if problem:
+        hint = ("a profile file has no TP plan: plan tensor parallelism with --preset" if "plan" in problem
+                else "pass a --tp that divides it")
+        raise ConfigError(f"--tp {tp}: {problem}", hint=hint)
+    return {"tps": (tp,), "sequence_parallel": with_sp}
+
+
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
     """Run the search for parsed `plan`/`tune` arguments (`fixed`: SearchSpace fields forced by the caller)."""
     gpus, per_node = _devices(args)
@@ -150,6 +190,8 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
         device = replace(device, memory_bytes=args.gpu_mem * _GB)
     chosen = dict(schedules=tuple(args.schedules), checkpoints=tuple(args.checkpoints), dp_modes=tuple(args.dp_modes),
                   max_chunks=args.max_chunks, max_pp=args.max_pp, only_pp=args.pp)
+    if "tps" not in fixed:
+        chosen.update(tensor_space(args, blocks, gpus, per_node))
     space = SearchSpace(**{**chosen, **fixed})
     start = time.perf_counter()
     result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,
@@ -163,8 +205,11 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
 def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     """`pipetrain train` flags for a predicted layout (layout flags included)."""
     lay = prediction.layout
-    out = ["--pp", str(lay.pp), "--dp", str(lay.dp), "--dp-mode", lay.dp_mode, "--schedule", lay.schedule,
-           "--chunks", str(lay.chunks), "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
+    out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else [])
+    out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
+            "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
+    if lay.sequence_parallel:
+        out.append("--sequence-parallel")
     if lay.virtual > 1:
         out += ["--stages-per-rank", str(lay.virtual)]
     if lay.balance == "time" and len(prediction.balance) > 1:
@@ -183,7 +228,8 @@ def _row(rank: int, p: Prediction) -> str:
     schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
     memory = "/".join(f"{m / _GB:.2f}" for m in p.memory_bytes) if len(p.memory_bytes) <= 4 else \
         f"max {max(p.memory_bytes) / _GB:.2f}"
-    return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
+    tp = f"{lay.tp}{'sp' if lay.sequence_parallel else ''}"
+    return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
             f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
             f"{100 * p.bubble:>6.1f}% {memory}")
 
@@ -194,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"pipetrain plan: {info['gpus']} devices{assumed}, {info['memory_gb']:.1f} GB each, global batch {args.batch}")
     print(f"  model: {info['model']}\n  device/network: {info['calibration']}")
     print(f"  {result.enumerated} layouts, {result.simulated} simulated, {info['seconds']:.3f} s")
-    print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
+    if info["space"].tps == (1,) and getattr(args, "tp", None) is None:
+        print("  tensor parallelism not considered: this pipetrain's train has no --tp (pass --tp N to plan it)")
+    print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'tp':>4} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
           f"{'balance':<7} {'step s':>10} {'samples/s':>10} {'bubble':>7} memory GB per stage")
     for rank, prediction in enumerate(result.best, 1):
         print(_row(rank, prediction))
@@ -208,10 +256,11 @@ def run(args: argparse.Namespace) -> int:
     flags = train_args(best, args)
     python = sys.executable
     print("\nbest layout:\n  pipetrain train " + " ".join(flags))
-    layout_flags = {"--pp", "--dp", "--schedule", "--chunks"}
+    layout_flags = {"--pp", "--dp", "--tp", "--schedule", "--chunks"}
     rest = [f for i, f in enumerate(flags) if f not in layout_flags and (i == 0 or flags[i - 1] not in layout_flags)]
     per_node = info["gpus_per_node"]
     nodes = -(-info["gpus"] // per_node)
+    tp = f"--tp {best.layout.tp} " if best.layout.tp > 1 else ""
     print(f"  pipetrain sbatch --nodes {nodes} --gpus-per-node {per_node} --dp {best.layout.dp} --pp {best.layout.pp} "
-          f"--schedule {best.layout.schedule} --chunks {best.layout.chunks} --python {python} -- " + " ".join(rest))
+          f"{tp}--schedule {best.layout.schedule} --chunks {best.layout.chunks} --python {python} -- " + " ".join(rest))
     return 0

@@ -65,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--min-seconds must be >= 0, got {args.min_seconds}", hint="pass e.g. --min-seconds 0.3")
     preset, device = args.preset or "cpu", device_choice(args)
     args.top = 4 * args.candidates  # some predicted-best layouts may be ones a bench cell does not run
-    result, info = planned(args, dp_modes=("ddp",), balances=("uniform",), virtual=(2,))
+    if (args.tp or 1) > 1:
+        raise ConfigError(f"tune measures its layouts as bench cells, which run tp=1, not --tp {args.tp}",
+                          hint="drop --tp (use `pipetrain plan --tp` to plan tensor-parallel layouts)")
+    result, info = planned(args, dp_modes=("ddp",), balances=("uniform",), virtual=(2,), tps=(1,))
     chosen = [p for p in result.best if cell_problem(_cell(p.layout, preset)) is None][: args.candidates]
     cells = [_cell(p.layout, preset) for p in chosen]
     grid = [c for c in (_cell(lay, preset) for lay in enumerate_layouts(

@@ -19,7 +19,7 @@ from typing import Any
 from pipetrain.errors import ConfigError
 
 __all__ = ["Device", "Network", "Calibration", "DEFAULT_DEVICE", "DEFAULT_NETWORK", "DEFAULT_RATES", "default_device",
-           "default_calibration_path", "load_calibration", "save_calibration", "CALIBRATION_FORMAT"]
+           "default_calibration_path", "load_calibration", "save_calibration", "CALIBRATION_FORMAT", "NODES"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration/1"
 
@@ -106,6 +106,25 @@ def default_device(precision: str = "fp32") -> Device:
 
 DEFAULT_NETWORK = Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_latency_s=5e-6, inter_bytes_per_s=20e9,
                           collective_latency_s=2e-5, collective_bytes_per_s=100e9)
+
+
+#: Named GPU nodes for what-if plans (`python -m pipetrain.plan.tp_table`), fp32 training (TF32 matmuls). Rates
+#: at the same fraction of the dense TF32 peak as `DEFAULT_DEVICE` (150 of 156 TFLOP/s): A100 SXM 80 GB (156),
+#: H100 SXM 80 GB (495); HBM at ~75 % of 2.0 and 3.35 TB/s. Within a node (NVLink 3 / NVLink 4: 300 / 450 GB/s
+#: per direction): ring collectives at a bus bandwidth of 80 % of that, 240 / 360 GB/s (nccl-tests' all-reduce
+#: busbw on DGX A100 / H100 without NVLink SHARP is of that order), 1 µs per ring step (an 8-GPU all-reduce of
+#: a small tensor: 14 µs), point-to-point at half the per-direction NVLink figure; across nodes one 200 / 400
+#: Gb/s InfiniBand NIC per GPU at 80 %: 20 / 40 GB/s, 5 µs.
+NODES: dict[str, tuple[Device, Network]] = {
+    "a100": (Device(name="A100 SXM 80 GB (assumed)", flops_per_s=150e12, bytes_per_s=1.5e12, kernel_overhead_s=5e-6,
+                    action_overhead_s=2e-4, optimizer_s_per_param=1e-11, memory_bytes=80 * 2**30),
+             Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_latency_s=5e-6, inter_bytes_per_s=20e9,
+                     collective_latency_s=1e-6, collective_bytes_per_s=240e9)),
+    "h100": (Device(name="H100 SXM 80 GB (assumed)", flops_per_s=475e12, bytes_per_s=2.5e12, kernel_overhead_s=4e-6,
+                    action_overhead_s=2e-4, optimizer_s_per_param=6e-12, memory_bytes=80 * 2**30),
+             Network(p2p_latency_s=1e-5, p2p_bytes_per_s=225e9, inter_latency_s=5e-6, inter_bytes_per_s=40e9,
+                     collective_latency_s=1e-6, collective_bytes_per_s=360e9)),
+}
 
 
 def default_calibration_path() -> Path:

@@ -13,6 +13,14 @@ bytes with 2-byte activations, 1-byte dropout masks and f = 4h; `transformer_act
 same count for any element size, feed-forward width and dropout, and reduces to the paper's formulas:
 34·s·b·h + 5·a·s²·b (none), 34·s·b·h (selective: attention core recomputed), 2·s·b·h (full: the
 layer input only).
+
+Tensor parallelism (Megatron: Narayanan et al. SC'21; Korthikanti et al. 2022, Table 2): a layer's `TensorSplit`
+says what tp divides. Split: the attention's QKV and output projection weights (column- then row-parallel,
+whole heads per rank), the MLP's two weights, the column-parallel biases; all matmul FLOPs; the activations
+inside the TP regions (Q, K, V, the projection input, the attention core, the MLP's f-wide tensors).
+Replicated: the norms, the row-parallel output biases, the embedding and the classifier head (the classifier
+has no vocabulary head to split). So at tp = t the kept activations are s·b·h·(10 + 24/t + 5·a·s/(h·t)),
+and with sequence parallelism (norms and dropout regions split along the sequence) s·b·h·(34 + 5·a·s/h)/t.
 """
 
 from __future__ import annotations
@@ -21,11 +29,31 @@ from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["BlockCost", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
+__all__ = ["BlockCost", "TensorSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
            "ELEMENT_BYTES"]
 
 #: Bytes per element of each supported dtype name.
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSplit:
+    """What tensor parallelism divides in one block, per sample of a micro-batch (the rest is replicated).
+
+    `traffic` and `activation_bytes` are the parts split without sequence parallelism (with it, all of the
+    block's are); `comm_bytes` is the size of the (s, h) activation each of the `collectives` per forward pass
+    moves (as many again in backward: all-reduces, or all-gather + reduce-scatter pairs with sequence
+    parallelism); tp must divide every size in `divides` (heads, hidden, feed-forward) and, with sequence
+    parallelism, `sequence`."""
+
+    params: int
+    flops: float
+    traffic: float
+    activation_bytes: float
+    comm_bytes: float
+    collectives: int = 2
+    divides: tuple[tuple[str, int], ...] = ()
+    sequence: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,29 +73,30 @@ class BlockCost:
     fixed_backward_traffic: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
+    tensor: TensorSplit | None = None  # None: replicated on every tensor-parallel rank
 
 
 def transformer_activation_bytes(s: int, b: int, h: int, a: int, *, ffn: int | None = None, element: int = 2,
-                                 dropout: bool = True, recompute: str = "none") -> float:
-    """Bytes one encoder layer keeps for backward (Korthikanti et al. 2022, generalised; see module doc).
-
-    recompute: "none", "selective" (the attention core s² terms are recomputed) or "full" (only the input).
-    """
+                                 dropout: bool = True, recompute: str = "none", tp: int = 1,
+                                 sequence_parallel: bool = False) -> float:
+    """Bytes one encoder layer keeps for backward on one of `tp` ranks (Korthikanti et al. 2022, generalised;
+    see module doc). recompute: "none", "selective" (the attention core s² terms are recomputed) or "full"
+    (only the layer input, split along the sequence under sequence parallelism)."""
     f = 4 * h if ffn is None else ffn
     d = 1 if dropout else 0
     sbh = s * b * h
+    everywhere = tp if sequence_parallel else 1  # what divides the parts outside the TP regions
     if recompute == "full":
-        return float(element * sbh)
-    # attention: QKV input, Q and K, V, projection input (5e) + projection dropout mask; layer norms (2e);
-    # MLP: input (e) + activation input and output (2e·f/h) + dropout mask
-    linear = (8 * element + 2 * d) * sbh + 2 * element * s * b * f
-    if recompute == "selective":
-        return float(linear)
-    if recompute != "none":
+        return float(element * sbh) / everywhere
+    # outside the TP regions: QKV input (e), layer norms (2e), MLP input (e), two dropout masks;
+    # inside: Q, K, V and the projection input (4e), the MLP's activation input and output (2e·f/h)
+    replicated = (4 * element + 2 * d) * sbh
+    split = 4 * element * sbh + 2 * element * s * b * f
+    if recompute not in ("none", "selective"):
         raise ConfigError(f"unknown recomputation {recompute!r}", hint="use none, selective or full")
-    # softmax output (e), its dropout mask (1) and output (e, only with dropout)
-    core = (element * (1 + d) + d) * a * s * s * b
-    return float(linear + core)
+    if recompute == "none":  # softmax output (e), its dropout mask (1) and output (e, only with dropout)
+        split += (element * (1 + d) + d) * a * s * s * b
+    return float(replicated / everywhere + split / tp)
 
 
 def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int, nhid: int, nlayers: int,
@@ -89,11 +118,17 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
     layer_flops = 8 * s * h * h + 4 * s * s * h + 4 * s * h * f
     layer_traffic = e * (16 * sh + 4 * s * f + 4 * a * s * s)  # norms, residuals, softmax, dropout, activation
     layer_act = transformer_activation_bytes(s, 1, h, a, ffn=f, element=e, dropout=bool(d))
+    split_act = layer_act - (4 * e + 2 * d) * sh  # all but the replicated norms, inputs and dropout masks
+    split = TensorSplit(
+        params=4 * h * h + 3 * h + 2 * h * f + f,  # QKV and output weights, MLP weights, column biases
+        flops=float(layer_flops), traffic=float(e * (4 * s * f + 4 * a * s * s)), activation_bytes=split_act,
+        comm_bytes=float(e * sh), divides=(("nhead", a), ("emsize", h), ("nhid", f)), sequence=s,
+    )
     for index in range(nlayers):
         blocks.append(BlockCost(
             name=f"TransformerEncoderLayer{index}", params=layer_params, param_bytes=e * layer_params,
             activation_bytes=layer_act, output_bytes=float(e * sh), forward_flops=float(layer_flops),
-            forward_traffic=float(layer_traffic), kernels=24, tensors=12,
+            forward_traffic=float(layer_traffic), kernels=24, tensors=12, tensor=split,
         ))
     head_params = 2 * h + h * num_classes + num_classes
     blocks.append(BlockCost(

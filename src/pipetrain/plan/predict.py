@@ -9,6 +9,9 @@ gradient buckets) + the simulated activation peak + the receive buffers torch's 
 micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory before the model).
 A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
 (r and 2pp-1-r); the activation peak is the simulated one of the rank's own order (both its stages).
+With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
+parameters, activations and compute, plus the TP collectives, added to every forward and backward (on the
+critical path: a recomputed forward pays them again; zero-bubble's weight half W carries none).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
+from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
+                                   tp_params, tp_problem, tp_traffic)
 
 __all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of",
            "reduce_s", "clear_caches"]
@@ -30,7 +35,8 @@ __all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "opt
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One way to run the job. `balance` "uniform" (equal block counts) or "time" (solver on block times)."""
+    """One way to run the job. `balance` "uniform" (equal block counts) or "time" (solver on block times);
+    `tp` tensor-parallel ranks per pipeline rank (innermost: a TP group's ranks are consecutive, on one node)."""
 
     dp: int
     pp: int
@@ -42,10 +48,12 @@ class Layout:
     dp_mode: str = "ddp"
     balance: str = "uniform"
     gpus_per_node: int = 0  # 0: every rank on one node
+    tp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.pp * self.tp
 
 
 @dataclass(frozen=True)
@@ -73,12 +81,16 @@ def clear_caches() -> None:
     clear_cache()
 
 
-def block_times(block: BlockCost, samples: int, device: Device) -> tuple[float, float]:
-    """(forward, backward) seconds of one block on a micro-batch of `samples`."""
+def block_times(block: BlockCost, samples: int, device: Device, tp: int = 1,
+                sequence_parallel: bool = False) -> tuple[float, float]:
+    """(forward, backward) compute seconds of one block on a micro-batch of `samples` (on one of `tp` ranks:
+    its share of the FLOPs and traffic; the TP collectives are `tensor.tp_comm_s`)."""
+    flops = tp_flops(block, tp)
     if block.forward_flops and device.rate_by_samples:  # a measured whole-layer rate: overheads included
-        per_sample, fixed = block.forward_flops / device.flops_at(samples), 0.0
+        # a layer split tp ways does the work per kernel of the whole layer on samples * flops / forward_flops
+        per_sample, fixed = flops / device.flops_at(samples * flops / block.forward_flops), 0.0
     else:
-        per_sample = block.forward_flops / device.flops_per_s + block.forward_traffic / device.bytes_per_s
+        per_sample = flops / device.flops_per_s + tp_traffic(block, tp, sequence_parallel) / device.bytes_per_s
         fixed = block.kernels * device.kernel_overhead_s
     forward = fixed + samples * (per_sample + block.forward_s)
     backward = (2 * fixed + samples * (2 * per_sample + block.backward_s)
@@ -86,9 +98,10 @@ def block_times(block: BlockCost, samples: int, device: Device) -> tuple[float, 
     return forward, backward
 
 
-def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1) -> float:
-    """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each)."""
-    params = sum(b.params for b in blocks) / shards
+def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1, tp: int = 1) -> float:
+    """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each; one of
+    `tp` ranks: its share)."""
+    params = sum(tp_params(b, tp) for b in blocks) / shards
     return params * device.optimizer_s_per_param + sum(b.tensors for b in blocks) * device.optimizer_s_per_tensor
 
 
@@ -113,7 +126,8 @@ def _balance(blocks: Sequence[BlockCost], layout: Layout, samples: int, device: 
         raise ConfigError(f"pp={layout.pp} x {layout.virtual} virtual stages needs {stages} blocks, the model has "
                           f"{len(blocks)}", hint=f"use pp <= {len(blocks) // layout.virtual}")
     if layout.balance == "time":
-        return list(_time_balance(tuple(sum(block_times(b, samples, device)) for b in blocks), stages))
+        times = (sum(block_times(b, samples, device, layout.tp, layout.sequence_parallel)) for b in blocks)
+        return list(_time_balance(tuple(times), stages))
     return uniform_balance(len(blocks), stages)
 
 
@@ -129,7 +143,7 @@ def _crosses_node(stage: int, layout: Layout) -> bool:
         return False
     style = placement(layout.schedule)
     rank, nxt = stage_rank(stage, layout.pp, style), stage_rank(stage + 1, layout.pp, style)
-    return rank // layout.gpus_per_node != nxt // layout.gpus_per_node
+    return rank * layout.tp // layout.gpus_per_node != nxt * layout.tp // layout.gpus_per_node
 
 
 def reduce_s(param_bytes: float, layout: Layout, network: Network) -> float:
@@ -149,21 +163,25 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
     """The per-micro-batch cost of each stage (stage s holds blocks `bounds[s]`)."""
     samples = layout.batch // layout.dp // layout.chunks
     slowdown = 1.0 + (device.pipeline_slowdown if layout.pp > 1 else 0.0)
+    tp, sp = layout.tp, layout.sequence_parallel
     costs = []
     for stage, (start, stop) in enumerate(bounds):
         part = blocks[start:stop]
-        times = [(f * slowdown, b * slowdown) for f, b in (block_times(b, samples, device) for b in part)]
-        out_bytes = part[-1].output_bytes * samples
+        times = [(f * slowdown, b * slowdown) for f, b in (block_times(b, samples, device, tp, sp) for b in part)]
+        comm = sum(tp_comm_s(b, samples, tp, network) for b in part)  # per forward, and as much per backward
+        out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
         across = _crosses_node(stage, layout)
         latency = network.inter_latency_s if across else network.p2p_latency_s
         bandwidth = network.inter_bytes_per_s if across else network.p2p_bytes_per_s
+        backward = sum(t[1] for t in times)
         costs.append(StageCost(
-            forward_s=sum(t[0] for t in times),
-            backward_s=sum(t[1] for t in times),
-            activation_bytes=samples * device.activation_factor * sum(b.activation_bytes for b in part),
-            input_bytes=samples * (blocks[start - 1].output_bytes if start else 0.0),
+            forward_s=sum(t[0] for t in times) + comm,
+            backward_s=backward + comm,
+            activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
+            input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
-            reduce_s=reduce_s(sum(b.param_bytes for b in part), layout, network),
+            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) for b in part), layout, network),
+            weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
         ))
     return costs
 
@@ -175,6 +193,12 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         raise ConfigError(f"batch {layout.batch} does not split into dp={layout.dp} x chunks={layout.chunks} "
                           "equal micro-batches", hint="choose a batch divisible by dp * chunks")
     samples = local // layout.chunks
+    problem = tp_problem(blocks, layout.tp, layout.sequence_parallel)
+    if problem:
+        raise ConfigError(problem, hint="choose a tp that divides the model's heads, hidden and feed-forward sizes")
+    if layout.gpus_per_node and layout.gpus_per_node % layout.tp:
+        raise ConfigError(f"tp={layout.tp} would put a tensor-parallel group across nodes of {layout.gpus_per_node} "
+                          "GPUs", hint=f"choose a tp that divides {layout.gpus_per_node}")
     balance = _balance(blocks, layout, samples, device)
     bounds, start = [], 0
     for count in balance:
@@ -189,7 +213,7 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     for rank in range(layout.pp):
         held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
         mine = [blocks[i] for s in held for i in range(*bounds[s])]
-        param_bytes = sum(b.param_bytes for b in mine)
+        param_bytes = sum(tp_param_bytes(b, layout.tp) for b in mine)
         sharded = layout.dp_mode == "fsdp" and layout.dp > 1
         if sharded:
             static = 2 * param_bytes + 4 * param_bytes / layout.dp
@@ -197,7 +221,7 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
             static = (5 if layout.dp > 1 else 4) * param_bytes
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
         memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
-        optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1))
+        optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1, layout.tp))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
     step = timeline.span_s + optimizer + network.collective_latency_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))

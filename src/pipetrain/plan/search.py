@@ -5,6 +5,13 @@ rank's compute, its gradient reduction and its optimizer step: a rank runs its a
 the simulated span is never shorter); candidates are simulated in order of that bound, and the search
 stops when the next bound is slower than the `top`-th best fitting layout found. Every layout that was
 simulated and does not fit is reported with its memory per stage.
+
+Tensor parallelism: `SearchSpace.tps` lists the degrees to try (default 1 only); a degree is enumerated only
+where it divides the GPUs of a node (so a TP group never leaves its node: ranks are dp × pp × tp with tp
+innermost) and the GPU count, and `search` keeps only those the model splits into (`tensor.tp_problem`).
+Where a degree may run with or without sequence parallelism, only the former is searched: it moves the same
+collective volume in the same time and holds less (activations, receive buffers) and moves less (memory
+traffic, stage-to-stage bytes), so it is never slower nor larger in this model.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout, Prediction, block_times, optimizer_s, predict, reduce_s
 from pipetrain.plan.schedules import MULTI_STAGE_SCHEDULES, SIMULATED_SCHEDULES, V_SCHEDULES, min_microbatches
+from pipetrain.plan.tensor import tp_comm_s, tp_param_bytes, tp_problem
 
-__all__ = ["SearchSpace", "SearchResult", "enumerate_layouts", "search", "lower_bound_s"]
+__all__ = ["SearchSpace", "SearchResult", "enumerate_layouts", "search", "lower_bound_s", "tp_options"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
     """What may vary. `max_chunks` bounds micro-batches per replica; `virtual` the interleaved depths (the
-    V schedules always have 2 stages per rank)."""
+    V schedules always have 2 stages per rank); `tps` the tensor-parallel degrees and `sequence_parallel`
+    whether they run with sequence parallelism (False, True or both; tp = 1 has none)."""
 
     schedules: tuple[str, ...] = SIMULATED_SCHEDULES
     checkpoints: tuple[str, ...] = ("never", "except_last", "always")
@@ -35,6 +44,8 @@ class SearchSpace:
     max_chunks: int = 64
     max_pp: int | None = None
     only_pp: int | None = None
+    tps: tuple[int, ...] = (1,)
+    sequence_parallel: tuple[bool, ...] = (False, True)
 
 
 @dataclass
@@ -51,13 +62,35 @@ def _chunk_options(local: int, pp: int, space: SearchSpace) -> list[int]:
     return [c for c in (1 << k for k in range(0, 31)) if c <= min(local, space.max_chunks) and local % c == 0]
 
 
-def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace, gpus_per_node: int = 0) -> list[Layout]:
-    """Every valid layout of exactly `gpus` ranks (dp * pp = gpus) for a global `batch`."""
-    layouts = []
-    for pp in range(1, min(num_blocks, space.max_pp or num_blocks, gpus) + 1):
-        if gpus % pp or batch % (gpus // pp) or space.only_pp not in (None, pp):
+def tp_options(gpus: int, space: SearchSpace, gpus_per_node: int = 0) -> list[tuple[int, bool]]:
+    """The (tp, sequence parallelism) pairs of `space` whose TP groups fit in a node and divide `gpus`."""
+    node = gpus_per_node or gpus
+    options = []
+    for tp in sorted(set(space.tps)):
+        if tp < 1 or gpus % tp or node % tp:
             continue
-        dp = gpus // pp
+        options += [(1, False)] if tp == 1 else [(tp, sp) for sp in sorted(set(space.sequence_parallel))]
+    return options
+
+
+def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace, gpus_per_node: int = 0,
+                      tps: list[tuple[int, bool]] | None = None) -> list[Layout]:
+    """Every valid layout of exactly `gpus` ranks (dp * pp * tp = gpus) for a global `batch`; `tps`: the
+    (tp, sequence parallelism) pairs to use (default: `tp_options`)."""
+    layouts = []
+    for tp, sp in tp_options(gpus, space, gpus_per_node) if tps is None else tps:
+        layouts += _layouts(num_blocks, gpus // tp, batch, space, gpus_per_node, tp, sp)
+    return layouts
+
+
+def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_per_node: int, tp: int,
+             sp: bool) -> list[Layout]:
+    """The layouts of `ranks` = dp * pp pipeline-rank slots, each `tp` GPUs wide."""
+    layouts = []
+    for pp in range(1, min(num_blocks, space.max_pp or num_blocks, ranks) + 1):
+        if ranks % pp or batch % (ranks // pp) or space.only_pp not in (None, pp):
+            continue
+        dp = ranks // pp
         local = batch // dp
         for schedule in space.schedules:
             multi = schedule in MULTI_STAGE_SCHEDULES
@@ -80,30 +113,53 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
                             for balance in space.balances if pp * v > 1 else ("uniform",):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
                                                       virtual=v, checkpoint=checkpoint, dp_mode=mode, balance=balance,
-                                                      gpus_per_node=gpus_per_node))
+                                                      gpus_per_node=gpus_per_node, tp=tp, sequence_parallel=sp))
     return layouts
 
 
-def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> float:
-    """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer."""
+def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network,
+                  cache: dict | None = None) -> float:
+    """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer.
+    `cache`: a dict kept across calls on the same blocks, device and network (the model's sums per size)."""
     samples = layout.batch // layout.dp // layout.chunks
-    work = sum(sum(block_times(b, samples, device)) for b in blocks)
+    tp, sp = layout.tp, layout.sequence_parallel
+    key = (samples, tp, sp)
+    if cache is None or key not in cache:
+        times = [block_times(b, samples, device, tp, sp) for b in blocks]
+        comm = sum(tp_comm_s(b, samples, tp, network) for b in blocks)
+        sums = (sum(t[0] for t in times), sum(sum(t) for t in times), comm,
+                sum(tp_param_bytes(b, tp) for b in blocks))
+        if cache is not None:
+            cache[key] = sums
+    else:
+        sums = cache[key]
+    forward, total, comm, param_bytes = sums
+    work = total + 2 * comm
     if layout.checkpoint != "never":
         again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
-        work += again / layout.chunks * sum(block_times(b, samples, device)[0] for b in blocks)
+        work += again / layout.chunks * (forward + comm)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
-    optimizer = optimizer_s(blocks, device, layout.dp if layout.dp_mode == "fsdp" else 1)
-    reduce = reduce_s(sum(b.param_bytes for b in blocks), layout, network)
+    shards = layout.dp if layout.dp_mode == "fsdp" else 1
+    if cache is None or (shards, tp) not in cache:
+        optimizer = optimizer_s(blocks, device, shards, tp)
+        if cache is not None:
+            cache[shards, tp] = optimizer
+    else:
+        optimizer = cache[shards, tp]
+    reduce = reduce_s(param_bytes, layout, network)
     return (layout.chunks * work + reduce + optimizer) / layout.pp + actions
 
 
 def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device, network: Network,
            space: SearchSpace = SearchSpace(), gpus_per_node: int = 0, top: int = 10) -> SearchResult:
     """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
-    layouts = enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node)
+    tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
+    tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps]  # sequence parallelism dominates: see above
+    layouts = enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
-    bounded = sorted(((lower_bound_s(blocks, layout, device, network), i) for i, layout in enumerate(layouts)))
+    cache: dict = {}
+    bounded = sorted(((lower_bound_s(blocks, layout, device, network, cache), i) for i, layout in enumerate(layouts)))
     result = SearchResult(best=[], enumerated=len(layouts))
     seen_balance: set[tuple] = set()
     for bound, index in bounded:
