@@ -104,9 +104,11 @@ class PipelineConfig:
                     hint="leave stages_per_rank unset or pass 2 or more",
                 )
         if self.compile and self.schedule in SPLIT_BACKWARD_SCHEDULES:
-            # torch 2.13 (pytorch/pytorch#161904): a split backward needs the stage's autograd graph op by op, and a
-            # compiled block is one opaque node; verified on gloo at pp=2 (zero-bubble, zbv, dualpipev): see
-            # docs/performance.md
+            # torch 2.13 (pytorch/pytorch#161904), verified on gloo at pp=2 for zero-bubble, zbv and dualpipev: the
+            # input half of the split backward (stage_backward_input, retain_graph=True) fails in every compiled
+            # block with "This backward function was compiled with non-empty donated buffers which requires
+            # create_graph=False and retain_graph=False"; a compiled block is one autograd node, so even without
+            # donated buffers its weight half could not be run apart from its input half
             raise ConfigError(
                 f"--compile with schedule {self.schedule!r}: torch 2.13 cannot split the backward of compiled "
                 "blocks into input and weight parts, which this schedule needs (pytorch/pytorch#161904)",
