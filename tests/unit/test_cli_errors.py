@@ -113,6 +113,9 @@ CASES = {
         TRAIN + ["--schedule", "zbv", "--dp", "2", "--pp", "1", "--chunks", "2"],
         ["'zbv' splits each backward in two", "hint: pass --dp-mode fsdp"],
     ),
+    "compile-zero-bubble": (TRAIN + ["--compile", "--schedule", "zero-bubble"],
+                            ["--compile with schedule 'zero-bubble'", "pytorch/pytorch#161904", "hint: drop --compile"]),
+    "compile-zbv": (TRAIN + ["--compile", "--schedule", "zbv", "--chunks", "2"], ["--compile with schedule 'zbv'"]),
     "unknown-schedule": (TRAIN + ["--schedule", "pipedream"], ["'pipedream'", "hint: choose one of: gpipe, 1f1b"]),
     "unknown-checkpoint": (
         TRAIN + ["--checkpoint", "sometimes"], ["'sometimes'", "hint: choose one of: never, except_last, always"],

@@ -52,6 +52,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shape-cache", type=int, default=16,
                        help="schedules kept, one per micro-batch shape (sequence length); least recently used "
                             "dropped (default: 16)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile each block of each stage (regional; dynamic shapes with --bucket); the "
+                            "first steps compile (on CPU with the C++ compiler); not with zero-bubble, zbv, dualpipev")
 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -65,6 +68,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         balance=args.balance,
         partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
         shape_cache=args.shape_cache,
+        compile=getattr(args, "compile", False),
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline)
 

@@ -17,6 +17,7 @@ from pipetrain.blocks import BlockModel, BlockSequential, Tensors, as_tuple, bui
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
+from pipetrain.pipeline.compiled import compile_blocks
 from pipetrain.pipeline.loss import Loss, as_loss
 from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
@@ -102,6 +103,8 @@ class PipelineEngine:
         for stage_id in self.stage_ids:
             start, stop = self._bounds[stage_id]
             blocks = build_blocks(model, range(start, stop), seed=seed, device=device)
+            if config.compile:
+                compile_blocks(blocks, dynamic=config.compile_dynamic)
             wrapper = RecomputeWrapper(BlockSequential(*blocks), config.checkpoint)
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
