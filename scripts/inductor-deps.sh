@@ -15,8 +15,11 @@ headers=$("$PYTHON" -c 'import os, sysconfig; print(os.path.exists(os.path.join(
 if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
     echo "inductor-deps: installing ${missing[*]} (for --compile)" >&2
     export DEBIAN_FRONTEND=noninteractive
-    timeout "$APT_TIMEOUT" apt-get update -qq </dev/null >&2
-    timeout "$APT_TIMEOUT" apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null >&2
+    # a failed install (no network, no mirror) must not stop the set-up: only --compile needs these
+    if ! { timeout "$APT_TIMEOUT" apt-get update -qq </dev/null >&2 &&
+           timeout "$APT_TIMEOUT" apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null >&2; }; then
+        echo "inductor-deps: could not install ${missing[*]}; --compile will not work, the rest does" >&2
+    fi
 else
     echo "inductor-deps: --compile needs ${missing[*]} (Debian: sudo apt-get install ${missing[*]}); the rest works without" >&2
 fi
