@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
 from pipetrain.config import ParallelConfig
+from pipetrain.launch.env import apply_socket_interface
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.parallel.mesh import leave_after_error
@@ -48,6 +49,7 @@ class Session:
 def join_job(spec: RankSpec, *, cpu_threads: int | None = 1, timeout_s: float = 600.0) -> torch.device:
     """Join the process group of the job described by `spec`; returns this rank's device."""
     device = pick_device(spec.local_rank, spec.device)
+    apply_socket_interface(spec.master_addr, nodes=spec.nodes, device_type=device.type)
     init_process_group(
         rank=spec.rank,
         world_size=spec.world_size,

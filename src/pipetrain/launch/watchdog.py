@@ -10,11 +10,18 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["StepWatchdog", "stuck_message"]
+__all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "StepWatchdog", "beat_period", "stuck_message"]
 
 _PREFIX = "pipetrain/watchdog/"
+#: The store key of rank r's last heartbeat (its wall-clock time) is HEARTBEAT_PREFIX + str(r).
+HEARTBEAT_PREFIX = _PREFIX + "beat/"
 #: Seconds a store read may take; longer means the rank holding the store (rank 0) is frozen.
-_STORE_TIMEOUT_S = 5.0
+STORE_TIMEOUT_S = _STORE_TIMEOUT_S = 5.0
+
+
+def beat_period(timeout_s: float) -> float:
+    """Seconds between two heartbeats of a rank watched with `timeout_s` (--step-timeout)."""
+    return min(1.0, timeout_s / 10)
 
 
 def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], silent: dict[int, float]) -> str:
@@ -76,7 +83,7 @@ class StepWatchdog:
 
     @property
     def _period(self) -> float:
-        return min(1.0, self.timeout_s / 10)
+        return beat_period(self.timeout_s)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._period):
@@ -87,7 +94,7 @@ class StepWatchdog:
 
     def _beat(self) -> None:
         try:
-            self._store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
+            self._store.set(f"{HEARTBEAT_PREFIX}{self.rank}", repr(time.time()))
         except (RuntimeError, dist.DistStoreError):
             pass
 

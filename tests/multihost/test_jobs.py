@@ -1,0 +1,130 @@
+"""Jobs across two hosts (network namespaces joined by a veth pair, scripts/netns-cluster.sh): dp2 x pp2 with the
+pipeline inside each host (torchrun, c10d rendezvous) and across the hosts on a throttled link (the ranks' variables
+set by hand), each equal in losses to a one-process run; a host killed at once, and the link taken down mid-step,
+each named in one message; --resume after the kill continues with the uninterrupted run's losses.
+
+Parity tolerance: 5e-5 absolute on every step's loss (DDP's all-reduce and the micro-batch mean sum in another
+order than the one process does). Time bounds are generous (two shared cores): they catch hangs, not slowness.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multihost.cluster import (ADDRESSES, MASTER_PORT, Cluster, environ, losses, netns_problem, torchrun,
+                                     wait_all, wait_for)
+
+PROBLEM = netns_problem()
+pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
+
+STEPS = 40
+JOB = ["--preset", "tiny", "--data", "synthetic", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "16",
+       "--train-samples", str(16 * STEPS), "--test-samples", "32", "--epochs", "1", "--no-progress",
+       "--log-every", "100"]
+TRAIN = ["-m", "pipetrain", "train", *JOB]
+ATOL = 5e-5
+JOB_TIMEOUT_S = 240.0
+
+
+def _close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert got, "no step finished"
+    worst = max(abs(got[step] - want[step]) for step in got)
+    assert worst <= ATOL, f"largest loss difference {worst:.2e} > {ATOL:g}: {got} vs {want}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Every step's loss of the job in one process (dp=1, pp=1) on this host."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    done = subprocess.run([sys.executable, *TRAIN, "--dp", "1", "--pp", "1", "--run-dir", str(run_dir)],
+                          env=environ(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = losses(run_dir)
+    assert sorted(steps) == list(range(1, STEPS + 1)), steps
+    return steps
+
+
+def _assert_no_process_left(cluster: Cluster) -> None:
+    left = {cluster.host(i): cluster.pids(i) for i in (0, 1)}
+    assert not any(left.values()), f"processes left behind: {left}"
+
+
+def test_pp_across_hosts_on_a_throttled_link_equals_one_process(cluster: Cluster, reference, tmp_path):
+    """Stage 0 of both replicas on host 0, stage 1 on host 1 (ranks 0, 2 | 1, 3): every micro-batch crosses a link
+    throttled to 10 Mbit/s; the step watchdog (--step-timeout 30) raises no false alarm."""
+    cluster.shape("10mbit")
+    run_dir = tmp_path / "run"
+    common = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": ADDRESSES[0],
+              "MASTER_PORT": str(MASTER_PORT)}
+    processes = []
+    for rank in range(4):
+        node, local = rank % 2, rank // 2
+        env = environ(**common, RANK=str(rank), LOCAL_RANK=str(local), GROUP_RANK=str(node))
+        processes.append(cluster.start(node, [sys.executable, *TRAIN, "--dp", "2", "--pp", "2", "--step-timeout",
+                                              "30", "--run-dir", str(run_dir)], env, f"rank{rank}.log"))
+    codes = wait_all(processes, JOB_TIMEOUT_S)
+    outputs = "\n".join(f"--- rank {r}\n{cluster.output(f'rank{r}.log')[-3000:]}" for r in range(4))
+    assert codes == [0, 0, 0, 0], outputs
+    assert "stopped responding" not in outputs and "pipetrain: error" not in outputs, outputs
+    _close(losses(run_dir), reference)
+    assert len(losses(run_dir)) == STEPS
+    _assert_no_process_left(cluster)
+
+
+def test_a_killed_host_is_named_and_resume_continues_with_the_same_losses(cluster: Cluster, reference, tmp_path):
+    """torchrun (c10d rendezvous on host 0) with the pipeline inside each host and dp across; every process of host 1
+    killed at once mid-run: host 0 ends within 10 s with one message naming ranks 2 and 3; the last complete
+    checkpoint, resumed (in one process: checkpoints are layout-free), gives the uninterrupted run's losses."""
+    run_dir, saves = tmp_path / "run", tmp_path / "saves"
+    args = [*TRAIN, "--dp", "2", "--pp", "2", "--run-dir", str(run_dir), "--save-dir", str(saves),
+            "--save-every", "4", "--step-timeout", "60"]
+    nodes = [cluster.start(node, torchrun(node, 2, *args), environ(), f"node{node}.log") for node in (0, 1)]
+    assert wait_for(lambda: len(losses(run_dir)) >= 10 or any(n.poll() is not None for n in nodes), JOB_TIMEOUT_S)
+    assert all(n.poll() is None for n in nodes), cluster.output("node0.log")[-3000:]
+    cluster.kill(1)
+    killed_at = time.monotonic()
+    [code0] = wait_all(nodes[:1], 10.0)
+    ended_s = time.monotonic() - killed_at
+    output = cluster.output("node0.log")
+    assert code0 not in (None, 0), f"host 0 still running {ended_s:.1f} s after host 1 was killed:\n{output[-4000:]}"
+    assert output.count("pipetrain: error:") == 1, output[-4000:]
+    assert "pipetrain: error: lost ranks 2, 3 of 4" in output, output[-4000:]
+    wait_all(nodes, 10.0)
+    _assert_no_process_left(cluster)
+    before = losses(run_dir)
+    _close(before, reference)
+
+    resumed = tmp_path / "resumed"
+    done = subprocess.run([sys.executable, *TRAIN, "--dp", "1", "--pp", "1", "--save-dir", str(saves), "--resume",
+                           "--run-dir", str(resumed)], env=environ(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = losses(resumed)
+    assert min(after) % 4 == 1 and max(after) == STEPS and min(after) <= max(before) + 1, (sorted(after), before)
+    _close(after, reference)
+
+
+def test_a_link_down_mid_step_is_named_by_the_step_watchdog(cluster: Cluster, tmp_path):
+    """pp=2 across the hosts (torchrun, one rank each); the link taken down mid-run: within --step-timeout (8 s, plus
+    slack) rank 0 names rank 1 as silent, host 1's rank says the store's host does not answer; both end non-zero."""
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, "--dp", "1", "--pp", "2", "--run-dir", str(run_dir), "--step-timeout", "8"]
+    nodes = [cluster.start(node, torchrun(node, 1, *args), environ(), f"node{node}.log") for node in (0, 1)]
+    assert wait_for(lambda: len(losses(run_dir)) >= 3 or any(n.poll() is not None for n in nodes), JOB_TIMEOUT_S)
+    assert all(n.poll() is None for n in nodes), cluster.output("node0.log")[-3000:]
+    cluster.link("down")
+    down_at = time.monotonic()
+    codes = wait_all(nodes, 8 + 30.0)
+    ended_s = time.monotonic() - down_at
+    out0, out1 = cluster.output("node0.log"), cluster.output("node1.log")
+    assert None not in codes and 0 not in codes, (codes, ended_s, out0[-3000:], out1[-3000:])
+    assert out0.count("pipetrain: error:") == 1, out0[-4000:]
+    assert "pipetrain: error: rank 1 (last finished step" in out0 and "stopped responding" in out0, out0[-4000:]
+    assert "waited 8 s (--step-timeout)" in out0, out0[-4000:]
+    assert "does not answer" in out1, out1[-4000:]
+    _assert_no_process_left(cluster)
