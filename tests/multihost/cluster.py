@@ -115,10 +115,11 @@ class Cluster:
 
 
 def torchrun(node: int, nproc: int, *args: str, job_id: str = "job") -> list[str]:
-    """torchrun on host `node` of the two, with the c10d rendezvous hosted on host 0 (no static master)."""
+    """torchrun on host `node` of the two, with the c10d rendezvous hosted on host 0 (no static master); an agent
+    cut off from the rendezvous store gives up after 10 s (read_timeout, default 60 s)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES[0]}:{RDZV_PORT}", "--rdzv-id", job_id,
-            "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", ADDRESSES[node], "--max-restarts", "0",
+            "--rdzv-conf", f"is_host={int(node == 0)},read_timeout=10", "--local-addr", ADDRESSES[node], "--max-restarts", "0",
             *args]
 
 

@@ -15,12 +15,15 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pipetrain.errors import RankFailedError
+from pipetrain.launch.failures import error_text
 from pipetrain.launch.spawn import RankSpec, fail_now
-from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, STORE_TIMEOUT_S, beat_period
+from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, STORE_TIMEOUT_S, beat_period, bounded
 
 __all__ = ["LOST_CONNECTION", "lost_ranks_message", "report_lost_connection", "silent_ranks"]
 
 _CLAIM = "pipetrain/lost/reporter"
+#: Key prefix: rank r saw a lost connection itself (it is alive; its watchdog stops beating as it ends).
+_SAW = "pipetrain/lost/saw/"
 #: What gloo says when a peer's connection closes (its process died, or its host).
 LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer")
 #: Seconds a rank that leaves the report to another waits before ending quietly (the launcher ends it sooner).
@@ -30,7 +33,8 @@ _QUIET_S = 20.0
 def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s: float | None) -> RankFailedError | None:
     """The error naming the lost ranks when `err` is a lost connection and this rank reports it; None when `err`
     is something else. A rank that leaves the report to another sleeps, then ends without a word."""
-    if not any(needle in str(err) for needle in LOST_CONNECTION):
+    text = error_text(err)
+    if not any(needle in text for needle in LOST_CONNECTION):
         return None
     period = beat_period(step_timeout_s) if step_timeout_s else 1.0
     message = lost_ranks_message(me=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
@@ -58,22 +62,31 @@ def lost_ranks_message(*, me: int, world_size: int, master_addr: str, master_por
     Takes about 3 heartbeat periods (the live ranks beat meanwhile). When the store itself does not answer, the
     host of rank 0, which holds it, is the one gone, and every rank that notices says so.
     """
-    try:
+    def survey() -> tuple[dict[int, str], dict[int, str]] | None:
         store = dist.TCPStore(master_addr, master_port, is_master=False,
                               timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        store.set(f"{_SAW}{me}", "1")  # alive, and ending: a rank that failed stops beating, it is not lost
         if store.compare_set(_CLAIM, "", str(me)).decode() != str(me):
             return None
         keys = {r: f"{HEARTBEAT_PREFIX}{r}" for r in range(world_size)}
-        before = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        first = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
         time.sleep(3 * beat_period_s)
-        after = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-    except (RuntimeError, dist.DistStoreError):
+        second = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        saw = {r for r in range(world_size) if store.check([f"{_SAW}{r}"])}
+        return first, second, saw
+
+    answer = bounded(lambda: [survey()], 3 * beat_period_s + 4 * STORE_TIMEOUT_S)
+    if answer is None:
         return (f"rank {me} lost its connection to the other ranks, and the job's store on {master_addr}:"
                 f"{master_port} does not answer either: the host of rank 0 is gone (killed, or its link is down)")
+    if answer[0] is None:
+        return None
+    before, after, saw = answer[0]
     if not before:
         return (f"rank {me} lost its connection to another rank, which probably died (no heartbeats to tell "
                 "which: the step watchdog is off with --step-timeout 0)")
-    silent = silent_ranks(before, after, world_size=world_size, me=me, now=time.time())
+    silent = {r: t for r, t in silent_ranks(before, after, world_size=world_size, me=me, now=time.time()).items()
+              if r not in saw}
     if not silent:
         return f"rank {me} lost its connection to another rank, but every rank still beats (a network fault?)"
     names = ", ".join(map(str, sorted(silent)))

@@ -1,0 +1,93 @@
+"""The socket interface of multi-node jobs (launch/netif.py, env.socket_interface_variables) and the naming of lost
+ranks (launch/lost.py), as plain data: no process group, no traffic (a UDP connect only picks a route)."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+from pipetrain.launch import lost, netif
+from pipetrain.launch.env import socket_interface_variables
+from pipetrain.launch.failures import backend_failure, error_text
+from pipetrain.launch.lost import report_lost_connection, silent_ranks
+from pipetrain.launch.spawn import RankSpec
+
+ROUTES = ("Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
+          "eth1\t0010A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
+          "eth0\t00000000\t0100A8C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n")
+
+
+def test_the_loopback_address_is_held_by_lo_and_routes_through_it():
+    assert netif.is_loopback("127.0.0.1") and netif.is_loopback("localhost")
+    assert not netif.is_loopback("10.213.7.1") and not netif.is_loopback("no-such-host.invalid")
+    assert netif.interface_of_address("127.0.0.1") == "lo"
+    assert netif.interface_towards("127.0.0.1") == "lo"
+    assert netif.interface_towards("no-such-host.invalid") is None
+
+
+def test_the_default_route_is_read_from_the_table():
+    assert netif.default_route_interface(ROUTES) == "eth0"
+    assert netif.default_route_interface(ROUTES.splitlines()[0] + "\n") is None
+
+
+def test_a_one_node_job_on_loopback_sets_nothing():
+    assert socket_interface_variables("127.0.0.1", nodes=1, device_type="cpu", environ={}) == {}
+
+
+def test_the_interface_towards_rank_0_is_chosen(monkeypatch):
+    monkeypatch.setattr(netif, "interface_towards", lambda host: {"10.0.0.1": "ib0"}.get(host))
+    assert socket_interface_variables("10.0.0.1", nodes=2, device_type="cpu", environ={}) == {
+        "GLOO_SOCKET_IFNAME": "ib0"}
+    assert socket_interface_variables("10.0.0.1", nodes=2, device_type="cuda", environ={}) == {
+        "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
+    # what the user set stands; a host with no route leaves the backend's choice
+    assert socket_interface_variables("10.0.0.1", nodes=2, device_type="cuda",
+                                      environ={"NCCL_SOCKET_IFNAME": "eth2"}) == {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert socket_interface_variables("10.9.9.9", nodes=2, device_type="cpu", environ={}) == {}
+
+
+def test_rank_0s_own_name_on_loopback_takes_the_default_route_in_a_multi_node_job(monkeypatch):
+    """Debian maps the host name to 127.0.1.1: on rank 0's node, gloo would bind to lo and no node could reach it."""
+    monkeypatch.setattr(netif, "default_route_interface", lambda routes=None: "eth0")
+    assert socket_interface_variables("127.0.1.1", nodes=2, device_type="cpu", environ={}) == {
+        "GLOO_SOCKET_IFNAME": "eth0"}
+    monkeypatch.setattr(netif, "default_route_interface", lambda routes=None: None)
+    assert socket_interface_variables("127.0.1.1", nodes=2, device_type="cpu", environ={}) == {}
+
+
+def test_silent_ranks_are_those_whose_heartbeat_did_not_move():
+    before = {0: "100.0", 1: "100.5", 2: "99.0"}
+    after = {0: "103.0", 1: "103.5", 2: "99.0"}
+    assert silent_ranks(before, after, world_size=4, me=0, now=104.0) == {2: 5.0, 3: math.inf}
+
+
+def test_a_lost_connection_is_found_in_the_cause_of_a_pipelining_error():
+    cause = RuntimeError("[pair.cc:537] Read error [10.213.7.2]:60118: Connection reset by peer.")
+    try:
+        try:
+            raise cause
+        except RuntimeError as inner:
+            raise RuntimeError("Failed to run stage backward: Stage output: ...") from inner
+    except RuntimeError as outer:
+        wrapped = outer
+    assert "Connection reset by peer" in error_text(wrapped)
+    known = backend_failure(wrapped, 0)
+    assert known is not None and "lost its connection" in str(known)
+    other = RuntimeError("shapes do not match")
+    assert report_lost_connection(other, RankSpec(0, 0, 2, "127.0.0.1", 1, "cpu"), step_timeout_s=10) is None
+
+
+def test_the_store_of_a_gone_host_is_said_to_be_gone_within_a_bounded_time(monkeypatch):
+    """Nothing listens on the port: the report says rank 0's host is gone (no hang, no traceback)."""
+    monkeypatch.setattr(lost, "STORE_TIMEOUT_S", 1.0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    err = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    known = report_lost_connection(err, RankSpec(1, 1, 2, "127.0.0.1", port, "cpu"), step_timeout_s=1.0)
+    assert known is not None and "does not answer either: the host of rank 0 is gone" in str(known), str(known)
+
+
+def test_the_interface_variables_the_user_set_are_kept():
+    assert socket_interface_variables("10.0.0.1", nodes=2, device_type="cuda", environ={
+        "GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"}) == {}
