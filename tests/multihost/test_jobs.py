@@ -152,3 +152,18 @@ def test_a_link_down_mid_step_is_named_by_the_step_watchdog(cluster: Cluster, re
     before = losses(run_dir)
     _close(before, reference)
     _resume_gives(reference, saves, tmp_path / "resumed", every=2, before=before)
+
+
+def test_an_unreachable_rendezvous_is_said_within_the_join_timeout(cluster: Cluster):
+    """Rank 1 of a two-host job started alone on host 1: rank 0's address (host 0) accepts nothing; within
+    PIPETRAIN_JOIN_TIMEOUT (5 s here, 120 s by default) one message says so, no traceback."""
+    env = environ(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
+                  GROUP_WORLD_SIZE="2", MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(MASTER_PORT),
+                  PIPETRAIN_JOIN_TIMEOUT="5")
+    [code] = wait_all([cluster.start(1, [sys.executable, *TRAIN, "--dp", "1", "--pp", "2"], env, "rank1.log")], 120.0)
+    output = cluster.output("rank1.log")
+    assert code not in (None, 0), output
+    assert output.count("pipetrain: error:") == 1 and "Traceback" not in output, output
+    assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{MASTER_PORT} (MASTER_ADDR:MASTER_PORT) "
+            "within 5 s: Connection refused") in output, output
+    _assert_no_process_left(cluster)

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import math
 import socket
+import time
 
+import pytest
+
+from pipetrain.errors import LaunchError
 from pipetrain.launch import lost, netif
-from pipetrain.launch.env import socket_interface_variables
+from pipetrain.launch.env import join_timeout, socket_interface_variables
+from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.failures import backend_failure, error_text
 from pipetrain.launch.lost import report_lost_connection, silent_ranks
 from pipetrain.launch.spawn import RankSpec
@@ -91,3 +96,24 @@ def test_the_store_of_a_gone_host_is_said_to_be_gone_within_a_bounded_time(monke
 def test_the_interface_variables_the_user_set_are_kept():
     assert socket_interface_variables("10.0.0.1", nodes=2, device_type="cuda", environ={
         "GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"}) == {}
+
+
+def test_an_unreachable_rank_0_is_said_within_the_join_timeout():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=rf"cannot reach rank 0's host at 127.0.0.1:{port} \(MASTER_ADDR:MASTER_PORT\) "
+                                          r"within 1 s: Connection refused \(hint: start rank 0's node"):
+        wait_reachable("127.0.0.1", port, timeout_s=1.0, poll_s=0.2)
+    assert time.monotonic() - start < 30  # bounded (generously: a loaded machine)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert wait_reachable("127.0.0.1", server.getsockname()[1], timeout_s=5.0) < 5.0
+
+
+def test_the_join_timeout_is_read_and_checked():
+    assert join_timeout({}) == 120.0 and join_timeout({"PIPETRAIN_JOIN_TIMEOUT": "7.5"}) == 7.5
+    with pytest.raises(LaunchError, match=r"PIPETRAIN_JOIN_TIMEOUT='soon' is not a positive number of seconds"):
+        join_timeout({"PIPETRAIN_JOIN_TIMEOUT": "soon"})

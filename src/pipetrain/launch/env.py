@@ -20,7 +20,9 @@ from pipetrain.launch import netif
 __all__ = [
     "ClusterEnv",
     "SOCKET_VARIABLES",
+    "JOIN_TIMEOUT_VARIABLE",
     "apply_socket_interface",
+    "join_timeout",
     "socket_interface_variables",
     "DEVICE_VARIABLE",
     "DEVICES",
@@ -43,6 +45,9 @@ _TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # "2" or "2(x3)"
 DEVICE_VARIABLE = "PIPETRAIN_DEVICE"
 #: The device types a run can be pinned to.
 DEVICES = ("cpu", "cuda")
+#: Seconds a rank of a multi-node job waits for rank 0's host to accept a connection (default 120).
+JOIN_TIMEOUT_VARIABLE = "PIPETRAIN_JOIN_TIMEOUT"
+_JOIN_TIMEOUT_S = 120.0
 #: The variables naming the interface a backend binds to: gloo's, and NCCL's (bootstrap and socket transport).
 SOCKET_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
@@ -157,6 +162,22 @@ def apply_socket_interface(master_addr: str, *, nodes: int, device_type: str) ->
     chosen = socket_interface_variables(master_addr, nodes=nodes, device_type=device_type)
     os.environ.update(chosen)
     return chosen
+
+
+def join_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds to wait for rank 0's host before joining a multi-node job (PIPETRAIN_JOIN_TIMEOUT, default 120)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(JOIN_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return _JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise LaunchError(f"{JOIN_TIMEOUT_VARIABLE}={raw!r} is not a positive number of seconds",
+                          hint=f"unset {JOIN_TIMEOUT_VARIABLE} (120 s) or give it seconds, e.g. 300")
+    return value
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
