@@ -75,7 +75,7 @@ def lost_ranks_message(*, me: int, world_size: int, master_addr: str, master_por
         saw = {r for r in range(world_size) if store.check([f"{_SAW}{r}"])}
         return first, second, saw
 
-    answer = bounded(lambda: [survey()], 3 * beat_period_s + 4 * STORE_TIMEOUT_S)
+    answer = bounded(lambda: [survey()], 3 * beat_period_s + 2 * STORE_TIMEOUT_S)
     if answer is None:
         return (f"rank {me} lost its connection to the other ranks, and the job's store on {master_addr}:"
                 f"{master_port} does not answer either: the host of rank 0 is gone (killed, or its link is down)")

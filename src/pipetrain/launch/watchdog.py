@@ -107,7 +107,7 @@ class StepWatchdog:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
-        answer = bounded(self._survey, 3 * self._period + 4 * _STORE_TIMEOUT_S)
+        answer = bounded(self._survey, 3 * self._period + 2 * _STORE_TIMEOUT_S)
         if answer is None:  # the store's host is frozen, gone, or cut off (a blackholed link blocks reads for good)
             winner = True
             message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen, or the link "
