@@ -55,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     args = parser.parse_args()
+    alone, load_before = import_seconds(), os.getloadavg()[0]  # first: the jobs below load the machine
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(name=f"bs{os.getpid() % 100000}", folder=Path(tmp))
         cluster.up()
@@ -62,9 +63,8 @@ def main() -> None:
             rows = [(n, first_step_seconds(cluster, n, Path(tmp))) for n in args.ranks]
         finally:
             cluster.down()
-    alone = import_seconds()
-    load = os.getloadavg()[0]
-    print(f"load average {load:.1f} on {os.cpu_count()} cores; `import pipetrain.cli.train` alone: {alone:.1f} s")
+    print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores; "
+          f"`import pipetrain.cli.train` alone (before the jobs): {alone:.1f} s")
     print("| ranks (over 2 hosts) | layout | launch → first step (s) | per rank (s) |")
     print("| --- | --- | --- | --- |")
     for n, seconds in rows:
