@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
 from pipetrain.config import ParallelConfig
+from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.spawn import RankSpec
@@ -134,6 +135,7 @@ def open_session(
     check_precision(precision)
     parallel.check_world(spec.world_size)
     device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
+    agree_on_layout(parallel)  # nodes started with other flags that fit the same world size: one message
     return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision)
 
 

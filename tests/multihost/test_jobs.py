@@ -167,3 +167,22 @@ def test_an_unreachable_rendezvous_is_said_within_the_join_timeout(cluster: Clus
     assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{MASTER_PORT} (MASTER_ADDR:MASTER_PORT) "
             "within 5 s: Connection refused") in output, output
     _assert_no_process_left(cluster)
+
+
+def test_hosts_started_with_different_layouts_are_told_once(cluster: Cluster):
+    """Host 0 started with --dp 2 --pp 1, host 1 with --dp 1 --pp 2: both fit 2 ranks, so no rank can tell alone;
+    rank 0 names both layouts once, before any stage is built, and both ranks end non-zero."""
+    common = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
+              "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": str(MASTER_PORT)}
+    ranks = [cluster.start(rank, [sys.executable, *TRAIN, *layout], environ(**common, RANK=str(rank),
+                                                                             GROUP_RANK=str(rank)), f"rank{rank}.log")
+             for rank, layout in enumerate((["--dp", "2", "--pp", "1"], ["--dp", "1", "--pp", "2"]))]
+    codes = wait_all(ranks, JOB_TIMEOUT_S)
+    out0, out1 = cluster.output("rank0.log"), cluster.output("rank1.log")
+    assert None not in codes and 0 not in codes, (codes, out0[-3000:], out1[-3000:])
+    assert out0.count("pipetrain: error:") == 1 and "pipetrain: error" not in out1, (out0[-3000:], out1[-3000:])
+    assert ("pipetrain: error: the ranks of this job were started with different layouts: rank 0: dp=2 (ddp) x pp=1, "
+            "schedule gpipe, chunks 2, partition uniform; rank 1: dp=1 (ddp) x pp=2, schedule gpipe, chunks 2, "
+            "partition uniform (hint: start every node with the same") in out0, out0[-3000:]
+    assert "Traceback" not in out0 + out1, (out0[-3000:], out1[-3000:])
+    _assert_no_process_left(cluster)

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
+from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import LaunchError
+from pipetrain.launch.agree import describe_layout, layout_disagreement
 from pipetrain.launch import lost, netif
 from pipetrain.launch.env import join_timeout, socket_interface_variables
 from pipetrain.launch.reach import wait_reachable
@@ -117,3 +119,16 @@ def test_the_join_timeout_is_read_and_checked():
     assert join_timeout({}) == 120.0 and join_timeout({"PIPETRAIN_JOIN_TIMEOUT": "7.5"}) == 7.5
     with pytest.raises(LaunchError, match=r"PIPETRAIN_JOIN_TIMEOUT='soon' is not a positive number of seconds"):
         join_timeout({"PIPETRAIN_JOIN_TIMEOUT": "soon"})
+
+
+def test_ranks_started_with_different_layouts_are_grouped_in_one_message():
+    a = ParallelConfig(dp=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=2))
+    b = ParallelConfig(dp=1, pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=2))
+    c = ParallelConfig(dp=1, pipeline=PipelineConfig(pp=2, schedule="gpipe", n_microbatches=2, shape_cache=4))
+    described = {name: (repr(cfg), describe_layout(cfg)) for name, cfg in (("a", a), ("b", b), ("c", c))}
+    assert layout_disagreement([described["a"]] * 3) is None
+    assert layout_disagreement([described[k] for k in "aabb"]) == (
+        "the ranks of this job were started with different layouts: ranks 0-1: dp=2 (ddp) x pp=1, schedule gpipe, "
+        "chunks 2, partition uniform; ranks 2-3: dp=1 (ddp) x pp=2, schedule gpipe, chunks 2, partition uniform")
+    # a difference the short words do not show: the full configurations are named
+    assert "shape_cache=4" in layout_disagreement([described[k] for k in "bc"])
