@@ -11,6 +11,9 @@ import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
 from pipetrain.config import ParallelConfig
+from pipetrain.launch.agree import agree_on_layout
+from pipetrain.launch.env import apply_socket_interface, join_timeout
+from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.parallel.mesh import leave_after_error
@@ -48,6 +51,9 @@ class Session:
 def join_job(spec: RankSpec, *, cpu_threads: int | None = 1, timeout_s: float = 600.0) -> torch.device:
     """Join the process group of the job described by `spec`; returns this rank's device."""
     device = pick_device(spec.local_rank, spec.device)
+    apply_socket_interface(spec.master_addr, nodes=spec.nodes, device_type=device.type)
+    if spec.nodes > 1 and spec.rank != 0:  # a bounded wait with one message, not the process group's 10 minutes
+        wait_reachable(spec.master_addr, spec.master_port, timeout_s=join_timeout())
     init_process_group(
         rank=spec.rank,
         world_size=spec.world_size,
@@ -129,6 +135,7 @@ def open_session(
     check_precision(precision)
     parallel.check_world(spec.world_size)
     device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
+    agree_on_layout(parallel)  # nodes started with other flags that fit the same world size: one message
     return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision)
 
 

@@ -50,6 +50,11 @@ def test_gpu_one_task_per_gpu() -> None:
     body = script.split("set -euo pipefail", 1)[1]
     assert "module load pytorch-gpu/py3/2.3.0" in body
     assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK" in body
+    # what pipetrain sets for the collectives' interface is said, and nothing is exported for it
+    assert "# GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: unset, each rank binds to the interface that routes" in body
+    assert "export GLOO_SOCKET_IFNAME" not in body.replace("# export them here to choose another (e.g. export "
+                                                            "GLOO_SOCKET_IFNAME=ib0).", "")
+    assert "SOCKET_IFNAME" not in render_sbatch(SbatchRequest(command=TRAIN, tasks_per_node=2, pp=2, chunks=2))
     argv = srun_argv(script)
     assert argv[:2] == ["srun", "--kill-on-bad-exit=1"]
     assert argv[2:] == [*TRAIN, "--dp", "2", "--pp", "4", "--schedule", "1f1b", "--chunks", "8"]

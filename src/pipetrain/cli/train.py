@@ -22,6 +22,7 @@ from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
 from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.failures import backend_failure
+from pipetrain.launch.lost import report_lost_connection
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.logs.config import check_log_folders
 from pipetrain.trace.report import check_trace_dir
@@ -173,7 +174,8 @@ def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) 
     try:
         reports = train_rank(spec, config, data)
     except RuntimeError as err:  # a dead peer, an NCCL timeout or abort: one line, not the backend's traceback
-        known = backend_failure(err, spec.rank)
+        known = report_lost_connection(err, spec, step_timeout_s=config.durable.step_timeout_s) or backend_failure(
+            err, spec.rank)
         if known is None:
             raise
         raise known from None
@@ -184,7 +186,7 @@ def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) 
 
 
 def _spec(env: ClusterEnv, device: str) -> RankSpec:
-    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device)
+    return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device, env.num_nodes)
 
 
 def _check_metrics(metrics: Path | None) -> None:
@@ -255,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     if ranks:  # one task per node (Slurm): this task spawns its node's ranks
         spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
               master_addr=env.master_addr, master_port=env.master_port,
-              args=(config, portable(config.workload, data), args.metrics), device=device)
+              args=(config, portable(config.workload, data), args.metrics), device=device, nodes=env.num_nodes)
         return 0
     try:
         _rank_main(_spec(env, device), config, data, args.metrics)  # an error from here on is this rank's own: it says it

@@ -1,7 +1,8 @@
 """Cluster environment: where this process's rank comes from (torchrun or Slurm variables), read in one place.
 
-This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_* and PIPETRAIN_DEVICE variables.
-It never creates processes; launchers use what `detect` reports, or spawn the ranks themselves when it reports None.
+This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_*, PIPETRAIN_DEVICE and the
+socket-interface variables (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). It never creates processes; launchers use what
+`detect` reports, or spawn the ranks themselves when it reports None.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from pipetrain.errors import LaunchError
+from pipetrain.launch import netif
 
 __all__ = [
     "ClusterEnv",
+    "SOCKET_VARIABLES",
+    "JOIN_TIMEOUT_VARIABLE",
+    "apply_socket_interface",
+    "join_timeout",
+    "socket_interface_variables",
     "DEVICE_VARIABLE",
     "DEVICES",
     "detect",
@@ -38,6 +45,11 @@ _TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")  # "2" or "2(x3)"
 DEVICE_VARIABLE = "PIPETRAIN_DEVICE"
 #: The device types a run can be pinned to.
 DEVICES = ("cpu", "cuda")
+#: Seconds a rank of a multi-node job waits for rank 0's host to accept a connection (default 120).
+JOIN_TIMEOUT_VARIABLE = "PIPETRAIN_JOIN_TIMEOUT"
+_JOIN_TIMEOUT_S = 120.0
+#: The variables naming the interface a backend binds to: gloo's, and NCCL's (bootstrap and socket transport).
+SOCKET_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,53 @@ def expand_for_local_ranks(env: ClusterEnv, ranks_per_node: int) -> list[Cluster
         )
         for local in range(ranks_per_node)
     ]
+
+
+def socket_interface_variables(master_addr: str, *, nodes: int, device_type: str,
+                               environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The socket-interface variables to set for a rank of a `nodes`-node job whose rank 0 is on `master_addr`.
+
+    Only variables the user left unset: GLOO_SOCKET_IFNAME always, NCCL_SOCKET_IFNAME on CUDA. The interface is the
+    one that routes to `master_addr`; when that address is loopback (this is rank 0's host and its name resolves to
+    127.0.x.x) a multi-node job takes the default route's interface and a one-node job sets nothing. Empty when
+    nothing is to be set or no interface is found (the backend's own choice stands).
+    """
+    env = os.environ if environ is None else environ
+    names = [SOCKET_VARIABLES["gloo"]] + ([SOCKET_VARIABLES["nccl"]] if device_type == "cuda" else [])
+    missing = [name for name in names if not env.get(name, "").strip()]
+    if not missing:
+        return {}
+    if netif.is_loopback(master_addr):
+        interface = netif.default_route_interface() if nodes > 1 else None
+    else:
+        interface = netif.interface_towards(master_addr)
+    if interface is None or (interface == "lo" and nodes > 1):
+        return {}
+    return {name: interface for name in missing}
+
+
+def apply_socket_interface(master_addr: str, *, nodes: int, device_type: str) -> dict[str, str]:
+    """Export what `socket_interface_variables` chooses into this process's environment (read by gloo and NCCL
+    when the process group is created); returns what was set."""
+    chosen = socket_interface_variables(master_addr, nodes=nodes, device_type=device_type)
+    os.environ.update(chosen)
+    return chosen
+
+
+def join_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds to wait for rank 0's host before joining a multi-node job (PIPETRAIN_JOIN_TIMEOUT, default 120)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(JOIN_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return _JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise LaunchError(f"{JOIN_TIMEOUT_VARIABLE}={raw!r} is not a positive number of seconds",
+                          hint=f"unset {JOIN_TIMEOUT_VARIABLE} (120 s) or give it seconds, e.g. 300")
+    return value
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pipetrain.errors import RankFailedError
 
-__all__ = ["backend_failure", "signal_hint"]
+__all__ = ["backend_failure", "error_text", "signal_hint"]
 
 #: (texts any of which identifies the failure, message with {rank}, hint)
 _KNOWN: tuple[tuple[tuple[str, ...], str, str], ...] = (
@@ -26,10 +26,22 @@ _KNOWN: tuple[tuple[tuple[str, ...], str, str], ...] = (
 )
 
 
+def error_text(err: BaseException) -> str:
+    """The messages of `err` and of the errors that caused it (torch's pipelining re-raises a backend error as
+    "Failed to run stage backward" with the original only as its cause)."""
+    texts, seen = [], set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts.append(str(current))
+        current = current.__cause__ or current.__context__
+    return "\n".join(texts)
+
+
 def backend_failure(err: BaseException, rank: int) -> RankFailedError | None:
-    """`err` as one `RankFailedError` line when it is a backend failure listed above, else None (a real bug: keep
-    its traceback)."""
-    text = str(err)
+    """`err` as one `RankFailedError` line when it (or its cause) is a backend failure listed above, else None (a
+    real bug: keep its traceback)."""
+    text = error_text(err)
     for needles, message, hint in _KNOWN:
         if any(needle in text for needle in needles):
             return RankFailedError(message.format(rank=rank), hint=hint)

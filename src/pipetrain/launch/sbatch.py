@@ -226,6 +226,7 @@ def render_sbatch(req: SbatchRequest) -> str:
         lines.append("export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK")
     lines += [
         f"export {DEVICE_VARIABLE}={req.device}  # every rank on {req.device}; a --device of the command must agree",
+        *_interface_comment(req),
         "RESUME=()",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi',
         "",
@@ -233,6 +234,17 @@ def render_sbatch(req: SbatchRequest) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _interface_comment(req: SbatchRequest) -> list[str]:
+    """What a multi-node script says about the socket interface (pipetrain chooses it; nothing is exported)."""
+    if req.nodes < 2:
+        return []
+    names = "GLOO_SOCKET_IFNAME" + (" and NCCL_SOCKET_IFNAME" if req.device == "cuda" else "")
+    return [
+        f"# {names}: unset, each rank binds to the interface that routes to the first node (MASTER_ADDR);",
+        "# export them here to choose another (e.g. export GLOO_SOCKET_IFNAME=ib0).",
+    ]
 
 
 def _check_device(req: SbatchRequest) -> None:

@@ -35,6 +35,8 @@ class RankSpec:
     master_port: int
     #: the device type chosen for the job ("cpu" or "cuda"; None: PIPETRAIN_DEVICE, else CUDA when present)
     device: str | None = None
+    #: hosts the job spans (more than one: the collectives bind to the interface that reaches `master_addr`)
+    nodes: int = 1
 
 
 #: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).
@@ -120,6 +122,7 @@ def spawn(
     first_local_rank: int = 0,
     timeout_s: float | None = None,
     device: str | None = None,
+    nodes: int = 1,
 ) -> None:
     """Run `fn(RankSpec, *args)` in one fresh process per rank in `ranks`; return when all succeed.
 
@@ -128,7 +131,7 @@ def spawn(
     acted on when it is sent, not when the rank's process has ended (tearing down a process group can
     take long). After `timeout_s` seconds all ranks are stopped and `RankTimeoutError` is raised.
     `device` ("cpu", "cuda"; default: PIPETRAIN_DEVICE, else CUDA when present) goes to every rank's spec; on CUDA,
-    more ranks than GPUs raise `ConfigError` before any rank starts.
+    more ranks than GPUs raise `ConfigError` before any rank starts. `nodes`: the hosts the whole job spans.
     """
     device = resolve_device(device)
     check_local_ranks(first_local_rank + len(ranks), device)
@@ -140,7 +143,7 @@ def spawn(
     with _forwarding(processes):
         try:
             for local, rank in enumerate(ranks):
-                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device)
+                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device, nodes)
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
                 process = ctx.Process(target=_child, args=(fn, spec, args, writer), name=f"pipetrain-rank{rank}")

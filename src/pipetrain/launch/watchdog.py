@@ -7,14 +7,24 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["StepWatchdog", "stuck_message"]
+__all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "StepWatchdog", "beat_period", "bounded", "stuck_message"]
+
+T = TypeVar("T")
 
 _PREFIX = "pipetrain/watchdog/"
+#: The store key of rank r's last heartbeat (its wall-clock time) is HEARTBEAT_PREFIX + str(r).
+HEARTBEAT_PREFIX = _PREFIX + "beat/"
 #: Seconds a store read may take; longer means the rank holding the store (rank 0) is frozen.
-_STORE_TIMEOUT_S = 5.0
+STORE_TIMEOUT_S = _STORE_TIMEOUT_S = 5.0
+
+
+def beat_period(timeout_s: float) -> float:
+    """Seconds between two heartbeats of a rank watched with `timeout_s` (--step-timeout)."""
+    return min(1.0, timeout_s / 10)
 
 
 def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], silent: dict[int, float]) -> str:
@@ -38,7 +48,8 @@ class StepWatchdog:
     when `progress` has not been called for `timeout_s` seconds.
 
     The first rank to fire wins the right to report (one message per job); the others stay quiet and are
-    ended by the launcher. When the store itself does not answer, the rank hosting it (rank 0) is frozen.
+    ended by the launcher. When the store itself does not answer, the rank hosting it (rank 0) is frozen, or
+    the link to its host is down.
     """
 
     def __init__(self, *, timeout_s: float, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -76,7 +87,7 @@ class StepWatchdog:
 
     @property
     def _period(self) -> float:
-        return min(1.0, self.timeout_s / 10)
+        return beat_period(self.timeout_s)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._period):
@@ -87,7 +98,7 @@ class StepWatchdog:
 
     def _beat(self) -> None:
         try:
-            self._store.set(f"{_PREFIX}beat/{self.rank}", repr(time.time()))
+            self._store.set(f"{HEARTBEAT_PREFIX}{self.rank}", repr(time.time()))
         except (RuntimeError, dist.DistStoreError):
             pass
 
@@ -96,23 +107,49 @@ class StepWatchdog:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
-        try:
-            winner = self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode() == str(self.rank)
-            before = self._read("beat")
-            time.sleep(3 * self._period)  # a live rank beats meanwhile; a stopped or frozen one does not
-            after = self._read("beat")
-            now = time.time()
-            silent = {r: now - float(after[r]) if r in after else math.inf
-                      for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)}
-            steps = {r: int(value) for r, value in self._read("step").items()}
-            message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps,
-                                    silent=silent)
-        except (RuntimeError, dist.DistStoreError):
+        answer = bounded(self._survey, 3 * self._period + 2 * _STORE_TIMEOUT_S)
+        if answer is None:  # the store's host is frozen, gone, or cut off (a blackholed link blocks reads for good)
             winner = True
-            message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen; rank {self.rank} "
-                       f"waited {self.timeout_s:g} s (--step-timeout) for step {self._step + 1} to finish")
+            message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen, or the link "
+                       f"to its host is down; rank {self.rank} waited {self.timeout_s:g} s (--step-timeout) for step "
+                       f"{self._step + 1} to finish")
+        else:
+            winner, message = answer
         if winner:
             self._on_stuck(message)
         else:
             time.sleep(30.0)  # the winner reports and the launcher ends this rank; leave quietly if it does not
             self._on_stuck("")
+
+    def _survey(self) -> tuple[bool, str]:
+        """Claim the report, then tell the silent ranks from the live ones: (this rank reports?, message)."""
+        winner = self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode() == str(self.rank)
+        before = self._read("beat")
+        time.sleep(3 * self._period)  # a live rank beats meanwhile; a stopped or frozen one does not
+        after = self._read("beat")
+        now = time.time()
+        silent = {r: now - float(after[r]) if r in after else math.inf
+                  for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)}
+        steps = {r: int(value) for r, value in self._read("step").items()}
+        return winner, stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps,
+                                     silent=silent)
+
+
+def bounded(ask: Callable[[], T], seconds: float) -> T | None:
+    """`ask()` run in a helper thread, or None when it raised a store error or gave no answer within `seconds`.
+
+    A store read over a link that drops packets (no reset) blocks past the store's own timeout; the helper
+    thread, a daemon, is abandoned then.
+    """
+    answer: list[T] = []
+
+    def run() -> None:
+        try:
+            answer.append(ask())
+        except (RuntimeError, dist.DistStoreError):
+            pass
+
+    helper = threading.Thread(target=run, name="pipetrain-store-query", daemon=True)
+    helper.start()
+    helper.join(seconds)
+    return answer[0] if answer else None

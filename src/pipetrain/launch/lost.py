@@ -1,0 +1,97 @@
+"""After a lost connection: which ranks are gone, read from the step watchdog's heartbeats, said by one rank.
+
+When a host dies (its processes killed, the machine lost), every rank that talked to it sees its connection
+closed at once; each would print the same unhelpful "connection closed by peer", none naming who is gone. The
+ranks still alive keep beating in the job's store (launch/watchdog.py), the lost ones stopped: the first rank to
+claim the report compares two readings of the heartbeats and names the silent ranks; the others stay quiet.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pipetrain.errors import RankFailedError
+from pipetrain.launch.failures import error_text
+from pipetrain.launch.spawn import RankSpec, fail_now
+from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, STORE_TIMEOUT_S, beat_period, bounded
+
+__all__ = ["LOST_CONNECTION", "lost_ranks_message", "report_lost_connection", "silent_ranks"]
+
+_CLAIM = "pipetrain/lost/reporter"
+#: Key prefix: rank r saw a lost connection itself (it is alive; its watchdog stops beating as it ends).
+_SAW = "pipetrain/lost/saw/"
+#: What gloo says when a peer's connection closes (its process died, or its host).
+LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer")
+#: Seconds a rank that leaves the report to another waits before ending quietly (the launcher ends it sooner).
+_QUIET_S = 20.0
+
+
+def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s: float | None) -> RankFailedError | None:
+    """The error naming the lost ranks when `err` is a lost connection and this rank reports it; None when `err`
+    is something else. A rank that leaves the report to another sleeps, then ends without a word."""
+    text = error_text(err)
+    if not any(needle in text for needle in LOST_CONNECTION):
+        return None
+    period = beat_period(step_timeout_s) if step_timeout_s else 1.0
+    message = lost_ranks_message(me=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
+                                 master_port=spec.master_port, beat_period_s=period)
+    if message is None:
+        time.sleep(_QUIET_S)
+        fail_now("")
+    return RankFailedError(message, hint="restart the lost host (or leave it out), then run again with --resume "
+                                         "to continue from the last complete checkpoint")
+
+
+def silent_ranks(before: dict[int, str], after: dict[int, str], *, world_size: int, me: int,
+                 now: float) -> dict[int, float]:
+    """The ranks whose heartbeat did not change between two readings, with the seconds since their last beat
+    (inf: never beat). Pure: the readings map ranks to the beat's wall-clock time as text."""
+    return {r: now - float(after[r]) if r in after else math.inf
+            for r in range(world_size) if r != me and before.get(r) == after.get(r)}
+
+
+def lost_ranks_message(*, me: int, world_size: int, master_addr: str, master_port: int,
+                       beat_period_s: float) -> str | None:
+    """The one message naming the ranks that are gone, if this rank is the one to say it; None if another rank
+    claimed the report (stay quiet: the launcher ends this rank when the reporter exits).
+
+    Takes about 3 heartbeat periods (the live ranks beat meanwhile). When the store itself does not answer, the
+    host of rank 0, which holds it, is the one gone, and every rank that notices says so.
+    """
+    def survey() -> tuple[dict[int, str], dict[int, str]] | None:
+        store = dist.TCPStore(master_addr, master_port, is_master=False,
+                              timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        store.set(f"{_SAW}{me}", "1")  # alive, and ending: a rank that failed stops beating, it is not lost
+        if store.compare_set(_CLAIM, "", str(me)).decode() != str(me):
+            return None
+        keys = {r: f"{HEARTBEAT_PREFIX}{r}" for r in range(world_size)}
+        first = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        time.sleep(3 * beat_period_s)
+        second = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        saw = {r for r in range(world_size) if store.check([f"{_SAW}{r}"])}
+        return first, second, saw
+
+    answer = bounded(lambda: [survey()], 3 * beat_period_s + 2 * STORE_TIMEOUT_S)
+    if answer is None:
+        return (f"rank {me} lost its connection to the other ranks, and the job's store on {master_addr}:"
+                f"{master_port} does not answer either: the host of rank 0 is gone (killed, or its link is down)")
+    if answer[0] is None:
+        return None
+    before, after, saw = answer[0]
+    if not before:
+        return (f"rank {me} lost its connection to another rank, which probably died (no heartbeats to tell "
+                "which: the step watchdog is off with --step-timeout 0)")
+    silent = {r: t for r, t in silent_ranks(before, after, world_size=world_size, me=me, now=time.time()).items()
+              if r not in saw}
+    if not silent:
+        return f"rank {me} lost its connection to another rank, but every rank still beats (a network fault?)"
+    names = ", ".join(map(str, sorted(silent)))
+    last = max(seconds for seconds in silent.values() if math.isfinite(seconds)) if any(
+        math.isfinite(s) for s in silent.values()) else math.inf
+    since = f"no heartbeat for {last:.0f} s" if math.isfinite(last) else "never beat"
+    return (f"lost rank{'s' if len(silent) > 1 else ''} {names} of {world_size} ({since}: their processes were "
+            f"killed or their host is gone); rank {me} saw its connection to them close")
