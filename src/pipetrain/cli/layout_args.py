@@ -179,17 +179,26 @@ def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
     return accepts
 
 
-def resolve_layout(args: argparse.Namespace, env: ClusterEnv | None, *, model: Callable[[], object],
+def _placeholder(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of `args` with a one-rank layout, to build the job's model before its layout is chosen."""
+    return argparse.Namespace(**{**vars(args), "pp": 1, "dp": 1, "dp_mode": "ddp", "schedule": "gpipe", "chunks": 1,
+                                 "checkpoint": "never", "stages_per_rank": None, "balance": None, "partition": None,
+                                 "mem_cap": None, "profile": None})
+
+
+def resolve_layout(args: argparse.Namespace, env: ClusterEnv | None, *,
+                   model: Callable[[argparse.Namespace], object],
                    device: str, ranks_per_node: int | None = None) -> AutoChoice | None:
     """With `--layout auto`: choose the layout and write its flags into `args` (logged on rank 0, with the
     prediction, which `args.layout_prediction` then carries to the run log). None without it. `ranks_per_node`:
-    the job's ranks per node when it is not this one (`sbatch`); default: all here, or the launcher's."""
+    the job's ranks per node when it is not this one (`sbatch`); default: all here, or the launcher's. `model`:
+    the job's model of parsed arguments (given a copy with a placeholder layout)."""
     if args.layout != "auto":
         return None
     say = env is None or env.rank == 0
     fixed = explicit_layout(args)
     world = _world(args, env, fixed, device)
-    built = model()
+    built = model(_placeholder(args))
     calib, calib_source = _calibration(args, env is not None, device, say)
     blocks, blocks_source = _blocks(args, built, env is not None, device, args.batch_size, say)
     node = ranks_per_node or (world if env is None else env.local_world_size * (args.ranks_per_node or 1))

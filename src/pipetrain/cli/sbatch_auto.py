@@ -51,7 +51,7 @@ def choose_for_script(args: argparse.Namespace, train_argv: list[str], *, ranks_
     targs.nproc = world
     from pipetrain.cli.device_flags import device_choice
 
-    choice = resolve_layout(targs, None, model=lambda: train_verb._config(targs).model(),
+    choice = resolve_layout(targs, None, model=lambda a: train_verb._config(a).model(),
                             device=args.device or ("cuda" if args.gpus_per_node else device_choice(targs)),
                             ranks_per_node=ranks_per_node)
     lay = choice.prediction.layout

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
-        resolve_layout(args, None, model=lambda: _config(args).model(), device=device_choice(args))
+        resolve_layout(args, None, model=lambda a: _config(a).model(), device=device_choice(args))
         config = cost_balanced(_config(args), args, launched=False)
         device = device_choice(args, local_ranks=config.parallel.world_size)  # before the data is loaded
         _check_before_start(config, args.metrics)
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
-        resolve_layout(args, env, model=lambda: _config(args).model(), device=device_choice(args, env))
+        resolve_layout(args, env, model=lambda a: _config(a).model(), device=device_choice(args, env))
         device, config = device_choice(args, env), cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
