@@ -62,8 +62,8 @@ def test_no_layout_that_fits_names_the_smallest_memory_that_would(chosen):
     assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
     assert "no layout of 2 ranks fits in 1 MB per rank" in err
     need = int(err.split("(--mem-cap ")[1].split(")")[0])
-    assert chosen([*AUTO, "--mem-cap", str(need - 2)])[0] == 2  # the figure named is the leanest layout's
-    code, config, _ = chosen([*AUTO, "--mem-cap", str(need + 1)])
+    assert chosen([*AUTO, "--mem-cap", str(need - 1)])[0] == 2  # the figure named is the leanest layout's
+    code, config, _ = chosen([*AUTO, "--mem-cap", str(need)])
     assert code == 0 and config is not None
 
 

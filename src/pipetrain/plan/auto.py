@@ -9,6 +9,7 @@ naming the smallest memory per rank that would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,11 +56,10 @@ class Fixed:
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """The chosen prediction, and how many layouts were considered and predicted."""
+    """The chosen prediction, and how many layouts were predicted."""
 
     prediction: Prediction
     considered: int
-    predicted: int
 
 
 def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device: Device, network: Network,
@@ -84,11 +84,12 @@ def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device
         if need <= device.memory_bytes and (best is None or prediction.step_s < best.step_s):
             best = prediction
     if best is None:
+        need = math.ceil(leanest / _MB)  # whole MB, rounded up: that much fits
         raise ConfigError(f"--layout auto: no layout of {world} {unit}s fits in {device.memory_bytes / _MB:.0f} MB "
-                          f"per {unit} (the leanest of {len(layouts)} needs {leanest / _MB:.0f} MB per {unit})",
-                          hint=f"give each {unit} {leanest / _MB:.0f} MB or more (--mem-cap {leanest / _MB:.0f}), "
-                               "more ranks, or a smaller batch size")
-    return AutoChoice(best, len(layouts), len(layouts))
+                          f"per {unit} (the leanest of {len(layouts)} needs {need} MB per {unit})",
+                          hint=f"give each {unit} {need} MB or more (--mem-cap {need}), more ranks, or a smaller "
+                               "batch size")
+    return AutoChoice(best, len(layouts))
 
 
 def layout_flags(prediction: Prediction) -> list[str]:
