@@ -102,3 +102,17 @@ def test_fixed_choices_that_no_layout_has_are_said():
     calib = load_calibration(CALIBRATION)
     with pytest.raises(Exception, match="chunks=3"):
         choose_layout(blocks, world=2, batch=16, device=calib.device, network=calib.network, fixed=Fixed(chunks=3))
+
+
+def test_a_launched_rank_decides_from_the_files_alone(chosen, monkeypatch):
+    local = chosen(AUTO)[1]
+    ran = []
+    monkeypatch.setattr(train_cli, "_rank_main", lambda spec, config, data, metrics: ran.append(config))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert chosen(AUTO)[0] == 0 and ran[-1].parallel == local.parallel  # rank 1 computes rank 0's (local) choice
+    monkeypatch.setenv("RANK", "0")
+    without = [a for a in AUTO if a not in ("--profile", str(PROFILE))]
+    code, _, err = chosen(without)
+    assert code == 2 and "needs --profile FILE" in err
