@@ -58,3 +58,5 @@ def test_auto_choice_reproduced_by_explicit_flags_gives_the_same_losses(tmp_path
     assert "--layout auto" not in out_explicit
     losses = [[r["loss"] for r in read_records(tmp_path / name / "steps.jsonl", "step")] for name in ("auto", "explicit")]
     assert len(losses[0]) == 4 and losses[0] == losses[1]
+    recorded = (tmp_path / "auto" / "config.toml").read_text()  # read back by --config, it runs the same layout
+    assert 'layout = "manual"' in recorded and "pp = 2" in recorded

@@ -215,6 +215,7 @@ def resolve_layout(args: argparse.Namespace, env: ClusterEnv | None, *,
     args.balance = best.balance if lay.pp * lay.virtual > 1 else None
     args.partition, args.profile, args.mem_cap = None, None, None  # the split is chosen: nothing left to balance
     args.layout_prediction = (best.step_s, best.memory_bytes[0] / _MB)
+    args.layout = "manual"  # the run's recorded configuration (config.toml) is the explicit layout it ran
     if say:
         log.info("pipetrain: --layout auto chose %s for %d ranks, global batch %d (%d layouts predicted)",
                  " ".join(layout_flags(best)), world, args.batch_size, choice.considered)
