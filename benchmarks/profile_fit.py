@@ -3,7 +3,9 @@
 The setup of issue 18's measurement: `pipetrain profile --workload lm` (once at micro-batch 8 alone, the old way;
 once at sizes 1 ... 32, fitted per block as a fixed + a per-sample cost), a fresh calibration, then the pp=2,
 batch 32 cells (GPipe and 1F1B, 1-8 chunks) measured by `pipetrain bench` and predicted from each profile.
-Prints each cell's measured and two predicted step times and the median |error| of each profile.
+Prints each cell's measured and two predicted step times and the median |error| of each profile, then each
+profile's per-block total at micro-batch sizes 3, 6, 12 and 24 (which neither profile measured) measured on their
+own against what each predicts there.
 
     python benchmarks/profile_fit.py --out runs/profile-fit [--calibration FILE]   # about 5 minutes on 2 cores
 
@@ -74,6 +76,28 @@ def main() -> None:
     for name, values in errors.items():
         print(f"{name}: median error {100 * statistics.median(values):+.1f}%, median |error| "
               f"{100 * statistics.median(abs(v) for v in values):.1f}%, max |error| {100 * max(map(abs, values)):.1f}%")
+    _held_out(out, load_profile(one), load_profile(fitted))
+
+
+def _held_out(out: Path, one, fitted) -> None:
+    """Each profile's forward + backward total at micro-batch sizes measured on their own afterwards (CPU time per
+    block: what the rescaling or the fit has to predict, without the pipeline's and the machine's noise)."""
+    print(f"\n{'micro-batch':>11} {'measured ms':>12} {'one size, linear':>18} {'fitted':>18}")
+    errors: dict[str, list[float]] = {"linear": [], "fitted": []}
+    for size in (3, 6, 12, 24):
+        path = out / f"lm-held-out-{size}.json"
+        if not path.exists():
+            _pipetrain("profile", "--workload", "lm", "--preset", "cpu", "--micro-batch-size", str(size),
+                       "--sizes", str(size), "-o", str(path))
+        measured = sum(b.time_s for b in load_profile(path).blocks)
+        row = []
+        for name, profile in (("linear", one), ("fitted", fitted)):
+            predicted = sum(b.time_s for b in profile.rescaled(size).blocks)
+            errors[name].append((predicted - measured) / measured)
+            row.append(f"{predicted * 1e3:>8.1f} ({100 * errors[name][-1]:+5.1f}%)")
+        print(f"{size:>11} {measured * 1e3:>12.1f} " + " ".join(f"{r:>18}" for r in row))
+    for name, values in errors.items():
+        print(f"held-out sizes, {name}: median |error| {100 * statistics.median(abs(v) for v in values):.1f}%")
 
 
 if __name__ == "__main__":
