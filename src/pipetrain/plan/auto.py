@@ -68,7 +68,7 @@ def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device
     """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
     `device.memory_bytes`, among those `fixed` allows and `accepts` takes."""
     layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, fixed.space(max_chunks), gpus_per_node)
-               if fixed.allows(layout) and accepts(layout)]
+               if getattr(layout, "tp", 1) == 1 and fixed.allows(layout) and accepts(layout)]  # no TP yet
     if not layouts:
         given = ", ".join(f"{k}={v}" for k, v in vars(fixed).items() if v is not None) or "no constraint"
         raise ConfigError(f"--layout auto: no layout of {world} {unit}s for a global batch of {batch} with "
