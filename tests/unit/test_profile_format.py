@@ -61,7 +61,7 @@ def test_fingerprint_depends_on_names_shapes_dtypes_and_classes():
 @pytest.mark.parametrize(
     "mutate, expected",
     [
-        (lambda d: d.update(format="pipetrain-profile/2"), "format"),
+        (lambda d: d.update(format="pipetrain-profile/9"), "format"),
         (lambda d: d["blocks"][1].pop("backward_s"), "backward_s"),
         (lambda d: d["blocks"][0].update(forward_s=-1.0), "forward_s"),
         (lambda d: d["blocks"][0].update(param_bytes=1.5), "param_bytes"),

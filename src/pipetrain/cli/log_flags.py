@@ -37,4 +37,5 @@ def log_config(args: argparse.Namespace) -> LogConfig:
     return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(workload_label(args.workload)),
                      log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, peak_tflops=args.peak_tflops,
-                     config_text=getattr(args, "effective_config", ""))
+                     config_text=getattr(args, "effective_config", ""),
+                     predicted=getattr(args, "layout_prediction", None))

@@ -113,8 +113,7 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
 
         profile = load_profile(args.profile)
         args.profile_model = profile.model
-        return profile_blocks(profile), (f"profile {args.profile} ({profile.model}, measured at micro-batch "
-                                         f"{profile.micro_batch_size}, times rescaled linearly)")
+        return profile_blocks(profile), f"profile {args.profile} ({profile.model}, {profile.describe()})"
     preset = args.preset or "cpu"
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}", hint=f"choose one of: {', '.join(PRESETS)}, or pass --profile")

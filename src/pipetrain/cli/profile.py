@@ -1,4 +1,5 @@
-"""`pipetrain profile`: measure each block's time and memory for one micro-batch and write the profile JSON."""
+"""`pipetrain profile`: measure each block's time and memory at several micro-batch sizes, fit a fixed plus a
+per-sample cost per block, and write the profile JSON."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
-from pipetrain.partition.measure import profile_model
+from pipetrain.partition.measure import default_sizes, profile_model_sizes
 from pipetrain.partition.profile import ModelProfile, save_profile
 from pipetrain.workloads.registry import get_workload, workload_names
 
@@ -24,6 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     parser.add_argument("--micro-batch-size", type=int, default=16,
                         help="samples per micro-batch = batch size / dp / chunks (default: 16)")
+    parser.add_argument("--sizes", type=_sizes, default=None, metavar="N,N,...",
+                        help="micro-batch sizes to measure and fit (fixed + per-sample cost per block); one size: "
+                             "no fit, costs rescaled linearly (default: 1, 2, 4, ... up to --micro-batch-size)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per block; the median is kept (default: 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per block first (default: 1)")
     parser.add_argument("--threads", type=int, default=1,
@@ -32,6 +36,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="profile JSON to write (default: profile.json)")
     add_device_argument(parser)
     return parser
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be comma-separated micro-batch sizes >= 1, got {text!r}")
+    return sizes
 
 
 def profile_lines(profile: ModelProfile) -> list[str]:
@@ -44,6 +58,10 @@ def profile_lines(profile: ModelProfile) -> list[str]:
         )
     total_ms = sum(b.time_s for b in profile.blocks) * 1e3
     lines.append(f"total forward+backward {total_ms:.2f} ms per micro-batch of {profile.micro_batch_size} on {profile.device}")
+    if profile.fitted:
+        fixed_ms = sum(b.forward_fixed_s + b.backward_fixed_s for b in profile.blocks) * 1e3
+        lines.append(f"fitted over micro-batch sizes {', '.join(map(str, profile.sizes))}: {fixed_ms:.2f} ms fixed "
+                     f"per micro-batch + {(total_ms - fixed_ms) / profile.micro_batch_size:.3f} ms per sample")
     return lines
 
 
@@ -54,8 +72,13 @@ def run(args: argparse.Namespace) -> int:
     if device == "cpu":
         torch.set_num_threads(args.threads)
     model = get_workload(args.workload).model(args.preset)
-    profile = profile_model(model, args.micro_batch_size, device=device, repeats=args.repeats,
-                            warmup=args.warmup, name=f"{args.workload}:{args.preset}")
+    if args.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size {args.micro_batch_size} is too small", hint="pass 1 or more")
+    sizes = args.sizes or default_sizes(args.micro_batch_size)
+    if args.micro_batch_size not in sizes:
+        sizes = (*sizes, args.micro_batch_size)
+    profile = profile_model_sizes(model, sizes, reference=args.micro_batch_size, device=device,
+                                  repeats=args.repeats, warmup=args.warmup, name=f"{args.workload}:{args.preset}")
     save_profile(profile, args.output)
     for line in profile_lines(profile):
         print(line)

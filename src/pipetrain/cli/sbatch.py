@@ -11,6 +11,7 @@ from pathlib import Path
 from pipetrain.config import SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import DEVICES
+from pipetrain.cli.layout_args import mark_defaults
 from pipetrain.launch.sbatch import DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, SbatchRequest, render_sbatch
 
 __all__ = ["add_parser", "run"]
@@ -68,6 +69,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     mesh.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
     mesh.add_argument("--schedule", choices=tuple(SCHEDULES), default=None, help="pipeline schedule")
     mesh.add_argument("--chunks", type=int, default=None, help="micro-batches per batch")
+    mesh.add_argument("--layout", choices=("manual", "auto"), default="manual",
+                      help="auto: choose dp, pp, schedule, chunks, recomputation and balance now, for nodes x ranks "
+                           "per node and the training flags after -- (see `pipetrain train --layout auto`); the "
+                           "flags given here or after -- constrain it (default: manual)")
+    mark_defaults(parser, ("dp", "pp"))
     out = parser.add_argument_group("script")
     out.add_argument("--setup", default=None, help="one shell line run before srun, e.g. 'module load pytorch'")
     out.add_argument("--python", default=sys.executable, help="interpreter the job runs (default: this one)")
@@ -86,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
             f"unexpected arguments {' '.join(train_args)!r}",
             hint="put arguments meant for `pipetrain train` after `--`",
         )
+    if args.layout == "auto":
+        from pipetrain.cli.sbatch_auto import choose_for_script
+
+        train_args = choose_for_script(args, train_args, ranks_per_node=_ranks_per_node(args))
     request = SbatchRequest(
         command=[str(Path(args.python).absolute()), "-m", "pipetrain", "train", *train_args],
         job_name=args.job_name,
@@ -118,6 +128,18 @@ def run(args: argparse.Namespace) -> int:
     log.info("wrote %s (%d ranks on %d node(s)); submit with: sbatch %s", args.output, request.world_size,
              request.nodes, args.output)
     return 0
+
+
+def _ranks_per_node(args: argparse.Namespace) -> int:
+    """The ranks on each node of the job (before --layout auto has chosen dp x pp)."""
+    if args.ranks_per_node is not None:
+        return int(args.ranks_per_node)
+    if args.gpus_per_node > 0:
+        return int(args.gpus_per_node)
+    if args.ntasks_per_node is not None and not args.one_task_per_node:
+        return int(args.ntasks_per_node)
+    raise ConfigError("sbatch --layout auto on CPU nodes needs the ranks per node",
+                      hint="pass --ntasks-per-node N (or --gpus-per-node G for a GPU job)")
 
 
 def _tasks_per_node(args: argparse.Namespace) -> int:

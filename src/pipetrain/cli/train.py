@@ -14,6 +14,7 @@ from pathlib import Path
 from pipetrain.cli.config_file import add_config_arguments, effective_config
 from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.cli.durable_args import add_durable_arguments, durable_config
+from pipetrain.cli.layout_args import add_layout_arguments, resolve_layout
 from pipetrain.cli.log_flags import add_log_arguments, log_config
 from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
@@ -112,6 +113,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                          help="steps run before recording with --trace (default: 2)")
     add_durable_arguments(parser)
     add_log_arguments(parser)
+    add_layout_arguments(parser)
     add_config_arguments(parser)
     return parser
 
@@ -228,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     env = detect()
     if env is None:  # nobody launched us: validate everything here, then spawn the whole job
+        resolve_layout(args, None, model=lambda a: _config(a).model(), device=device_choice(args))
         config = cost_balanced(_config(args), args, launched=False)
         device = device_choice(args, local_ranks=config.parallel.world_size)  # before the data is loaded
         _check_before_start(config, args.metrics)
@@ -240,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
+        resolve_layout(args, env, model=lambda a: _config(a).model(), device=device_choice(args, env))
         device, config = device_choice(args, env), cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)

@@ -36,6 +36,8 @@ class LogConfig:
     eval_batches: int | None = None
     peak_tflops: float | None = None
     config_text: str = ""
+    #: (step seconds, rank-0 MB) a planner predicted (`--layout auto`): logged beside the measured ones
+    predicted: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("log_every", self.log_every), ("eval_every", self.eval_every),

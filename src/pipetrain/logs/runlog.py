@@ -12,6 +12,7 @@ from pipetrain.logs.config import LogConfig
 from pipetrain.logs.console import ConsoleSink
 from pipetrain.logs.jsonl import JsonLinesSink
 from pipetrain.logs.meter import StepMeter, model_flops
+from pipetrain.logs.predicted import PredictionSink
 from pipetrain.logs.records import EvalRecord, StepRecord
 from pipetrain.logs.tensorboard import TensorBoardSink
 from pipetrain.pipeline.engine import PipelineEngine, StepResult
@@ -60,6 +61,8 @@ class RunLog:
         if config.tensorboard is not None:
             self.sinks.append(TensorBoardSink(Path(config.tensorboard)))
         self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps, steps=console))
+        if config.predicted is not None:
+            self.sinks.append(PredictionSink(*config.predicted, total_steps=total_steps))
         if config.run_dir is not None:
             log.info("pipetrain: logging to %s", Path(config.run_dir) / STEPS_FILE)
 

@@ -20,9 +20,10 @@ from torch import nn
 
 from pipetrain.blocks import BlockModel, build_blocks
 from pipetrain.errors import ConfigError
+from pipetrain.partition.fit import fit_profiles
 from pipetrain.partition.profile import BlockProfile, ModelProfile, fingerprint_of
 
-__all__ = ["model_fingerprint", "profile_model"]
+__all__ = ["model_fingerprint", "profile_model", "profile_model_sizes", "default_sizes"]
 
 
 def model_fingerprint(model: BlockModel) -> str:
@@ -169,3 +170,20 @@ def profile_model(
         repeats=repeats,
         blocks=tuple(blocks),
     )
+
+
+def default_sizes(micro_batch_size: int) -> tuple[int, ...]:
+    """The sizes a profile measures by default: 1, 2, 4, ... below `micro_batch_size`, and it."""
+    sizes = [1 << k for k in range(micro_batch_size.bit_length()) if 1 << k < micro_batch_size]
+    return tuple(sizes + [micro_batch_size])
+
+
+def profile_model_sizes(model: BlockModel, sizes: Sequence[int], *, reference: int | None = None,
+                        **options: Any) -> ModelProfile:
+    """`profile_model` at each of `sizes` and the fixed + per-sample fit of every block (see
+    `pipetrain.partition.fit`), its costs given at `reference` (default: the largest size); one size: that
+    profile alone. `options` go to `profile_model`."""
+    distinct = sorted(set(sizes))
+    if len(distinct) == 1:
+        return profile_model(model, distinct[0], **options)
+    return fit_profiles([profile_model(model, n, **options) for n in distinct], reference)

@@ -1,8 +1,13 @@
-"""The per-block profile format (`pipetrain-profile/1`): plain dataclasses and their JSON file, no torch.
+"""The per-block profile format (`pipetrain-profile/2`, reads `/1`): plain dataclasses and their JSON file, no torch.
 
 A profile holds, for one model and one micro-batch size on one device, each block's median forward and
 backward time, parameter bytes, activation bytes kept for backward and output bytes. `pipetrain profile`
 writes it (see `pipetrain.partition.measure`); the balance solver and the planner read it.
+
+Format 2 adds a fit over several measured micro-batch sizes (`sizes`): each block's time (and activation
+bytes) is a fixed cost per micro-batch plus a cost per sample, `*_fixed_*` holding the fixed part and the
+plain fields the fitted value at `micro_batch_size`. A format-1 file (one size) loads with fixed parts 0,
+which is the old linear rescaling; a profile of one size is still written as format 1.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pipetrain.errors import ConfigError
 
 __all__ = [
     "PROFILE_FORMAT",
+    "PROFILE_FORMAT_FITTED",
     "BlockProfile",
     "ModelProfile",
     "fingerprint_of",
@@ -30,8 +36,10 @@ __all__ = [
     "profile_to_dict",
 ]
 
-#: The `format` field of a version-1 profile file.
+#: The `format` field of a version-1 profile file (one micro-batch size).
 PROFILE_FORMAT = "pipetrain-profile/1"
+#: The `format` field of a profile fitted over several micro-batch sizes.
+PROFILE_FORMAT_FITTED = "pipetrain-profile/2"
 
 #: One parameter as the fingerprint sees it: (name, shape, dtype name).
 ParamDescription = tuple[str, Sequence[int], str]
@@ -48,11 +56,25 @@ class BlockProfile:
     param_bytes: int
     activation_bytes: int
     output_bytes: int
+    #: the fixed part of each cost per micro-batch (a fitted profile; 0: proportional to the samples)
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+    activation_fixed_bytes: int = 0
 
     @property
     def time_s(self) -> float:
         """Forward plus backward time of one micro-batch."""
         return self.forward_s + self.backward_s
+
+    def at(self, ratio: float) -> BlockProfile:
+        """This block at `ratio` times the samples: the per-sample parts scaled, the fixed parts kept."""
+        def scale(value: float, fixed: float) -> float:
+            return fixed + (value - fixed) * ratio
+
+        return replace(self, forward_s=scale(self.forward_s, self.forward_fixed_s),
+                       backward_s=scale(self.backward_s, self.backward_fixed_s),
+                       activation_bytes=round(scale(self.activation_bytes, self.activation_fixed_bytes)),
+                       output_bytes=round(self.output_bytes * ratio))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +88,8 @@ class ModelProfile:
     dtype: str
     repeats: int
     blocks: tuple[BlockProfile, ...]
+    #: the micro-batch sizes measured and fitted (format 2); () for one size, `micro_batch_size`
+    sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for position, block in enumerate(self.blocks):
@@ -78,6 +102,18 @@ class ModelProfile:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the costs are fitted over several micro-batch sizes (fixed + per-sample)."""
+        return len(self.sizes) > 1
+
+    def describe(self) -> str:
+        """How the costs scale, for messages: the sizes fitted, or the one size rescaled linearly."""
+        if self.fitted:
+            return (f"fitted over micro-batch sizes {', '.join(map(str, self.sizes))} "
+                    "(fixed + per-sample costs)")
+        return f"measured at micro-batch {self.micro_batch_size}, times rescaled linearly"
 
     def check_matches(self, *, fingerprint: str, micro_batch_size: int, source: str = "the profile") -> None:
         """Raise ConfigError unless this profile is of the model `fingerprint` at `micro_batch_size`."""
@@ -95,24 +131,16 @@ class ModelProfile:
             )
 
     def rescaled(self, micro_batch_size: int) -> ModelProfile:
-        """An estimate at another micro-batch size: bytes of activations/outputs and times scaled linearly.
+        """An estimate at another micro-batch size: the per-sample parts of times and activation bytes and
+        the output bytes scaled linearly, the fixed parts (a fitted profile) kept.
 
-        Parameter bytes are unchanged. Times do not truly scale linearly (small micro-batches run less
-        efficiently), so callers must say they rescaled.
+        Parameter bytes are unchanged. A one-size profile has no fixed parts and times do not truly scale
+        linearly (small micro-batches run less efficiently), so callers must say they rescaled.
         """
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ConfigError(f"micro-batch size must be >= 1, got {micro_batch_size!r}", hint="pass >= 1")
         ratio = micro_batch_size / self.micro_batch_size
-        blocks = tuple(
-            replace(
-                block,
-                forward_s=block.forward_s * ratio,
-                backward_s=block.backward_s * ratio,
-                activation_bytes=round(block.activation_bytes * ratio),
-                output_bytes=round(block.output_bytes * ratio),
-            )
-            for block in self.blocks
-        )
+        blocks = tuple(block.at(ratio) for block in self.blocks)
         return replace(self, micro_batch_size=micro_batch_size, blocks=blocks)
 
 
@@ -127,10 +155,21 @@ def fingerprint_of(blocks: Iterable[tuple[str, Iterable[ParamDescription]]]) -> 
 
 
 def profile_to_dict(profile: ModelProfile) -> dict[str, Any]:
-    """The JSON-ready dictionary of `profile` (format version 1)."""
+    """The JSON-ready dictionary of `profile`: format 2 when fitted over several sizes, else format 1 (which
+    older pipetrain versions read)."""
     data = asdict(profile)
     data["blocks"] = [asdict(block) for block in profile.blocks]
-    return {"format": PROFILE_FORMAT, **data}
+    if not profile.fitted:
+        del data["sizes"]
+        for block in data["blocks"]:
+            for key in _FIT_FIELDS:
+                del block[key]
+        return {"format": PROFILE_FORMAT, **data}
+    data["sizes"] = list(profile.sizes)
+    return {"format": PROFILE_FORMAT_FITTED, **data}
+
+
+_FIT_FIELDS = ("forward_fixed_s", "backward_fixed_s", "activation_fixed_bytes")
 
 
 def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
@@ -151,15 +190,16 @@ def _bad(where: str, key: str, value: Any, expected: str) -> Any:
 
 
 def profile_from_dict(data: Any) -> ModelProfile:
-    """Parse a format-1 dictionary; raises ValueError naming the first bad field."""
+    """Parse a format-1 or format-2 dictionary; raises ValueError naming the first bad field."""
     if not isinstance(data, dict):
         raise ValueError("the top level is not a JSON object")
-    if data.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"format is {data.get('format')!r}, expected {PROFILE_FORMAT!r}")
+    if data.get("format") not in (PROFILE_FORMAT, PROFILE_FORMAT_FITTED):
+        raise ValueError(f"format is {data.get('format')!r}, expected {PROFILE_FORMAT!r} or {PROFILE_FORMAT_FITTED!r}")
+    fitted = data["format"] == PROFILE_FORMAT_FITTED
     blocks_data = data.get("blocks")
     if not isinstance(blocks_data, list) or not blocks_data:
         raise ValueError("'blocks' is not a non-empty list")
-    kinds = {f.name: f.type for f in fields(BlockProfile)}
+    kinds = {f.name: f.type for f in fields(BlockProfile) if fitted or f.name not in _FIT_FIELDS}
     blocks = []
     for position, item in enumerate(blocks_data):
         if not isinstance(item, dict):
@@ -172,6 +212,13 @@ def profile_from_dict(data: Any) -> ModelProfile:
     repeats = _field(data, "repeats", int, "the profile")
     if micro_batch_size < 1 or repeats < 1:
         raise ValueError("micro_batch_size and repeats must be >= 1")
+    sizes: tuple[int, ...] = ()
+    if fitted:
+        listed = data.get("sizes")
+        if (not isinstance(listed, list) or len(listed) < 2
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in listed)):
+            raise ValueError(f"sizes={listed!r}, expected a list of two or more micro-batch sizes >= 1")
+        sizes = tuple(listed)
     try:
         return ModelProfile(
             model=_field(data, "model", str, "the profile"),
@@ -181,6 +228,7 @@ def profile_from_dict(data: Any) -> ModelProfile:
             dtype=_field(data, "dtype", str, "the profile"),
             repeats=repeats,
             blocks=tuple(blocks),
+            sizes=sizes,
         )
     except ConfigError as err:
         raise ValueError(err.message) from None
@@ -205,7 +253,7 @@ def save_profile(profile: ModelProfile, path: str | os.PathLike[str]) -> None:
 
 
 def load_profile(path: str | os.PathLike[str]) -> ModelProfile:
-    """Read a profile file; raises ConfigError if it is missing, not JSON, or not format 1."""
+    """Read a profile file; raises ConfigError if it is missing, not JSON, or not format 1 or 2."""
     source = Path(path)
     try:
         text = source.read_text()
@@ -218,6 +266,6 @@ def load_profile(path: str | os.PathLike[str]) -> ModelProfile:
         return profile_from_dict(json.loads(text))
     except (ValueError, TypeError) as err:
         raise ConfigError(
-            f"{str(source)!r} is not a valid {PROFILE_FORMAT} file: {err}",
+            f"{str(source)!r} is not a valid pipetrain profile file: {err}",
             hint="write it again with `pipetrain profile --output FILE`",
         ) from None

@@ -74,6 +74,9 @@ class BlockCost:
     forward_s: float = 0.0
     backward_s: float = 0.0
     tensor: TensorSplit | None = None  # None: replicated on every tensor-parallel rank
+    #: measured seconds per micro-batch whatever its size (a profile fitted over several sizes)
+    fixed_forward_s: float = 0.0
+    fixed_backward_s: float = 0.0
 
 
 def transformer_activation_bytes(s: int, b: int, h: int, a: int, *, ffn: int | None = None, element: int = 2,
@@ -147,11 +150,16 @@ def config_blocks(config) -> list[BlockCost]:
 
 
 def profile_blocks(profile) -> list[BlockCost]:
-    """Block costs from a `pipetrain.partition.profile.ModelProfile` (times and bytes per sample, linear)."""
+    """Block costs from a `pipetrain.partition.profile.ModelProfile`: times a fixed part per micro-batch plus a
+    part per sample (a profile fitted over several sizes; one size: per sample only, linear), bytes per sample
+    (activations: the fitted slope; the fixed part is left out)."""
     mbs = profile.micro_batch_size
     e = ELEMENT_BYTES.get(profile.dtype, 4)
     return [BlockCost(
         name=block.name, params=block.param_bytes // e, param_bytes=float(block.param_bytes),
-        activation_bytes=block.activation_bytes / mbs, output_bytes=block.output_bytes / mbs,
-        forward_s=block.forward_s / mbs, backward_s=block.backward_s / mbs,
+        activation_bytes=(block.activation_bytes - block.activation_fixed_bytes) / mbs,
+        output_bytes=block.output_bytes / mbs,
+        forward_s=(block.forward_s - block.forward_fixed_s) / mbs,
+        backward_s=(block.backward_s - block.backward_fixed_s) / mbs,
+        fixed_forward_s=block.forward_fixed_s, fixed_backward_s=block.backward_fixed_s,
     ) for block in profile.blocks]

@@ -92,8 +92,8 @@ def block_times(block: BlockCost, samples: int, device: Device, tp: int = 1,
     else:
         per_sample = flops / device.flops_per_s + tp_traffic(block, tp, sequence_parallel) / device.bytes_per_s
         fixed = block.kernels * device.kernel_overhead_s
-    forward = fixed + samples * (per_sample + block.forward_s)
-    backward = (2 * fixed + samples * (2 * per_sample + block.backward_s)
+    forward = fixed + block.fixed_forward_s + samples * (per_sample + block.forward_s)
+    backward = (2 * fixed + block.fixed_backward_s + samples * (2 * per_sample + block.backward_s)
                 + block.fixed_backward_traffic / device.bytes_per_s)
     return forward, backward
 

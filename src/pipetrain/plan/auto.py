@@ -1,0 +1,104 @@
+"""`--layout auto`: the fastest predicted layout of a job's ranks, batch and memory, within the flags given (pure).
+
+Every layout `pipetrain.plan.search.enumerate_layouts` lists for the world size, narrowed by the fixed choices
+(`Fixed`: the flags the user gave), that the engine accepts (`accepts`, e.g. `pipetrain.config`'s rules) is
+predicted with `pipetrain.plan.predict.predict`; the fastest whose memory per rank fits is chosen, ties broken
+by the order of the enumeration, so the same files give every rank the same choice. No fit: one ConfigError
+naming the smallest memory per rank that would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipetrain.errors import ConfigError
+from pipetrain.plan.hardware import Device, Network
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.predict import Layout, Prediction, predict
+from pipetrain.plan.schedules import SIMULATED_SCHEDULES
+from pipetrain.plan.search import SearchSpace, enumerate_layouts
+
+__all__ = ["Fixed", "AutoChoice", "choose_layout", "layout_flags"]
+
+_MB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fixed:
+    """The layout choices the user fixed (None: the search chooses)."""
+
+    pp: int | None = None
+    dp: int | None = None
+    dp_mode: str | None = None
+    schedule: str | None = None
+    chunks: int | None = None
+    checkpoint: str | None = None
+    virtual: int | None = None
+    balance: str | None = None  # "uniform" or "time"
+
+    def allows(self, layout: Layout) -> bool:
+        """Whether `layout` keeps every fixed choice."""
+        return all(want is None or getattr(layout, name) == want for name, want in vars(self).items())
+
+    def space(self, max_chunks: int) -> SearchSpace:
+        """The search space these choices leave."""
+        base = SearchSpace()
+        return SearchSpace(
+            schedules=(self.schedule,) if self.schedule else SIMULATED_SCHEDULES,
+            checkpoints=(self.checkpoint,) if self.checkpoint else base.checkpoints,
+            dp_modes=(self.dp_mode,) if self.dp_mode else base.dp_modes,
+            balances=(self.balance,) if self.balance else base.balances,
+            virtual=(self.virtual,) if self.virtual else base.virtual,
+            max_chunks=max(max_chunks, self.chunks or 1), only_pp=self.pp)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The chosen prediction, and how many layouts were predicted."""
+
+    prediction: Prediction
+    considered: int
+
+
+def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device: Device, network: Network,
+                  fixed: Fixed = Fixed(), gpus_per_node: int = 0, max_chunks: int = 64,
+                  accepts: Callable[[Layout], bool] = lambda layout: True, unit: str = "rank") -> AutoChoice:
+    """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
+    `device.memory_bytes`, among those `fixed` allows and `accepts` takes."""
+    layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, fixed.space(max_chunks), gpus_per_node)
+               if getattr(layout, "tp", 1) == 1 and fixed.allows(layout) and accepts(layout)]  # no TP yet
+    if not layouts:
+        given = ", ".join(f"{k}={v}" for k, v in vars(fixed).items() if v is not None) or "no constraint"
+        raise ConfigError(f"--layout auto: no layout of {world} {unit}s for a global batch of {batch} with "
+                          f"{len(blocks)} blocks ({given})",
+                          hint="drop or change the layout flags given with --layout auto, the number of ranks, "
+                               "or the batch size")
+    best: Prediction | None = None
+    leanest = float("inf")
+    for layout in layouts:
+        prediction = predict(blocks, layout, device, network)
+        need = max(prediction.memory_bytes)
+        leanest = min(leanest, need)
+        if need <= device.memory_bytes and (best is None or prediction.step_s < best.step_s):
+            best = prediction
+    if best is None:
+        need = math.ceil(leanest / _MB)  # whole MB, rounded up: that much fits
+        raise ConfigError(f"--layout auto: no layout of {world} {unit}s fits in {device.memory_bytes / _MB:.0f} MB "
+                          f"per {unit} (the leanest of {len(layouts)} needs {need} MB per {unit})",
+                          hint=f"give each {unit} {need} MB or more (--mem-cap {need}), more ranks, or a smaller "
+                               "batch size")
+    return AutoChoice(best, len(layouts))
+
+
+def layout_flags(prediction: Prediction) -> list[str]:
+    """The `pipetrain train` flags of the chosen layout (all of them: the same run without --layout auto)."""
+    lay = prediction.layout
+    flags = ["--pp", str(lay.pp), "--dp", str(lay.dp), "--dp-mode", lay.dp_mode, "--schedule", lay.schedule,
+             "--chunks", str(lay.chunks), "--checkpoint", lay.checkpoint]
+    if lay.virtual > 1:
+        flags += ["--stages-per-rank", str(lay.virtual)]
+    if lay.pp * lay.virtual > 1:
+        flags += ["--balance", ",".join(map(str, prediction.balance))]
+    return flags
