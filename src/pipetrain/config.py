@@ -190,10 +190,10 @@ class ParallelConfig:
             raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, but tp=1",
                               hint="pass --tp 2 or more with --sequence-parallel, or drop --sequence-parallel")
         if self.tp > 1 and self.dp > 1 and self.dp_mode == "ddp":
-            # DDP's reducer does not handle DTensor parameters (torch 2.13): FSDP2 composes with TP (torchtitan's way)
+            # FSDP2 over dp composes with TP's DTensor parameters (torchtitan's way, parity-tested here); DDP is not
             raise ConfigError(
-                f"tp={self.tp} with dp={self.dp} needs --dp-mode fsdp: DDP does not take the tensor-parallel "
-                "(DTensor) parameters in torch 2.13",
+                f"tp={self.tp} with dp={self.dp} needs --dp-mode fsdp: pipetrain composes tensor parallelism with "
+                "FSDP2 (parity-tested), not with DDP",
                 hint="pass --dp-mode fsdp",
             )
         if self.dp > 1 and self.dp_mode == "ddp" and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
@@ -213,6 +213,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.pipeline.pp * self.tp
+
+    @property
+    def mesh_text(self) -> str:
+        """"P", or "P x tp=T" with tensor parallelism (what banners print after "pp=")."""
+        return f"{self.pp}" + (f" x tp={self.tp}" + (" (sequence-parallel)" if self.sequence_parallel else "")
+                               if self.tp > 1 else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise if the job has a different number of ranks than the mesh uses."""
