@@ -34,6 +34,8 @@ CASES = {
     "pp2xtp2-interleaved-1f1b-gpt": (4, _tp(pp=2, schedule="interleaved-1f1b"), "gpt", BATCHES, "fp32", None),
     "dp2xtp2-fsdp-gpt-clip": (4, _tp(dp=2), "gpt", DP_BATCHES, "fp32", CLIP),
     "dp2xtp2-fsdp-classifier-bf16": (4, _tp(dp=2), "classifier", DP_BATCHES, "bf16", None),
+    # the one 8-rank job (slow on 2 cores): two steps, the second a short batch
+    "dp2xpp2xtp2-fsdp-1f1b-gpt-clip": (8, _tp(dp=2, pp=2, schedule="1f1b"), "gpt", [16, 12], "fp32", CLIP),
 }
 
 
