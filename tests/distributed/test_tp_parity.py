@@ -1,17 +1,33 @@
 """Tensor parallelism is transparent: tp2, pp2 × tp2, dp2 × tp2 (FSDP2) and dp2 × pp2 × tp2 runs give the losses,
-gradients and parameters of one process, and the global gradient-norm clip equals the unsplit model's.
+gradients and parameters of one process, and the global gradient-norm clip equals the unsplit model's; and
+checkpoints cross TP degrees: written at pp2 × tp2, resumed at pp4 (tp1) and at dp2 × tp2 FSDP2, and back
+(pp2 × tp2 from a dp2 × tp2 FSDP2 checkpoint); `export` of a TP checkpoint is the unsplit model.
 
-One spawned job per world size runs every case (see harness.py). Tolerance in fp32: rtol 1e-5, atol 4e-5 (the
-other parity tests': sums in another order, 3 SGD steps); bf16 autocast: rtol 2e-2, atol 2e-2 against the
-single process under the same autocast (bf16 rounds at 8 bits of mantissa, in a different order per split).
+One spawned job per world size (2, 4, 8) runs every case (see harness.py); the 4-rank job also runs the
+checkpoint cases (test_checkpoint.py's, AdamW, saved after step 2 of 4). Tolerance in fp32: rtol 1e-5,
+atol 4e-5 (the other parity tests': sums in another order, 3 SGD steps); bf16 autocast: rtol 2e-2, atol 2e-2
+against the single process under the same autocast (bf16 rounds at 8 bits of mantissa, in another order per
+split). A resume under another layout continues the uninterrupted losses within rtol 1e-5, atol 4e-5.
 """
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import torch
+
+from pipetrain.blocks import build_sequential
+from pipetrain.checkpoint import export_checkpoint
 from pipetrain.config import ParallelConfig, PipelineConfig
-from tests.distributed.harness import assert_parity, make_batches, make_token_batches, parallel_runs, reference_run
+from pipetrain.launch.env import free_port
+from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.session import close_session, join_job
+from tests.distributed import harness
+from tests.distributed.harness import (assert_parity, make_batches, make_model, make_token_batches, parallel_runs,
+                                       reference_run)
+from tests.distributed.test_checkpoint import SAVE_AT, _case
 
 RTOL, ATOL = 1e-5, 4e-5
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
@@ -43,14 +59,54 @@ def _batches(model: str, sizes: list[int]):
     return make_batches(sizes) if model == "classifier" else make_token_batches(sizes)
 
 
+def _ckpt_layout(pp: int, tp: int, dp: int = 1) -> ParallelConfig:
+    return ParallelConfig(dp=dp, tp=tp, dp_mode="fsdp", pipeline=PipelineConfig(pp=pp, schedule="1f1b", n_microbatches=4))
+
+
+# checkpoint cases (4 ranks): name -> (layout, checkpoint to resume from or None), in the order they run
+CHECKPOINT_CASES = {
+    "pp2xtp2": (_ckpt_layout(2, 2), None),
+    "dp2xtp2-fsdp": (_ckpt_layout(1, 2, dp=2), None),
+    "pp4<-pp2xtp2": (_ckpt_layout(4, 1), "pp2xtp2"),
+    "dp2xtp2-fsdp<-pp2xtp2": (_ckpt_layout(1, 2, dp=2), "pp2xtp2"),
+    "pp2xtp2<-dp2xtp2-fsdp": (_ckpt_layout(2, 2), "dp2xtp2-fsdp"),
+}
+
+
+def _world4(spec: RankSpec, cases: dict, checkpoint_cases: dict, out: str) -> None:
+    """The 4-rank job: the parity cases (harness records), then the checkpoint cases (losses on rank 0)."""
+    device = join_job(spec)
+    try:
+        records = {name: harness._train(parallel, batches, device, *rest) for name, (parallel, batches, *rest) in cases.items()}
+        torch.save(records, Path(out) / f"rank{spec.rank}.pt")
+        losses = {name: _case(name, parallel, source, Path(out), device)
+                  for name, (parallel, source) in checkpoint_cases.items()}
+        if spec.rank == 0:
+            (Path(out) / "losses-4.json").write_text(json.dumps(losses))
+    finally:
+        close_session()
+
+
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = {}
+def jobs(tmp_path_factory):
+    """(parity records: name -> per-rank records, checkpoint losses: name -> losses, the 4-rank job's folder)."""
+    out, folder4 = {}, tmp_path_factory.mktemp("tp-world4")
     for world in sorted({case[0] for case in CASES.values()}):
         runs = {name: (parallel, _batches(model, sizes), model, precision, clip)
                 for name, (w, parallel, model, sizes, precision, clip) in CASES.items() if w == world}
-        out.update(parallel_runs(world, runs, tmp_path_factory.mktemp(f"tp-world{world}")))
-    return out
+        if world != 4:
+            out.update(parallel_runs(world, runs, tmp_path_factory.mktemp(f"tp-world{world}")))
+            continue
+        spawn(_world4, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+              args=(runs, CHECKPOINT_CASES, str(folder4)), timeout_s=900)
+        per_rank = [torch.load(folder4 / f"rank{r}.pt") for r in range(4)]
+        out.update({name: [records[name] for records in per_rank] for name in runs})
+    return out, json.loads((folder4 / "losses-4.json").read_text()), folder4
+
+
+@pytest.fixture(scope="module")
+def records(jobs):
+    return jobs[0]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -63,3 +119,23 @@ def test_tp_matches_single_process(name, records):
         assert min(ref["norms"]) > clip  # the clip acted on every step
         for record in records[name]:  # every rank: the unsplit model's norm, TP-replicated weights counted once
             assert record["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", [name for name, (_, source) in CHECKPOINT_CASES.items() if source])
+def test_resume_across_tp_degrees_continues_the_losses(name, jobs):
+    _, losses, _ = jobs
+    source = name.split("<-")[1]
+    assert len(losses[name]) == len(losses[source]) - SAVE_AT
+    torch.testing.assert_close(torch.tensor(losses[name]), torch.tensor(losses[source][SAVE_AT:]), rtol=RTOL, atol=ATOL)
+
+
+def test_export_of_a_tp_checkpoint_is_the_unsplit_model(jobs, tmp_path):
+    _, _, out = jobs
+    for name in ("pp2xtp2", "dp2xtp2-fsdp"):
+        weights = export_checkpoint(out / name, make_model(), tmp_path / f"{name}.pt")
+        assert weights["1.self_attn.in_proj_weight"].shape == (96, 32)  # the fused q, k, v whole
+        model = build_sequential(make_model(), seed=99).eval()  # other initial weights: all must be overwritten
+        model.load_state_dict(torch.load(tmp_path / f"{name}.pt", weights_only=True))
+        with torch.no_grad():
+            outputs = model(make_batches([4])[0][0])
+        torch.testing.assert_close(outputs, torch.load(out / f"outputs-{name}.pt"), rtol=RTOL, atol=ATOL)
