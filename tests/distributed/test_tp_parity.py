@@ -29,6 +29,9 @@ from tests.distributed.harness import (assert_parity, make_batches, make_model, 
                                        reference_run)
 from tests.distributed.test_checkpoint import SAVE_AT, _case
 
+# a ceiling, not a measure: each job starts in its first test's setup, on 2 cores shared with other work
+pytestmark = pytest.mark.timeout(600)
+
 RTOL, ATOL = 1e-5, 4e-5
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
 CLIP = 0.5  # below the tiny models' gradient norms (about 1 to 3): every step is clipped
@@ -87,26 +90,40 @@ def _world4(spec: RankSpec, cases: dict, checkpoint_cases: dict, out: str) -> No
         close_session()
 
 
+def _runs(world: int) -> dict:
+    return {name: (parallel, _batches(model, sizes), model, precision, clip)
+            for name, (w, parallel, model, sizes, precision, clip) in CASES.items() if w == world}
+
+
+@pytest.fixture(scope="module")
+def job2(tmp_path_factory):
+    return parallel_runs(2, _runs(2), tmp_path_factory.mktemp("tp-world2"))
+
+
+@pytest.fixture(scope="module")
+def job8(tmp_path_factory):
+    return parallel_runs(8, _runs(8), tmp_path_factory.mktemp("tp-world8"))
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """(parity records: name -> per-rank records, checkpoint losses: name -> losses, the 4-rank job's folder)."""
-    out, folder4 = {}, tmp_path_factory.mktemp("tp-world4")
-    for world in sorted({case[0] for case in CASES.values()}):
-        runs = {name: (parallel, _batches(model, sizes), model, precision, clip)
-                for name, (w, parallel, model, sizes, precision, clip) in CASES.items() if w == world}
-        if world != 4:
-            out.update(parallel_runs(world, runs, tmp_path_factory.mktemp(f"tp-world{world}")))
-            continue
-        spawn(_world4, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
-              args=(runs, CHECKPOINT_CASES, str(folder4)), timeout_s=900)
-        per_rank = [torch.load(folder4 / f"rank{r}.pt") for r in range(4)]
-        out.update({name: [records[name] for records in per_rank] for name in runs})
-    return out, json.loads((folder4 / "losses-4.json").read_text()), folder4
+    """The 4-rank job: (parity records: name -> per-rank records, checkpoint losses: name -> losses, its folder)."""
+    folder = tmp_path_factory.mktemp("tp-world4")
+    runs = _runs(4)
+    spawn(_world4, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+          args=(runs, CHECKPOINT_CASES, str(folder)), timeout_s=900)
+    per_rank = [torch.load(folder / f"rank{r}.pt") for r in range(4)]
+    return ({name: [records[name] for records in per_rank] for name in runs},
+            json.loads((folder / "losses-4.json").read_text()), folder)
 
 
-@pytest.fixture(scope="module")
-def records(jobs):
-    return jobs[0]
+@pytest.fixture
+def records(request):
+    """name -> per-rank records of the job of the test's case (each job started once, by its first test)."""
+    world = CASES[request.node.callspec.params["name"]][0]
+    if world == 4:
+        return request.getfixturevalue("jobs")[0]
+    return request.getfixturevalue(f"job{world}")
 
 
 @pytest.mark.parametrize("name", list(CASES))
