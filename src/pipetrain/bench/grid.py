@@ -201,7 +201,7 @@ def cell_problem(cell: Cell, *, max_ranks: int | None = None) -> str | None:
     if cell.pp == 1 and cell.chunks != 1:
         return "pp=1 is the single-rank baseline, measured with chunks=1 (micro-batches on one rank only accumulate)"
     if max_ranks is not None and cell.world_size > max_ranks:
-        return f"dp*pp*tp = {cell.world_size} ranks but only {max_ranks} available"
+        return f"{'dp*pp*tp' if cell.tp > 1 else 'dp*pp'} = {cell.world_size} ranks but only {max_ranks} available"
     try:
         pipeline = PipelineConfig(
             pp=cell.pp, schedule=cell.schedule, n_microbatches=cell.chunks, checkpoint=cell.checkpoint
