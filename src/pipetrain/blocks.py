@@ -40,6 +40,11 @@ class BlockModel(Protocol):
     Optional hook: `tied_parameters()` returns groups of `(block index, name in block)` that are one tensor
     of the unsplit model (an input embedding tied to the output head); each block holds a copy, and the
     engine keeps the copies equal (see `pipetrain.pipeline.tied`); a checkpoint stores the first one.
+
+    Optional hook: `tp_plan(index, tp, *, sequence_parallel=False)` returns block `index`'s tensor-parallel plan,
+    `{submodule name: ParallelStyle}` for `parallelize_module` (None: the block is kept whole on every TP rank),
+    and raises `ConfigError` when `tp` does not divide what it splits; `--tp` needs it (see
+    `pipetrain.parallel.tensor` and docs/tensor-parallel.md).
     """
 
     @property

@@ -187,15 +187,35 @@ class PipelineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """The device mesh: `dp` replicas (or shards) of a `pp`-rank pipeline; world size = dp * pp."""
+    """The device mesh: `dp` replicas (or shards) of a `pp`-rank pipeline whose every stage is split over `tp`
+    ranks (tensor parallelism, innermost: the ranks of a TP group are neighbours); world size = dp * pp * tp.
+
+    `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence.
+    """
 
     dp: int = 1
     dp_mode: str = "ddp"
     pipeline: PipelineConfig = PipelineConfig()
+    tp: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
+        _positive("tp", self.tp)
         _choice("dp mode", self.dp_mode, DP_MODES)
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, but tp=1",
+                              hint="pass --tp 2 or more with --sequence-parallel, or drop --sequence-parallel")
+        if self.tp > 1 and self.dp > 1 and self.dp_mode == "ddp":
+            # FSDP2 over dp composes with TP's DTensor parameters (torchtitan's way, parity-tested here); DDP is not
+            raise ConfigError(
+                f"tp={self.tp} with dp={self.dp} needs --dp-mode fsdp: pipetrain composes tensor parallelism with "
+                "FSDP2 (parity-tested), not with DDP",
+                hint="pass --dp-mode fsdp",
+            )
+        if self.tp > 1 and self.pipeline.compile:
+            raise ConfigError(f"--compile with tp={self.tp}: compiled blocks are not tested on tensor-parallel "
+                              "(DTensor) weights in pipetrain", hint="drop --compile, or use --tp 1")
         if self.dp > 1 and self.dp_mode == "ddp" and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             # measured on torch 2.13 (parity against one process): zero-bubble's and zbv's backward split into
             # input and weight parts gives DDP wrong gradients; dualpipev's overlapped forward/backward trips
@@ -212,14 +232,34 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pipeline.pp
+        return self.dp * self.pipeline.pp * self.tp
+
+    @property
+    def mesh_text(self) -> str:
+        """"P", or "P x tp=T" with tensor parallelism (what banners print after "pp=")."""
+        return f"{self.pp}" + (f" x tp={self.tp}" + (" (sequence-parallel)" if self.sequence_parallel else "")
+                               if self.tp > 1 else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise if the job has a different number of ranks than the mesh uses."""
         if world_size != self.world_size:
+            if self.tp == 1:
+                raise ConfigError(
+                    f"dp={self.dp} x pp={self.pp} = {self.world_size} ranks, but the job has {world_size}",
+                    hint=f"launch {self.world_size} ranks, or choose dp and pp with dp * pp = {world_size}",
+                )
             raise ConfigError(
-                f"dp={self.dp} x pp={self.pp} = {self.world_size} ranks, but the job has {world_size}",
-                hint=f"launch {self.world_size} ranks, or choose dp and pp with dp * pp = {world_size}",
+                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks, but the job has {world_size}",
+                hint=f"launch {self.world_size} ranks, or choose dp, pp and tp with dp * pp * tp = {world_size}",
+            )
+
+    def check_nodes(self, ranks_per_node: int) -> None:
+        """Raise if a tensor-parallel group would span two nodes (tp innermost: it needs tp | ranks per node)."""
+        if self.tp > 1 and ranks_per_node % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} does not divide the {ranks_per_node} ranks per node: a tensor-parallel group would "
+                "span two nodes, and its all-reduces of every layer's activations would cross the network",
+                hint=f"pass --tp among the divisors of {ranks_per_node}, or more ranks per node",
             )
 
     def check_global_batch(self, batch_size: int) -> None:

@@ -1,4 +1,4 @@
-"""One rank's distributed session: joins the process group, builds the dp × pp mesh and the pipeline engine."""
+"""One rank's distributed session: joins the process group, builds the dp × pp × tp mesh and the pipeline engine."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.parallel.mesh import leave_after_error
+from pipetrain.parallel.tensor import tensor_parallel_blocks
 from pipetrain.pipeline import Loss, PipelineEngine
 from pipetrain.pipeline.precision import AutocastStage, check_precision, compute_dtype, set_fp32_matmuls
 from pipetrain.recipe.clip import clip_grad_norm_, grad_norm
@@ -75,7 +76,8 @@ def build_session(
     loss_fn: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     precision: str = "fp32",
 ) -> Session:
-    """Build the dp × pp mesh over the joined world and this rank's stages of `model`.
+    """Build the dp × pp × tp mesh over the joined world and this rank's stages of `model` (split by its TP plan
+    when `parallel.tp` > 1, before DDP/FSDP2 wraps them).
 
     `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`); on CUDA,
     fp32 matmuls are TF32 except under "fp32-strict" (see `set_fp32_matmuls`).
@@ -83,8 +85,10 @@ def build_session(
     check_precision(precision)
     set_fp32_matmuls(device, precision)
     parallel.check_world(dist.get_world_size())
-    mesh = build_mesh(parallel.dp, parallel.pp, device)
+    mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
+    split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel)
+             if mesh.tp_mesh is not None else None)
     engine = PipelineEngine(
         model,
         parallel.pipeline,
@@ -95,6 +99,8 @@ def build_session(
         dp=parallel.dp,
         dp_group=mesh.dp_group,
         wrap=wrap,
+        split_block=split,
+        counts_metrics=mesh.tp_rank == 0,
     )
     return Session(device=device, mesh=mesh, engine=engine)
 

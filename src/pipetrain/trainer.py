@@ -24,6 +24,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec
 from pipetrain.logs.config import LogConfig
+from pipetrain.parallel.tensor import check_tensor_parallel
 from pipetrain.logs.records import EvalRecord
 from pipetrain.logs.runlog import RunLog, open_run_log
 from pipetrain.pipeline import PipelineEngine, StepResult
@@ -108,6 +109,7 @@ class TrainConfig:
                               hint=f"pass --max-steps {self.trace_warmup + self.trace_steps} or more, or lower --trace-warmup")
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
+        check_tensor_parallel(self.model(), self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel)
 
     def _check_data(self, workload: Workload) -> None:
         if not self.synthetic:
@@ -279,9 +281,9 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
             data = (f"{train.source} (evaluation: {len(test):,} {workload.eval_split(test)} samples{window}"
                     f"{', bucketed' if config.bucket else ''})")
             log.info(
-                "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%d | schedule %s, chunks %d, recompute %s | "
+                "pipetrain: %s | workload %s, preset %s | dp=%d (%s) x pp=%s | schedule %s, chunks %d, recompute %s | "
                 "balance %s | %s | device %s",
-                data, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.pp,
+                data, workload.name, config.preset, dp, config.parallel.dp_mode, config.parallel.mesh_text,
                 config.parallel.pipeline.schedule, config.parallel.pipeline.n_microbatches,
                 config.parallel.pipeline.checkpoint, engine.balance, config.precision, session.device,
             )

@@ -168,8 +168,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference_run(batches, model_name: str = "classifier", precision: str = "fp32") -> dict:
-    """Single process, whole batch, plain mean loss, SGD: the ground truth (under autocast for bf16)."""
+def reference_run(batches, model_name: str = "classifier", precision: str = "fp32", clip: float | None = None) -> dict:
+    """Single process, whole batch, plain mean loss, SGD: the ground truth (under autocast for bf16); with
+    `clip`, gradients clipped by `torch.nn.utils.clip_grad_norm_` (the norms recorded)."""
     factory, _, loss_fn, eval_batches = MODELS[model_name]
     model = build_sequential(factory(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -178,34 +179,38 @@ def reference_run(batches, model_name: str = "classifier", precision: str = "fp3
         with autocast("cpu", precision):
             return model(*_inputs(x)).float()
 
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for x, y in batches:
         opt.zero_grad()
         loss = loss_fn(forward(x), y)
         loss.backward()
         losses.append(loss.item())
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     model.eval()
     with torch.no_grad():
         evals = [(loss_fn(forward(x), y).item(), forward(x)) for x, y in eval_batches()]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "norms": norms}
 
 
 def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: str = "classifier",
-           precision: str = "fp32") -> dict:
+           precision: str = "fp32", clip: float | None = None) -> dict:
     factory, loss, _, eval_batches = MODELS[model_name]
     session = build_session(factory(), parallel, device, seed=SEED, loss_fn=loss, precision=precision)
     engine, mesh = session.engine, session.mesh
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for x, y in batches:
         share = y.shape[0] // parallel.dp
         part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         opt.zero_grad()
         share_x = tuple(t[part] for t in x) if isinstance(x, tuple) else x[part]
         losses.append(engine.step(share_x, y[part]).loss)
+        if clip is not None:
+            norms.append(session.clip_grad_norm_(clip))
         grads.append({name: _full(p.grad).cpu().clone() for name, p in engine.named_parameters()})
         opt.step()
     params = {name: _full(p.detach()).cpu().clone() for name, p in engine.named_parameters()}
@@ -216,7 +221,7 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     gc.collect()
     live_stages = sum(type(o).__name__ == "PipelineStage" for o in gc.get_objects())
     cache = (len(engine.schedules), engine.schedules.evictions, live_stages)
-    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache, "norms": norms}
 
 
 def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:
@@ -229,7 +234,7 @@ def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:
 
 
 def parallel_runs(world_size: int, cases: dict[str, tuple], out: Path) -> dict[str, list[dict]]:
-    """Run every case (name -> (mesh config, batches[, model name of MODELS[, precision]])) on one spawned job;
+    """Run every case (name -> (mesh config, batches[, model name of MODELS[, precision[, clip]]])) on one spawned job;
     returns name -> per-rank records."""
     spawn(_worker, ranks=range(world_size), world_size=world_size, master_addr="127.0.0.1",
           master_port=free_port(), args=(cases, str(out)), timeout_s=600)

@@ -21,7 +21,7 @@ def test_parse_axis_reads_ints_and_names() -> None:
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ("batchsize=32", "valid axes: preset, mem, pp, dp, schedule, checkpoint, batch, chunks"),
+        ("batchsize=32", "valid axes: preset, mem, pp, dp, tp, schedule, checkpoint, batch, chunks"),
         ("chunks=0", "positive integer"),
         ("chunks=two", "positive integer"),
         ("schedule=pipedream", "gpipe, 1f1b"),

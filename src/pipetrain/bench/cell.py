@@ -43,7 +43,7 @@ def cell_workload(cell: Cell) -> tuple[Workload, str]:
 def parallel_config(cell: Cell) -> ParallelConfig:
     """The mesh a cell runs on."""
     pipeline = PipelineConfig(pp=cell.pp, schedule=cell.schedule, n_microbatches=cell.chunks, checkpoint=cell.checkpoint)
-    return ParallelConfig(dp=cell.dp, pipeline=pipeline)
+    return ParallelConfig(dp=cell.dp, pipeline=pipeline, tp=getattr(cell, "tp", 1), dp_mode=cell.dp_mode)
 
 
 def measure_rank(spec: RankSpec, cell: Cell, warmup: int, steps: int, out_dir: str, trace_dir: str | None = None) -> None:
@@ -81,7 +81,7 @@ def _measure(
     train, _ = workload.load_data(DataRequest(preset=preset, path=None, synthetic=True,  # never real data
                                               train_samples=cell.batch_size, test_samples=1, seed=0))
     x, y = next(iter(workload.batches(train, cell.batch_size, shuffle=False, seed=0, epoch=0,
-                                      replica=spec.rank // cell.pp, replicas=cell.dp)))
+                                      replica=session.mesh.dp_rank, replicas=cell.dp)))
     reset_peak_memory(device)
     times, clock = [], clock_for(device)
 
@@ -96,9 +96,9 @@ def _measure(
             times.append(seconds)
     peaks: list = [None] * dist.get_world_size()  # (allocated, reserved or None on the CPU) per rank
     dist.all_gather_object(peaks, (peak_memory_mb(device), peak_reserved_mb(device)))
-    per_stage = [max(peaks[r][0] for r in range(pp_rank, len(peaks), cell.pp)) for pp_rank in range(cell.pp)]
-    reserved = None if peaks[0][1] is None else [max(peaks[r][1] for r in range(pp_rank, len(peaks), cell.pp))
-                                                 for pp_rank in range(cell.pp)]
+    stage_ranks = [[r for r in range(len(peaks)) if (r // cell.tp) % cell.pp == pp_rank] for pp_rank in range(cell.pp)]
+    per_stage = [max(peaks[r][0] for r in ranks) for ranks in stage_ranks]  # rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+    reserved = None if peaks[0][1] is None else [max(peaks[r][1] for r in ranks) for ranks in stage_ranks]
     tracer = Tracer(engine, trace_dir, steps=TRACED_STEPS, warmup=0)
     for _ in range(TRACED_STEPS):
         with tracer.step():

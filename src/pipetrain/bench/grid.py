@@ -35,19 +35,21 @@ AXES: dict[str, str] = {
     "mem": "mem_limit_mb",
     "pp": "pp",
     "dp": "dp",
+    "tp": "tp",
     "schedule": "schedule",
     "checkpoint": "checkpoint",
     "batch": "batch_size",
     "chunks": "chunks",
 }
 _ALIASES = {"batch_size": "batch", "mem_limit_mb": "mem", "n_microbatches": "chunks"}
-_INT_AXES = ("pp", "dp", "batch", "chunks")
+_INT_AXES = ("pp", "dp", "tp", "batch", "chunks")
 _PRESET_RE = re.compile(r"^[A-Za-z0-9./~][A-Za-z0-9_./~:-]*$")  # PRESET, WORKLOAD:PRESET or path/file.py:NAME:PRESET
 
 
 @dataclass(frozen=True, kw_only=True)
 class Cell:
-    """One benchmark configuration. `batch_size` is the global batch (split over `dp` replicas)."""
+    """One benchmark configuration. `batch_size` is the global batch (split over `dp` replicas); `tp` ranks split
+    each stage's layers (tensor parallelism; with dp > 1 the replicas are FSDP2 shards)."""
 
     pp: int = 1
     dp: int = 1
@@ -57,20 +59,28 @@ class Cell:
     checkpoint: str = "never"
     preset: str = "cpu"
     mem_limit_mb: int | None = None
+    tp: int = 1
 
     @property
     def key(self) -> str:
-        """A stable identifier of this cell (used to resume an interrupted bench)."""
+        """A stable identifier of this cell (used to resume an interrupted bench; tp only when > 1, so the keys
+        of earlier results stay valid)."""
         mem = "none" if self.mem_limit_mb is None else str(self.mem_limit_mb)
+        tp = f",tp={self.tp}" if self.tp > 1 else ""
         return (
-            f"preset={self.preset},mem={mem},pp={self.pp},dp={self.dp},schedule={self.schedule},"
+            f"preset={self.preset},mem={mem},pp={self.pp},dp={self.dp}{tp},schedule={self.schedule},"
             f"checkpoint={self.checkpoint},batch={self.batch_size},chunks={self.chunks}"
         )
 
     @property
     def world_size(self) -> int:
-        """Ranks this cell needs: dp * pp."""
-        return self.dp * self.pp
+        """Ranks this cell needs: dp * pp * tp."""
+        return self.dp * self.pp * self.tp
+
+    @property
+    def dp_mode(self) -> str:
+        """DDP replicas, FSDP2 shards when tensor parallelism composes with dp (the pairing pipetrain supports)."""
+        return "fsdp" if self.tp > 1 and self.dp > 1 else "ddp"
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain JSON-friendly dict."""
@@ -168,7 +178,7 @@ class GridSpec:
 
 
 def expand_grid(axes: Mapping[str, Sequence[Any]]) -> list[Cell]:
-    """Every combination of the axes, ordered preset, mem, pp, dp, schedule, checkpoint, batch, chunks."""
+    """Every combination of the axes, ordered preset, mem, pp, dp, tp, schedule, checkpoint, batch, chunks."""
     spec = GridSpec(dict(axes)).axes
     if "batch" not in spec:
         raise ConfigError("the bench grid has no batch axis, so it is empty", hint="pass e.g. batch=32,64")
@@ -191,12 +201,12 @@ def cell_problem(cell: Cell, *, max_ranks: int | None = None) -> str | None:
     if cell.pp == 1 and cell.chunks != 1:
         return "pp=1 is the single-rank baseline, measured with chunks=1 (micro-batches on one rank only accumulate)"
     if max_ranks is not None and cell.world_size > max_ranks:
-        return f"dp*pp = {cell.world_size} ranks but only {max_ranks} available"
+        return f"{'dp*pp*tp' if cell.tp > 1 else 'dp*pp'} = {cell.world_size} ranks but only {max_ranks} available"
     try:
         pipeline = PipelineConfig(
             pp=cell.pp, schedule=cell.schedule, n_microbatches=cell.chunks, checkpoint=cell.checkpoint
         )
-        ParallelConfig(dp=cell.dp, pipeline=pipeline).check_global_batch(cell.batch_size)
+        ParallelConfig(dp=cell.dp, pipeline=pipeline, tp=cell.tp, dp_mode=cell.dp_mode).check_global_batch(cell.batch_size)
     except ConfigError as exc:
         return exc.message
     return None

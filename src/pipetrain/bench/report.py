@@ -36,18 +36,18 @@ CSV_COLUMNS = (
 )
 _SHORT = {"oom": "OOM", "invalid": "—", "error": "err", "timeout": "timeout"}
 _WORD = {"ok": "ok", "oom": "OOM", "invalid": "invalid", "error": "error", "timeout": "timeout"}
-_GROUP_FIELDS = ("preset", "mem_limit_mb", "pp", "dp", "schedule", "checkpoint")
+_GROUP_FIELDS = ("preset", "mem_limit_mb", "pp", "dp", "tp", "schedule", "checkpoint")
 Group = tuple[Any, ...]
 
 
 def _group_of(r: CellResult) -> Group:
     c = r.cell
-    return (c.preset, c.mem_limit_mb, c.pp, c.dp, c.schedule, c.checkpoint)
+    return (c.preset, c.mem_limit_mb, c.pp, c.dp, c.tp, c.schedule, c.checkpoint)
 
 
 def _group_sort(g: Group) -> tuple[Any, ...]:
-    preset, mem, pp, dp, schedule, checkpoint = g
-    return (preset, mem is not None, mem or 0, pp, dp, list(SCHEDULES).index(schedule),
+    preset, mem, pp, dp, tp, schedule, checkpoint = g
+    return (preset, mem is not None, mem or 0, pp, dp, tp, list(SCHEDULES).index(schedule),
             CHECKPOINT_POLICIES.index(checkpoint))
 
 
@@ -69,7 +69,7 @@ def _label(group: Group, groups: Iterable[Group], *, short: bool = False) -> str
         shown = (
             name == "pp"
             or len({g[i] for g in groups}) > 1
-            or (name == "dp" and group[i] != 1)
+            or (name in ("dp", "tp") and group[i] != 1)
             or (name in ("schedule", "checkpoint") and not short)
         )
         if shown:

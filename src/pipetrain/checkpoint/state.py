@@ -31,6 +31,7 @@ from pipetrain.checkpoint.folders import (
 )
 from pipetrain.checkpoint.keys import StageNames, fingerprint
 from pipetrain.checkpoint.rng import restore_rng, rng_state, rng_targets
+from pipetrain.checkpoint.strided import full_targets, gather_strided
 from pipetrain.errors import CheckpointError, ConfigError, PipetrainError, RankFailedError
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.tied import tied_aliases
@@ -128,6 +129,7 @@ def begin_save(directory: Path, step: int) -> tuple[Path, Path]:
 def saved_state(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What this rank writes: its model (and optimizer) state under layout-free keys, and its RNG state."""
     _, _, state = _states(engine, optimizer)
+    state = gather_strided(state)  # tensor-parallel fused q, k, v: saved whole (see checkpoint.strided)
     state.update(rng_state(_rank()))
     return state
 
@@ -215,6 +217,7 @@ def load_checkpoint(
     meta = read_meta(folder)
     check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(engine.model))
     container, names, state = _states(engine, optimizer)
+    state, split = full_targets(state)
     same_layout = meta.layout == engine_layout(engine)
     if same_layout:
         state.update(rng_targets(_rank(), saved_keys(folder)))
@@ -223,6 +226,7 @@ def load_checkpoint(
     except (Exception, dcp.CheckpointException) as err:
         raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {_cause(err)}",
                               hint=damaged_hint(folder)) from None
+    state = split(state)
     model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     set_model_state_dict(container, names.local_model_state(model_state))
     if optimizer is not None:

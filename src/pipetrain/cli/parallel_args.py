@@ -34,6 +34,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp", type=int, default=2, help="pipeline ranks (stages) (default: 2)")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     group.add_argument("--dp-mode", default="ddp", help=f"{' | '.join(DP_MODES)} (default: ddp)")
+    group.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel ranks splitting each layer (innermost: within one node; with --dp > 1 "
+                            "use --dp-mode fsdp) (default: 1)")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="with --tp: also split the norm and dropout regions along the sequence")
     group.add_argument("--schedule", default="1f1b", help=f"{' | '.join(SCHEDULES)} (default: 1f1b)")
     group.add_argument("--chunks", "--n-microbatches", dest="chunks", type=int, default=4,
                        help="micro-batches per batch; 1 is naive model parallelism (default: 4)")
@@ -70,7 +75,8 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         shape_cache=args.shape_cache,
         compile=getattr(args, "compile", False),
     )
-    return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline)
+    return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
+                          sequence_parallel=getattr(args, "sequence_parallel", False))
 
 
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:

@@ -67,6 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     mesh = parser.add_argument_group("training layout (appended to the training command)")
     mesh.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     mesh.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
+    mesh.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks, within one node (default 1; with --dp > 1 pass --dp-mode fsdp after --)")
     mesh.add_argument("--schedule", choices=tuple(SCHEDULES), default=None, help="pipeline schedule")
     mesh.add_argument("--chunks", type=int, default=None, help="micro-batches per batch")
     mesh.add_argument("--layout", choices=("manual", "auto"), default="manual",
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         time=args.time,
         dp=args.dp,
         pp=args.pp,
+        tp=args.tp,
         schedule=args.schedule,
         chunks=args.chunks,
         partition=args.partition,

@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         device, config = device_choice(args, env), cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
         config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
+        config.parallel.check_nodes(ranks[0].local_world_size if ranks else env.local_world_size)  # TP in a node
         if env.rank == 0:  # the process that writes the metrics file and the trace, and commits checkpoints
             _check_before_start(config, args.metrics)
         data = load_data(config)

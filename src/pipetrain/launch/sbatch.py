@@ -44,6 +44,7 @@ class SbatchRequest:
     time: str = "01:00:00"
     dp: int = 1
     pp: int = 1
+    tp: int = 1
     schedule: str | None = None
     chunks: int | None = None
     partition: str | None = None
@@ -59,7 +60,7 @@ class SbatchRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
         _check_device(self)
-        for name in ("nodes", "tasks_per_node", "dp", "pp", "cpus_per_gpu", "warn_seconds"):
+        for name in ("nodes", "tasks_per_node", "dp", "pp", "tp", "cpus_per_gpu", "warn_seconds"):
             _count(name, getattr(self, name), minimum=1)
         if self.cpus_per_task is not None:
             _count("cpus_per_task", self.cpus_per_task, minimum=1)
@@ -92,7 +93,9 @@ class SbatchRequest:
         pipeline = PipelineConfig(
             pp=self.pp, schedule=self.schedule or "gpipe", n_microbatches=self.chunks or self.pp
         )
-        ParallelConfig(dp=self.dp, pipeline=pipeline).check_world(self.world_size)
+        parallel = ParallelConfig(dp=self.dp, pipeline=pipeline, tp=self.tp, dp_mode="fsdp" if self.tp > 1 else "ddp")
+        parallel.check_world(self.world_size)
+        parallel.check_nodes(self.local_world_size)  # a tensor-parallel group within one node
 
     def _check_layout(self) -> None:
         if self.one_task_per_node:
@@ -164,6 +167,8 @@ class SbatchRequest:
 
     def _layout_flags(self) -> list[str]:
         flags = ["--dp", str(self.dp), "--pp", str(self.pp)]
+        if self.tp > 1:
+            flags += ["--tp", str(self.tp)]
         if self.schedule is not None:
             flags += ["--schedule", self.schedule]
         if self.chunks is not None:
@@ -205,7 +210,7 @@ def render_sbatch(req: SbatchRequest) -> str:
     )
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
     lines += [
-        f"# Rendered by `pipetrain sbatch`: dp={req.dp} x pp={req.pp} = {req.world_size} ranks on "
+        f"# Rendered by `pipetrain sbatch`: dp={req.dp} x pp={req.pp}{f' x tp={req.tp}' if req.tp > 1 else ''} = {req.world_size} ranks on "
         f"{req.nodes} node(s), {layout}, {device}.",
         req.cpus_comment(),
         f"# {req.warn_seconds} s before the time limit Slurm sends SIGUSR1: with --save-dir, every rank stops at the same",

@@ -1,4 +1,4 @@
-"""The process group and the dp × pp device mesh: which device, backend and groups each rank uses."""
+"""The process group and the dp × pp × tp device mesh: which device, backend and groups each rank uses."""
 
 from __future__ import annotations
 
@@ -81,11 +81,15 @@ def leave_after_error() -> str:
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the dp × pp mesh (rank = dp_rank * pp + pp_rank: a pipeline is contiguous ranks)."""
+    """This rank's place in the dp × pp × tp mesh: rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a
+    tensor-parallel group is `tp` neighbouring ranks (one node) and a pipeline's ranks are `tp` apart.
+
+    With tp == 1 the device mesh is 2-D (dp, pp), else 3-D (dp, pp, tp)."""
 
     device_mesh: DeviceMesh
     dp_rank: int
     pp_rank: int
+    tp_rank: int = 0
 
     @property
     def dp(self) -> int:
@@ -107,9 +111,21 @@ class Mesh:
     def dp_mesh(self) -> DeviceMesh:
         return self.device_mesh["dp"]
 
+    @property
+    def tp(self) -> int:
+        return self.device_mesh.size(2) if self.device_mesh.ndim == 3 else 1
 
-def build_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
-    """The dp × pp mesh over the initialised world (whose size must be dp * pp)."""
-    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's tensor-parallel group (None when tp == 1)."""
+        return self.device_mesh["tp"] if self.device_mesh.ndim == 3 else None
+
+
+def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1) -> Mesh:
+    """The dp × pp × tp mesh over the initialised world (whose size must be dp * pp * tp), tp innermost."""
     rank = dist.get_rank()
-    return Mesh(device_mesh=mesh, dp_rank=rank // pp, pp_rank=rank % pp)
+    if tp == 1:
+        mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        return Mesh(device_mesh=mesh, dp_rank=rank // pp, pp_rank=rank % pp)
+    mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    return Mesh(device_mesh=mesh, dp_rank=rank // (pp * tp), pp_rank=(rank // tp) % pp, tp_rank=rank % tp)

@@ -7,9 +7,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
+from pipetrain.parallel.tensor_styles import is_strided
 from pipetrain.pipeline.precision import AutocastStage, compute_dtype
 from pipetrain.pipeline.recompute import RecomputeWrapper
 
@@ -21,6 +23,12 @@ def _blocks(module: nn.Module) -> nn.Module:
     while isinstance(module, (AutocastStage, RecomputeWrapper)):
         module = module.module
     return module
+
+
+def _shard_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2's dimension for `param`: its columns for a weight tensor parallelism split by strided rows (fused
+    q, k, v: FSDP2's rows of those rows would break the DTensor's global view), else the default (rows)."""
+    return Shard(1) if is_strided(param) else None
 
 
 def data_parallel_wrapper(
@@ -58,8 +66,10 @@ def data_parallel_wrapper(
 
     def fsdp(module: nn.Module) -> nn.Module:
         for block in _blocks(module).children():
-            fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
-        return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+            fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy,
+                        shard_placement_fn=_shard_placement)
+        return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy,
+                           shard_placement_fn=_shard_placement)
 
     return fsdp
 

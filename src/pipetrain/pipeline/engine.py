@@ -61,7 +61,9 @@ class PipelineEngine:
     to each local stage module; `dp` is the number of replicas whose gradients it averages and `dp_group`
     their group, over which the count of a step (samples or non-padding tokens) is summed, so that the
     gradients are those of the mean over the global batch. One schedule is kept per micro-batch shape, at
-    most `config.shape_cache` of them (least recently used dropped).
+    most `config.shape_cache` of them (least recently used dropped). `split_block(index, block)` (tensor
+    parallelism, see `pipetrain.parallel.tensor`) is applied to each block as it is built, before `wrap`; a rank
+    with `counts_metrics=False` (a tensor-parallel peer of one that counts) adds nothing to the step's metrics.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class PipelineEngine:
         wrap: Callable[[nn.Module], nn.Module] | None = None,
         metrics_group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        split_block: Callable[[int, nn.Module], nn.Module] | None = None,
+        counts_metrics: bool = True,
     ) -> None:
         self.config = config
         self.model = model
@@ -86,6 +90,7 @@ class PipelineEngine:
         self.pp_group = pp_group
         self.dp_group = dp_group
         self.metrics_group = metrics_group
+        self.counts_metrics = counts_metrics
         #: whether `StepResult.outputs` holds the last stage's outputs (set False when nobody reads them)
         self.keep_outputs = True
         group_size = dist.get_world_size(pp_group)
@@ -103,6 +108,8 @@ class PipelineEngine:
         for stage_id in self.stage_ids:
             start, stop = self._bounds[stage_id]
             blocks = build_blocks(model, range(start, stop), seed=seed, device=device)
+            if split_block is not None:
+                blocks = [split_block(start + i, block) for i, block in enumerate(blocks)]
             if config.compile:
                 compile_blocks(blocks, dynamic=config.compile_dynamic)
             wrapper = RecomputeWrapper(BlockSequential(*blocks), config.checkpoint)
@@ -248,7 +255,7 @@ class PipelineEngine:
         """The step's loss, counts and accuracy on every rank, from device-side sums: one host sync per step
         (`tolist`; the built-in losses count on the device)."""
         totals = torch.zeros(5, dtype=torch.float64, device=self.device)
-        if outputs is not None and targets is not None:
+        if outputs is not None and targets is not None and self.counts_metrics:
             outputs_ = outputs.detach()
             totals[0] = self.loss.total(outputs_, targets).double()
             totals[1] = self.loss.count(targets)

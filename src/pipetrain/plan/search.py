@@ -110,6 +110,8 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                         for mode in space.dp_modes if dp > 1 else ("ddp",):
                             if dp > 1 and mode == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
                                 continue  # refused by ParallelConfig: DDP gets such a backward wrong
+                            if dp > 1 and mode == "ddp" and tp > 1:
+                                continue  # refused by ParallelConfig: tensor parallelism composes with FSDP2
                             for balance in space.balances if pp * v > 1 else ("uniform",):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
                                                       virtual=v, checkpoint=checkpoint, dp_mode=mode, balance=balance,

@@ -81,10 +81,13 @@ def clip_grads_with_norm_(engine: PipelineEngine, max_norm: float, total_norm: f
     `total_norm` is not finite: such a step is skipped or stops the job)."""
     if not math.isfinite(total_norm):
         return
-    params = _with_grads(engine)
-    if params:
-        norm = torch.tensor(total_norm, dtype=params[0].grad.dtype, device=engine.device)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    coef = min(1.0, max_norm / (total_norm + 1e-6))  # torch's clamped coefficient
+    if coef < 1.0:
+        # each gradient's local part (a DTensor's shard or replica: scaling is linear) times the coefficient;
+        # plain and DTensor gradients are mixed under tensor parallelism, which one foreach call would refuse
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in _with_grads(engine)]
+        if grads:
+            torch._foreach_mul_(grads, coef)
 
 
 def clip_grad_norm_(engine: PipelineEngine, max_norm: float, norm_type: float = 2.0) -> float:

@@ -93,6 +93,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.nhead = config.nhead
+        self.head_dim = config.emsize // config.nhead
         self.dropout = config.dropout
         self.causal_flag = config.causal_flag
         self.norm1 = nn.LayerNorm(config.emsize)
@@ -107,8 +108,9 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, length, width = hidden.shape
-        q, k, v = self.qkv(self.norm1(hidden)).view(batch, length, 3, self.nhead, width // self.nhead).unbind(2)
+        batch, length, _ = hidden.shape
+        # heads from the projection's width: all of them, or this rank's under tensor parallelism (gpt_tp)
+        q, k, v = self.qkv(self.norm1(hidden)).view(batch, length, 3, -1, self.head_dim).unbind(2)
         allowed = None
         if not self.causal_flag:  # a query sees earlier non-padding keys, and always itself (so no row is empty)
             causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
@@ -117,7 +119,7 @@ class DecoderLayer(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed, is_causal=allowed is None,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        hidden = hidden + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        hidden = hidden + self.proj(attended.transpose(1, 2).reshape(batch, length, -1))
         return hidden + self.mlp(self.norm2(hidden)), mask
 
 
@@ -146,3 +148,9 @@ class GPTModel(LayeredModel):
 
     def head(self) -> nn.Module:
         return GPTHead(self.config)
+
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False):
+        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.gpt_tp`)."""
+        from pipetrain.workloads.gpt_tp import gpt_tp_plan
+
+        return gpt_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel)

@@ -1,0 +1,109 @@
+"""Tensor-parallel styles the built-in models need beyond torch's: a fused (q, k, v) projection and
+`nn.MultiheadAttention` split by heads. Both send plain local tensors out (`use_local_output`).
+
+A fused projection `[q; k; v]` (one `nn.Linear(E, 3E)`) cannot be split with `ColwiseParallel`: its contiguous
+`Shard(0)` would give rank 0 all of q and half of k. `FusedColwiseParallel(3)` distributes it with the strided
+placement `_StridedShard(0, split_factor=3)`: rank r holds rows r of q, of k and of v (its heads), while the
+parameter is still one DTensor of the unsplit shape (`full_tensor()` gives the unsplit weight back).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "PRIVATE_DTENSOR", "strided_shard", "is_strided"]
+
+#: Private torch names used here (tests/unit/test_tensor_parallel.py fails loudly when one moves).
+PRIVATE_DTENSOR = ("_StridedShard",)
+
+
+def strided_shard(parts: int) -> _StridedShard:
+    """The placement of a tensor made of `parts` stacked blocks along dim 0, each block split over the mesh."""
+    return _StridedShard(0, split_factor=parts)
+
+
+def is_strided(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor split by `strided_shard` (FSDP2 must then shard another dimension)."""
+    return isinstance(tensor, DTensor) and any(isinstance(p, _StridedShard) for p in tensor.placements)
+
+
+def _distribute_rows(module: nn.Module, names: tuple[str, ...], mesh: DeviceMesh, parts: int,
+                     src_data_rank: int | None) -> None:
+    """Weights split by strided rows; a bias (1-D) replicated: FSDP2 shards dim 0 of a 1-D tensor, which would
+    compose wrongly with the strided split (its add to the strided output only slices it locally)."""
+    for name in names:
+        param = module.get_parameter(name)
+        placement = strided_shard(parts) if param.ndim > 1 else Replicate()
+        dist = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """`ColwiseParallel` for an `nn.Linear` whose output is `parts` stacked projections (e.g. q, k, v): each rank
+    computes its columns of every part; the output is the local `[..., parts * out / tp]` tensor (part-major)."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__(use_local_output=True)
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _distribute_rows(module, tuple(n for n, _ in module.named_parameters()), device_mesh, self.parts,
+                         self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError("FusedColwiseParallel supports nn.Linear only")
+        return distribute_module(
+            module, device_mesh, self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            lambda mod, outputs, mesh: outputs.to_local(),
+        )
+
+
+class HeadParallelAttention(ParallelStyle):
+    """`nn.MultiheadAttention` (self-attention, batch first, no masks) split by heads over the mesh: the packed
+    `in_proj` is distributed like `FusedColwiseParallel(3)`, `out_proj` is row-parallel; the module's forward
+    is replaced by one that attends over this rank's heads and returns the all-reduced (replicated) output."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.MultiheadAttention) or not module._qkv_same_embed_dim or not module.batch_first:
+            raise ConfigError(f"HeadParallelAttention splits a batch-first nn.MultiheadAttention with one packed "
+                              f"in_proj, got {type(module).__name__}", hint="use a plan of Colwise/RowwiseParallel")
+        tp = device_mesh.size()
+        if module.num_heads % tp:
+            raise ConfigError(f"tp={tp} does not divide the {module.num_heads} attention heads",
+                              hint=f"pass --tp among the divisors of {module.num_heads}")
+        _distribute_rows(module, ("in_proj_weight", "in_proj_bias"), device_mesh, 3, self.src_data_rank)
+        parallelize_module(module.out_proj, device_mesh, RowwiseParallel())
+        module.forward = MethodType(partial(_head_parallel_forward, mesh=device_mesh), module)
+        return module
+
+
+def _head_parallel_forward(self: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                           need_weights: bool = True, attn_mask: torch.Tensor | None = None,
+                           average_attn_weights: bool = True, is_causal: bool = False, *,
+                           mesh: DeviceMesh) -> tuple[torch.Tensor, None]:
+    if key is not query or value is not query or key_padding_mask is not None or attn_mask is not None:
+        raise ConfigError("the tensor-parallel attention takes self-attention without masks",
+                          hint="run this model with --tp 1")
+    head_dim = self.embed_dim // self.num_heads
+    replicated = DTensor.from_local(query, mesh, [Replicate()], run_check=False)  # backward: all-reduce
+    qkv = F.linear(replicated, self.in_proj_weight, self.in_proj_bias).to_local()
+    batch, length, _ = qkv.shape
+    q, k, v = qkv.view(batch, length, 3, -1, head_dim).transpose(1, 3).unbind(2)  # [batch, heads, length, dim]
+    attended = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=is_causal, scale=1.0 / math.sqrt(head_dim))
+    return self.out_proj(attended.transpose(1, 2).reshape(batch, length, -1)), None
