@@ -8,10 +8,10 @@ them, then print its prediction and, after the first steps, the measured figures
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.train_jobs import finish, start_train
 
 from pipetrain.logs.jsonl import read_records
 from pipetrain.partition.profile import load_profile
@@ -26,20 +26,11 @@ ARGS = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "64", "--t
 
 
 def _start(*extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipetrain", "train", *ARGS, *extra], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return start_train(*ARGS, *extra, merge_stderr=True)
 
 
 def _finish(job: subprocess.Popen) -> str:
-    try:
-        out, _ = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, out
-    return out
+    return finish(job, timeout=300)
 
 
 def test_auto_choice_reproduced_by_explicit_flags_gives_the_same_losses(tmp_path):

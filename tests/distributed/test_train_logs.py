@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed.train_jobs import finish, start_train
 
 from pipetrain.checkpoint import latest_checkpoint
 from pipetrain.checkpoint.folders import read_meta
@@ -29,20 +29,11 @@ TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def _start(*extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipetrain", "train", *ARGS, *extra], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return start_train(*ARGS, *extra)
 
 
 def _finish(job: subprocess.Popen) -> str:
-    try:
-        out, err = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 0, out + err
-    return out
+    return finish(job, timeout=240)
 
 
 def test_steps_evaluations_tensorboard_config_and_best(tmp_path):

@@ -61,12 +61,8 @@ def tp_param_bytes(block: BlockCost, tp: int) -> float:
 
 def tp_activation_bytes(block: BlockCost, tp: int, sequence_parallel: bool = False) -> float:
     """Activation bytes per sample one of `tp` ranks keeps for backward."""
-    if block.tensor is None or tp == 1:
-        return block.activation_bytes
-    if sequence_parallel:
-        return block.activation_bytes / tp
-    split = block.tensor.activation_bytes
-    return block.activation_bytes - split + split / tp
+    split = block.tensor.activation_bytes if block.tensor is not None else 0.0
+    return _per_rank(block.activation_bytes, split, tp if block.tensor is not None else 1, sequence_parallel)
 
 
 def tp_output_bytes(block: BlockCost, tp: int, sequence_parallel: bool = False) -> float:
@@ -83,12 +79,16 @@ def tp_flops(block: BlockCost, tp: int) -> float:
 
 def tp_traffic(block: BlockCost, tp: int, sequence_parallel: bool = False) -> float:
     """Forward memory traffic per sample one of `tp` ranks moves."""
-    if block.tensor is None or tp == 1:
-        return block.forward_traffic
-    if sequence_parallel:
-        return block.forward_traffic / tp
-    split = block.tensor.traffic
-    return block.forward_traffic - split + split / tp
+    split = block.tensor.traffic if block.tensor is not None else 0.0
+    return _per_rank(block.forward_traffic, split, tp if block.tensor is not None else 1, sequence_parallel)
+
+
+def _per_rank(total: float, split: float, tp: int, sequence_parallel: bool) -> float:
+    """One of `tp` ranks' share of `total`, of which `split` is divided by TP (all of it with sequence
+    parallelism); tp 1: the whole."""
+    if tp <= 1:
+        return total
+    return total / tp if sequence_parallel else total - split + split / tp
 
 
 def allreduce_s(nbytes: float, ranks: int, network: Network) -> float:
