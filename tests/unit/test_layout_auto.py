@@ -14,7 +14,10 @@ from pipetrain.cli import train as train_cli
 from pipetrain.logs.predicted import PredictionSink
 from pipetrain.logs.records import StepRecord
 from pipetrain.partition.profile import load_profile
-from pipetrain.plan.auto import Fixed, choose_layout
+from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
+from pipetrain.plan.auto import MARGIN, Fixed, choose_layout, plainness
+from pipetrain.plan.predict import predict
+from pipetrain.plan.search import SearchSpace, enumerate_layouts
 from pipetrain.plan.hardware import load_calibration
 from pipetrain.plan.model import profile_blocks
 
@@ -116,3 +119,22 @@ def test_a_launched_rank_decides_from_the_files_alone(chosen, monkeypatch):
     without = [a for a in AUTO if a not in ("--profile", str(PROFILE))]
     code, _, err = chosen(without)
     assert code == 2 and "needs --profile FILE" in err
+
+
+@pytest.mark.parametrize("world,batch", [(2, 16), (4, 32)])
+def test_the_plainest_layout_within_the_margin_of_the_fastest_is_chosen(world, batch):
+    blocks = profile_blocks(load_profile(PROFILE))
+    calib = load_calibration(CALIBRATION)
+    chosen = choose_layout(blocks, world=world, batch=batch, device=calib.device, network=calib.network).prediction
+    predictions = [predict(blocks, layout, calib.device, calib.network)
+                   for layout in enumerate_layouts(len(blocks), world, batch, SearchSpace())
+                   if layout.tp == 1 and not (layout.dp > 1 and layout.dp_mode == "ddp"
+                                              and layout.schedule in SPLIT_BACKWARD_SCHEDULES)]
+    fastest = min(p.step_s for p in predictions)
+    assert chosen.step_s <= fastest * (1 + MARGIN)
+    near = [p for p in predictions if p.step_s <= fastest * (1 + MARGIN)]
+    assert plainness(chosen.layout) == min(plainness(p.layout) for p in near)
+    assert chosen.step_s == min(p.step_s for p in near if plainness(p.layout) == plainness(chosen.layout))
+    # on these files FSDP is predicted a hair faster than DDP (the tie gloo measured 2.5x against FSDP): DDP chosen
+    assert chosen.layout.dp > 1 and chosen.layout.dp_mode == "ddp"
+    assert any(p.layout.dp_mode == "fsdp" and p.step_s <= chosen.step_s for p in near)
