@@ -56,10 +56,17 @@ def _train(out: Path, name: str, workload: str, batch: int, flags: tuple[str, ..
     return statistics.median(times), log
 
 
+def _rows(text: str) -> tuple[tuple[str, int], ...]:
+    """`--rows lm:16,classifier:64`."""
+    return tuple((model, int(batch)) for model, batch in (item.split(":") for item in text.split(",")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/auto-layout"))
     parser.add_argument("--calibration", type=Path, default=None, help="default: measure one into --out")
+    parser.add_argument("--rows", type=_rows, default=ROWS, metavar="MODEL:BATCH,...",
+                        help="the rows to measure, e.g. lm:16,classifier:64 (default: all four)")
     args = parser.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +75,7 @@ def main() -> None:
     if not calibration.exists():
         _pipetrain("plan", "--calibrate", "--gpus", "2", "--calibration", str(calibration))
     summary = []
-    for workload, batch in ROWS:
+    for workload, batch in args.rows:
         profile = out / f"{workload}-profile.json"
         if not profile.exists():
             _pipetrain("profile", "--workload", workload, "--preset", "cpu", "--micro-batch-size", "16",
