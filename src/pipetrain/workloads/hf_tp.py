@@ -11,7 +11,7 @@ the layer runs on its local heads unchanged. Embedding, norms and the head are k
 
 GPT-2 (`Conv1D` layers, weights stored `[in, out]`, transposed against `nn.Linear`): `c_attn` (the fused
 `[q | k | v]`, `[E, 3E]`) is split by heads along dim 1 with the strided placement `_StridedShard(1, 3)`, its
-bias likewise; the attention's `split_size` becomes the local width; `c_proj` and the MLP's `c_proj` are
+bias replicated; the attention's `split_size` becomes the local width; `c_proj` and the MLP's `c_proj` are
 row-parallel (`Shard(0)`), `c_fc` column-parallel (`Shard(1)`), see `Conv1DParallel`.
 """
 
@@ -69,7 +69,8 @@ class Conv1DParallel(ParallelStyle):
 
     `kind="colwise"`: W by output columns (`Shard(1)`, bias `Shard(0)`), the input taken as replicated, the
     output this rank's columns; `parts > 1` for a fused projection of `parts` stacked outputs (GPT-2's
-    `[q | k | v]`): each part split by columns (`_StridedShard(1, parts)`), the output part-major.
+    `[q | k | v]`): each part split by columns (`_StridedShard(1, parts)`, the bias replicated), the output
+    part-major.
     `kind="rowwise"`: W by input rows (`Shard(0)`, bias replicated), the input this rank's columns, the output
     all-reduced. The module's forward is replaced by one on DTensors (`_conv1d_forward`)."""
 
@@ -82,8 +83,11 @@ class Conv1DParallel(ParallelStyle):
     def _placements(self, name: str) -> Placement:
         if self.kind == "rowwise":
             return Shard(0) if name == "weight" else Replicate()
-        dim = 1 if name == "weight" else 0
-        return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
+        if self.parts == 1:
+            return Shard(1 if name == "weight" else 0)
+        # a fused bias stays replicated (as `FusedColwiseParallel`'s): FSDP2 shards dim 0 of a 1-D tensor, which
+        # would compose wrongly with a strided split; the add to the strided output slices it locally
+        return _StridedShard(1, split_factor=self.parts) if name == "weight" else Replicate()
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
