@@ -127,7 +127,8 @@ def gpt2_tp_plan(config: Any, tp: int) -> TPPlan:
     """A GPT-2 block's plan (submodule names inside pipetrain's `_DecoderLayer`)."""
     inner = config.n_inner or 4 * config.hidden_size
     _divides(tp, {"n_head": config.num_attention_heads, "n_inner": inner})
-    return {"layer.attn": LocalSplitSize(), "layer.attn.c_attn": Conv1DParallel("colwise", parts=3), "layer.attn.c_proj": Conv1DParallel("rowwise"),
+    return {"layer.attn": LocalSplitSize(), "layer.attn.c_attn": Conv1DParallel("colwise", parts=3),
+            "layer.attn.c_proj": Conv1DParallel("rowwise"),
             "layer.mlp.c_fc": Conv1DParallel("colwise"), "layer.mlp.c_proj": Conv1DParallel("rowwise")}
 
 
