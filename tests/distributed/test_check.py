@@ -40,7 +40,6 @@ CASES = {
     "lm-dp2-ddp": _config("lm", pp=1, dp=2, schedule="gpipe", chunks=2),
     "lm-dp2-fsdp": _config("lm", pp=1, dp=2, dp_mode="fsdp", schedule="gpipe", chunks=2),
     "lm-tp2": _config("lm", pp=1, tp=2, schedule="gpipe", chunks=2),
-    "classifier-tp2": _config("classifier", pp=1, tp=2, schedule="gpipe", chunks=2),
     "example-file-pp2-1f1b": _config(EXAMPLE),
     "toy-hazards-pp2": _config(f"{MODELS}:hazards"),
     "toy-batch-stat-pp2": _config(f"{MODELS}:batch_stat"),
@@ -104,8 +103,8 @@ def test_bf16_is_judged_with_the_looser_tolerances(reports):
 
 
 # tensors sharded over tp (row-parallel and fused biases are replicated): lm 5 per layer (qkv, proj, mlp.0 weight
-# and bias, mlp.2), classifier 5 (in_proj, out_proj, linear1 weight and bias, linear2), Llama 7 (its projections)
-@pytest.mark.parametrize(("name", "split"), [("lm-tp2", 5 * 4), ("classifier-tp2", 5 * 4), ("hf-llama-tp2", 7 * 4)])
+# and bias, mlp.2), Llama 7 (its projections); the classifier's TP parity is test_tp_parity's
+@pytest.mark.parametrize(("name", "split"), [("lm-tp2", 5 * 4), ("hf-llama-tp2", 7 * 4)])
 def test_tensor_parallel_layouts_are_checked_split(name, split, reports):
     """`check --tp 2` runs the layout with the model's TP plan applied (and says how much it split)."""
     if name not in reports:
