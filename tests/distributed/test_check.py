@@ -24,10 +24,10 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 def _config(workload: str, preset: str = "tiny", *, pp: int = 2, dp: int = 1, dp_mode: str = "ddp",
             schedule: str = "1f1b", chunks: int = 4, checkpoint: str = "never", stages: int | None = None,
-            precision: str = "fp32", batch: int = 8) -> TrainConfig:
+            precision: str = "fp32", batch: int = 8, tp: int = 1) -> TrainConfig:
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks, checkpoint=checkpoint,
                               stages_per_rank=stages)
-    return TrainConfig(parallel=ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline), workload=workload,
+    return TrainConfig(parallel=ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp), workload=workload,
                        preset=preset, data="synthetic", train_samples=batch * 2, test_samples=batch, batch_size=batch,
                        epochs=1, precision=precision, progress=False)
 
@@ -39,6 +39,7 @@ CASES = {
     "lm-pp2-1f1b-recompute": _config("lm", checkpoint="except_last"),
     "lm-dp2-ddp": _config("lm", pp=1, dp=2, schedule="gpipe", chunks=2),
     "lm-dp2-fsdp": _config("lm", pp=1, dp=2, dp_mode="fsdp", schedule="gpipe", chunks=2),
+    "lm-tp2": _config("lm", pp=1, tp=2, schedule="gpipe", chunks=2),
     "example-file-pp2-1f1b": _config(EXAMPLE),
     "toy-hazards-pp2": _config(f"{MODELS}:hazards"),
     "toy-batch-stat-pp2": _config(f"{MODELS}:batch_stat"),
@@ -46,6 +47,7 @@ CASES = {
 }
 if HAS_TRANSFORMERS:
     CASES["hf-llama-pp2-1f1b"] = _config("hf", "llama-tiny")
+    CASES["hf-llama-tp2"] = _config("hf", "llama-tiny", pp=1, tp=2, schedule="gpipe", chunks=2)
 PASSING = [name for name in CASES if "batch-stat" not in name and "counter" not in name]
 
 
@@ -98,3 +100,15 @@ def test_bf16_is_judged_with_the_looser_tolerances(reports):
     report = reports["classifier-pp2-1f1b-bf16"]
     assert report.precision == "bf16" and report.tolerances.grad > 1e-3
     assert "tolerances (bf16)" in "\n".join(report.lines())
+
+
+# tensors sharded over tp (row-parallel and fused biases are replicated): lm 5 per layer (qkv, proj, mlp.0 weight
+# and bias, mlp.2), Llama 7 (its projections); the classifier's TP parity is test_tp_parity's
+@pytest.mark.parametrize(("name", "split"), [("lm-tp2", 5 * 4), ("hf-llama-tp2", 7 * 4)])
+def test_tensor_parallel_layouts_are_checked_split(name, split, reports):
+    """`check --tp 2` runs the layout with the model's TP plan applied (and says how much it split)."""
+    if name not in reports:
+        pytest.skip("transformers is not installed")
+    text = "\n".join(reports[name].lines())
+    assert "x pp=1 x tp=2" in text, text
+    assert f"tensor parallel: {split} of " in text and "split over tp=2" in text, text

@@ -2,7 +2,8 @@
 
 Each reference model is built from its config under a fixed seed and saved as a safetensors folder; every
 rank builds only its own blocks from that folder (`HFCausalLM.from_folder`). One spawned job of 4 ranks runs
-pp=4 (1F1B) and dp=2 x pp=2 (GPipe with FSDP2, 1F1B with DDP), and, in the same job, test_hf_tied's cases. Over three SGD steps (a full batch, a short
+pp=4 (1F1B) and dp=2 x pp=2 (GPipe with FSDP2, 1F1B with DDP), and, in the same job, test_hf_tied's and
+test_hf_tp's cases. Over three SGD steps (a full batch, a short
 right-padded one that 4 micro-batches do not divide, and one smaller than 4, per replica): the loss on every
 rank, every gradient at every step and every final parameter equal the transformers model's
 (`model(input_ids, labels=labels).loss`) within the fp32 tolerance of the other parity tests (rtol 1e-5,
@@ -105,12 +106,14 @@ def _train(folder: str, layout: str, device: torch.device) -> dict:
 
 def _worker(spec: RankSpec, folders: dict[str, str], tied_folders: dict[str, str], out: str) -> None:
     from tests.distributed.test_hf_tied import tied_records
+    from tests.distributed.test_hf_tp import tp_records
 
     device = join_job(spec)
     try:
         records = {f"{family}-{layout}": _train(folder, layout, device) for family, folder in folders.items()
                    for layout in LAYOUTS}
         records.update(tied_records(tied_folders, device, Path(out)))  # test_hf_tied's cases, in the same job
+        records.update(tp_records(folders, device, Path(out)))  # and test_hf_tp's
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -120,7 +123,7 @@ _SPAWNED: dict = {}
 
 
 def spawned(tmp_path_factory) -> dict:
-    """One job of 4 ranks for this module's cases and test_hf_tied's (one start-up, not two), run once."""
+    """One job of 4 ranks for this module's cases, test_hf_tied's and test_hf_tp's (one start-up), run once."""
     if _SPAWNED:
         return _SPAWNED
     from tests.distributed.test_hf_tied import tied_setup

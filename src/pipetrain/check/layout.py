@@ -3,7 +3,7 @@
 Ranks get the job's `TrainConfig` (they load the workload again from its name or import path) and the global
 batches as tensors; each replica takes its contiguous share of every batch. Each rank writes
 `rank<N>.pt`: its losses, and after each step the gradients and parameters it holds under the unsplit
-model's names (DTensor shards gathered).
+model's names (DTensor shards gathered), and the names of those its tensor-parallel plan split.
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
+def _on_tp(param: torch.Tensor) -> bool:
+    """Whether `param` is split by the model's tensor-parallel plan (a DTensor sharded along the mesh's `tp` axis;
+    one replicated there, e.g. a row-parallel bias, is not)."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    if "tp" not in names:
+        return False
+    placement = param.placements[names.index("tp")]  # Shard, or the strided split of a fused projection
+    return not (placement.is_replicate() or placement.is_partial())
+
+
 def _share(x, part: slice):
     return tuple(t[part] for t in x) if isinstance(x, tuple) else x[part]
 
@@ -46,7 +56,8 @@ def _record(config, batches: list, lr: float, device: torch.device) -> dict:
                             loss_fn=workload.loss(), precision=config.precision)
     engine, dp, dp_rank = session.engine, config.parallel.dp, session.mesh.dp_rank
     optimizer = torch.optim.SGD(engine.parameters(), lr=lr)
-    record: dict = {"losses": [], "grads": [], "params": [], "balance": tuple(engine.balance)}
+    record: dict = {"losses": [], "grads": [], "params": [], "balance": tuple(engine.balance),
+                    "tp_split": sorted(name for name, p in engine.named_parameters() if _on_tp(p))}
     for x, y in batches:
         share = y.shape[0] // dp
         part = slice(dp_rank * share, (dp_rank + 1) * share)

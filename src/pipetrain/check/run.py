@@ -126,10 +126,22 @@ def _report(side: _Side, records: list[dict] | str, steps: int, lr: float) -> Ch
     config = side.config
     crashed = records if isinstance(records, str) else None
     balance = (config.parallel.pipeline.balance or ("?",)) if crashed else records[0]["balance"]
-    return CheckReport(header=_header(config, steps, lr, balance), precision=config.precision,
+    header = _header(config, steps, lr, balance)
+    if config.parallel.tp > 1 and not crashed:
+        header.append(_split_line(records, len(side.ref["params"][0]), config.parallel.tp))
+    return CheckReport(header=header, precision=config.precision,
                        tolerances=TOLERANCES[config.precision], labels=side.labels,
                        steps=[] if crashed else step_diffs(side.ref, records), hazards=side.hazards,
                        reference_spread=side.spread, crashed=crashed)
+
+
+def _split_line(records: list[dict], total: int, tp: int) -> str:
+    """What the model's TP plan split, over every rank: a plan that splits nothing is said, not hidden."""
+    split = set().union(*(record.get("tp_split", ()) for record in records))
+    if not split:
+        return f"tensor parallel: tp={tp} but the model's tp_plan split no parameter (every block kept whole)"
+    return (f"tensor parallel: {len(split)} of {total} parameter tensors split over tp={tp} by the model's tp_plan "
+            "(compared whole: shards gathered), the others replicated")
 
 
 @contextmanager

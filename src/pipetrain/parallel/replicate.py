@@ -27,8 +27,10 @@ def _blocks(module: nn.Module) -> nn.Module:
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:
     """FSDP2's dimension for `param`: its columns for a weight tensor parallelism split by strided rows (fused
-    q, k, v: FSDP2's rows of those rows would break the DTensor's global view), else the default (rows)."""
-    return Shard(1) if is_strided(param) else None
+    q, k, v: FSDP2's rows of those rows would break the DTensor's global view), else the default (rows; also
+    for one split by strided columns, GPT-2's `Conv1D` c_attn)."""
+    strided_rows = is_strided(param) and any(getattr(p, "dim", None) == 0 for p in param.placements)
+    return Shard(1) if strided_rows else None
 
 
 def data_parallel_wrapper(

@@ -295,6 +295,12 @@ class HFCausalLM:
         embedding = "embed_tokens.weight" if self.family == "llama" else "wte.weight"
         return [((0, embedding), (self.num_blocks - 1, "lm_head.weight"))]
 
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False):
+        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.hf_tp`)."""
+        from pipetrain.workloads.hf_tp import hf_tp_plan
+
+        return hf_tp_plan(self.config, self.family, index, self.num_blocks, tp, sequence_parallel=sequence_parallel)
+
     def attention_shape(self) -> tuple[int, int, int]:
         """(layers, query heads, head dimension), for MFU (`pipetrain.logs.mfu`)."""
         heads = self.config.num_attention_heads
