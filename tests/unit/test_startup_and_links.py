@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -59,3 +60,47 @@ def test_measured_inter_node_links_are_stored_and_priced():
     assert across == pytest.approx(params / 2.0e6 + 2 * 2e-4)
     inside = reduce_s(params, Layout(dp=2, pp=1, batch=8, chunks=1, gpus_per_node=2), network)
     assert inside == pytest.approx(params / 3e11 + 2 * 8e-6)
+
+
+def _plan_args(tmp_path, *extra: str):
+    from pipetrain.cli.main import build_parser
+
+    return build_parser().parse_args(["plan", "--calibrate", "--gpus", "2", "--gpus-per-node", "1", "--calibration",
+                                      str(tmp_path / "cal.json"), *extra])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_calibrate_in_a_job_across_nodes_measures_the_link_then_rank_0_its_node(monkeypatch, tmp_path, capsys, rank):
+    """Under torchrun across 2 nodes: every rank measures the link; rank 0 calibrates its node with those figures
+    and plans, without the launcher's variables (its two spawned ranks are a job of their own); rank 1 ends."""
+    import pipetrain.bench.calibrate as calibrate_mod
+    import pipetrain.bench.internode as internode
+    from pipetrain.cli import plan
+    from pipetrain.plan.hardware import Calibration, Device
+
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+           "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.213.7.1", "MASTER_PORT": "29500",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    measured, seen = [], {}
+    monkeypatch.setattr(internode, "measure_inter_node", lambda e, **kw: measured.append(e.rank) or
+                        (INTER if e.rank == 0 else None))
+
+    def fake_calibrate(shape, **kwargs):
+        seen["inter"], seen["agent_store"] = kwargs["inter"], os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+        device = Device(name="cpu", flops_per_s=5e9, bytes_per_s=1e10, kernel_overhead_s=1e-5, action_overhead_s=1e-3,
+                        optimizer_s_per_param=1e-9, memory_bytes=8 * 2**30)
+        return Calibration(device=device, network=measured_network(LOCAL, kwargs["inter"]), backend="gloo",
+                           measured="test")
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", fake_calibrate)
+    assert plan.run(_plan_args(tmp_path)) == 0
+    assert measured == [rank]
+    if rank == 0:
+        assert seen == {"inter": INTER, "agent_store": None}
+        assert (tmp_path / "cal.json").exists() and "best layout" in capsys.readouterr().out
+        assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # restored after the calibration
+    else:
+        assert not seen and not (tmp_path / "cal.json").exists()
+        assert "rank 1 measured the link" in capsys.readouterr().out
