@@ -10,8 +10,8 @@ starts when its rank is free and its inputs have arrived:
 - a transfer out of a fused action (DualPipeV's OVERLAP_F_B: a forward run with the next backward) starts
   when the pair ends, as torch posts its sends after both;
 - a transfer starts when its data is ready, the receiving rank has reached the action that needs it (torch
-  posts each receive there, and gloo's and NCCL's point-to-point calls move data only once both sides are
-  posted: the transfer does not overlap the receiver's earlier work) and the link is free (one transfer at a
+  posts each receive there, and point-to-point data moves once the receive is posted, as steps measured across
+  a throttled gloo link show: the transfer does not overlap the receiver's earlier work) and the link is free (one transfer at a
   time between two ranks in each direction). On a slow link, inter-node, this is the step's cost; on a fast
   one (transfers of a fraction of a millisecond) it changes nothing;
 - W(s, i) needs I(s, i); R(s) (gradient reduction) needs the stage's last backward (its place in the order).
