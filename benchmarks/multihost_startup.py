@@ -1,16 +1,18 @@
 """Start-up cost across two hosts: seconds from launch to the first finished step for 2, 4 and 8 ranks split over
-two network-namespace hosts (scripts/netns-cluster.sh; needs root), beside the cost of importing pipetrain alone.
+two network-namespace hosts (scripts/netns-cluster.sh; needs root), beside the cost of importing pipetrain alone,
+and rank 0's split of it by phase (the `start-up:` line every run logs once, pipetrain/logs/startup.py).
 
     sudo python benchmarks/multihost_startup.py [--ranks 2 4 8]
 
 Each job is `pipetrain train` (tiny preset, synthetic data, pp=2 across the hosts, dp = ranks/2) with the ranks'
-variables set by hand; the first step is the first record of the run's steps.jsonl. Prints a markdown table.
+variables set by hand; the first step is the first record of the run's steps.jsonl. Prints markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +35,13 @@ def import_seconds() -> float:
     return time.monotonic() - start
 
 
-def first_step_seconds(cluster: Cluster, ranks: int, folder: Path) -> float:
+def phases(text: str) -> dict[str, float]:
+    """The phases of a rank's `start-up:` line (logs/startup.py), name -> seconds; empty without one."""
+    line = next((ln for ln in text.splitlines() if "pipetrain: start-up:" in ln), "")
+    return {name.strip(): float(value) for name, value in re.findall(r"([a-z+ ]+?) ([0-9.]+) s(?: \||$)", line.split(": ", 2)[-1])}
+
+
+def first_step_seconds(cluster: Cluster, ranks: int, folder: Path) -> tuple[float, dict[str, float]]:
     run_dir = folder / f"run{ranks}"
     common = {"WORLD_SIZE": str(ranks), "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": ADDRESSES[0],
               "MASTER_PORT": str(MASTER_PORT), "LOCAL_WORLD_SIZE": str(ranks // 2)}
@@ -48,7 +56,7 @@ def first_step_seconds(cluster: Cluster, ranks: int, folder: Path) -> float:
     codes = wait_all(processes, 300.0)
     if codes != [0] * ranks:
         raise SystemExit(f"{ranks} ranks ended with {codes}:\n{cluster.output(f'start{ranks}-rank0.log')[-3000:]}")
-    return seconds
+    return seconds, phases(cluster.output(f"start{ranks}-rank0.log"))
 
 
 def main() -> None:
@@ -67,8 +75,15 @@ def main() -> None:
           f"`import pipetrain.cli.train` alone (before the jobs): {alone:.1f} s")
     print("| ranks (over 2 hosts) | layout | launch → first step (s) | per rank (s) |")
     print("| --- | --- | --- | --- |")
-    for n, seconds in rows:
+    for n, (seconds, _) in rows:
         print(f"| {n} | dp={n // 2} × pp=2 (pp across the hosts) | {seconds:.1f} | {seconds / n:.1f} |")
+    names = list(dict.fromkeys(name for _, (_, split) in rows for name in split))
+    print("\nrank 0's start-up by phase (s; `imports+data`: the process's age when its session opens)\n")
+    print("| ranks | " + " | ".join(names) + " | sum | launch → first step |")
+    print("| --- | " + " | ".join("---" for _ in names) + " | --- | --- |")
+    for n, (seconds, split) in rows:
+        cells = " | ".join(f"{split.get(name, float('nan')):.2f}" for name in names)
+        print(f"| {n} | {cells} | {sum(split.values()):.1f} | {seconds:.1f} |")
 
 
 if __name__ == "__main__":

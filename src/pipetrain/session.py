@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.spawn import RankSpec
+from pipetrain.logs.startup import Startup
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.parallel.mesh import leave_after_error
 from pipetrain.parallel.tensor import tensor_parallel_blocks
@@ -32,6 +33,8 @@ class Session:
     device: torch.device
     mesh: Mesh
     engine: PipelineEngine
+    #: seconds of each start-up phase so far on this rank (`open_session` fills it; the first step completes it)
+    startup: Startup = field(default_factory=Startup, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -75,21 +78,33 @@ def build_session(
     seed: int = 0,
     loss_fn: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     precision: str = "fp32",
+    startup: Startup | None = None,
 ) -> Session:
     """Build the dp × pp × tp mesh over the joined world and this rank's stages of `model` (split by its TP plan
     when `parallel.tp` > 1, before DDP/FSDP2 wraps them).
 
     `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`); on CUDA,
-    fp32 matmuls are TF32 except under "fp32-strict" (see `set_fp32_matmuls`).
+    fp32 matmuls are TF32 except under "fp32-strict" (see `set_fp32_matmuls`). `startup`: where the mesh's and
+    the stages' seconds are recorded.
     """
     check_precision(precision)
     set_fp32_matmuls(device, precision)
     parallel.check_world(dist.get_world_size())
-    mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
+    startup = startup or Startup()
+    with startup.phase("mesh"):
+        mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel)
              if mesh.tp_mesh is not None else None)
-    engine = PipelineEngine(
+    with startup.phase("stages"):
+        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)
+    return Session(device=device, mesh=mesh, engine=engine, startup=startup)
+
+
+def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, mesh: Mesh, loss_fn, seed: int, wrap,
+            split) -> PipelineEngine:
+    """This rank's stages of `model` and their schedule."""
+    return PipelineEngine(
         model,
         parallel.pipeline,
         device=device,
@@ -102,7 +117,6 @@ def build_session(
         split_block=split,
         counts_metrics=mesh.tp_rank == 0,
     )
-    return Session(device=device, mesh=mesh, engine=engine)
 
 
 def _stage_wrapper(
@@ -140,9 +154,12 @@ def open_session(
     """
     check_precision(precision)
     parallel.check_world(spec.world_size)
-    device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
-    agree_on_layout(parallel)  # nodes started with other flags that fit the same world size: one message
-    return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision)
+    startup = Startup()  # the process's age now: its start, imports and data
+    with startup.phase("join"):
+        device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
+    with startup.phase("layout check"):
+        agree_on_layout(parallel)  # nodes started with other flags that fit the same world size: one message
+    return build_session(model, parallel, device, seed=seed, loss_fn=loss_fn, precision=precision, startup=startup)
 
 
 def close_session(*, after_error: bool = False) -> None:

@@ -32,6 +32,7 @@ from pipetrain.pipeline.precision import check_precision
 from pipetrain.pipeline.timeline import span
 from pipetrain.recipe import Recipe, RecipeConfig, StepOutcome, build_optimizer
 from pipetrain.pipeline.compiled import dynamic_shapes
+from pipetrain.logs.startup import StartupSink
 from pipetrain.session import close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
@@ -294,6 +295,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         run_log = open_run_log(config.logs, model=config.model(), engine=engine, world_size=spec.world_size,
                                precision=config.precision, main=session.is_main, console=not config.progress,
                                total_steps=config.total_steps(train))
+        if session.is_main:  # one line after the first step: the start-up's seconds by phase
+            run_log.sinks.append(StartupSink(session.startup))
         try:
             reports = _train_epochs(config, workload, engine, recipe, train, test, mesh.dp_rank, durable, tracer,
                                     run_log, show=session.is_main)

@@ -57,8 +57,21 @@ def test_communication_delays_cross_rank_edges_only():
     p, m, send = 2, 4, 0.25
     costs = [StageCost(forward_s=1.0, backward_s=2.0, send_s=send)] * p
     timeline = simulate(schedule_order("gpipe", p, m), costs)
-    # one forward hop and one backward hop on the critical path
-    assert timeline.compute_span_s == pytest.approx((m + p - 1) * 3.0 + 2 * send)
+    # a transfer starts when the receiver posts its receive (reaches the action), so none overlaps the
+    # receiver's work: every micro-batch's hop, forward and backward, is on the critical path
+    assert timeline.compute_span_s == pytest.approx((m + p - 1) * 3.0 + 2 * m * send)
+    same_rank = simulate(schedule_order("gpipe", 1, m), [StageCost(forward_s=2.0, backward_s=4.0, send_s=send)])
+    assert same_rank.compute_span_s == pytest.approx(m * 6.0)  # no hop crosses ranks: nothing sent
+
+
+def test_a_transfer_waits_for_the_link_and_the_receiver():
+    """A slow link (transfers longer than the compute): the forward hops queue on the link one after another."""
+    p, m, send = 2, 4, 5.0
+    costs = [StageCost(forward_s=1.0, backward_s=2.0, send_s=send)] * p
+    timeline = simulate(schedule_order("gpipe", p, m), costs)
+    forward_end = 1.0 + m * (send + 1.0)  # stage 1's last forward: each of its inputs crossed after the previous one
+    backward = m * (send + 2.0)  # stage 0 receives each gradient after its previous backward
+    assert timeline.compute_span_s == pytest.approx(forward_end + 2.0 + backward)
 
 
 def test_recomputation_costs_a_forward_and_saves_memory():

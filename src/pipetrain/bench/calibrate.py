@@ -55,7 +55,7 @@ from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.presets import TransformerConfig
 from pipetrain.workloads.transformer import TransformerClassifier
 
-__all__ = ["calibrate", "LayerShape", "measured_network", "NOT_MEASURED"]
+__all__ = ["calibrate", "LayerShape", "measured_network", "NOT_MEASURED", "inter_node_description"]
 
 LayerShape = dict  # seq_len, emsize, nhead, nhid, dropout (the planned model's encoder layer)
 _SIZES = [1 << 10, 1 << 14, 1 << 17, 1 << 20]  # float32 elements: 4 KB .. 4 MB
@@ -279,11 +279,12 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
 
 
 def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeout_s: float = 600.0,
-              device: str | None = None, precision: str = "fp32") -> Calibration:
+              device: str | None = None, precision: str = "fp32", inter: dict[str, float] | None = None) -> Calibration:
     """Measure with two spawned ranks and return the calibration (its `measured` field says when and on what).
     `samples` (>= 4): the largest micro-batch the layer is timed at; `device`: "cpu" or "cuda" (default: as
     `resolve_device`; on CUDA two GPUs are needed, checked before the ranks start); `precision`: "fp32" (TF32
-    matmuls on CUDA) or "fp32-strict" (bf16 layers are not measured yet)."""
+    matmuls on CUDA) or "fp32-strict" (bf16 layers are not measured yet); `inter`: the links across nodes as
+    `bench.internode.measure_inter_node` measured them (None: the built-in figures)."""
     if samples < 4:
         raise ValueError(f"calibrate needs samples >= 4, got {samples}")
     if precision not in ("fp32", "fp32-strict"):
@@ -307,20 +308,33 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
                     baseline_bytes=m["baseline_bytes"])  # CUDA: context, NCCL buffers (device_baseline_bytes)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Calibration(device=device, network=measured_network(m), backend=m["backend"], precision=precision,
-                       measured=f"{stamp}, 2 ranks on one node, layer {shape}; {NOT_MEASURED}")
+    across = NOT_MEASURED if inter is None else inter_node_description(inter)
+    return Calibration(device=device, network=measured_network(m, inter), backend=m["backend"], precision=precision,
+                       measured=f"{stamp}, 2 ranks on one node, layer {shape}; {across}")
 
 
 #: What a calibration on one node does not measure, said in its `measured` field.
 NOT_MEASURED = "inter-node links not measured (built-in figures)"
 
 
-def measured_network(m: dict[str, float]) -> Network:
+def inter_node_description(inter: dict[str, float]) -> str:
+    """What the `measured` field says of measured inter-node links."""
+    return (f"inter-node links measured across {inter['inter_nodes']:.0f} nodes: point-to-point "
+            f"{inter['inter_bytes_per_s'] / 1e6:.1f} MB/s, {inter['inter_latency_s'] * 1e6:.0f} us; all-reduce bus "
+            f"{inter['inter_collective_bytes_per_s'] / 1e6:.1f} MB/s (up to {inter['inter_largest_bytes'] / 2**20:.0f} MiB)")
+
+
+def measured_network(m: dict[str, float], inter: dict[str, float] | None = None) -> Network:
     """The network of the ranks' figures `m`: point-to-point and collectives as measured on this node; the links
-    across nodes, which two ranks of one node cannot see, stay the built-in ones (`DEFAULT_NETWORK`'s)."""
+    across nodes as `inter` measured them (`bench.internode`, in a job that spans nodes), else the built-in ones
+    (`DEFAULT_NETWORK`'s: two ranks of one node cannot see them)."""
+    across = inter or {"inter_latency_s": DEFAULT_NETWORK.inter_latency_s,
+                       "inter_bytes_per_s": DEFAULT_NETWORK.inter_bytes_per_s}
     return Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
-                   inter_latency_s=DEFAULT_NETWORK.inter_latency_s, inter_bytes_per_s=DEFAULT_NETWORK.inter_bytes_per_s,
-                   collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"])
+                   inter_latency_s=across["inter_latency_s"], inter_bytes_per_s=across["inter_bytes_per_s"],
+                   collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"],
+                   inter_collective_latency_s=across.get("inter_collective_latency_s", 0.0),
+                   inter_collective_bytes_per_s=across.get("inter_collective_bytes_per_s", 0.0))
 
 
 def _host_memory() -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from pipetrain.cli.device_flags import add_device_argument, device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, ParallelConfig
 from pipetrain.errors import ConfigError
+from pipetrain.launch.env import detect, without_launcher_variables
 from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, Calibration, default_calibration_path,
                                      default_device, load_calibration, save_calibration)
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
@@ -21,7 +22,7 @@ from pipetrain.plan.search import SearchResult, SearchSpace, search
 from pipetrain.plan.tensor import tp_problem
 from pipetrain.workloads.presets import PRESETS
 
-__all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args"]
+__all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args", "measure_across_nodes"]
 
 log = logging.getLogger("pipetrain")
 _GB = 2**30
@@ -128,8 +129,11 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
 
         c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
         log.info("calibrating this machine (2 ranks)...")
-        measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout),
-                             device=device_choice(args), precision=args.precision)
+        inter = getattr(args, "inter_node", None)  # measured by `run` in a job that spans nodes
+        with without_launcher_variables():  # its 2 ranks are a job of their own (torchrun's store is not theirs)
+            measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid,
+                                      dropout=c.dropout), device=device_choice(args), precision=args.precision,
+                                 inter=inter)
         save_calibration(measured, path)
         return measured, f"measured now at {args.precision}, stored in {path}"
     if path.exists() or args.calibration is not None:
@@ -233,7 +237,27 @@ def _row(rank: int, p: Prediction) -> str:
             f"{100 * p.bubble:>6.1f}% {memory}")
 
 
+def measure_across_nodes(args: argparse.Namespace) -> bool:
+    """With --calibrate in a job that spans nodes (torchrun or Slurm variables): every rank measures the link
+    between the nodes (`bench.internode`); rank 0 keeps the figures in `args.inter_node` for `calibration` and
+    goes on (True), the other ranks are done (False). Outside such a job: True, nothing measured."""
+    env = detect() if args.calibrate else None
+    if env is None or env.num_nodes < 2:
+        return True
+    from pipetrain.bench.internode import measure_inter_node
+
+    log.info("measuring the link across %d nodes (rank %d of %d)...", env.num_nodes, env.rank, env.world_size)
+    args.inter_node = measure_inter_node(env, device=device_choice(args))
+    if env.rank != 0:
+        print(f"pipetrain plan: rank {env.rank} measured the link across the nodes; rank 0 calibrates its node "
+              "and stores the calibration")
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
+    if not measure_across_nodes(args):
+        return 0
     result, info = planned(args)
     assumed = "" if args.gpus_per_node else f" (up to {ASSUMED_GPUS_PER_NODE} per node assumed: pass --gpus-per-node)"
     print(f"pipetrain plan: {info['gpus']} devices{assumed}, {info['memory_gb']:.1f} GB each, global batch {args.batch}")

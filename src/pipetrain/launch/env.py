@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -23,6 +24,8 @@ __all__ = [
     "JOIN_TIMEOUT_VARIABLE",
     "apply_socket_interface",
     "join_timeout",
+    "restore_environ",
+    "without_launcher_variables",
     "socket_interface_variables",
     "DEVICE_VARIABLE",
     "DEVICES",
@@ -159,6 +162,40 @@ def apply_socket_interface(master_addr: str, *, nodes: int, device_type: str) ->
     chosen = socket_interface_variables(master_addr, nodes=nodes, device_type=device_type)
     os.environ.update(chosen)
     return chosen
+
+
+#: What a launcher (torchrun, Slurm) tells its ranks, which ranks spawned by one of them must not inherit.
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                       "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextmanager
+def without_launcher_variables() -> Iterator[None]:
+    """Within the block, this process's environment lacks its launcher's rank variables (and torchrun's
+    TORCHELASTIC_*): a rank of a multi-node job that spawns a job of its own node (`plan --calibrate`) would else
+    pass TORCHELASTIC_USE_AGENT_STORE on, and its spawned rank 0 would wait for torchrun's store instead of
+    starting its own (a hang). Restored after the block."""
+    names = [n for n in os.environ if n in _LAUNCHER_VARIABLES or n.startswith(("TORCHELASTIC_", "SLURM_"))]
+    saved = {name: os.environ.pop(name) for name in names}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextmanager
+def restore_environ() -> Iterator[None]:
+    """Within the block, the socket-interface variables may be exported (`apply_socket_interface`); after it, they
+    are as before (a process that joins a multi-node job and then spawns ranks of its own node)."""
+    before = {name: os.environ.get(name) for name in SOCKET_VARIABLES.values()}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def join_timeout(environ: Mapping[str, str] | None = None) -> float:

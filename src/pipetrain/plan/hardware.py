@@ -67,7 +67,9 @@ class Device:
 
 @dataclass(frozen=True, kw_only=True)
 class Network:
-    """Point-to-point latency and bandwidth within and across nodes, and the collectives' (ring) figures."""
+    """Point-to-point latency and bandwidth within and across nodes, and the collectives' (ring) figures: within a
+    node, and across nodes (`inter_collective_*`, measured by `plan --calibrate` in a job that spans nodes; 0: the
+    point-to-point figures across nodes, `inter_*`, stand for them)."""
 
     p2p_latency_s: float
     p2p_bytes_per_s: float
@@ -75,6 +77,14 @@ class Network:
     inter_bytes_per_s: float
     collective_latency_s: float
     collective_bytes_per_s: float
+    inter_collective_latency_s: float = 0.0
+    inter_collective_bytes_per_s: float = 0.0
+
+    def across_collective(self) -> tuple[float, float]:
+        """(latency per ring step, bus bandwidth) of a collective whose ranks span nodes."""
+        if self.inter_collective_bytes_per_s > 0:
+            return self.inter_collective_latency_s, self.inter_collective_bytes_per_s
+        return self.inter_latency_s, self.inter_bytes_per_s
 
 
 @dataclass(frozen=True, kw_only=True)

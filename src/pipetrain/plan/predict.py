@@ -152,8 +152,8 @@ def reduce_s(param_bytes: float, layout: Layout, network: Network) -> float:
     if n == 1:
         return 0.0
     across = layout.gpus_per_node > 0 and layout.world_size > layout.gpus_per_node
-    bandwidth = network.inter_bytes_per_s if across else network.collective_bytes_per_s
-    latency = network.inter_latency_s if across else network.collective_latency_s
+    latency, bandwidth = (network.across_collective() if across
+                          else (network.collective_latency_s, network.collective_bytes_per_s))
     volume = (3.0 if layout.dp_mode == "fsdp" else 2.0) * (n - 1) / n * param_bytes
     return volume / bandwidth + 2 * (n - 1) * latency
 

@@ -9,6 +9,11 @@ starts when its rank is free and its inputs have arrived:
   gradient (same bytes as the activation);
 - a transfer out of a fused action (DualPipeV's OVERLAP_F_B: a forward run with the next backward) starts
   when the pair ends, as torch posts its sends after both;
+- a transfer starts when its data is ready, the receiving rank has reached the action that needs it (torch
+  posts each receive there, and point-to-point data moves once the receive is posted, as steps measured across
+  a throttled gloo link show: the transfer does not overlap the receiver's earlier work) and the link is free (one transfer at a
+  time between two ranks in each direction). On a slow link, inter-node, this is the step's cost; on a fast
+  one (transfers of a fraction of a millisecond) it changes nothing;
 - W(s, i) needs I(s, i); R(s) (gradient reduction) needs the stage's last backward (its place in the order).
 
 Durations: F = forward; B = backward (+ forward again for a micro-batch that recomputes); I and W split the
@@ -74,9 +79,10 @@ _KINDS = {"F": 0, "B": 1, "I": 2, "W": 3, "R": 4}
 
 
 @lru_cache(maxsize=1024)
-def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, int, int, int, int, int], ...], ...]:
+def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Each action as (stage, kind code, microbatch, its slot, its dependency's slot or -1, the stage whose
-    transfer delays it or -1), the dependencies of the module docstring resolved once per order. Stages
+    transfer delays it or -1, the link (sending rank, receiving rank) that transfer takes as an index or -1),
+    the dependencies of the module docstring resolved once per order. Stages
     are placed where the order runs them; a dependency on another rank's fused action (DualPipeV's
     OVERLAP_F_B) waits for the end of the pair, when torch posts the send."""
     slots, leaves, rank_of = {}, [], {}
@@ -86,6 +92,7 @@ def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, in
             leaves.append(len(leaves) + 1 if action.fused and at + 1 < len(actions) else len(leaves))
             rank_of.setdefault(action.stage, rank)
     last = max(rank_of)
+    links: dict[tuple[int, int], int] = {}
     compiled = []
     for actions in order:
         rows = []
@@ -99,11 +106,14 @@ def _compile(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, in
                 else:
                     after = slots.get((stage + 1, "I", mb))
                     dep, hop = (slots[(stage + 1, "B", mb)] if after is None else after), stage
+            link = -1
             if hop >= 0 and rank_of[hop] == rank_of[hop + 1]:
                 hop = -1
             elif hop >= 0:
                 dep = leaves[dep]
-            rows.append((stage, _KINDS[kind], mb, slots[(stage, kind, mb)], dep, hop))
+                ends = (rank_of[hop], rank_of[hop + 1]) if kind == "F" else (rank_of[hop + 1], rank_of[hop])
+                link = links.setdefault(ends, len(links))
+            rows.append((stage, _KINDS[kind], mb, slots[(stage, kind, mb)], dep, hop, link))
         compiled.append(tuple(rows))
     return tuple(compiled)
 
@@ -113,7 +123,19 @@ def clear_cache() -> None:
     _compile.cache_clear()
 
 
-def _duration(row: tuple[int, int, int, int, int, int], costs: Sequence[StageCost], recomputed: Collection[int],
+def _arrival(row: tuple[int, ...], done: list[float], send: list[float], link_free: dict[int, float],
+             arrived: dict[int, float], posted: float) -> float:
+    """When the input of `row` (its dependency's output, sent over its link) has arrived: computed once per
+    action; the transfer starts at the latest of the data's readiness, the receive's posting (`posted`: when the
+    receiving rank reached `row`) and the link's previous transfer's arrival."""
+    slot = row[3]
+    if slot not in arrived:
+        start = max(done[row[4]], posted, link_free.get(row[6], 0.0))
+        arrived[slot] = link_free[row[6]] = start + send[row[5]]
+    return arrived[slot]
+
+
+def _duration(row: tuple[int, ...], costs: Sequence[StageCost], recomputed: Collection[int],
               overhead_s: float) -> float:
     stage, kind, mb = row[0], row[1], row[2]
     cost = costs[stage]
@@ -157,6 +179,8 @@ def _dedicated(program, costs, recomputed, overhead_s) -> tuple[list[float], lis
     done = [-1.0] * sum(len(rows) for rows in program)
     send = [c.send_s for c in costs]
     clock, busy = [0.0] * pp, [0.0] * pp
+    link_free: dict[int, float] = {}
+    arrived: dict[int, float] = {}
     compute_end = 0.0
     position = [0] * pp
     remaining = len(done)
@@ -173,7 +197,7 @@ def _dedicated(program, costs, recomputed, overhead_s) -> tuple[list[float], lis
                     if ready < 0.0:
                         break
                     if hop >= 0:
-                        ready += send[hop]
+                        ready = _arrival(row, done, send, link_free, arrived, clock[rank])
                 duration = _duration(row, costs, recomputed, overhead_s)
                 end_s = (clock[rank] if clock[rank] > ready else ready) + duration
                 clock[rank] = done[row[3]] = end_s
@@ -197,6 +221,8 @@ def _shared(program, costs, recomputed, overhead_s, speeds: Sequence[float]) -> 
     send = [c.send_s for c in costs]
     position, free, busy = [0] * pp, [0.0] * pp, [0.0] * pp
     left: list[float | None] = [None] * pp
+    link_free: dict[int, float] = {}
+    arrived: dict[int, float] = {}
     now, compute_end, remaining = 0.0, 0.0, len(done)
     while remaining:
         ready = [math.inf] * pp
@@ -209,7 +235,8 @@ def _shared(program, costs, recomputed, overhead_s, speeds: Sequence[float]) -> 
             elif row[4] < 0:
                 ready[rank] = free[rank]
             elif done[row[4]] >= 0.0:
-                ready[rank] = max(free[rank], done[row[4]] + (send[row[5]] if row[5] >= 0 else 0.0))
+                arrival = _arrival(row, done, send, link_free, arrived, free[rank]) if row[5] >= 0 else done[row[4]]
+                ready[rank] = max(free[rank], arrival)
         running = [rank for rank in range(pp) if ready[rank] <= now]
         if not running:
             now = min(ready)
