@@ -96,7 +96,8 @@ def main() -> None:
     for cell, results in cells.items():
         tp, sp = tensor_axes(cell)
         layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
-                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint, tp=tp, sequence_parallel=sp)
+                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint, tp=tp, sequence_parallel=sp,
+                        dp_mode=getattr(cell, "dp_mode", "ddp"))
         blocks = config_blocks(PRESETS[cell.preset])
         predictions = [predict(blocks, layout, c.device, c.network) for c in calibs]
         predicted = statistics.median(p.step_s for p in predictions)

@@ -59,6 +59,10 @@ def test_communication_volume_by_hand():
     assert tp_comm_s(layer, samples, 4, NET) == pytest.approx(2 * (1.5 * volume / 1e9 + 6e-6))
     assert tp_comm_s(layer, samples, 1, NET) == 0 and tp_comm_s(BLOCKS[0], samples, 4, NET) == 0
     assert allreduce_s(volume, 1, NET) == 0
+    # a calibrated fixed cost per DTensor collective, per peer: t - 1 times per call, 2 calls per forward
+    hosted = replace(NET, tp_collective_s=3e-4)
+    assert tp_comm_s(layer, samples, 2, hosted) == pytest.approx(tp_comm_s(layer, samples, 2, NET) + 2 * 3e-4)
+    assert tp_comm_s(layer, samples, 4, hosted) == pytest.approx(tp_comm_s(layer, samples, 4, NET) + 2 * 3 * 3e-4)
     # in the stage: every layer's 2 collectives in forward and 2 in backward, with or without sequence parallelism
     device = replace(DEFAULT_DEVICE, kernel_overhead_s=0.0)
     bounds = [(0, len(BLOCKS))]

@@ -11,6 +11,7 @@ Two ranks are spawned (on the same node) and measure:
   gives the per-kernel overhead that the other blocks (embedding, head) pay, and a large tensor add their
   memory traffic rate; ranks alone and all at once, in alternation: the slowdown when they share the
   machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
+- one tensor-parallel collective as DTensor runs it, beyond the bare all-reduce (`calibrate_tp.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
   from rank to rank, and the host cost of one schedule action;
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.bench.calibrate_tp import tp_collective_figures
 from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
@@ -260,7 +262,7 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
         dist.barrier()  # NCCL's communicator and buffers exist after a first collective
         baseline = device_baseline_bytes(device)
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
-                   "baseline_bytes": baseline}
+                   "baseline_bytes": baseline, **tp_collective_figures(device, repeats)}
         figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
@@ -320,7 +322,8 @@ def measured_network(m: dict[str, float]) -> Network:
     across nodes, which two ranks of one node cannot see, stay the built-in ones (`DEFAULT_NETWORK`'s)."""
     return Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
                    inter_latency_s=DEFAULT_NETWORK.inter_latency_s, inter_bytes_per_s=DEFAULT_NETWORK.inter_bytes_per_s,
-                   collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"])
+                   collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"],
+                   tp_collective_s=m.get("tp_collective_s", 0.0))
 
 
 def _host_memory() -> int:

@@ -75,6 +75,9 @@ class Network:
     inter_bytes_per_s: float
     collective_latency_s: float
     collective_bytes_per_s: float
+    #: fixed seconds one tensor-parallel (DTensor) collective costs beyond the ring's latency and bandwidth, per
+    #: peer (host dispatch, the wait for the slower rank; bench/calibrate_tp.py); 0 where not measured
+    tp_collective_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
