@@ -11,7 +11,8 @@ Two ranks are spawned (on the same node) and measure:
   gives the per-kernel overhead that the other blocks (embedding, head) pay, and a large tensor add their
   memory traffic rate; ranks alone and all at once, in alternation: the slowdown when they share the
   machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
-- one tensor-parallel collective as DTensor runs it, beyond the bare all-reduce (`calibrate_tp.py`);
+- one layer split over the two ranks by the TP plan: its fixed cost per collective and its optimizer's
+  per-tensor cost beyond what the planner predicts (`calibrate_tp.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
   from rank to rank, and the host cost of one schedule action;
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.bench.calibrate_tp import tp_collective_figures
+from pipetrain.bench.calibrate_tp import tp_figures
 from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
@@ -262,7 +263,8 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
         dist.barrier()  # NCCL's communicator and buffers exist after a first collective
         baseline = device_baseline_bytes(device)
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
-                   "baseline_bytes": baseline, **tp_collective_figures(device, repeats)}
+                   "baseline_bytes": baseline}
+        figures.update(tp_figures(shape, device, figures, repeats))
         figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
@@ -307,7 +309,8 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     pipeline_slowdown=m["pipeline_slowdown"],
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
                     cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
-                    baseline_bytes=m["baseline_bytes"])  # CUDA: context, NCCL buffers (device_baseline_bytes)
+                    baseline_bytes=m["baseline_bytes"],  # CUDA: context, NCCL buffers (device_baseline_bytes)
+                    tp_optimizer_s_per_tensor=m.get("tp_optimizer_s_per_tensor", 0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Calibration(device=device, network=measured_network(m), backend=m["backend"], precision=precision,
                        measured=f"{stamp}, 2 ranks on one node, layer {shape}; {NOT_MEASURED}")

@@ -50,6 +50,8 @@ class Device:
     contention: float = 0.0
     rate_by_samples: tuple[tuple[float, float], ...] = ()
     pipeline_slowdown: float = 0.0
+    #: extra seconds of an optimizer step per DTensor parameter tensor of a TP-split block (bench/calibrate_tp.py)
+    tp_optimizer_s_per_tensor: float = 0.0
 
     def flops_at(self, samples: float) -> float:
         """The effective FLOP rate on a micro-batch of `samples`: `rate_by_samples` (measured sizes, ascending)

@@ -100,9 +100,11 @@ def block_times(block: BlockCost, samples: int, device: Device, tp: int = 1,
 
 def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1, tp: int = 1) -> float:
     """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each; one of
-    `tp` ranks: its share)."""
+    `tp` ranks: its share, plus DTensor's cost on the split blocks' tensors)."""
     params = sum(tp_params(b, tp) for b in blocks) / shards
-    return params * device.optimizer_s_per_param + sum(b.tensors for b in blocks) * device.optimizer_s_per_tensor
+    dtensors = sum(b.tensor.tensors for b in blocks if b.tensor is not None) if tp > 1 else 0
+    return (params * device.optimizer_s_per_param + sum(b.tensors for b in blocks) * device.optimizer_s_per_tensor
+            + dtensors * device.tp_optimizer_s_per_tensor)
 
 
 def rank_speeds(device: Device, layout: Layout) -> tuple[float, ...]:
