@@ -12,7 +12,8 @@ Two ranks are spawned (on the same node) and measure:
   memory traffic rate; ranks alone and all at once, in alternation: the slowdown when they share the
   machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
 - one layer split over the two ranks by the TP plan: its fixed cost per collective and its optimizer's
-  per-tensor cost beyond what the planner predicts (`calibrate_tp.py`);
+  per-tensor cost beyond what the planner predicts (`calibrate_tp.py`); one layer sharded by FSDP2: its
+  fixed cost per parameter group beyond the ring (`calibrate_fsdp.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
   from rank to rank, and the host cost of one schedule action;
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.bench.calibrate_fsdp import fsdp_figures
 from pipetrain.bench.calibrate_tp import tp_figures
 from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
@@ -265,6 +267,7 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
                    "baseline_bytes": baseline}
         figures.update(tp_figures(shape, device, figures, repeats))
+        figures.update(fsdp_figures(shape, device, figures, repeats))
         figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
@@ -310,7 +313,7 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
                     cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
                     baseline_bytes=m["baseline_bytes"],  # CUDA: context, NCCL buffers (device_baseline_bytes)
-                    tp_optimizer_s_per_tensor=m.get("tp_optimizer_s_per_tensor", 0.0))
+                    optimizer_s_per_dtensor=m.get("optimizer_s_per_dtensor", 0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Calibration(device=device, network=measured_network(m), backend=m["backend"], precision=precision,
                        measured=f"{stamp}, 2 ranks on one node, layer {shape}; {NOT_MEASURED}")
@@ -326,7 +329,7 @@ def measured_network(m: dict[str, float]) -> Network:
     return Network(p2p_latency_s=m["p2p_latency_s"], p2p_bytes_per_s=m["p2p_bytes_per_s"],
                    inter_latency_s=DEFAULT_NETWORK.inter_latency_s, inter_bytes_per_s=DEFAULT_NETWORK.inter_bytes_per_s,
                    collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"],
-                   tp_collective_s=m.get("tp_collective_s", 0.0))
+                   tp_collective_s=m.get("tp_collective_s", 0.0), fsdp_group_s=m.get("fsdp_group_s", 0.0))
 
 
 def _host_memory() -> int:

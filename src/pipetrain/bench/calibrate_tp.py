@@ -10,7 +10,7 @@ parameters, taking *means* (a step pays every call, the slow ones included). The
 
 - `tp_collective_s`: (measured split forward+backward - what the planner predicts for it without this term)
   / (its collectives, forward and backward): the fixed cost the planner then adds to each TP collective;
-- `tp_optimizer_s_per_tensor`: (AdamW over the split layer - over the unsplit one) / its DTensor parameters:
+- `optimizer_s_per_dtensor`: (AdamW over the split layer - over the unsplit one) / its DTensor parameters:
   an optimizer step over DTensors runs every elementwise operation through DTensor's dispatch (and the
   strided QKV weights' redistributions).
 
@@ -41,7 +41,7 @@ TP_SAMPLES = 8
 
 
 def tp_figures(shape: dict, device: torch.device, figures: dict[str, Any], repeats: int) -> dict[str, float]:
-    """{"tp_collective_s", "tp_optimizer_s_per_tensor"} measured on this rank (the caller takes the ranks'
+    """{"tp_collective_s", "optimizer_s_per_dtensor"} measured on this rank (the caller takes the ranks'
     median); `figures`: the calibration's compute and network figures measured so far."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -77,4 +77,4 @@ def tp_figures(shape: dict, device: torch.device, figures: dict[str, Any], repea
     fixed = (statistics.fmean(times["split"]) - compute - ring) / (calls * (tp - 1))
     dtensors = sum(isinstance(p, DTensor) for p in split.parameters())
     extra = (statistics.fmean(times["opt_split"]) - statistics.fmean(times["opt_plain"])) / max(dtensors, 1)
-    return {"tp_collective_s": max(fixed, 0.0), "tp_optimizer_s_per_tensor": max(extra, 0.0)}
+    return {"tp_collective_s": max(fixed, 0.0), "optimizer_s_per_dtensor": max(extra, 0.0)}

@@ -50,8 +50,8 @@ class Device:
     contention: float = 0.0
     rate_by_samples: tuple[tuple[float, float], ...] = ()
     pipeline_slowdown: float = 0.0
-    #: extra seconds of an optimizer step per DTensor parameter tensor of a TP-split block (bench/calibrate_tp.py)
-    tp_optimizer_s_per_tensor: float = 0.0
+    #: extra seconds of an optimizer step per DTensor parameter (TP-split or FSDP-sharded; bench/calibrate_tp.py)
+    optimizer_s_per_dtensor: float = 0.0
 
     def flops_at(self, samples: float) -> float:
         """The effective FLOP rate on a micro-batch of `samples`: `rate_by_samples` (measured sizes, ascending)
@@ -80,6 +80,9 @@ class Network:
     #: fixed seconds one tensor-parallel (DTensor) collective costs beyond the ring's latency and bandwidth, per
     #: peer (host dispatch, the wait for the slower rank; bench/calibrate_tp.py); 0 where not measured
     tp_collective_s: float = 0.0
+    #: fixed seconds per FSDP2 parameter group and step beyond the ring (copy-in/out, hooks, the slower peer;
+    #: bench/calibrate_fsdp.py); 0 where not measured
+    fsdp_group_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
