@@ -11,8 +11,8 @@ Two ranks are spawned (on the same node) and measure:
   gives the per-kernel overhead that the other blocks (embedding, head) pay, and a large tensor add their
   memory traffic rate; ranks alone and all at once, in alternation: the slowdown when they share the
   machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
-- one layer split over the two ranks by the TP plan: its fixed cost per collective and its optimizer's
-  per-tensor cost beyond what the planner predicts (`calibrate_tp.py`); one layer sharded by FSDP2: its
+- a DTensor all-reduce beyond the bare one, and AdamW over one layer split by the TP plan beyond the
+  unsplit layer, per DTensor (`calibrate_tp.py`); one layer sharded by FSDP2: its
   fixed cost per parameter group beyond the ring (`calibrate_fsdp.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
@@ -266,7 +266,7 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
         baseline = device_baseline_bytes(device)
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
                    "baseline_bytes": baseline}
-        figures.update(tp_figures(shape, device, figures, repeats))
+        figures.update(tp_figures(shape, device, repeats))
         figures.update(fsdp_figures(shape, device, figures, repeats))
         figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()

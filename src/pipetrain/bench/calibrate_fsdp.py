@@ -7,7 +7,7 @@ call: FSDP2 copies each group's parameters into one flat buffer before its all-g
 groups on gloo that is most of the cost. So the two calibration ranks shard one layer of the planned shape
 over a mesh named "dp" as the engine does (`fully_shard`, `reshard_after_forward=False`) and time, in
 alternation with the unsharded layer, its forward+backward on a small micro-batch (one all-gather in
-forward, one reduce-scatter in backward, resharded after it) and take the *mean*:
+forward, one reduce-scatter in backward, resharded after it) and take the median difference:
 
 - `fsdp_group_s`: (sharded - unsharded - the ring's time for the layer's bytes) per parameter group and
   step, which the planner adds per FSDP group (each block and the stage's root) to the stage's reduction.
@@ -54,5 +54,5 @@ def fsdp_figures(shape: dict, device: torch.device, figures: dict[str, Any], rep
                 times[name].append(seconds)
     ring = (3 * (n - 1) / n * param_bytes / figures["collective_bytes_per_s"]
             + 2 * (n - 1) * figures["collective_latency_s"])
-    fixed = statistics.fmean(times["sharded"]) - statistics.fmean(times["plain"]) - ring
+    fixed = statistics.median(s - p for s, p in zip(times["sharded"], times["plain"])) - ring
     return {"fsdp_group_s": max(fixed, 0.0)}
