@@ -45,7 +45,7 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
                 if w > span_ms / 60:
                     ax.text(x + w / 2, y, s.name, ha="center", va="center", fontsize=7)
             elif s.kind in TP_KINDS:  # inside its forward/backward box: a dark band across its lower half
-                ax.broken_barh([(x, w)], (y - 0.4, 0.3), facecolors="0.15")
+                ax.broken_barh([(x, w)], (y - 0.4, 0.3), facecolors="0.15", zorder=3)  # over its compute box
             elif s.kind == "wait":
                 ax.broken_barh([(x, w)], (y - 0.08, 0.16), facecolors="0.35")
             elif s.kind in ("optimizer", "metrics", "dp"):
