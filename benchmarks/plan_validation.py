@@ -19,13 +19,16 @@ between runs minutes apart, and repeated runs on both sides average that drift o
 Tensor-parallel cells: a cell with a `tp` field above 1 (the bench grid's tp axis, once the engine has one;
 `sequence_parallel` read the same way) is predicted at that tp. When any cell has tp > 1 the rows compared by
 Spearman are (ranks, batch), so tp2, pp2 and dp2 cells of one batch are ranked against each other, and the
-tp cells' own step-time error is printed apart. Cells without the field are tp = 1, as before.
+tp cells' own step-time error is printed apart, and each tp cell's step time over the same cell's at tp = 1
+(measured against predicted). Cells without the field are tp = 1, as before; dp > 1 with tp > 1 is FSDP (the
+bench's pairing), tp = 1 DDP.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.bench.results import ResultStore
@@ -87,6 +90,7 @@ def main() -> None:
     calibs = [load_calibration(path) for path in args.calibration]
     base = statistics.median(c.device.baseline_bytes for c in calibs) / MB
     rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    steps: dict = {}  # cell -> (measured, predicted), for the tp cells against their tp=1 counterparts
     time_errors, mem_errors, above_errors, noise, rerun, tp_errors = [], [], [], [], [], []
     cells = _measured(args.folders)
     by_ranks = any(tensor_axes(cell)[0] > 1 for cell in cells)
@@ -96,7 +100,8 @@ def main() -> None:
     for cell, results in cells.items():
         tp, sp = tensor_axes(cell)
         layout = Layout(dp=cell.dp, pp=cell.pp, batch=cell.batch_size, chunks=cell.chunks, schedule=cell.schedule,
-                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint, tp=tp, sequence_parallel=sp)
+                        virtual=SCHEDULES[cell.schedule], checkpoint=cell.checkpoint, tp=tp, sequence_parallel=sp,
+                        dp_mode=getattr(cell, "dp_mode", "ddp"))
         blocks = config_blocks(PRESETS[cell.preset])
         predictions = [predict(blocks, layout, c.device, c.network) for c in calibs]
         predicted = statistics.median(p.step_s for p in predictions)
@@ -106,6 +111,7 @@ def main() -> None:
         if len(results) > 1:
             rerun.append((max(r.median_step_s for r in results) - min(r.median_step_s for r in results)) / measured)
         time_errors.append(abs(error))
+        steps[cell] = (measured, predicted)
         if tp > 1:
             tp_errors.append(abs(error))
         rows.setdefault((layout.world_size if by_ranks else cell.pp, cell.batch_size), []).append((measured, predicted))
@@ -130,6 +136,18 @@ def main() -> None:
     if tp_errors:
         print(f"tensor-parallel cells: {len(tp_errors)}, step time median |error| {100 * statistics.median(tp_errors):.1f}%, "
               f"max {100 * max(tp_errors):.1f}%")
+    pairs = [(cell, steps[cell], steps[replace(cell, tp=1)]) for cell in steps
+             if tensor_axes(cell)[0] > 1 and replace(cell, tp=1) in steps]
+    if pairs:
+        print("tp cells against the same cell at tp=1 (step-time ratio; the machine's drift between the two cancels "
+              "in part):")
+        ratio_errors = []
+        for cell, (m_tp, p_tp), (m_one, p_one) in pairs:
+            got, want = m_tp / m_one, p_tp / p_one
+            ratio_errors.append(abs(want - got) / got)
+            print(f"  dp={cell.dp} pp={cell.pp} batch={cell.batch_size} chunks={cell.chunks}: measured {got:.2f}, "
+                  f"predicted {want:.2f} ({100 * (want - got) / got:+.0f}%)")
+        print(f"  median |error| of the ratio {100 * statistics.median(ratio_errors):.1f}% over {len(pairs)} pairs")
     for key in sorted(rows):
         measured, predicted = zip(*rows[key])
         print(f"  row {'ranks' if by_ranks else 'pp'}={key[0]} batch={key[1]}: {len(measured)} cells, "

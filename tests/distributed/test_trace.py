@@ -1,7 +1,8 @@
 """Traced pipeline runs on spawned gloo ranks: the trace holds every micro-batch's work once, in order, on aligned
 clocks, its step spans match the step times measured outside the tracer, and the files are written.
 
-One spawned job (2 ranks) runs every case in turn, as in harness.py.
+One spawned job (2 ranks) runs every case in turn, as in harness.py; the last, `tp2`, splits the classifier's
+layers over both ranks (tensor parallelism, one stage) and checks that its collectives are spans of their own.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.trace.chrome import spans_from_chrome_trace
-from pipetrain.trace.spans import spans_from_dicts
+from pipetrain.trace.spans import TP_KINDS, spans_from_dicts
 from pipetrain.trace.tracer import Tracer
-from tests.distributed.harness import make_batches, make_model
+from tests.distributed.harness import MODEL_CONFIG, make_batches, make_model
 
 CHUNKS = 4
 WARMUP, TRACED = 1, 2
@@ -33,13 +34,20 @@ CASES = {
     "interleaved-1f1b": ("interleaved-1f1b", "never"),
     "zero-bubble": ("zero-bubble", "never"),
 }
+#: the tensor-parallel case: (schedule, checkpoint policy) at tp=2, pp=1
+TP_CASE = ("tp2", ("gpipe", "always"))
 #: the traced step span may differ from the step time measured around it by this fraction
 STEP_TOLERANCE = 0.02
 
 
 def _case(spec: RankSpec, device, name: str, out: Path) -> None:
-    schedule, policy = CASES[name]
-    parallel = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule=schedule, n_microbatches=CHUNKS, checkpoint=policy))
+    if name == TP_CASE[0]:
+        schedule, policy = TP_CASE[1]
+        parallel = ParallelConfig(tp=2, pipeline=PipelineConfig(pp=1, schedule=schedule, n_microbatches=CHUNKS,
+                                                                checkpoint=policy))
+    else:
+        schedule, policy = CASES[name]
+        parallel = ParallelConfig(pipeline=PipelineConfig(pp=2, schedule=schedule, n_microbatches=CHUNKS, checkpoint=policy))
     session = build_session(make_model(), parallel, device, seed=0)
     engine = session.engine
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.01)
@@ -67,7 +75,7 @@ def _case(spec: RankSpec, device, name: str, out: Path) -> None:
 def _worker(spec: RankSpec, out: str) -> None:
     device = join_job(spec)
     try:
-        for name in CASES:
+        for name in (*CASES, TP_CASE[0]):
             _case(spec, device, name, Path(out))
     finally:
         close_session()
@@ -148,3 +156,38 @@ def test_1f1b_holds_at_most_pp_microbatches_in_flight_on_the_first_stage(traced)
         assert peak == 2  # pp = 2: the warm-up runs two forwards, then one backward frees one
     gpipe = [s for s in _load(traced, "gpipe") if s.rank == 0 and s.step == 0 and s.kind in ("F", "B")]
     assert [s.kind for s in sorted(gpipe, key=lambda s: s.start_ns)] == ["F"] * CHUNKS + ["B"] * CHUNKS
+
+
+def test_tp_collectives_are_spans_inside_the_forwards_and_backwards(traced):
+    """tp=2, one stage, 4 micro-batches recomputed: each of the MODEL_CONFIG's encoder layers all-reduces its
+    attention and its MLP output in forward (2), its two split inputs' gradients in backward (2), and the
+    recomputed forward runs its 2 again inside the backward; every all-reduce lies inside the F / B / R span
+    of its micro-batch, and the summary reports the time in them (the optimizer step's all-gathers of the
+    strided in_proj weights, outside any compute, are TP collectives too)."""
+    name = TP_CASE[0]
+    spans = _load(traced, name)
+    layers = MODEL_CONFIG.nlayers
+    counts = set()
+    for step in range(TRACED):
+        for rank in (0, 1):
+            mine = [s for s in spans if s.rank == rank and s.step == step]
+            reduces = [s for s in mine if s.kind == "tp_all_reduce"]
+            for mb in range(CHUNKS):
+                forward = [s for s in mine if s.kind == "F" and s.microbatch == mb]
+                backward = [s for s in mine if s.kind == "B" and s.microbatch == mb]
+                assert len(forward) == len(backward) == 1
+                inside_f = [c for c in reduces if forward[0].start_ns <= c.start_ns and c.end_ns <= forward[0].end_ns]
+                inside_b = [c for c in reduces if backward[0].start_ns <= c.start_ns and c.end_ns <= backward[0].end_ns]
+                assert len(inside_f) == 2 * layers
+                assert len(inside_b) == 2 * layers + 2 * layers  # backward's 2 per layer + the recomputed forward's
+                assert all(c.stage == 0 and c.microbatch == mb for c in inside_f + inside_b)
+            assert len(reduces) == CHUNKS * 6 * layers
+            counts.add(len([s for s in mine if s.kind in TP_KINDS]))
+    assert len(counts) == 1  # the same collectives every step and rank
+    per_step = counts.pop()
+    summary = json.loads((traced / name / "summary.json").read_text())
+    for rank in summary["ranks"]:
+        assert rank["tp_collectives"] == per_step and 0 < rank["tp_comm_s"] < rank["step_s"]
+    assert "TP comm ms" in (traced / name / "lines.txt").read_text()
+    plain = [s for s in _load(traced, "gpipe") if s.kind in TP_KINDS]
+    assert not plain  # no TP axis, no TP span

@@ -59,6 +59,10 @@ def test_communication_volume_by_hand():
     assert tp_comm_s(layer, samples, 4, NET) == pytest.approx(2 * (1.5 * volume / 1e9 + 6e-6))
     assert tp_comm_s(layer, samples, 1, NET) == 0 and tp_comm_s(BLOCKS[0], samples, 4, NET) == 0
     assert allreduce_s(volume, 1, NET) == 0
+    # a calibrated fixed cost per DTensor collective, per peer: t - 1 times per call, 2 calls per forward
+    hosted = replace(NET, tp_collective_s=3e-4)
+    assert tp_comm_s(layer, samples, 2, hosted) == pytest.approx(tp_comm_s(layer, samples, 2, NET) + 2 * 3e-4)
+    assert tp_comm_s(layer, samples, 4, hosted) == pytest.approx(tp_comm_s(layer, samples, 4, NET) + 2 * 3 * 3e-4)
     # in the stage: every layer's 2 collectives in forward and 2 in backward, with or without sequence parallelism
     device = replace(DEFAULT_DEVICE, kernel_overhead_s=0.0)
     bounds = [(0, len(BLOCKS))]
@@ -162,3 +166,20 @@ def test_tp_table_fills_the_node(capsys):
     main(["--preset", "tiny", "--gpus", "4", "--node", "h100", "--batch", "32"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| h100")]
     assert len(rows) == 5 and sum("**best**" in row for row in rows) == 1  # tiny has 2 heads: tp 1 and 2 only
+
+
+def test_calibrated_fixed_costs_of_fsdp_groups_and_dtensor_optimizer_steps():
+    from pipetrain.plan.predict import optimizer_s, reduce_s
+
+    net = replace(NET, fsdp_group_s=2e-3)
+    fsdp, ddp = (Layout(dp=2, pp=1, batch=8, chunks=1, dp_mode=mode) for mode in ("fsdp", "ddp"))
+    assert reduce_s(1e6, fsdp, net, groups=5) == pytest.approx(reduce_s(1e6, fsdp, NET, groups=5) + 5 * 2e-3)
+    assert reduce_s(1e6, ddp, net, groups=5) == reduce_s(1e6, ddp, NET)  # DDP: one bucketed all-reduce, no groups
+    device = replace(DEFAULT_DEVICE, optimizer_s_per_dtensor=1e-4)
+    layers = [b for b in BLOCKS if b.tensor is not None]
+    base = optimizer_s(BLOCKS, DEFAULT_DEVICE, tp=2)
+    assert optimizer_s(BLOCKS, device, tp=2) == pytest.approx(base + 8 * len(layers) * 1e-4)  # the split tensors
+    assert optimizer_s(BLOCKS, device) == optimizer_s(BLOCKS, DEFAULT_DEVICE)  # tp 1, unsharded: no DTensor
+    every = sum(b.tensors for b in BLOCKS)
+    assert optimizer_s(BLOCKS, device, shards=2) == pytest.approx(optimizer_s(BLOCKS, DEFAULT_DEVICE, shards=2)
+                                                                  + every * 1e-4)  # FSDP: every tensor a DTensor

@@ -103,3 +103,10 @@ def test_tune_refuses_tp(capsys):
     code = main(["tune", "--gpus", "2", "--preset", "cpu", "--batch", "32", "--tp", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "tp=1, not --tp 2" in err and err.count("pipetrain: error") == 1
+
+
+def test_profile_refuses_tp_with_the_reason(capsys, tmp_path):
+    code = main(["profile", "--preset", "tiny", "--tp", "2", "--output", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "profile --tp 2" in err and "unsplit block" in err and err.count("pipetrain: error") == 1
+    assert not (tmp_path / "p.json").exists()

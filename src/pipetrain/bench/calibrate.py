@@ -11,6 +11,9 @@ Two ranks are spawned (on the same node) and measure:
   gives the per-kernel overhead that the other blocks (embedding, head) pay, and a large tensor add their
   memory traffic rate; ranks alone and all at once, in alternation: the slowdown when they share the
   machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
+- a DTensor all-reduce beyond the bare one, and AdamW over one layer split by the TP plan beyond the
+  unsplit layer, per DTensor (`calibrate_tp.py`); one layer sharded by FSDP2: its
+  fixed cost per parameter group beyond the ring (`calibrate_fsdp.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
   from rank to rank, and the host cost of one schedule action;
@@ -37,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.bench.calibrate_fsdp import fsdp_figures
+from pipetrain.bench.calibrate_tp import tp_figures
 from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
@@ -261,6 +266,8 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
         baseline = device_baseline_bytes(device)
         figures = {**_network(spec.rank, device, repeats), **_compute(shape, samples, device, repeats),
                    "baseline_bytes": baseline}
+        figures.update(tp_figures(shape, device, repeats))
+        figures.update(fsdp_figures(shape, device, figures, repeats))
         figures.update(_pipeline(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
@@ -306,7 +313,8 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     pipeline_slowdown=m["pipeline_slowdown"],
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
                     cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
-                    baseline_bytes=m["baseline_bytes"])  # CUDA: context, NCCL buffers (device_baseline_bytes)
+                    baseline_bytes=m["baseline_bytes"],  # CUDA: context, NCCL buffers (device_baseline_bytes)
+                    optimizer_s_per_dtensor=m.get("optimizer_s_per_dtensor", 0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     across = NOT_MEASURED if inter is None else inter_node_description(inter)
     return Calibration(device=device, network=measured_network(m, inter), backend=m["backend"], precision=precision,
@@ -334,7 +342,8 @@ def measured_network(m: dict[str, float], inter: dict[str, float] | None = None)
                    inter_latency_s=across["inter_latency_s"], inter_bytes_per_s=across["inter_bytes_per_s"],
                    collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"],
                    inter_collective_latency_s=across.get("inter_collective_latency_s", 0.0),
-                   inter_collective_bytes_per_s=across.get("inter_collective_bytes_per_s", 0.0))
+                   inter_collective_bytes_per_s=across.get("inter_collective_bytes_per_s", 0.0),
+                   tp_collective_s=m.get("tp_collective_s", 0.0), fsdp_group_s=m.get("fsdp_group_s", 0.0))
 
 
 def _host_memory() -> int:

@@ -14,7 +14,7 @@ from pipetrain.partition.measure import default_sizes, profile_model_sizes
 from pipetrain.partition.profile import ModelProfile, save_profile
 from pipetrain.workloads.registry import get_workload, workload_names
 
-__all__ = ["add_parser", "run", "profile_lines"]
+__all__ = ["add_parser", "run", "profile_lines", "check_tp"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,8 +34,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="CPU threads while measuring (default: 1, as each training rank uses)")
     parser.add_argument("--output", "-o", type=Path, default=Path("profile.json"),
                         help="profile JSON to write (default: profile.json)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="refused above 1: a profile holds unsplit blocks on one device (the planner derives "
+                             "tensor parallelism from the analytic model and `plan --calibrate`)")
     add_device_argument(parser)
     return parser
+
+
+def check_tp(tp: int) -> None:
+    """ConfigError for --tp above 1 (see docs/tensor-parallel.md, "Profiles and tp")."""
+    if tp != 1:
+        raise ConfigError(
+            f"pipetrain profile --tp {tp}: a profile measures each unsplit block on one device, and no planner "
+            "input comes from a tensor-parallel profile (`plan --profile` plans tp 1 only; the planner prices tp "
+            "from the analytic model's split and the calibration's measured TP layer)",
+            hint="profile with --tp 1; for tp plans use `pipetrain plan --calibrate` and `plan --tp N` without "
+                 "--profile")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -66,6 +80,7 @@ def profile_lines(profile: ModelProfile) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_tp(args.tp)
     if args.threads < 1:
         raise ConfigError(f"--threads {args.threads} is too small", hint="pass --threads 1 or more")
     device = device_choice(args)

@@ -50,6 +50,8 @@ class Device:
     contention: float = 0.0
     rate_by_samples: tuple[tuple[float, float], ...] = ()
     pipeline_slowdown: float = 0.0
+    #: extra seconds of an optimizer step per DTensor parameter (TP-split or FSDP-sharded; bench/calibrate_tp.py)
+    optimizer_s_per_dtensor: float = 0.0
 
     def flops_at(self, samples: float) -> float:
         """The effective FLOP rate on a micro-batch of `samples`: `rate_by_samples` (measured sizes, ascending)
@@ -77,6 +79,12 @@ class Network:
     inter_bytes_per_s: float
     collective_latency_s: float
     collective_bytes_per_s: float
+    #: fixed seconds one tensor-parallel (DTensor) collective costs beyond the ring's latency and bandwidth, per
+    #: peer (host dispatch, the wait for the slower rank; bench/calibrate_tp.py); 0 where not measured
+    tp_collective_s: float = 0.0
+    #: fixed seconds per FSDP2 parameter group and step beyond the ring (copy-in/out, hooks, the slower peer;
+    #: bench/calibrate_fsdp.py); 0 where not measured
+    fsdp_group_s: float = 0.0
     inter_collective_latency_s: float = 0.0
     inter_collective_bytes_per_s: float = 0.0
 

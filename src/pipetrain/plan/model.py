@@ -54,6 +54,8 @@ class TensorSplit:
     collectives: int = 2
     divides: tuple[tuple[str, int], ...] = ()
     sequence: int = 0
+    #: parameter tensors the split turns into DTensors (an optimizer step pays DTensor's dispatch on each)
+    tensors: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +128,7 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
         params=4 * h * h + 3 * h + 2 * h * f + f,  # QKV and output weights, MLP weights, column biases
         flops=float(layer_flops), traffic=float(e * (4 * s * f + 4 * a * s * s)), activation_bytes=split_act,
         comm_bytes=float(e * sh), divides=(("nhead", a), ("emsize", h), ("nhid", f)), sequence=s,
+        tensors=8,  # QKV, output and the two MLP projections' weights and biases (the norms stay plain)
     )
     for index in range(nlayers):
         blocks.append(BlockCost(

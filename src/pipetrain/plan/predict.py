@@ -100,9 +100,16 @@ def block_times(block: BlockCost, samples: int, device: Device, tp: int = 1,
 
 def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1, tp: int = 1) -> float:
     """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each; one of
-    `tp` ranks: its share)."""
+    `tp` ranks: its share), plus DTensor's dispatch on every DTensor parameter: all of them under FSDP
+    (`shards` > 1), the split blocks' under tensor parallelism."""
     params = sum(tp_params(b, tp) for b in blocks) / shards
-    return params * device.optimizer_s_per_param + sum(b.tensors for b in blocks) * device.optimizer_s_per_tensor
+    tensors = sum(b.tensors for b in blocks)
+    if shards > 1:
+        dtensors = tensors
+    else:
+        dtensors = sum(b.tensor.tensors for b in blocks if b.tensor is not None) if tp > 1 else 0
+    return (params * device.optimizer_s_per_param + tensors * device.optimizer_s_per_tensor
+            + dtensors * device.optimizer_s_per_dtensor)
 
 
 def rank_speeds(device: Device, layout: Layout) -> tuple[float, ...]:
@@ -146,8 +153,9 @@ def _crosses_node(stage: int, layout: Layout) -> bool:
     return rank * layout.tp // layout.gpus_per_node != nxt * layout.tp // layout.gpus_per_node
 
 
-def reduce_s(param_bytes: float, layout: Layout, network: Network) -> float:
-    """Ring all-reduce (DDP) or reduce-scatter + two all-gathers (FSDP) of one stage over dp replicas."""
+def reduce_s(param_bytes: float, layout: Layout, network: Network, groups: int = 0) -> float:
+    """Ring all-reduce (DDP) or reduce-scatter + two all-gathers (FSDP) of one stage over dp replicas; FSDP
+    also pays `network.fsdp_group_s` for each of its `groups` (parameter groups: the stage's blocks and root)."""
     n = layout.dp
     if n == 1:
         return 0.0
@@ -155,7 +163,8 @@ def reduce_s(param_bytes: float, layout: Layout, network: Network) -> float:
     latency, bandwidth = (network.across_collective() if across
                           else (network.collective_latency_s, network.collective_bytes_per_s))
     volume = (3.0 if layout.dp_mode == "fsdp" else 2.0) * (n - 1) / n * param_bytes
-    return volume / bandwidth + 2 * (n - 1) * latency
+    fixed = groups * network.fsdp_group_s if layout.dp_mode == "fsdp" else 0.0
+    return volume / bandwidth + 2 * (n - 1) * latency + fixed
 
 
 def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network,
@@ -180,7 +189,7 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
             activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
-            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) for b in part), layout, network),
+            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) for b in part), layout, network, groups=len(part) + 1),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
         ))
     return costs

@@ -14,7 +14,10 @@ Per rank at degree t:
   micro-batch: an all-reduce without sequence parallelism, an all-gather plus a reduce-scatter with it. A
   ring all-reduce of B bytes over t ranks costs 2(t-1)/t · B / bw + 2(t-1) · latency, an all-gather or a
   reduce-scatter half of that, so both variants cost the same time. Priced on the intra-node collective
-  link (`Network.collective_*`: a TP group never leaves its node) and not overlapped with compute.
+  link (`Network.collective_*`: a TP group never leaves its node) and not overlapped with compute. Each call
+  also pays `Network.tp_collective_s` per peer (t - 1 of them): the fixed cost of a DTensor collective beyond
+  the bare ring, host dispatch and the wait for the slower rank, which a calibration measures
+  (bench/calibrate_tp.py; 0 in the stated GPU nodes, whose NCCL latency already stands for it).
 """
 
 from __future__ import annotations
@@ -100,7 +103,9 @@ def allreduce_s(nbytes: float, ranks: int, network: Network) -> float:
 
 
 def tp_comm_s(block: BlockCost, samples: int, tp: int, network: Network) -> float:
-    """Seconds of tensor-parallel collectives in one forward (and as many in one backward) of a micro-batch."""
+    """Seconds of tensor-parallel collectives in one forward (and as many in one backward) of a micro-batch:
+    per collective the ring's time plus the fixed per-peer cost of a DTensor collective."""
     if block.tensor is None or tp == 1:
         return 0.0
-    return block.tensor.collectives * allreduce_s(samples * block.tensor.comm_bytes, tp, network)
+    per_call = allreduce_s(samples * block.tensor.comm_bytes, tp, network) + (tp - 1) * network.tp_collective_s
+    return block.tensor.collectives * per_call

@@ -1,7 +1,8 @@
 """The Gantt chart of a traced run as a PNG, in the style of the seed's figure (no torch).
 
 A row per rank; a box per micro-batch's forward (plain) and backward (hatched), coloured by micro-batch
-and labelled `F3` / `B3` where they fit; send/recv waits as thin grey bars; optimizer step and metrics
+and labelled `F3` / `B3` where they fit; tensor-parallel collectives as dark bands in the lower part of the
+box that ran them; send/recv waits as thin grey bars; optimizer step and metrics
 as light grey boxes; white is idle. Dotted lines separate traced steps.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipetrain.trace.spans import COMPUTE_KINDS, Span
+from pipetrain.trace.spans import COMPUTE_KINDS, TP_KINDS, Span
 
 __all__ = ["write_gantt"]
 
@@ -43,6 +44,8 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
                                hatch=_HATCH.get(s.kind, ".."))
                 if w > span_ms / 60:
                     ax.text(x + w / 2, y, s.name, ha="center", va="center", fontsize=7)
+            elif s.kind in TP_KINDS:  # inside its forward/backward box: a dark band across its lower half
+                ax.broken_barh([(x, w)], (y - 0.4, 0.3), facecolors="0.15", zorder=3)  # over its compute box
             elif s.kind == "wait":
                 ax.broken_barh([(x, w)], (y - 0.08, 0.16), facecolors="0.35")
             elif s.kind in ("optimizer", "metrics", "dp"):
@@ -54,7 +57,7 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlabel("time (ms)\nF = forward, B = backward (hatched; I/W = input/weight grad), R = recompute, "
-                  "grey bar = send/recv wait, light grey = optimizer/metrics, white = idle", fontsize=7)
+                  "grey bar = send/recv wait, dark band = TP collective, light grey = optimizer/metrics, white = idle", fontsize=7)
     ax.set_title(title or "pipeline timeline")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

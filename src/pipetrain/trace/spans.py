@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["Span", "COMPUTE_KINDS", "KIND_LABELS", "spans_to_dicts", "spans_from_dicts", "union_ns"]
+__all__ = ["Span", "COMPUTE_KINDS", "TP_KINDS", "KIND_LABELS", "spans_to_dicts", "spans_from_dicts", "union_ns",
+           "within_compute"]
 
 #: Work on one micro-batch of one stage: forward, full backward, input-grad backward, weight-grad backward.
 COMPUTE_KINDS = ("F", "B", "I", "W")
+#: Tensor-parallel collectives (trace/collectives.py), each inside the forward or backward that ran it.
+TP_KINDS = ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_to_all")
 #: Every kind and how reports name it.
 KIND_LABELS = {
     "F": "forward",
@@ -21,6 +24,10 @@ KIND_LABELS = {
     "optimizer": "optimizer step",
     "metrics": "metrics all-reduce",
     "step": "step",
+    "tp_all_reduce": "TP all-reduce",
+    "tp_all_gather": "TP all-gather",
+    "tp_reduce_scatter": "TP reduce-scatter",
+    "tp_all_to_all": "TP all-to-all",
 }
 
 
@@ -77,3 +84,21 @@ def union_ns(intervals: Sequence[tuple[int, int]]) -> int:
     if current_end is not None:
         total += current_end - current_start
     return total
+
+
+def within_compute(spans: Sequence[Span]) -> list[Span]:
+    """`spans` with each TP collective given the stage and micro-batch of the compute span (or recomputation)
+    of its rank and step that contains it (a collective outside any, e.g. in a norm clip, keeps -1)."""
+    work: dict[tuple[int, int], list[Span]] = {}
+    for s in spans:
+        if s.kind in COMPUTE_KINDS or s.kind == "recompute":
+            work.setdefault((s.rank, s.step), []).append(s)
+    out = []
+    for s in spans:
+        if s.kind in TP_KINDS and s.stage < 0:
+            around = [w for w in work.get((s.rank, s.step), ()) if w.start_ns <= s.start_ns and s.end_ns <= w.end_ns]
+            if around:
+                inner = min(around, key=lambda w: w.duration_ns)  # a recomputation inside its backward
+                s = Span(s.rank, s.kind, s.start_ns, s.end_ns, s.step, inner.stage, inner.microbatch)
+        out.append(s)
+    return out

@@ -29,8 +29,9 @@ from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.clock import clock_for
 from pipetrain.pipeline.timeline import Recorder, span
+from pipetrain.trace.collectives import tp_collective_spans
 from pipetrain.trace.report import TraceFiles, check_trace_dir, trace_result, write_trace_files
-from pipetrain.trace.spans import Span
+from pipetrain.trace.spans import Span, within_compute
 from pipetrain.trace.summary import ideal_bubble
 
 __all__ = ["Tracer"]
@@ -70,7 +71,7 @@ class Tracer:
         if not self.warmup <= index < self.warmup + self.steps:
             yield False
             return
-        with self._recorder.recording(index - self.warmup):
+        with self._recorder.recording(index - self.warmup), tp_collective_spans(self._recorder):
             yield True
 
     def span(self, kind: str) -> AbstractContextManager[None]:
@@ -96,8 +97,8 @@ class Tracer:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank != 0:
             return None
-        spans = [Span(r, kind, start, end, step, stage, mb)
-                 for r, records in enumerate(gathered) for kind, start, end, step, stage, mb in records or []]
+        spans = within_compute([Span(r, kind, start, end, step, stage, mb)
+                                for r, records in enumerate(gathered) for kind, start, end, step, stage, mb in records or []])
         config = self.engine.config
         ideal = ideal_bubble(config.schedule, config.pp, config.n_microbatches, config.virtual_stages)
         metadata = {"schedule": config.schedule, "pp": config.pp, "chunks": config.n_microbatches,
