@@ -102,10 +102,12 @@ def test_a_killed_host_is_named_and_resume_continues_with_the_same_losses(cluste
     ended_s = time.monotonic() - killed_at
     print(f"host 1 killed: host 0 said it after {said_s:.1f} s, its torchrun ended after {ended_s:.1f} s")
     output = cluster.output("node0.log")
-    assert said, f"host 0 said nothing within 10 s of host 1's death:\n{output[-4000:]}"
-    assert code0 not in (None, 0), f"host 0 still running {ended_s:.1f} s after host 1 was killed:\n{output[-4000:]}"
-    assert output.count("pipetrain: error:") == 1, output[-4000:]
-    assert "pipetrain: error: lost ranks 2, 3 of 4" in output, output[-4000:]
+    seen = (f"host 0 said it after {said_s:.1f} s, ended after {ended_s:.1f} s (code {code0})\n--- host 0\n"
+            f"{output[-4000:]}\n--- host 1\n{cluster.output('node1.log')[-2000:]}")
+    assert said, f"host 0 said nothing within 10 s of host 1's death: {seen}"
+    assert code0 not in (None, 0), f"host 0 still running after host 1 was killed: {seen}"
+    assert output.count("pipetrain: error:") == 1, seen
+    assert "pipetrain: error: lost ranks 2, 3 of 4" in output, seen
     wait_all(nodes, 10.0)
     _assert_no_process_left(cluster)
     before = losses(run_dir)
