@@ -3,12 +3,16 @@ pipeline inside each host (torchrun, c10d rendezvous) and across the hosts on a 
 set by hand), each equal in losses to a one-process run; a host killed at once, and the link taken down mid-step,
 each named in one message; --resume after the kill continues with the uninterrupted run's losses.
 
+The one-process runs (the reference, the resumes) run on this host, in the test process itself: only their rank
+starts (an interpreter fewer than `python -m pipetrain` each).
+
 Parity tolerance: 5e-5 absolute on every step's loss (DDP's all-reduce and the micro-batch mean sum in another
 order than the one process does). Time bounds are generous (two shared cores): they catch hangs, not slowness.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pipetrain.cli.main import main
 from tests.multihost.cluster import (ADDRESSES, MASTER_PORT, Cluster, environ, losses, netns_problem, torchrun,
                                      wait_all, wait_for)
 
@@ -37,13 +42,22 @@ def _close(got: dict[int, float], want: dict[int, float]) -> None:
     assert worst <= ATOL, f"largest loss difference {worst:.2e} > {ATOL:g}: {got} vs {want}"
 
 
+def _one_process(*args: str) -> int:
+    """`pipetrain train JOB --dp 1 --pp 1 ARGS` on this host, from this process, with environ()'s variables (one
+    thread, no launcher's); its exit code."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in set(os.environ) - set(environ()):
+            patch.delenv(name)
+        for name, value in environ(PIPETRAIN_DEVICE="cpu").items():
+            patch.setenv(name, value)
+        return main([*TRAIN[2:], "--dp", "1", "--pp", "1", *args])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Every step's loss of the job in one process (dp=1, pp=1) on this host."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    done = subprocess.run([sys.executable, *TRAIN, "--dp", "1", "--pp", "1", "--run-dir", str(run_dir)],
-                          env=environ(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert _one_process("--run-dir", str(run_dir)) == 0
     steps = losses(run_dir)
     assert sorted(steps) == list(range(1, STEPS + 1)), steps
     return steps
@@ -120,10 +134,7 @@ def _resume_gives(reference: dict[int, float], saves: Path, run_dir: Path, *, ev
                   before: dict[int, float]) -> None:
     """--resume from the last complete checkpoint in `saves`, in one process (checkpoints are layout-free): the
     steps from there to the end have the uninterrupted run's losses."""
-    done = subprocess.run([sys.executable, *TRAIN, "--dp", "1", "--pp", "1", "--save-dir", str(saves), "--resume",
-                           "--run-dir", str(run_dir)], env=environ(), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert _one_process("--save-dir", str(saves), "--resume", "--run-dir", str(run_dir)) == 0
     after = losses(run_dir)
     assert min(after) % every == 1 and max(after) == STEPS and min(after) <= max(before) + 1, (sorted(after), before)
     _close(after, reference)
