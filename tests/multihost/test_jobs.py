@@ -167,35 +167,35 @@ def test_a_link_down_mid_step_is_named_by_the_step_watchdog(cluster: Cluster, re
     _resume_gives(reference, saves, tmp_path / "resumed", every=2, before=before)
 
 
-def test_an_unreachable_rendezvous_is_said_within_the_join_timeout(cluster: Cluster):
-    """Rank 1 of a two-host job started alone on host 1: rank 0's address (host 0) accepts nothing; within
-    PIPETRAIN_JOIN_TIMEOUT (5 s here, 120 s by default) one message says so, no traceback."""
-    env = environ(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
-                  GROUP_WORLD_SIZE="2", MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(MASTER_PORT),
-                  PIPETRAIN_JOIN_TIMEOUT="5")
-    [code] = wait_all([cluster.start(1, [sys.executable, *TRAIN, "--dp", "1", "--pp", "2"], env, "rank1.log")], 120.0)
-    output = cluster.output("rank1.log")
-    assert code not in (None, 0), output
-    assert output.count("pipetrain: error:") == 1 and "Traceback" not in output, output
-    assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{MASTER_PORT} (MASTER_ADDR:MASTER_PORT) "
-            "within 5 s: Connection refused") in output, output
-    _assert_no_process_left(cluster)
+def test_hosts_started_wrong_are_told_once(cluster: Cluster):
+    """Two mistakes at once on one pair of hosts (each job alone took 15 s and 35 s, mostly start-up):
 
-
-def test_hosts_started_with_different_layouts_are_told_once(cluster: Cluster):
-    """Host 0 started with --dp 2 --pp 1, host 1 with --dp 1 --pp 2: both fit 2 ranks, so no rank can tell alone;
-    rank 0 names both layouts once, before any stage is built, and both ranks end non-zero."""
+    - different layouts: host 0 started with --dp 2 --pp 1, host 1 with --dp 1 --pp 2: both fit 2 ranks, so no rank
+      can tell alone; rank 0 names both layouts once, before any stage is built, and both ranks end non-zero;
+    - an unreachable rendezvous: rank 1 of another two-host job started alone on host 1, its rank 0's address
+      (host 0, a port nothing listens on) accepts nothing: within PIPETRAIN_JOIN_TIMEOUT (5 s here, 120 s by
+      default) one message says so, no traceback."""
     common = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
               "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": str(MASTER_PORT)}
     ranks = [cluster.start(rank, [sys.executable, *TRAIN, *layout], environ(**common, RANK=str(rank),
                                                                              GROUP_RANK=str(rank)), f"rank{rank}.log")
              for rank, layout in enumerate((["--dp", "2", "--pp", "1"], ["--dp", "1", "--pp", "2"]))]
+    alone_port = MASTER_PORT + 10
+    alone = cluster.start(1, [sys.executable, *TRAIN, "--dp", "1", "--pp", "2"],
+                          environ(**common | {"RANK": "1", "GROUP_RANK": "1", "MASTER_PORT": str(alone_port),
+                                              "PIPETRAIN_JOIN_TIMEOUT": "5"}), "alone.log")
     codes = wait_all(ranks, JOB_TIMEOUT_S)
-    out0, out1 = cluster.output("rank0.log"), cluster.output("rank1.log")
+    [code] = wait_all([alone], 120.0)
+    out0, out1, output = cluster.output("rank0.log"), cluster.output("rank1.log"), cluster.output("alone.log")
     assert None not in codes and 0 not in codes, (codes, out0[-3000:], out1[-3000:])
     assert out0.count("pipetrain: error:") == 1 and "pipetrain: error" not in out1, (out0[-3000:], out1[-3000:])
     assert ("pipetrain: error: the ranks of this job were started with different layouts: rank 0: dp=2 (ddp) x pp=1, "
             "schedule gpipe, chunks 2, partition uniform; rank 1: dp=1 (ddp) x pp=2, schedule gpipe, chunks 2, "
             "partition uniform (hint: start every node with the same") in out0, out0[-3000:]
     assert "Traceback" not in out0 + out1, (out0[-3000:], out1[-3000:])
+
+    assert code not in (None, 0), output
+    assert output.count("pipetrain: error:") == 1 and "Traceback" not in output, output
+    assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{alone_port} (MASTER_ADDR:MASTER_PORT) "
+            "within 5 s: Connection refused") in output, output
     _assert_no_process_left(cluster)
