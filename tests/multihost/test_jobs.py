@@ -3,12 +3,16 @@ pipeline inside each host (torchrun, c10d rendezvous) and across the hosts on a 
 set by hand), each equal in losses to a one-process run; a host killed at once, and the link taken down mid-step,
 each named in one message; --resume after the kill continues with the uninterrupted run's losses.
 
+The one-process runs (the reference, the resumes) run on this host, in the test process itself: only their rank
+starts (an interpreter fewer than `python -m pipetrain` each).
+
 Parity tolerance: 5e-5 absolute on every step's loss (DDP's all-reduce and the micro-batch mean sum in another
 order than the one process does). Time bounds are generous (two shared cores): they catch hangs, not slowness.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pipetrain.cli.main import main
 from tests.multihost.cluster import (ADDRESSES, MASTER_PORT, Cluster, environ, losses, netns_problem, torchrun,
                                      wait_all, wait_for)
 
@@ -37,13 +42,22 @@ def _close(got: dict[int, float], want: dict[int, float]) -> None:
     assert worst <= ATOL, f"largest loss difference {worst:.2e} > {ATOL:g}: {got} vs {want}"
 
 
+def _one_process(*args: str) -> int:
+    """`pipetrain train JOB --dp 1 --pp 1 ARGS` on this host, from this process, with environ()'s variables (one
+    thread, no launcher's); its exit code."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in set(os.environ) - set(environ()):
+            patch.delenv(name)
+        for name, value in environ(PIPETRAIN_DEVICE="cpu").items():
+            patch.setenv(name, value)
+        return main([*TRAIN[2:], "--dp", "1", "--pp", "1", *args])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Every step's loss of the job in one process (dp=1, pp=1) on this host."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    done = subprocess.run([sys.executable, *TRAIN, "--dp", "1", "--pp", "1", "--run-dir", str(run_dir)],
-                          env=environ(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert _one_process("--run-dir", str(run_dir)) == 0
     steps = losses(run_dir)
     assert sorted(steps) == list(range(1, STEPS + 1)), steps
     return steps
@@ -102,10 +116,12 @@ def test_a_killed_host_is_named_and_resume_continues_with_the_same_losses(cluste
     ended_s = time.monotonic() - killed_at
     print(f"host 1 killed: host 0 said it after {said_s:.1f} s, its torchrun ended after {ended_s:.1f} s")
     output = cluster.output("node0.log")
-    assert said, f"host 0 said nothing within 10 s of host 1's death:\n{output[-4000:]}"
-    assert code0 not in (None, 0), f"host 0 still running {ended_s:.1f} s after host 1 was killed:\n{output[-4000:]}"
-    assert output.count("pipetrain: error:") == 1, output[-4000:]
-    assert "pipetrain: error: lost ranks 2, 3 of 4" in output, output[-4000:]
+    seen = (f"host 0 said it after {said_s:.1f} s, ended after {ended_s:.1f} s (code {code0})\n--- host 0\n"
+            f"{output[-4000:]}\n--- host 1\n{cluster.output('node1.log')[-2000:]}")
+    assert said, f"host 0 said nothing within 10 s of host 1's death: {seen}"
+    assert code0 not in (None, 0), f"host 0 still running after host 1 was killed: {seen}"
+    assert output.count("pipetrain: error:") == 1, seen
+    assert "pipetrain: error: lost ranks 2, 3 of 4" in output, seen
     wait_all(nodes, 10.0)
     _assert_no_process_left(cluster)
     before = losses(run_dir)
@@ -118,10 +134,7 @@ def _resume_gives(reference: dict[int, float], saves: Path, run_dir: Path, *, ev
                   before: dict[int, float]) -> None:
     """--resume from the last complete checkpoint in `saves`, in one process (checkpoints are layout-free): the
     steps from there to the end have the uninterrupted run's losses."""
-    done = subprocess.run([sys.executable, *TRAIN, "--dp", "1", "--pp", "1", "--save-dir", str(saves), "--resume",
-                           "--run-dir", str(run_dir)], env=environ(), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert _one_process("--save-dir", str(saves), "--resume", "--run-dir", str(run_dir)) == 0
     after = losses(run_dir)
     assert min(after) % every == 1 and max(after) == STEPS and min(after) <= max(before) + 1, (sorted(after), before)
     _close(after, reference)
@@ -154,35 +167,35 @@ def test_a_link_down_mid_step_is_named_by_the_step_watchdog(cluster: Cluster, re
     _resume_gives(reference, saves, tmp_path / "resumed", every=2, before=before)
 
 
-def test_an_unreachable_rendezvous_is_said_within_the_join_timeout(cluster: Cluster):
-    """Rank 1 of a two-host job started alone on host 1: rank 0's address (host 0) accepts nothing; within
-    PIPETRAIN_JOIN_TIMEOUT (5 s here, 120 s by default) one message says so, no traceback."""
-    env = environ(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="1",
-                  GROUP_WORLD_SIZE="2", MASTER_ADDR=ADDRESSES[0], MASTER_PORT=str(MASTER_PORT),
-                  PIPETRAIN_JOIN_TIMEOUT="5")
-    [code] = wait_all([cluster.start(1, [sys.executable, *TRAIN, "--dp", "1", "--pp", "2"], env, "rank1.log")], 120.0)
-    output = cluster.output("rank1.log")
-    assert code not in (None, 0), output
-    assert output.count("pipetrain: error:") == 1 and "Traceback" not in output, output
-    assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{MASTER_PORT} (MASTER_ADDR:MASTER_PORT) "
-            "within 5 s: Connection refused") in output, output
-    _assert_no_process_left(cluster)
+def test_hosts_started_wrong_are_told_once(cluster: Cluster):
+    """Two mistakes at once on one pair of hosts (each job alone took 15 s and 35 s, mostly start-up):
 
-
-def test_hosts_started_with_different_layouts_are_told_once(cluster: Cluster):
-    """Host 0 started with --dp 2 --pp 1, host 1 with --dp 1 --pp 2: both fit 2 ranks, so no rank can tell alone;
-    rank 0 names both layouts once, before any stage is built, and both ranks end non-zero."""
+    - different layouts: host 0 started with --dp 2 --pp 1, host 1 with --dp 1 --pp 2: both fit 2 ranks, so no rank
+      can tell alone; rank 0 names both layouts once, before any stage is built, and both ranks end non-zero;
+    - an unreachable rendezvous: rank 1 of another two-host job started alone on host 1, its rank 0's address
+      (host 0, a port nothing listens on) accepts nothing: within PIPETRAIN_JOIN_TIMEOUT (5 s here, 120 s by
+      default) one message says so, no traceback."""
     common = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
               "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": str(MASTER_PORT)}
     ranks = [cluster.start(rank, [sys.executable, *TRAIN, *layout], environ(**common, RANK=str(rank),
                                                                              GROUP_RANK=str(rank)), f"rank{rank}.log")
              for rank, layout in enumerate((["--dp", "2", "--pp", "1"], ["--dp", "1", "--pp", "2"]))]
+    alone_port = MASTER_PORT + 10
+    alone = cluster.start(1, [sys.executable, *TRAIN, "--dp", "1", "--pp", "2"],
+                          environ(**common | {"RANK": "1", "GROUP_RANK": "1", "MASTER_PORT": str(alone_port),
+                                              "PIPETRAIN_JOIN_TIMEOUT": "5"}), "alone.log")
     codes = wait_all(ranks, JOB_TIMEOUT_S)
-    out0, out1 = cluster.output("rank0.log"), cluster.output("rank1.log")
+    [code] = wait_all([alone], 120.0)
+    out0, out1, output = cluster.output("rank0.log"), cluster.output("rank1.log"), cluster.output("alone.log")
     assert None not in codes and 0 not in codes, (codes, out0[-3000:], out1[-3000:])
     assert out0.count("pipetrain: error:") == 1 and "pipetrain: error" not in out1, (out0[-3000:], out1[-3000:])
     assert ("pipetrain: error: the ranks of this job were started with different layouts: rank 0: dp=2 (ddp) x pp=1, "
             "schedule gpipe, chunks 2, partition uniform; rank 1: dp=1 (ddp) x pp=2, schedule gpipe, chunks 2, "
             "partition uniform (hint: start every node with the same") in out0, out0[-3000:]
     assert "Traceback" not in out0 + out1, (out0[-3000:], out1[-3000:])
+
+    assert code not in (None, 0), output
+    assert output.count("pipetrain: error:") == 1 and "Traceback" not in output, output
+    assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{alone_port} (MASTER_ADDR:MASTER_PORT) "
+            "within 5 s: Connection refused") in output, output
     _assert_no_process_left(cluster)

@@ -108,3 +108,31 @@ def test_sigabrt_has_its_own_hint():
     err = _failure([], [(1, dead)])
     assert "code -6 (SIGABRT)" in err.message and "NCCL's watchdog" in err.hint
     assert "out of memory" in _failure([], [(1, SimpleNamespace(exitcode=-9, name="r"))]).hint
+
+
+def test_a_peer_lost_during_a_save_is_named_as_lost_not_as_a_failed_save(monkeypatch, tmp_path):
+    """A host killed while a checkpoint is being written: the save's error (a RankFailedError whose cause is gloo's
+    closed connection) goes through the lost-rank report like a lost connection in a step: one rank names the lost
+    ranks, the others stay quiet (it was two "the save of checkpoint ... failed" lines, one per surviving rank, and
+    no lost rank named: the multihost kill test's flake). Any other save failure keeps its own message."""
+    from pipetrain.checkpoint.state import save_failed
+    from pipetrain.cli import train as train_cli
+    from pipetrain.errors import RankFailedError
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.213.7.2]:19081")
+    named = RankFailedError("lost ranks 2, 3 of 4")
+    asked = []
+
+    def report(err, spec, *, step_timeout_s):
+        asked.append(str(err))
+        return named if "Connection closed by peer" in str(err) else None
+
+    monkeypatch.setattr(train_cli, "report_lost_connection", report)
+    config = SimpleNamespace(durable=SimpleNamespace(step_timeout_s=60.0))
+    for cause, expected in ((lost, named), (RuntimeError("Something else"), None)):
+        failed = save_failed(tmp_path / "step-00000012", cause)
+        monkeypatch.setattr(train_cli, "train_rank", lambda *a, failed=failed: (_ for _ in ()).throw(failed))
+        with pytest.raises(RankFailedError) as raised:
+            train_cli._rank_main(SPEC, config, None, None)
+        assert raised.value is (expected or failed), raised.value
+    assert len(asked) == 2 and "the save of checkpoint" in asked[0], asked

@@ -20,7 +20,7 @@ from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
-from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError
+from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError, RankFailedError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.lost import report_lost_connection
@@ -175,9 +175,9 @@ def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     try:
         reports = train_rank(spec, config, data)
-    except RuntimeError as err:  # a dead peer, an NCCL timeout or abort: one line, not the backend's traceback
-        known = report_lost_connection(err, spec, step_timeout_s=config.durable.step_timeout_s) or backend_failure(
-            err, spec.rank)
+    except (RuntimeError, RankFailedError) as err:  # a dead peer (also in a save), an NCCL timeout or abort: one line
+        known = report_lost_connection(err, spec, step_timeout_s=config.durable.step_timeout_s) or (
+            backend_failure(err, spec.rank) if isinstance(err, RuntimeError) else None)
         if known is None:
             raise
         raise known from None
