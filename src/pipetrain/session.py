@@ -87,7 +87,8 @@ def build_session(
     parallel.check_world(dist.get_world_size())
     mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
-    split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel)
+    split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
+                                    loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
     engine = PipelineEngine(
         model,
