@@ -32,10 +32,18 @@ __all__ = ["FusedColwiseParallel", "HeadParallelAttention", "PRIVATE_DTENSOR", "
 SEQUENCE = Shard(1)
 
 
+class _ScatterSequence(PrepareModuleOutput):
+    """`PrepareModuleOutput` Replicate -> Shard(1) of a module with one output, the shard a copy of its own (not
+    the view `to_local` gives: FSDP2 warns of a block returning a view)."""
+
+    def _prepare_out_fn(self, outputs, device_mesh):
+        return super()._prepare_out_fn(outputs, device_mesh).clone(memory_format=torch.contiguous_format)
+
+
 def scatter_sequence() -> PrepareModuleOutput:
-    """Where a sequence-parallel region starts (on the embedding's last submodule): its replicated output cut to
-    this rank's sequence shard, sent on as a local tensor (backward: all-gather of the gradient)."""
-    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True)
+    """Where a sequence-parallel region starts (on the embedding's last submodule, one output): its replicated
+    output cut to this rank's sequence shard, sent on as a local tensor (backward: all-gather of the gradient)."""
+    return _ScatterSequence(output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True)
 
 
 def gather_sequence() -> PrepareModuleInput:
