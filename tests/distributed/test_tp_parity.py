@@ -37,6 +37,7 @@ RTOL, ATOL = 1e-5, 4e-5
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
 CLIP = 0.5  # below the tiny models' gradient norms (about 1 to 3): every step is clipped
 BATCHES = [8, 6, 3]  # a short last batch
+SHORT = [8, 3]
 DP_BATCHES = [16, 12, 6]
 
 
@@ -56,9 +57,10 @@ CASES = {
     "dp2xtp2-fsdp-classifier-bf16": (4, _tp(dp=2), "classifier", DP_BATCHES, "bf16", None),
     # sequence parallelism (sp) and the lm's vocabulary-parallel head (vocab): the stages exchange sequence shards
     # (virtual stages too); the clip counts the sequence-parallel norms' (Partial) gradients once
-    "tp2-sp-classifier-clip": (2, _tp(sp=True), "classifier", BATCHES, "fp32", CLIP),
-    "tp2-sp-vocab-gpt-bf16": (2, _tp(sp=True, vocab=True), "gpt", BATCHES, "bf16", None),
-    "pp2xtp2-gpipe-sp-classifier-bf16": (4, _tp(pp=2, sp=True), "classifier", BATCHES, "bf16", None),
+    # (the new cases take two steps, the second short, to spare the suite's time)
+    "tp2-sp-classifier-clip": (2, _tp(sp=True), "classifier", SHORT, "fp32", CLIP),
+    "tp2-sp-vocab-gpt-bf16": (2, _tp(sp=True, vocab=True), "gpt", SHORT, "bf16", None),
+    "pp2xtp2-gpipe-sp-classifier-bf16": (4, _tp(pp=2, sp=True), "classifier", SHORT, "bf16", None),
     "pp2xtp2-interleaved-1f1b-sp-vocab-gpt-clip": (4, _tp(pp=2, schedule="interleaved-1f1b", sp=True, vocab=True),
                                                    "gpt", BATCHES, "fp32", CLIP),
     # the one 8-rank job (slow on 2 cores): two steps, the second a short batch
