@@ -50,16 +50,16 @@ def _tp(tp: int = 2, pp: int = 1, schedule: str = "gpipe", dp: int = 1, chunks: 
 # name -> (world size, mesh, model, batch sizes, precision, clip)
 CASES = {
     "tp2-classifier-clip": (2, _tp(), "classifier", BATCHES, "fp32", CLIP),
-    "tp2-gpt": (2, _tp(), "gpt", BATCHES, "fp32", None),
     "pp2xtp2-gpipe-classifier": (4, _tp(pp=2), "classifier", BATCHES, "fp32", None),
     "pp2xtp2-1f1b-gpt-clip": (4, _tp(pp=2, schedule="1f1b"), "gpt", BATCHES, "fp32", CLIP),
     "dp2xtp2-fsdp-gpt-clip": (4, _tp(dp=2), "gpt", DP_BATCHES, "fp32", CLIP),
     "dp2xtp2-fsdp-classifier-bf16": (4, _tp(dp=2), "classifier", DP_BATCHES, "bf16", None),
     # sequence parallelism (sp) and the lm's vocabulary-parallel head (vocab): the stages exchange sequence shards
-    # (virtual stages too); the clip counts the sequence-parallel norms' (Partial) gradients once
-    # (the new cases take two steps, the second short, to spare the suite's time)
+    # (virtual stages too); the clip counts the sequence-parallel norms' (Partial) gradients once. The two
+    # classifier cases take two steps (the second short) to spare the suite's time; the lm cases took the places
+    # of plain tp2 and interleaved lm cases (the lm's plain plan runs at pp2 × tp2, dp2 × tp2, dp2 × pp2 × tp2)
     "tp2-sp-classifier-clip": (2, _tp(sp=True), "classifier", SHORT, "fp32", CLIP),
-    "tp2-sp-vocab-gpt-bf16": (2, _tp(sp=True, vocab=True), "gpt", SHORT, "bf16", None),
+    "tp2-sp-vocab-gpt-bf16": (2, _tp(sp=True, vocab=True), "gpt", BATCHES, "bf16", None),
     "pp2xtp2-gpipe-sp-classifier-bf16": (4, _tp(pp=2, sp=True), "classifier", SHORT, "bf16", None),
     "pp2xtp2-interleaved-1f1b-sp-vocab-gpt-clip": (4, _tp(pp=2, schedule="interleaved-1f1b", sp=True, vocab=True),
                                                    "gpt", BATCHES, "fp32", CLIP),
