@@ -190,7 +190,9 @@ class ParallelConfig:
     """The device mesh: `dp` replicas (or shards) of a `pp`-rank pipeline whose every stage is split over `tp`
     ranks (tensor parallelism, innermost: the ranks of a TP group are neighbours); world size = dp * pp * tp.
 
-    `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence.
+    `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence;
+    `loss_parallel` (needs tp > 1) splits a language model's head over the vocabulary, with the cross-entropy
+    computed on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
     """
 
     dp: int = 1
@@ -198,6 +200,7 @@ class ParallelConfig:
     pipeline: PipelineConfig = PipelineConfig()
     tp: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
@@ -206,6 +209,9 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, but tp=1",
                               hint="pass --tp 2 or more with --sequence-parallel, or drop --sequence-parallel")
+        if self.loss_parallel and self.tp == 1:
+            raise ConfigError("--loss-parallel splits the head over the tensor-parallel ranks, but tp=1",
+                              hint="pass --tp 2 or more with --loss-parallel, or drop --loss-parallel")
         if self.tp > 1 and self.dp > 1 and self.dp_mode == "ddp":
             # FSDP2 over dp composes with TP's DTensor parameters (torchtitan's way, parity-tested here); DDP is not
             raise ConfigError(

@@ -94,7 +94,8 @@ def build_session(
     with startup.phase("mesh"):
         mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
-    split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel)
+    split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
+                                    loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)

@@ -110,7 +110,8 @@ class TrainConfig:
                               hint=f"pass --max-steps {self.trace_warmup + self.trace_steps} or more, or lower --trace-warmup")
         self.parallel.check_global_batch(self.batch_size)
         self.parallel.pipeline.check_blocks(self.model().num_blocks)
-        check_tensor_parallel(self.model(), self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel)
+        check_tensor_parallel(self.model(), self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel,
+                              loss_parallel=self.parallel.loss_parallel)
 
     def _check_data(self, workload: Workload) -> None:
         if not self.synthetic:

@@ -1,5 +1,6 @@
 """Tensor parallelism is transparent: tp2, pp2 × tp2, dp2 × tp2 (FSDP2) and dp2 × pp2 × tp2 runs give the losses,
-gradients and parameters of one process, and the global gradient-norm clip equals the unsplit model's; and
+gradients and parameters of one process, with and without sequence parallelism and with the lm's
+vocabulary-parallel head (loss_parallel), and the global gradient-norm clip equals the unsplit model's; and
 checkpoints cross TP degrees: written at pp2 × tp2, resumed at pp4 (tp1) and at dp2 × tp2 FSDP2, and back
 (pp2 × tp2 from a dp2 × tp2 FSDP2 checkpoint); `export` of a TP checkpoint is the unsplit model.
 
@@ -36,23 +37,32 @@ RTOL, ATOL = 1e-5, 4e-5
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
 CLIP = 0.5  # below the tiny models' gradient norms (about 1 to 3): every step is clipped
 BATCHES = [8, 6, 3]  # a short last batch
+SHORT = [8, 3]
 DP_BATCHES = [16, 12, 6]
 
 
-def _tp(tp: int = 2, pp: int = 1, schedule: str = "gpipe", dp: int = 1, chunks: int = 2) -> ParallelConfig:
-    return ParallelConfig(tp=tp, dp=dp, dp_mode="fsdp", pipeline=PipelineConfig(pp=pp, schedule=schedule,
-                                                                                 n_microbatches=chunks))
+def _tp(tp: int = 2, pp: int = 1, schedule: str = "gpipe", dp: int = 1, chunks: int = 2, *, sp: bool = False,
+        vocab: bool = False) -> ParallelConfig:
+    return ParallelConfig(tp=tp, dp=dp, dp_mode="fsdp", sequence_parallel=sp, loss_parallel=vocab,
+                          pipeline=PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks))
 
 
 # name -> (world size, mesh, model, batch sizes, precision, clip)
 CASES = {
     "tp2-classifier-clip": (2, _tp(), "classifier", BATCHES, "fp32", CLIP),
-    "tp2-gpt": (2, _tp(), "gpt", BATCHES, "fp32", None),
     "pp2xtp2-gpipe-classifier": (4, _tp(pp=2), "classifier", BATCHES, "fp32", None),
     "pp2xtp2-1f1b-gpt-clip": (4, _tp(pp=2, schedule="1f1b"), "gpt", BATCHES, "fp32", CLIP),
-    "pp2xtp2-interleaved-1f1b-gpt": (4, _tp(pp=2, schedule="interleaved-1f1b"), "gpt", BATCHES, "fp32", None),
     "dp2xtp2-fsdp-gpt-clip": (4, _tp(dp=2), "gpt", DP_BATCHES, "fp32", CLIP),
     "dp2xtp2-fsdp-classifier-bf16": (4, _tp(dp=2), "classifier", DP_BATCHES, "bf16", None),
+    # sequence parallelism (sp) and the lm's vocabulary-parallel head (vocab): the stages exchange sequence shards
+    # (virtual stages too); the clip counts the sequence-parallel norms' (Partial) gradients once. The two
+    # classifier cases take two steps (the second short) to spare the suite's time; the lm cases took the places
+    # of plain tp2 and interleaved lm cases (the lm's plain plan runs at pp2 × tp2, dp2 × tp2, dp2 × pp2 × tp2)
+    "tp2-sp-classifier-clip": (2, _tp(sp=True), "classifier", SHORT, "fp32", CLIP),
+    "tp2-sp-vocab-gpt-bf16": (2, _tp(sp=True, vocab=True), "gpt", BATCHES, "bf16", None),
+    "pp2xtp2-gpipe-sp-classifier-bf16": (4, _tp(pp=2, sp=True), "classifier", SHORT, "bf16", None),
+    "pp2xtp2-interleaved-1f1b-sp-vocab-gpt-clip": (4, _tp(pp=2, schedule="interleaved-1f1b", sp=True, vocab=True),
+                                                   "gpt", BATCHES, "fp32", CLIP),
     # the one 8-rank job (slow on 2 cores): two steps, the second a short batch
     "dp2xpp2xtp2-fsdp-1f1b-gpt-clip": (8, _tp(dp=2, pp=2, schedule="1f1b"), "gpt", [16, 12], "fp32", CLIP),
 }

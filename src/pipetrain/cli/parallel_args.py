@@ -38,7 +38,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tensor-parallel ranks splitting each layer (innermost: within one node; with --dp > 1 "
                             "use --dp-mode fsdp) (default: 1)")
     group.add_argument("--sequence-parallel", action="store_true",
-                       help="with --tp: also split the norm and dropout regions along the sequence")
+                       help="with --tp: also split the norm and dropout regions along the sequence (the sequence "
+                            "length, and every --bucket length, a multiple of tp)")
+    group.add_argument("--loss-parallel", action="store_true",
+                       help="with --tp, for the lm: split the head over the vocabulary and compute the cross-entropy "
+                            "on the shards (the vocabulary a multiple of tp)")
     group.add_argument("--schedule", default="1f1b", help=f"{' | '.join(SCHEDULES)} (default: 1f1b)")
     group.add_argument("--chunks", "--n-microbatches", dest="chunks", type=int, default=4,
                        help="micro-batches per batch; 1 is naive model parallelism (default: 4)")
@@ -76,7 +80,8 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         compile=getattr(args, "compile", False),
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
-                          sequence_parallel=getattr(args, "sequence_parallel", False))
+                          sequence_parallel=getattr(args, "sequence_parallel", False),
+                          loss_parallel=getattr(args, "loss_parallel", False))
 
 
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:

@@ -73,9 +73,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--tp", type=int, default=None,
                         help="consider only this tensor-parallel degree (default: every degree dividing a node's "
                              "GPUs, when this pipetrain trains with --tp; else 1)")
-    limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="off",
-                        help="tensor-parallel layouts with sequence parallelism, without, or both (default: off: the "
-                             "built-in TP plans do not split the sequence yet, so 'on' is a what-if)")
+    limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
+                        help="tensor-parallel layouts with sequence parallelism, without, or both (default: both)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
     limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
 

@@ -1,15 +1,22 @@
 """Tensor parallelism over the mesh's `tp` axis: each block of this rank's stages split by the model's TP plan.
 
-A `BlockModel` says how its blocks split through the optional hook `tp_plan(index, tp, sequence_parallel)`,
+A `BlockModel` says how its blocks split through the optional hook `tp_plan(index, tp, *, sequence_parallel)`,
 which returns a `parallelize_module` plan (`{submodule name: ParallelStyle}`) for block `index`, or None for a
 block kept whole (replicated on the TP ranks, e.g. an embedding). Plans send plain local tensors out of every
 block (`use_local_output=True`), so what crosses a pipeline stage is an ordinary tensor. The hook raises a
-`ConfigError` when `tp` does not divide what it splits (heads, hidden size, vocabulary).
+`ConfigError` when `tp` does not divide what it splits (heads, hidden size, vocabulary, the sequence).
+
+Under `sequence_parallel` a plan sends, between blocks and so between stages, each floating-point activation of
+two or more dimensions as this rank's shard of dimension 1 (the sequence; `[batch, seq / tp, ...]`), and
+integer and boolean tensors (masks) whole: the engine sizes the stages' buffers by that rule. The hook is
+called with `loss_parallel=True` only when the user asks for the vocabulary-parallel head (`--loss-parallel`):
+the last block then returns logits as a DTensor sharded on the vocabulary, and the engine runs its steps under
+`loss_parallel()`; a hook without that keyword is refused with one message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,15 +25,16 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from pipetrain.blocks import BlockModel
 from pipetrain.errors import ConfigError
 
-__all__ = ["TPPlan", "block_plans", "check_tensor_parallel", "tensor_parallel_blocks"]
+__all__ = ["TPPlan", "BlockSplit", "block_plans", "check_tensor_parallel", "tensor_parallel_blocks"]
 
 #: What `tp_plan` returns for one block: submodule name (fnmatch pattern) -> style, or None (block kept whole).
 TPPlan = dict[str, ParallelStyle] | None
 
 
-def block_plans(model: BlockModel, tp: int, *, sequence_parallel: bool = False) -> list[TPPlan]:
+def block_plans(model: BlockModel, tp: int, *, sequence_parallel: bool = False,
+                loss_parallel: bool = False) -> list[TPPlan]:
     """Every block's plan (raises the model's `ConfigError` when tp does not divide its sizes, and when the
-    model has no plan at all)."""
+    model has no plan at all, or no vocabulary-parallel head under `loss_parallel`)."""
     hook = getattr(model, "tp_plan", None)
     if hook is None:
         raise ConfigError(
@@ -34,24 +42,48 @@ def block_plans(model: BlockModel, tp: int, *, sequence_parallel: bool = False) 
             hint="run it with --tp 1, or give the BlockModel a tp_plan(index, tp, sequence_parallel) method "
                  "(see docs/tensor-parallel.md)",
         )
-    return [hook(index, tp, sequence_parallel=sequence_parallel) for index in range(model.num_blocks)]
+    extra = {"loss_parallel": True} if loss_parallel else {}
+    if loss_parallel and getattr(model, "tied_parameters", None) is not None and model.tied_parameters():
+        raise ConfigError(f"--loss-parallel splits the head over the vocabulary, but the model "
+                          f"{type(model).__name__} ties it to its embedding, which stays whole",
+                          hint="drop --loss-parallel (the tied head then runs whole on every TP rank)")
+    try:
+        return [hook(index, tp, sequence_parallel=sequence_parallel, **extra) for index in range(model.num_blocks)]
+    except TypeError as error:
+        if not loss_parallel or "loss_parallel" not in str(error):
+            raise
+        raise ConfigError(f"the model {type(model).__name__} has no vocabulary-parallel head for --loss-parallel",
+                          hint="drop --loss-parallel, or accept loss_parallel=True in its tp_plan "
+                               "(see docs/tensor-parallel.md)") from None
 
 
-def check_tensor_parallel(model: BlockModel, tp: int, *, sequence_parallel: bool = False) -> None:
+def check_tensor_parallel(model: BlockModel, tp: int, *, sequence_parallel: bool = False,
+                          loss_parallel: bool = False) -> None:
     """Raise the one `ConfigError` a TP layout of `model` would meet (no plan, tp not dividing a size); no-op at
     tp == 1. Needs no process group: the CLI calls it before it starts ranks."""
     if tp > 1:
-        block_plans(model, tp, sequence_parallel=sequence_parallel)
+        block_plans(model, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-def tensor_parallel_blocks(model: BlockModel, mesh: DeviceMesh, *, sequence_parallel: bool = False
-                           ) -> Callable[[int, nn.Module], nn.Module]:
+@dataclass(frozen=True)
+class BlockSplit:
+    """`(index, block) -> block`: block `index` split over the 1-D `mesh` by its plan. `sequence_shards` is what
+    divides dimension 1 of the floating-point tensors between stages (tp under sequence parallelism, else 1);
+    `loss_parallel` says whether the last block's logits are vocabulary-sharded DTensors."""
+
+    plans: tuple[TPPlan, ...]
+    mesh: DeviceMesh
+    sequence_shards: int = 1
+    loss_parallel: bool = False
+
+    def __call__(self, index: int, block: nn.Module) -> nn.Module:
+        plan = self.plans[index]
+        return parallelize_module(block, self.mesh, plan) if plan else block
+
+
+def tensor_parallel_blocks(model: BlockModel, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                           loss_parallel: bool = False) -> BlockSplit:
     """The function the engine applies to each block it builds, `(index, block) -> block`, splitting it over
     the 1-D `mesh` (this rank's TP group) by the model's plan."""
-    plans = block_plans(model, mesh.size(), sequence_parallel=sequence_parallel)
-
-    def split(index: int, block: nn.Module) -> nn.Module:
-        plan = plans[index]
-        return parallelize_module(block, mesh, plan) if plan else block
-
-    return split
+    plans = block_plans(model, mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    return BlockSplit(tuple(plans), mesh, mesh.size() if sequence_parallel else 1, loss_parallel)

@@ -1,5 +1,6 @@
 """Tensor-parallel styles the built-in models need beyond torch's: a fused (q, k, v) projection and
-`nn.MultiheadAttention` split by heads. Both send plain local tensors out (`use_local_output`).
+`nn.MultiheadAttention` split by heads, and the two edges of a sequence-parallel region. All send plain local
+tensors out (`use_local_output`).
 
 A fused projection `[q; k; v]` (one `nn.Linear(E, 3E)`) cannot be split with `ColwiseParallel`: its contiguous
 `Shard(0)` would give rank 0 all of q and half of k. `FusedColwiseParallel(3)` distributes it with the strided
@@ -17,13 +18,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleOutput, RowwiseParallel, parallelize_module)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "PRIVATE_DTENSOR", "strided_shard", "is_strided"]
+__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "PRIVATE_DTENSOR", "strided_shard", "is_strided",
+           "SEQUENCE", "scatter_sequence", "gather_sequence"]
+
+#: The placement of an activation split along the sequence (dimension 1 of `[batch, seq, ...]`).
+SEQUENCE = Shard(1)
+
+
+class _ScatterSequence(PrepareModuleOutput):
+    """`PrepareModuleOutput` Replicate -> Shard(1) of a module with one output, the shard a copy of its own (not
+    the view `to_local` gives: FSDP2 warns of a block returning a view)."""
+
+    def _prepare_out_fn(self, outputs, device_mesh):
+        return super()._prepare_out_fn(outputs, device_mesh).clone(memory_format=torch.contiguous_format)
+
+
+def scatter_sequence() -> PrepareModuleOutput:
+    """Where a sequence-parallel region starts (on the embedding's last submodule, one output): its replicated
+    output cut to this rank's sequence shard, sent on as a local tensor (backward: all-gather of the gradient)."""
+    return _ScatterSequence(output_layouts=Replicate(), desired_output_layouts=SEQUENCE, use_local_output=True)
+
+
+def gather_sequence() -> PrepareModuleInput:
+    """Where a sequence-parallel region ends (on the head's first submodule): the local sequence shard
+    all-gathered into the whole sequence, a local tensor (backward: this rank's slice of the gradient)."""
+    return PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)
 
 #: Private torch names used here (tests/unit/test_tensor_parallel.py fails loudly when one moves).
 PRIVATE_DTENSOR = ("_StridedShard",)
@@ -54,8 +80,8 @@ class FusedColwiseParallel(ColwiseParallel):
     """`ColwiseParallel` for an `nn.Linear` whose output is `parts` stacked projections (e.g. q, k, v): each rank
     computes its columns of every part; the output is the local `[..., parts * out / tp]` tensor (part-major)."""
 
-    def __init__(self, parts: int) -> None:
-        super().__init__(use_local_output=True)
+    def __init__(self, parts: int, *, input_layouts: Placement | None = None) -> None:
+        super().__init__(input_layouts=input_layouts, use_local_output=True)
         self.parts = parts
 
     def _partition_linear_fn(self, name, module, device_mesh):
@@ -75,7 +101,13 @@ class FusedColwiseParallel(ColwiseParallel):
 class HeadParallelAttention(ParallelStyle):
     """`nn.MultiheadAttention` (self-attention, batch first, no masks) split by heads over the mesh: the packed
     `in_proj` is distributed like `FusedColwiseParallel(3)`, `out_proj` is row-parallel; the module's forward
-    is replaced by one that attends over this rank's heads and returns the all-reduced (replicated) output."""
+    is replaced by one that attends over this rank's heads and returns the all-reduced (replicated) output.
+    With `sequence_parallel`, the query is this rank's sequence shard (all-gathered before the projection) and
+    the output is reduce-scattered back to it."""
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.MultiheadAttention) or not module._qkv_same_embed_dim or not module.batch_first:
@@ -86,8 +118,10 @@ class HeadParallelAttention(ParallelStyle):
             raise ConfigError(f"tp={tp} does not divide the {module.num_heads} attention heads",
                               hint=f"pass --tp among the divisors of {module.num_heads}")
         _distribute_rows(module, ("in_proj_weight", "in_proj_bias"), device_mesh, 3, self.src_data_rank)
-        parallelize_module(module.out_proj, device_mesh, RowwiseParallel())
-        module.forward = MethodType(partial(_head_parallel_forward, mesh=device_mesh), module)
+        out_layout = SEQUENCE if self.sequence_parallel else Replicate()
+        parallelize_module(module.out_proj, device_mesh, RowwiseParallel(output_layouts=out_layout))
+        module.forward = MethodType(partial(_head_parallel_forward, mesh=device_mesh,
+                                            sequence_parallel=self.sequence_parallel), module)
         return module
 
 
@@ -95,12 +129,15 @@ def _head_parallel_forward(self: nn.MultiheadAttention, query: torch.Tensor, key
                            value: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                            need_weights: bool = True, attn_mask: torch.Tensor | None = None,
                            average_attn_weights: bool = True, is_causal: bool = False, *,
-                           mesh: DeviceMesh) -> tuple[torch.Tensor, None]:
+                           mesh: DeviceMesh, sequence_parallel: bool = False) -> tuple[torch.Tensor, None]:
     if key is not query or value is not query or key_padding_mask is not None or attn_mask is not None:
         raise ConfigError("the tensor-parallel attention takes self-attention without masks",
                           hint="run this model with --tp 1")
     head_dim = self.embed_dim // self.num_heads
-    replicated = DTensor.from_local(query, mesh, [Replicate()], run_check=False)  # backward: all-reduce
+    if sequence_parallel:  # the shard all-gathered (backward: reduce-scatter)
+        replicated = DTensor.from_local(query, mesh, [SEQUENCE], run_check=False).redistribute(mesh, [Replicate()])
+    else:  # backward: all-reduce
+        replicated = DTensor.from_local(query, mesh, [Replicate()], run_check=False)
     qkv = F.linear(replicated, self.in_proj_weight, self.in_proj_bias).to_local()
     batch, length, _ = qkv.shape
     q, k, v = qkv.view(batch, length, 3, -1, head_dim).transpose(1, 3).unbind(2)  # [batch, heads, length, dim]

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.blocks import BlockModel, BlockSequential, Tensors, as_tuple, build_blocks
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline.compiled import compile_blocks
-from pipetrain.pipeline.loss import Loss, as_loss
+from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
 from pipetrain.pipeline.plan import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
@@ -115,6 +116,9 @@ class PipelineEngine:
             wrapper = RecomputeWrapper(BlockSequential(*blocks), config.checkpoint)
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
+        # tensor parallelism (`BlockSplit`): the sequence shards between stages, vocabulary-sharded logits
+        self._sequence_shards = getattr(split_block, "sequence_shards", 1)
+        self._loss_parallel = getattr(split_block, "loss_parallel", False)
         self.schedules = ScheduleCache(config.shape_cache)
         self._meta_blocks = meta_blocks(model)
         check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1))
@@ -210,11 +214,13 @@ class PipelineEngine:
             schedule, fresh = self._schedule(run, train, inputs)
             args = tuple(t[part] for t in local) if local is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
-            with self._grads_kept(fresh):
+            with self._grads_kept(fresh), vocab_parallel(self._loss_parallel and train):
                 out = schedule.step(*args, target=target) if train else schedule.eval(*args)
             if self.has_last_stage:
                 outputs.append(out)
         merged = torch.cat(outputs) if outputs else None
+        if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
+            merged = merged.full_tensor()
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None)
 
     def _global_count(self, targets: torch.Tensor | None, given: int | None) -> float | torch.Tensor:
@@ -289,7 +295,8 @@ class PipelineEngine:
         return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
 
     def _build_schedule(self, run: Run, train: bool, example: Tensors):
-        boundaries = boundary_tensors(self._meta_blocks, self._bounds, example, train=train)
+        boundaries = boundary_tensors(self._meta_blocks, self._bounds, example, train=train,
+                                      sequence_shards=self._sequence_shards)
         return build_schedule(
             modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,
             device=self.device, group=self.pp_group, schedule=self.config.schedule, run=run, train=train,

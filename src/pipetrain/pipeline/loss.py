@@ -12,10 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
-__all__ = ["Loss", "SampleMeanLoss", "TokenCrossEntropy", "as_loss", "IGNORE_INDEX"]
+__all__ = ["Loss", "SampleMeanLoss", "TokenCrossEntropy", "as_loss", "IGNORE_INDEX", "vocab_parallel"]
 
 #: The target value a token loss skips (padding); `F.cross_entropy`'s default.
 IGNORE_INDEX = -100
@@ -73,7 +77,9 @@ class TokenCrossEntropy:
     """Cross-entropy per token: logits `[..., vocab]`, integer targets `[...]` (any shape, e.g. `[batch, seq]`).
 
     Targets equal to `ignore_index` (padding) count for nothing: the loss and its gradients are the mean
-    over the non-padding tokens of the global batch. Accuracy is per non-padding token.
+    over the non-padding tokens of the global batch. Accuracy is per non-padding token. Logits that are a
+    DTensor sharded on the vocabulary (the vocabulary-parallel head) give the same sum, computed where the
+    shards lie: call it, and the backward, inside `vocab_parallel(True)` (the engine does).
     """
 
     ignore_index: int = IGNORE_INDEX
@@ -81,13 +87,21 @@ class TokenCrossEntropy:
 
     def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = output.reshape(-1, output.shape[-1])
-        return F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="sum")
+        total = F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index, reduction="sum")
+        # vocabulary-parallel: a replicated DTensor whose local value is the whole sum (backward: loss_parallel's)
+        return total.to_local() if isinstance(total, DTensor) else total
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
         return (target != self.ignore_index).sum()
 
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         return ((output.argmax(dim=-1) == target) & (target != self.ignore_index)).sum()
+
+
+def vocab_parallel(enabled: bool) -> AbstractContextManager[None]:
+    """torch's `loss_parallel()` (cross-entropy of vocabulary-sharded DTensor logits, forward and backward)
+    when `enabled`, else nothing."""
+    return loss_parallel() if enabled else nullcontext()
 
 
 def as_loss(loss: Loss | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Loss:

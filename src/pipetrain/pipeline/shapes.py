@@ -10,7 +10,8 @@ from torch import nn
 from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.errors import ConfigError
 
-__all__ = ["Signature", "signature", "meta_blocks", "crossing_tensors", "boundary_tensors", "check_model_outputs"]
+__all__ = ["Signature", "signature", "meta_blocks", "crossing_tensors", "boundary_tensors", "check_model_outputs",
+           "sequence_shard", "check_sequence_length"]
 
 #: Shapes and dtypes of a tuple of tensors: what a schedule's buffers are sized from.
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -41,8 +42,35 @@ def crossing_tensors(value: object, index: int, block: nn.Module) -> tuple[torch
     return values
 
 
+def sequence_shard(values: tuple[torch.Tensor, ...], shards: int) -> tuple[torch.Tensor, ...]:
+    """`values` as a sequence-parallel stage sends them: each floating-point tensor of two or more dimensions cut
+    to its `1 / shards` of dimension 1 (the sequence), other tensors whole; ConfigError when it does not divide."""
+    if shards == 1:
+        return values
+    out = []
+    for value in values:
+        if value.is_floating_point() and value.dim() >= 2:
+            check_sequence_length(value.shape[1], shards)
+            shape = (value.shape[0], value.shape[1] // shards, *value.shape[2:])
+            value = torch.empty(shape, dtype=value.dtype, device=value.device).requires_grad_(value.requires_grad)
+        out.append(value)
+    return tuple(out)
+
+
+def check_sequence_length(length: int, shards: int) -> None:
+    """Raise unless sequence parallelism over `shards` ranks can split a sequence of `length` evenly."""
+    if length % shards:
+        raise ConfigError(
+            f"--sequence-parallel splits each sequence over tp={shards} ranks, but this batch's sequence "
+            f"length {length} is not divisible by {shards}",
+            hint=f"make every sequence length (each --bucket length too) a multiple of {shards}, "
+                 "or drop --sequence-parallel",
+        )
+
+
 def boundary_tensors(
-    blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors, *, train: bool
+    blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors, *, train: bool,
+    sequence_shards: int = 1,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Meta tensors at every stage boundary for one micro-batch `inputs`: stage k reads entry k, writes k+1.
 
@@ -51,9 +79,12 @@ def boundary_tensors(
     time: stage inputs received from another stage require grad when the sending stage computed them from
     parameters (integer and boolean tensors never do). Giving `PipelineStage` these tensors up front avoids
     its hidden shape-inference forward on garbage inputs (which would move BatchNorm statistics and the
-    dropout RNG).
+    dropout RNG). `sequence_shards` (tp under sequence parallelism) cuts the tensors between stages as
+    `sequence_shard` does; the first input and the last output stay whole.
     """
     values = tuple(torch.empty_like(t, device="meta") for t in as_tuple(inputs))
+    if sequence_shards > 1 and values[0].dim() >= 2:  # the first input's dimension 1 is the sequence
+        check_sequence_length(values[0].shape[1], sequence_shards)
     boundaries = [values]
     with torch.set_grad_enabled(train):
         for start, stop in bounds:
@@ -61,7 +92,8 @@ def boundary_tensors(
             for index in range(start, stop):
                 values = crossing_tensors(blocks[index](*values), index, blocks[index])
             boundaries.append(tuple(t.detach().requires_grad_(t.requires_grad) for t in values))
-    return boundaries
+    inner = [sequence_shard(b, sequence_shards) for b in boundaries[1:-1]]
+    return [boundaries[0], *inner, boundaries[-1]]
 
 
 def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors) -> None:

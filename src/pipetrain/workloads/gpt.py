@@ -108,9 +108,11 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, length, _ = hidden.shape
-        # heads from the projection's width: all of them, or this rank's under tensor parallelism (gpt_tp)
-        q, k, v = self.qkv(self.norm1(hidden)).view(batch, length, 3, -1, self.head_dim).unbind(2)
+        # heads from the projection's width: all of them, or this rank's under tensor parallelism (gpt_tp); the
+        # length from its output too (the hidden states are this rank's sequence shard under sequence parallelism)
+        qkv = self.qkv(self.norm1(hidden))
+        batch, length = qkv.shape[:2]
+        q, k, v = qkv.view(batch, length, 3, -1, self.head_dim).unbind(2)
         allowed = None
         if not self.causal_flag:  # a query sees earlier non-padding keys, and always itself (so no row is empty)
             causal = torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
@@ -149,8 +151,9 @@ class GPTModel(LayeredModel):
     def head(self) -> nn.Module:
         return GPTHead(self.config)
 
-    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False):
-        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.gpt_tp`)."""
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False):
+        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.gpt_tp`; `loss_parallel`: the
+        vocabulary-parallel head)."""
         from pipetrain.workloads.gpt_tp import gpt_tp_plan
 
-        return gpt_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel)
+        return gpt_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

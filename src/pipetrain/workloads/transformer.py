@@ -87,8 +87,9 @@ class TransformerClassifier(LayeredModel):
     def head(self) -> nn.Module:
         return HeadBlock(self.config)
 
-    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False):
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False):
         """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.transformer_tp`)."""
         from pipetrain.workloads.transformer_tp import classifier_tp_plan
 
-        return classifier_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel)
+        return classifier_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel,
+                                  loss_parallel=loss_parallel)
