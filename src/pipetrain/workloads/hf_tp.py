@@ -29,7 +29,6 @@ from torch.distributed.tensor.placement_types import _StridedShard  # guarded: t
 
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
-from pipetrain.workloads.gpt_tp import refuse_sequence_parallel
 
 __all__ = ["hf_tp_plan", "llama_tp_plan", "gpt2_tp_plan", "Conv1DParallel", "LocalSplitSize"]
 
@@ -136,5 +135,8 @@ def hf_tp_plan(config: Any, family: str, index: int, num_blocks: int, tp: int, *
                sequence_parallel: bool = False) -> TPPlan:
     """Block `index`'s plan: decoder layers split as above, embedding (0) and head (last) whole."""
     plan = llama_tp_plan(config, tp) if family == "llama" else gpt2_tp_plan(config, tp)
-    refuse_sequence_parallel(f"Hugging Face {family}", sequence_parallel)
+    if sequence_parallel:
+        raise ConfigError(f"--sequence-parallel is not available for the Hugging Face {family} model's TP plan in "
+                          "this version (its norms and head stay whole)",
+                          hint="drop --sequence-parallel (tensor parallelism without it is exact)")
     return None if index in (0, num_blocks - 1) else plan
