@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from pipetrain.logs.jsonl import read_records
+
+from cli_runs import load_average, pipetrain
 
 ROWS = (("classifier", 32), ("classifier", 64), ("lm", 16), ("lm", 32))
 DEFAULT = ("--pp", "2", "--dp", "1", "--schedule", "1f1b", "--chunks", "4")
@@ -35,21 +34,10 @@ GRID = ([("--pp", "2", "--dp", "1", "--schedule", "gpipe", "--chunks", str(c)) f
 STEPS = 8
 
 
-def _load() -> str:
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def _pipetrain(*argv: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "pipetrain", *argv], env=env, text=True, capture_output=True)
-    if done.returncode:
-        raise SystemExit(f"pipetrain {' '.join(argv)} failed:\n{done.stdout}{done.stderr}")
-    return done.stdout + done.stderr
-
 
 def _train(out: Path, name: str, workload: str, batch: int, flags: tuple[str, ...]) -> tuple[float, str]:
     run = out / name
-    log = _pipetrain("train", "--workload", workload, "--preset", "cpu", "--data", "synthetic", "--batch-size",
+    log = pipetrain("train", "--workload", workload, "--preset", "cpu", "--data", "synthetic", "--batch-size",
                      str(batch), "--train-samples", str(batch * STEPS), "--test-samples", str(batch), "--epochs", "1",
                      "--max-steps", str(STEPS), "--no-progress", "--log-every", "100", "--run-dir", str(run), *flags)
     times = [r["step_time_s"] for r in read_records(run / "steps.jsonl", "step")][2:]
@@ -70,15 +58,15 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    print(f"load average at start: {_load()}", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     calibration = args.calibration or out / "calibration.json"
     if not calibration.exists():
-        _pipetrain("plan", "--calibrate", "--gpus", "2", "--calibration", str(calibration))
+        pipetrain("plan", "--calibrate", "--gpus", "2", "--calibration", str(calibration))
     summary = []
     for workload, batch in args.rows:
         profile = out / f"{workload}-profile.json"
         if not profile.exists():
-            _pipetrain("profile", "--workload", workload, "--preset", "cpu", "--micro-batch-size", "16",
+            pipetrain("profile", "--workload", workload, "--preset", "cpu", "--micro-batch-size", "16",
                        "--sizes", "1,2,4,8,16,32", "-o", str(profile))
         row = f"{workload}-b{batch}"
         auto_s, log = _train(out, f"{row}-auto", workload, batch, ("--layout", "auto", "--profile", str(profile),
@@ -101,9 +89,9 @@ def main() -> None:
         summary.append(line)
         print(f"{row}: auto {auto_s:.3f} s ({chosen}; predicted {predicted} s) | default {default_s:.3f} s | grid best "
               f"{best_s:.3f} s ({best}; 3 runs {', '.join(f'{r:.3f}' for r in repeats)}, spread {100 * noise:.0f} %) | "
-              f"auto/default {auto_s / default_s:.2f}, auto/best {auto_s / best_s:.2f} | load {_load()}", flush=True)
+              f"auto/default {auto_s / default_s:.2f}, auto/best {auto_s / best_s:.2f} | load {load_average()}", flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"load average at the end: {_load()}")
+    print(f"load average at the end: {load_average()}")
 
 
 if __name__ == "__main__":

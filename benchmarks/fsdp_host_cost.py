@@ -15,10 +15,7 @@ FSDP / DDP ratio of each, with the load average.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,23 +27,14 @@ from pipetrain.plan.predict import Layout, predict
 from pipetrain.workloads.presets import PRESETS
 from pipetrain.workloads.registry import get_workload
 
+from cli_runs import load_average, pipetrain
+
 STEPS = 8
 
 
-def _load() -> str:
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def _pipetrain(*argv: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "pipetrain", *argv], env=env, text=True, capture_output=True)
-    if done.returncode:
-        raise SystemExit(f"pipetrain {' '.join(argv)} failed:\n{done.stdout}{done.stderr}")
-    return done.stdout + done.stderr
-
 
 def _train(run: Path, workload: str, batch: int, mode: str) -> float:
-    _pipetrain("train", "--workload", workload, "--preset", "cpu", "--data", "synthetic", "--batch-size", str(batch),
+    pipetrain("train", "--workload", workload, "--preset", "cpu", "--data", "synthetic", "--batch-size", str(batch),
                "--train-samples", str(batch * STEPS), "--test-samples", str(batch), "--epochs", "1",
                "--max-steps", str(STEPS), "--no-progress", "--log-every", "100", "--run-dir", str(run),
                "--pp", "1", "--dp", "2", "--chunks", "1", "--schedule", "gpipe", "--dp-mode", mode)
@@ -59,7 +47,7 @@ def _blocks(workload: str, batch: int, out: Path):
     path = out / f"profile-{workload}.json"
     if not path.exists():
         sizes = ",".join(str(1 << k) for k in range((batch // 2).bit_length()) if 1 << k <= batch // 2)
-        _pipetrain("profile", "--workload", workload, "--preset", "cpu", "--micro-batch-size", str(batch // 2),
+        pipetrain("profile", "--workload", workload, "--preset", "cpu", "--micro-batch-size", str(batch // 2),
                    "--sizes", sizes, "--output", str(path))
     model = get_workload(workload).model("cpu")
     counts = [len(list(model.build_block(i).parameters())) for i in range(model.num_blocks)]
@@ -74,11 +62,11 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=None)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"load average at the start: {_load()}")
+    print(f"load average at the start: {load_average()}")
     calibration = args.calibration
     if calibration is None:
         calibration = args.out / "calibration.json"
-        _pipetrain("plan", "--calibrate", "--gpus", "2", "--calibration", str(calibration))
+        pipetrain("plan", "--calibrate", "--gpus", "2", "--calibration", str(calibration))
     calib = load_calibration(calibration)
     print(f"calibration {calibration}: fsdp_group_s {calib.network.fsdp_group_s * 1e3:.2f} ms, optimizer_s_per_dtensor "
           f"{calib.device.optimizer_s_per_dtensor * 1e3:.3f} ms, collective latency "
@@ -104,7 +92,7 @@ def main() -> None:
         print(f"| {workload}, {batch} ({runs}) | {got['ddp']:.3f} | {got['fsdp']:.3f} | {got['fsdp'] / got['ddp']:.2f} | "
               f"{want['ddp']:.3f} | {want['fsdp']:.3f} | {want['fsdp'] / want['ddp']:.2f} | "
               f"{bare['fsdp'] / bare['ddp']:.2f} |")
-    print(f"\nload average at the end: {_load()}")
+    print(f"\nload average at the end: {load_average()}")
 
 
 if __name__ == "__main__":
