@@ -45,3 +45,9 @@ def tiny_model_folder(folder: Path, family: str = "llama", *, tied: bool = True,
     if tokenizer:
         tok.save_pretrained(folder)
     return folder
+
+
+def transformers_names(model) -> dict[str, str]:
+    """An `HFCausalLM`'s layout-free parameter names ("block.local") -> the transformers model's names."""
+    return {f"{index}.{local}": name for index in range(model.num_blocks)
+            for local, name in model.parameter_keys(index).items()}

@@ -26,6 +26,7 @@ from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from tests.hf_folders import transformers_names  # noqa: E402
 
 RTOL, ATOL = 1e-5, 4e-5
 SEED, LR, VOCAB, SEQ = 0, 0.5, 96, 16
@@ -89,9 +90,7 @@ def _train(folder: str, layout: str, device: torch.device) -> dict:
     parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline)
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
     engine, replica = session.engine, session.mesh.dp_rank
-    keys = {}
-    for index in range(model.num_blocks):
-        keys.update({f"{index}.{local}": hf for local, hf in model.parameter_keys(index).items()})
+    keys = transformers_names(model)
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads = [], []
     for x, labels in make_batches(dp):

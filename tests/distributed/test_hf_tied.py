@@ -42,7 +42,7 @@ from pipetrain.session import build_session, close_session, join_job  # noqa: E4
 from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, make_batches,  # noqa: E402
                                              reference, spawned)
-from tests.hf_folders import tiny_tokenizer  # noqa: E402
+from tests.hf_folders import tiny_tokenizer, transformers_names  # noqa: E402
 
 #: case -> (dp, dp mode, pp, schedule); "pp2" runs two independent pipelines of 2 ranks (dp=1 each)
 LAYOUTS = {
@@ -82,9 +82,7 @@ def _train(folder: str, family: str, layout: str, device: torch.device, pairs: l
     dp = LAYOUTS[layout][0]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ)
     engine, replica = _engine(model, layout, device, pairs)
-    keys = {}
-    for index in range(model.num_blocks):
-        keys.update({f"{index}.{local}": hf for local, hf in model.parameter_keys(index).items()})
+    keys = transformers_names(model)
     keys = {name: EMBEDDING[family] if hf == "lm_head.weight" else hf for name, hf in keys.items()}
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads, norms = [], [], []

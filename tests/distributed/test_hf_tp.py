@@ -33,6 +33,7 @@ from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.parallel.tensor import check_tensor_parallel  # noqa: E402
 from pipetrain.session import build_session  # noqa: E402
 from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from tests.hf_folders import transformers_names  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, make_batches, spawned,  # noqa: E402
                                              tiny_configs)
 
@@ -59,9 +60,7 @@ def _case(folder: str, name: str, device: torch.device, out: Path) -> dict:
                               pipeline=PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4))
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
     engine, replica = session.engine, session.mesh.dp_rank
-    keys = {}
-    for index in range(model.num_blocks):
-        keys.update({f"{index}.{local}": hf for local, hf in model.parameter_keys(index).items()})
+    keys = transformers_names(model)
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     first = load_checkpoint(out / "tp-ckpt" / source, engine, opt).extras["next_step"] if source else 0
     local = {keys[n]: tuple(p.to_local().shape) for n, p in engine.named_parameters() if isinstance(p, DTensor)}
