@@ -20,6 +20,7 @@ from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
 from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.failures import signal_hint
+from pipetrain.launch.forkserver import Inherited, context
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
 
@@ -68,8 +69,9 @@ def fail_now(message: str, *, code: int = 1) -> NoReturn:
     os._exit(code)
 
 
-def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection) -> None:
+def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection, inherited: Inherited) -> None:
     global _REPORT
+    inherited.apply()
     _REPORT = (report, spec.rank)
     report.send(_STARTED)
     try:
@@ -135,7 +137,7 @@ def spawn(
     """
     device = resolve_device(device)
     check_local_ranks(first_local_rank + len(ranks), device)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
     running: dict[int, tuple[int, mp.process.BaseProcess]] = {}  # sentinel -> (rank, process)
@@ -146,7 +148,7 @@ def spawn(
                 spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device, nodes)
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
-                process = ctx.Process(target=_child, args=(fn, spec, args, writer), name=f"pipetrain-rank{rank}")
+                process = ctx.Process(target=_child, args=(fn, spec, args, writer, Inherited()), name=f"pipetrain-rank{rank}")
                 process.start()
                 writer.close()
                 processes.append(process)
@@ -222,7 +224,7 @@ def _died_starting(rank: int, process: mp.process.BaseProcess, fn: Callable[...,
     name = getattr(fn, "__qualname__", repr(fn))
     return RankFailedError(
         f"{process.name} died while starting, before running {name}() (exit code {process.exitcode})",
-        hint="ranks are started with the 'spawn' method, which imports your script again in every rank: a "
+        hint="every rank imports your script again (as with multiprocessing's 'spawn'): a "
              "script that calls launch_local() (or spawn) at module level must do it under "
              "`if __name__ == \"__main__\":`",
     )
