@@ -155,7 +155,7 @@ def open_session(
     """
     check_precision(precision)
     parallel.check_world(spec.world_size)
-    startup = Startup()  # the process's age now: its start, imports and data
+    startup = Startup(started_at=spec.launched_at)  # the job's age now: its start, imports and data
     with startup.phase("join"):
         device = join_job(spec, cpu_threads=cpu_threads, timeout_s=timeout_s)
     with startup.phase("layout check"):

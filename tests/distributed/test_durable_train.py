@@ -30,6 +30,7 @@ import pytest
 from pipetrain.checkpoint import complete_checkpoints, latest_checkpoint
 from pipetrain.cli.main import main
 from pipetrain.launch.env import DEVICE_VARIABLE
+from pipetrain.launch.forkserver import RANK_NAME_PREFIX
 
 RTOL = 1e-5
 ARGS = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "640", "--test-samples", "32",
@@ -82,20 +83,39 @@ def _tree(pid: int) -> list[int]:
 
 
 def _ranks(job: subprocess.Popen) -> list[int]:
-    """The rank processes of a self-spawned job (the launcher's children running multiprocessing's spawn)."""
-    ranks = []
+    """The rank processes of a self-spawned job (forked by the launcher's fork server, named pipetrain-rN)."""
+    ranks = {}
     for pid in _tree(job.pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                ranks.append(pid)
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
+            continue
+        if name.startswith(RANK_NAME_PREFIX):
+            ranks[int(name[len(RANK_NAME_PREFIX):])] = pid
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
+#: Jobs started in the background by the running test (each in a session of its own: its process group).
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left_behind():
+    """A test that fails half-way must not leave its job running: it would slow every later test."""
+    yield
+    while _STARTED:
+        job = _STARTED.pop()
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-    return sorted(ranks)
+        job.wait()
 
 
 def _start_and_wait_for_checkpoint(save_dir: Path, *extra: str) -> subprocess.Popen:
     job = subprocess.Popen(_command("--save-dir", str(save_dir), *extra), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _STARTED.append(job)
     deadline = time.monotonic() + 180  # a hang guard, generous: the 2 cores may be shared and loaded
     while not complete_checkpoints(save_dir):
         assert job.poll() is None, job.communicate()

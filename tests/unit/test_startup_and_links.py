@@ -10,7 +10,7 @@ import pytest
 
 from pipetrain.bench.calibrate import inter_node_description, measured_network
 from pipetrain.logs.records import StepRecord
-from pipetrain.logs.startup import PHASES, Startup, StartupSink, process_age_s
+from pipetrain.logs.startup import PHASES, Startup, StartupSink, process_age_s, process_start_s
 from pipetrain.plan.hardware import DEFAULT_NETWORK
 from pipetrain.plan.predict import Layout, reduce_s
 
@@ -43,6 +43,14 @@ def test_phases_add_up_and_are_logged_once(caplog):
 def test_process_age_is_the_time_since_this_process_started():
     age = process_age_s()
     assert age is None or 0.0 < age < 24 * 3600
+
+
+def test_a_forked_rank_counts_its_start_up_from_its_launchers_start():
+    start = process_start_s()
+    if start is None:
+        pytest.skip("no /proc here")
+    startup = Startup(started_at=start - 30.0)  # a launcher that started 30 s before this process
+    assert startup.seconds["imports+data"] == pytest.approx(process_age_s() + 30.0, abs=1.0)
 
 
 def test_measured_inter_node_links_are_stored_and_priced():

@@ -10,11 +10,32 @@ from collections.abc import Sequence
 
 from pipetrain.cli.config_file import apply_config_file
 from pipetrain.errors import PipetrainError
+from pipetrain.launch.env import detect
+from pipetrain.launch.forkserver import warm_up
 
 __all__ = ["main"]
 
 #: verb -> module under pipetrain.cli providing add_parser(subparsers) and run(args) -> int
 VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export")
+#: the verbs that start local ranks when no launcher (torchrun, srun) started this process
+SPAWNING_VERBS = ("train", "check", "bench")
+
+
+def _verb(argv: Sequence[str]) -> str | None:
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _start_rank_server(argv: Sequence[str]) -> None:
+    """For a verb that will start local ranks, start the server they are forked from (launch/forkserver.py) now:
+    its imports of torch then run beside this process's own instead of after them."""
+    if _verb(argv) not in SPAWNING_VERBS or {"-h", "--help", "--print-config"} & set(argv):
+        return
+    try:
+        if detect() is not None:
+            return
+    except PipetrainError:  # said once the verb reads the environment
+        return
+    warm_up()
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -23,7 +44,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipetrain", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
-    verb = next((arg for arg in (argv or []) if not arg.startswith("-")), None)
+    verb = _verb(argv or [])
     for name in VERBS if verb not in VERBS else (verb,):
         module = importlib.import_module(f"pipetrain.cli.{name}")
         module.add_parser(sub).set_defaults(run=module.run)
@@ -33,6 +54,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    _start_rank_server(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(

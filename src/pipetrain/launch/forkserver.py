@@ -16,9 +16,10 @@ import os
 import sys
 from multiprocessing import forkserver, reduction
 from multiprocessing.context import BaseContext
+from pathlib import Path
 from typing import Any
 
-__all__ = ["PRELOAD", "context", "warm_up", "Inherited"]
+__all__ = ["PRELOAD", "context", "warm_up", "Inherited", "RANK_NAME_PREFIX"]
 
 #: What the server imports before it forks: the bulk of a rank's start-up (not `__main__`: see the module doc).
 PRELOAD = (
@@ -30,6 +31,11 @@ PRELOAD = (
     "pipetrain.session",
     "pipetrain.trainer",
 )
+#: What a rank is called in `ps -o comm` and top (Linux, at most 15 characters: pipetrain-r0, pipetrain-r12, ...);
+#: its command line is the fork server's.
+RANK_NAME_PREFIX = "pipetrain-r"
+#: Whether this process ends its server at exit (`warm_up` registers it once).
+_STOP_AT_EXIT = False
 #: The standard streams a rank writes to, as the launcher has them when the rank starts.
 _STREAMS = (1, 2)
 
@@ -44,9 +50,12 @@ def context() -> BaseContext:
 def warm_up() -> None:
     """Start the server now (it imports in the background), so that ranks started later fork at once; it ends
     with this process."""
+    global _STOP_AT_EXIT
     context()
     forkserver.ensure_running()
-    atexit.register(_stop_server)
+    if not _STOP_AT_EXIT:
+        _STOP_AT_EXIT = True
+        atexit.register(_stop_server)
 
 
 def _stop_server() -> None:
@@ -72,8 +81,12 @@ class Inherited:
         open_streams = {fd: reduction.DupFd(fd) for fd in _STREAMS if _is_open(fd)}
         return Inherited, (self.environ, open_streams)
 
-    def apply(self) -> None:
-        """In the rank: take the launcher's environment and standard streams as its own."""
+    def apply(self, rank: int) -> None:
+        """In rank `rank`: take the launcher's environment and standard streams as its own, and its name."""
+        try:
+            Path("/proc/self/comm").write_text(f"{RANK_NAME_PREFIX}{rank}"[:15])
+        except OSError:  # not Linux: the name is cosmetic
+            pass
         os.environ.clear()
         os.environ.update(self.environ)
         for stream in (sys.stdout, sys.stderr):

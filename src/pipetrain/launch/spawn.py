@@ -21,6 +21,7 @@ from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.failures import signal_hint
 from pipetrain.launch.forkserver import Inherited, context
+from pipetrain.logs.startup import process_start_s
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
 
@@ -38,6 +39,9 @@ class RankSpec:
     device: str | None = None
     #: hosts the job spans (more than one: the collectives bind to the interface that reaches `master_addr`)
     nodes: int = 1
+    #: when the process that started the job started (boot-clock seconds; set by `spawn`, whose ranks are forked
+    #: with their imports done): the start of the job's start-up. None: this rank's own process start
+    launched_at: float | None = None
 
 
 #: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).
@@ -71,7 +75,7 @@ def fail_now(message: str, *, code: int = 1) -> NoReturn:
 
 def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection, inherited: Inherited) -> None:
     global _REPORT
-    inherited.apply()
+    inherited.apply(spec.rank)
     _REPORT = (report, spec.rank)
     report.send(_STARTED)
     try:
@@ -138,6 +142,7 @@ def spawn(
     device = resolve_device(device)
     check_local_ranks(first_local_rank + len(ranks), device)
     ctx = context()
+    launched_at = process_start_s()
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
     running: dict[int, tuple[int, mp.process.BaseProcess]] = {}  # sentinel -> (rank, process)
@@ -145,7 +150,8 @@ def spawn(
     with _forwarding(processes):
         try:
             for local, rank in enumerate(ranks):
-                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device, nodes)
+                spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device, nodes,
+                                launched_at)
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
                 process = ctx.Process(target=_child, args=(fn, spec, args, writer, Inherited()), name=f"pipetrain-rank{rank}")

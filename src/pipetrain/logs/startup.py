@@ -1,7 +1,8 @@
 """Start-up time by phase on one rank, from the process's start to the end of its first step, logged once.
 
 Phases: `imports+data` (the interpreter's start, the imports, the command line and the data, up to the session: the
-process's age when the session opens, Linux /proc), `join` (the bounded wait for rank 0's host, the store's rendezvous and the process group's
+age, when the session opens, of the process that started the job — the launcher of ranks forked by `spawn`, else
+the rank's own — from Linux /proc), `join` (the bounded wait for rank 0's host, the store's rendezvous and the process group's
 connections), `layout check` (one all-gather of every rank's flags), `mesh` (the dp/pp/tp process groups),
 `stages` (building this rank's pipeline stages and the schedule), `setup` (optimizer, checkpoint, logs, data
 iterator: up to the first step's start) and `first step` (its forward, backward and optimizer, with the first
@@ -20,28 +21,39 @@ from pathlib import Path
 
 from pipetrain.logs.records import EvalRecord, StepRecord
 
-__all__ = ["Startup", "StartupSink", "process_age_s", "PHASES"]
+__all__ = ["Startup", "StartupSink", "process_age_s", "process_start_s", "PHASES"]
 
 log = logging.getLogger("pipetrain")
 PHASES = ("imports+data", "join", "layout check", "mesh", "stages", "setup", "first step")
 
 
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux: /proc/self/stat against the boot clock), None elsewhere."""
+def process_start_s() -> float | None:
+    """When this process started, in seconds of the boot clock (Linux: /proc/self/stat), None elsewhere."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def process_age_s(started_at: float | None = None) -> float | None:
+    """Seconds since `started_at` (boot clock; default: this process's start), None where unknown."""
+    start = process_start_s() if started_at is None else started_at
+    try:
+        return None if start is None else time.clock_gettime(time.CLOCK_BOOTTIME) - start
+    except AttributeError:  # no boot clock here
         return None
 
 
 class Startup:
     """The seconds of each phase, filled as the session opens (`phase`) and by the first step (`StartupSink`)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, started_at: float | None = None):
+        """`started_at`: when the job's start-up began (boot clock, `process_start_s` of its launcher); default:
+        this process's start."""
         self.clock = clock
         self.seconds: dict[str, float] = {}
-        age = process_age_s()
+        age = process_age_s(started_at)
         if age is not None:
             self.seconds["imports+data"] = age
         self.ready_at: float | None = None

@@ -1,0 +1,57 @@
+"""Ranks forked from the fork server (launch/forkserver.py) start as spawned ones would: with the launcher's
+environment, working directory and standard streams as they are when the job starts, not as they were when the
+server started (an earlier job of the same process), and with the launcher's start as their job's start."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipetrain.launch.spawn import RankSpec, launch_local
+from pipetrain.logs.startup import process_start_s
+
+
+def _describe(spec: RankSpec, out: str) -> None:
+    Path(out, f"rank{spec.rank}.json").write_text(json.dumps(
+        {"probe": os.environ.get("PIPETRAIN_TEST_PROBE"), "cwd": os.getcwd(), "launched_at": spec.launched_at}))
+    print(f"rank {spec.rank} on stdout", flush=True)
+    print(f"rank {spec.rank} on stderr", file=sys.stderr, flush=True)
+
+
+def test_a_second_job_sees_the_launcher_as_it_is_now(tmp_path, monkeypatch, capfd):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    monkeypatch.setenv("PIPETRAIN_TEST_PROBE", "first")
+    monkeypatch.chdir(first)
+    with open(first / "output.log", "w") as log, _streams_to(log.fileno()):  # the first job writes elsewhere
+        launch_local(_describe, 2, str(first))
+    monkeypatch.setenv("PIPETRAIN_TEST_PROBE", "second")
+    monkeypatch.chdir(second)
+    launch_local(_describe, 2, str(second))
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        seen = json.loads((second / f"rank{rank}.json").read_text())
+        assert seen["probe"] == "second" and Path(seen["cwd"]) == second
+        assert seen["launched_at"] == process_start_s()
+        assert f"rank {rank} on stdout" in out and f"rank {rank} on stderr" in err
+        assert json.loads((first / f"rank{rank}.json").read_text())["probe"] == "first"
+    assert out.count("on stdout") == 2  # the first job's lines went where its launcher's went
+    assert (first / "output.log").read_text().count("on stdout") == 2
+
+
+@contextmanager
+def _streams_to(fd: int) -> Iterator[None]:
+    """Standard output and error of this process go to `fd` within the block."""
+    saved = {target: os.dup(target) for target in (1, 2)}
+    try:
+        for target in saved:
+            os.dup2(fd, target)
+        yield
+    finally:
+        for target, copy in saved.items():
+            os.dup2(copy, target)
+            os.close(copy)
