@@ -70,6 +70,10 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# A requeued job whose hold has ended waits for a periodic pass of a scheduler (nothing else wakes them then): the
+# main one's every 60 s and the backfill one's (30 s, skipped while nothing changed) by default, 14-22 s seen after
+# the hold. Passes every 5 s start it sooner without shortening the hold.
+SchedulerParameters=sched_interval=5,bf_interval=5
 ReturnToService=2
 SlurmdParameters=config_overrides
 StateSaveLocation=/var/spool/slurmctld

@@ -1,6 +1,7 @@
 """Ranks forked from the fork server (launch/forkserver.py) start as spawned ones would: with the launcher's
 environment, working directory and standard streams as they are when the job starts, not as they were when the
-server started (an earlier job of the same process), and with the launcher's start as their job's start."""
+server started (an earlier job of the same process), and with the launcher's start as their job's start;
+PIPETRAIN_START_METHOD=spawn starts each rank as a fresh interpreter instead, on the same terms."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
+from pipetrain.errors import LaunchError
+from pipetrain.launch.env import start_method
 from pipetrain.launch.spawn import RankSpec, launch_local
 from pipetrain.logs.startup import process_start_s
 
 
 def _describe(spec: RankSpec, out: str) -> None:
     Path(out, f"rank{spec.rank}.json").write_text(json.dumps(
-        {"probe": os.environ.get("PIPETRAIN_TEST_PROBE"), "cwd": os.getcwd(), "launched_at": spec.launched_at}))
+        {"probe": os.environ.get("PIPETRAIN_TEST_PROBE"), "cwd": os.getcwd(), "launched_at": spec.launched_at,
+         "parent": os.getppid()}))
     print(f"rank {spec.rank} on stdout", flush=True)
     print(f"rank {spec.rank} on stderr", file=sys.stderr, flush=True)
 
@@ -37,10 +43,28 @@ def test_a_second_job_sees_the_launcher_as_it_is_now(tmp_path, monkeypatch, capf
         seen = json.loads((second / f"rank{rank}.json").read_text())
         assert seen["probe"] == "second" and Path(seen["cwd"]) == second
         assert seen["launched_at"] == process_start_s()
+        assert seen["parent"] != os.getpid()  # forked by the server, not by this process
         assert f"rank {rank} on stdout" in out and f"rank {rank} on stderr" in err
         assert json.loads((first / f"rank{rank}.json").read_text())["probe"] == "first"
     assert out.count("on stdout") == 2  # the first job's lines went where its launcher's went
     assert (first / "output.log").read_text().count("on stdout") == 2
+
+
+def test_spawn_on_request_starts_each_rank_from_this_process(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PIPETRAIN_START_METHOD", "spawn")
+    monkeypatch.setenv("PIPETRAIN_TEST_PROBE", "spawned")
+    launch_local(_describe, 2, str(tmp_path))
+    out, _ = capfd.readouterr()
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["parent"] == os.getpid() and seen["probe"] == "spawned"
+        assert f"rank {rank} on stdout" in out
+
+
+def test_start_method_values():
+    assert start_method({}) == "forkserver" and start_method({"PIPETRAIN_START_METHOD": " Spawn "}) == "spawn"
+    with pytest.raises(LaunchError, match="PIPETRAIN_START_METHOD='fork' is not a start method"):
+        start_method({"PIPETRAIN_START_METHOD": "fork"})
 
 
 @contextmanager
@@ -55,3 +79,22 @@ def _streams_to(fd: int) -> Iterator[None]:
         for target, copy in saved.items():
             os.dup2(copy, target)
             os.close(copy)
+
+
+def _draw(spec: RankSpec, out: str) -> None:
+    import numpy
+    import torch
+
+    Path(out).mkdir(exist_ok=True)
+    Path(out, f"rank{spec.rank}.json").write_text(json.dumps({"torch": torch.randn(2).tolist(),
+                                                              "numpy": numpy.random.rand(2).tolist()}))
+
+
+def test_forked_ranks_draw_random_numbers_of_their_own(tmp_path):
+    """As fresh interpreters (torch seeds its generator from the OS at start): no two ranks, of one job or of
+    two, draw the same numbers from torch's or numpy's global generator."""
+    launch_local(_draw, 2, str(tmp_path / "a"))
+    launch_local(_draw, 2, str(tmp_path / "b"))
+    draws = [json.loads((tmp_path / job / f"rank{rank}.json").read_text()) for job in "ab" for rank in (0, 1)]
+    for generator in ("torch", "numpy"):
+        assert len({tuple(draw[generator]) for draw in draws}) == 4, draws

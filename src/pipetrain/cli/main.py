@@ -31,11 +31,10 @@ def _start_rank_server(argv: Sequence[str]) -> None:
     if _verb(argv) not in SPAWNING_VERBS or {"-h", "--help", "--print-config"} & set(argv):
         return
     try:
-        if detect() is not None:
-            return
-    except PipetrainError:  # said once the verb reads the environment
-        return
-    warm_up()
+        if detect() is None:
+            warm_up()
+    except PipetrainError:  # a bad variable: said once the verb reads the environment
+        pass
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

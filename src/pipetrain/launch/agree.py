@@ -3,7 +3,7 @@ flags that fit the same world size would otherwise build mismatched stages and h
 
 from __future__ import annotations
 
-import time
+import threading
 
 import torch.distributed as dist
 
@@ -13,7 +13,7 @@ from pipetrain.launch.spawn import fail_now
 
 __all__ = ["agree_on_layout", "describe_layout", "layout_disagreement"]
 
-#: Seconds a rank other than rank 0 waits before ending quietly (the launcher ends it when rank 0 has said it).
+#: Seconds at most a rank other than rank 0 waits for rank 0 to have said it before ending quietly.
 _QUIET_S = 20.0
 
 
@@ -53,8 +53,25 @@ def agree_on_layout(parallel: ParallelConfig) -> None:
     if dist.get_rank() == 0:
         raise ConfigError(problem, hint="start every node with the same --dp, --pp, --schedule, --chunks and --balance "
                                         "(the same command line or --config file)")
-    time.sleep(_QUIET_S)
+    _wait_for_rank_0_to_end(_QUIET_S)
     fail_now("", code=2)
+
+
+def _wait_for_rank_0_to_end(timeout_s: float) -> None:
+    """Until rank 0 has ended (its connections close: a barrier it never joins fails) or `timeout_s` passed.
+    Ending first could get rank 0 killed by a launcher (torchrun) before it prints; ranks started by hand
+    (no launcher to end them) need not wait the whole time."""
+    ended = threading.Event()
+
+    def barrier() -> None:
+        try:
+            dist.barrier()
+        except Exception:  # rank 0 is gone
+            pass
+        ended.set()
+
+    threading.Thread(target=barrier, name="pipetrain-wait-rank0", daemon=True).start()
+    ended.wait(timeout_s)
 
 
 def _ranges(ranks: list[int]) -> str:

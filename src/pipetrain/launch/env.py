@@ -1,7 +1,7 @@
 """Cluster environment: where this process's rank comes from (torchrun or Slurm variables), read in one place.
 
-This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_*, PIPETRAIN_DEVICE and the
-socket-interface variables (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). It never creates processes; launchers use what
+This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_*, PIPETRAIN_DEVICE,
+PIPETRAIN_START_METHOD and the socket-interface variables (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). It never creates processes; launchers use what
 `detect` reports, or spawn the ranks themselves when it reports None.
 """
 
@@ -29,6 +29,9 @@ __all__ = [
     "socket_interface_variables",
     "DEVICE_VARIABLE",
     "DEVICES",
+    "START_METHOD_VARIABLE",
+    "START_METHODS",
+    "start_method",
     "detect",
     "device_override",
     "expand_for_local_ranks",
@@ -45,6 +48,10 @@ _PORT_SPAN = 20000
 DEVICE_VARIABLE = "PIPETRAIN_DEVICE"
 #: The device types a run can be pinned to.
 DEVICES = ("cpu", "cuda")
+#: The variable choosing how local ranks start: forked from a server that imported torch once (default), or
+#: each a fresh interpreter (multiprocessing's `spawn`; see launch/forkserver.py).
+START_METHOD_VARIABLE = "PIPETRAIN_START_METHOD"
+START_METHODS = ("forkserver", "spawn")
 #: Seconds a rank of a multi-node job waits for rank 0's host to accept a connection (default 120).
 JOIN_TIMEOUT_VARIABLE = "PIPETRAIN_JOIN_TIMEOUT"
 _JOIN_TIMEOUT_S = 120.0
@@ -107,6 +114,18 @@ def device_override(environ: Mapping[str, str] | None = None) -> str | None:
         raise LaunchError(f"{DEVICE_VARIABLE}={raw!r} is not a device type",
                           hint=f"set {DEVICE_VARIABLE} to {' or '.join(DEVICES)}, or unset it")
     return raw.lower()
+
+
+def start_method(environ: Mapping[str, str] | None = None) -> str:
+    """How local ranks start (PIPETRAIN_START_METHOD): "forkserver" (default) or "spawn"."""
+    env = os.environ if environ is None else environ
+    raw = env.get(START_METHOD_VARIABLE, "").strip().lower()
+    if not raw:
+        return START_METHODS[0]
+    if raw not in START_METHODS:
+        raise LaunchError(f"{START_METHOD_VARIABLE}={raw!r} is not a start method",
+                          hint=f"set {START_METHOD_VARIABLE} to {' or '.join(START_METHODS)}, or unset it")
+    return raw
 
 
 def expand_for_local_ranks(env: ClusterEnv, ranks_per_node: int) -> list[ClusterEnv]:

@@ -5,12 +5,12 @@ pipetrain; with `spawn`, every rank of every job pays that. The fork server (mul
 imports them once per launcher and forks each rank from there, on the same terms as `spawn` otherwise: a rank
 re-imports the launcher's `__main__` (a script without a main guard fails the same way), runs with the
 launcher's working directory, `sys.path`, environment and standard output/error as they are when the rank
-starts (the server's own are those of its start), and initialises no CUDA, threads or RNG state it could share.
+starts (the server's own are those of its start), and with the random state of a fresh interpreter. The server
+initialises no CUDA and starts no threads, so a fork from it is safe.
 """
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing as mp
 import os
 import sys
@@ -18,6 +18,8 @@ from multiprocessing import forkserver, reduction
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
+
+from pipetrain.launch.env import start_method
 
 __all__ = ["PRELOAD", "context", "warm_up", "Inherited", "RANK_NAME_PREFIX"]
 
@@ -34,38 +36,25 @@ PRELOAD = (
 #: What a rank is called in `ps -o comm` and top (Linux, at most 15 characters: pipetrain-r0, pipetrain-r12, ...);
 #: its command line is the fork server's.
 RANK_NAME_PREFIX = "pipetrain-r"
-#: Whether this process ends its server at exit (`warm_up` registers it once).
-_STOP_AT_EXIT = False
 #: The standard streams a rank writes to, as the launcher has them when the rank starts.
 _STREAMS = (1, 2)
 
 
 def context() -> BaseContext:
-    """The multiprocessing context ranks are started with."""
+    """The multiprocessing context ranks are started with: the fork server, or `spawn` where
+    PIPETRAIN_START_METHOD=spawn asks for fresh interpreters."""
+    if start_method() == "spawn":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
 def warm_up() -> None:
-    """Start the server now (it imports in the background), so that ranks started later fork at once; it ends
-    with this process."""
-    global _STOP_AT_EXIT
-    context()
-    forkserver.ensure_running()
-    if not _STOP_AT_EXIT:
-        _STOP_AT_EXIT = True
-        atexit.register(_stop_server)
-
-
-def _stop_server() -> None:
-    """End the server at exit even while it is still importing (it would finish that first, on a busy CPU)."""
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if pid is not None:
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
+    """Start the server now (it imports in the background), so that ranks started later fork at once. It ends
+    when this process does (at once if idle, else once its imports are done)."""
+    if context().get_start_method() == "forkserver":
+        forkserver.ensure_running()
 
 
 class Inherited:
@@ -89,6 +78,7 @@ class Inherited:
             pass
         os.environ.clear()
         os.environ.update(self.environ)
+        _fresh_random_state()
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
@@ -97,6 +87,17 @@ class Inherited:
             if fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
+
+
+def _fresh_random_state() -> None:
+    """Seed torch's and numpy's global generators from the OS's entropy, as a fresh interpreter does: forked
+    ranks would otherwise all draw the server's numbers (Python's `random` is reseeded by every fork already)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _is_open(fd: int) -> bool:
