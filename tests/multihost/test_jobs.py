@@ -13,6 +13,7 @@ order than the one process does). Time bounds are generous (two shared cores): t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -168,13 +169,16 @@ def test_a_link_down_mid_step_is_named_by_the_step_watchdog(cluster: Cluster, re
 
 
 def test_hosts_started_wrong_are_told_once(cluster: Cluster):
-    """Two mistakes at once on one pair of hosts (each job alone took 15 s and 35 s, mostly start-up):
+    """Three mistakes at once on one pair of hosts (each job alone took 15 s and 35 s, mostly start-up):
 
     - different layouts: host 0 started with --dp 2 --pp 1, host 1 with --dp 1 --pp 2: both fit 2 ranks, so no rank
       can tell alone; rank 0 names both layouts once, before any stage is built, and both ranks end non-zero;
     - an unreachable rendezvous: rank 1 of another two-host job started alone on host 1, its rank 0's address
       (host 0, a port nothing listens on) accepts nothing: within PIPETRAIN_JOIN_TIMEOUT (5 s here, 120 s by
-      default) one message says so, no traceback."""
+      default) one message says so, no traceback;
+    - a world size the nodes' rank counts do not make up for the layout: torchrun with 1 rank on host 0 and 2 on
+      host 1 (3 in all) for --dp 2 --pp 1: rank 0 says so once, before joining, and both hosts end non-zero (host
+      1's torchrun agent reports, in its own words, the rendezvous store gone with host 0's agent)."""
     common = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
               "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": str(MASTER_PORT)}
     ranks = [cluster.start(rank, [sys.executable, *TRAIN, *layout], environ(**common, RANK=str(rank),
@@ -184,8 +188,11 @@ def test_hosts_started_wrong_are_told_once(cluster: Cluster):
     alone = cluster.start(1, [sys.executable, *TRAIN, "--dp", "1", "--pp", "2"],
                           environ(**common | {"RANK": "1", "GROUP_RANK": "1", "MASTER_PORT": str(alone_port),
                                               "PIPETRAIN_JOIN_TIMEOUT": "5"}), "alone.log")
+    uneven = [cluster.start(node, torchrun(node, 1 + node, *TRAIN, "--dp", "2", "--pp", "1", job_id="uneven"),
+                            environ(), f"uneven{node}.log") for node in (0, 1)]
     codes = wait_all(ranks, JOB_TIMEOUT_S)
     [code] = wait_all([alone], 120.0)
+    uneven_codes = wait_all(uneven, 120.0)
     out0, out1, output = cluster.output("rank0.log"), cluster.output("rank1.log"), cluster.output("alone.log")
     assert None not in codes and 0 not in codes, (codes, out0[-3000:], out1[-3000:])
     assert out0.count("pipetrain: error:") == 1 and "pipetrain: error" not in out1, (out0[-3000:], out1[-3000:])
@@ -198,4 +205,13 @@ def test_hosts_started_wrong_are_told_once(cluster: Cluster):
     assert output.count("pipetrain: error:") == 1 and "Traceback" not in output, output
     assert (f"pipetrain: error: cannot reach rank 0's host at {ADDRESSES[0]}:{alone_port} (MASTER_ADDR:MASTER_PORT) "
             "within 5 s: Connection refused") in output, output
+
+    host0, host1 = cluster.output("uneven0.log"), cluster.output("uneven1.log")
+    assert None not in uneven_codes and 0 not in uneven_codes, (uneven_codes, host0[-3000:], host1[-3000:])
+    assert host0.count("pipetrain: error:") == 1 and "pipetrain: error" not in host1, (host0[-3000:], host1[-3000:])
+    assert "pipetrain: error: dp=2 x pp=1 = 2 ranks, but the job has 3" in host0, host0
+    # torchrun reports the failed rank (host 0) and the rendezvous store lost with host 0's agent (host 1) with
+    # tracebacks of its own; none comes from pipetrain's ranks
+    frames = [line for line in (host0 + host1).splitlines() if line.lstrip().startswith('File "')]
+    assert not [line for line in frames if re.search(r"/pipetrain/[a-z_/]+\.py", line)], (host0[-3000:], host1[-3000:])
     _assert_no_process_left(cluster)
