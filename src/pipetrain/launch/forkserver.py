@@ -32,6 +32,7 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "pipetrain.session",
     "pipetrain.trainer",
+    "pipetrain.launch.forkserver_setup",  # last: the server's own set-up, once the rest is imported
 )
 #: What a rank is called in `ps -o comm` and top (Linux, at most 15 characters: pipetrain-r0, pipetrain-r12, ...);
 #: its command line is the fork server's.
