@@ -16,6 +16,7 @@ import pytest
 
 from pipetrain.errors import LaunchError
 from pipetrain.launch.env import start_method
+from pipetrain.launch.forkserver import context
 from pipetrain.launch.spawn import RankSpec, launch_local
 from pipetrain.logs.startup import process_start_s
 
@@ -61,10 +62,14 @@ def test_spawn_on_request_starts_each_rank_from_this_process(tmp_path, monkeypat
         assert f"rank {rank} on stdout" in out
 
 
-def test_start_method_values():
+def test_start_method_values(monkeypatch):
     assert start_method({}) == "forkserver" and start_method({"PIPETRAIN_START_METHOD": " Spawn "}) == "spawn"
     with pytest.raises(LaunchError, match="PIPETRAIN_START_METHOD='fork' is not a start method"):
         start_method({"PIPETRAIN_START_METHOD": "fork"})
+    assert context("cpu").get_start_method() == "forkserver"
+    assert context("cuda").get_start_method() == "spawn"  # CUDA ranks: fresh interpreters (see forkserver.py)
+    monkeypatch.setenv("PIPETRAIN_START_METHOD", "spawn")
+    assert context("cpu").get_start_method() == "spawn"
 
 
 @contextmanager

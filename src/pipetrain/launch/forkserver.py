@@ -19,7 +19,7 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
-from pipetrain.launch.env import start_method
+from pipetrain.launch.env import device_override, start_method
 
 __all__ = ["PRELOAD", "context", "warm_up", "Inherited", "RANK_NAME_PREFIX"]
 
@@ -41,10 +41,12 @@ RANK_NAME_PREFIX = "pipetrain-r"
 _STREAMS = (1, 2)
 
 
-def context() -> BaseContext:
-    """The multiprocessing context ranks are started with: the fork server, or `spawn` where
-    PIPETRAIN_START_METHOD=spawn asks for fresh interpreters."""
-    if start_method() == "spawn":
+def context(device: str = "cpu") -> BaseContext:
+    """The multiprocessing context ranks on `device` ("cpu", "cuda") are started with: the fork server, or `spawn`
+    where PIPETRAIN_START_METHOD=spawn asks for fresh interpreters, and on CUDA: a server whose imports initialised
+    the CUDA runtime (a `torch.cuda.is_available()` at import does) would hand its forks a runtime they cannot
+    use, and that is not yet checked on a GPU."""
+    if start_method() == "spawn" or device != "cpu":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
@@ -53,8 +55,9 @@ def context() -> BaseContext:
 
 def warm_up() -> None:
     """Start the server now (it imports in the background), so that ranks started later fork at once. It ends
-    when this process does (at once if idle, else once its imports are done)."""
-    if context().get_start_method() == "forkserver":
+    when this process does (at once if idle, else once its imports are done). Not where PIPETRAIN_DEVICE=cuda
+    (CUDA ranks are not forked); on a GPU node without it the server may go unused."""
+    if context(device_override() or "cpu").get_start_method() == "forkserver":
         forkserver.ensure_running()
 
 

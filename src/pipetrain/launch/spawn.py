@@ -130,7 +130,8 @@ def spawn(
     device: str | None = None,
     nodes: int = 1,
 ) -> None:
-    """Run `fn(RankSpec, *args)` in one fresh process per rank in `ranks`; return when all succeed.
+    """Run `fn(RankSpec, *args)` in one new process per rank in `ranks` (on the CPU forked from the fork server, see
+    launch/forkserver.py; fresh interpreters on CUDA and with PIPETRAIN_START_METHOD=spawn); return when all succeed.
 
     When a rank fails, every other rank is stopped at once and `RankFailedError` carries the first
     failure (its message, or its traceback for an unexpected error), reported once. A rank's report is
@@ -141,7 +142,7 @@ def spawn(
     """
     device = resolve_device(device)
     check_local_ranks(first_local_rank + len(ranks), device)
-    ctx = context()
+    ctx = context(device)
     launched_at = process_start_s()
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
