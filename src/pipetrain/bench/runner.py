@@ -33,7 +33,9 @@ def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir
     """Measure one cell in fresh rank processes; failures become "oom", "error" or "timeout" results.
 
     With `trace_dir`, the traced steps' files go to `trace_dir/<cell folder>` (see `trace_folder`). `device`:
-    "cpu" or "cuda" (default: as `resolve_device`); on CUDA a cell of more ranks than GPUs is "invalid"."""
+    "cpu" or "cuda" (default: as `resolve_device`); on CUDA a cell of more ranks than GPUs is "invalid". A cell
+    with a memory limit runs in fresh interpreters: under the CPU limit a rank forked from the fork server can die
+    in glibc ("cannot allocate memory for thread-local data: ABORT", exit 127) instead of failing an allocation."""
     device = resolve_device(device)
     problem = cell_problem(cell, max_ranks=gpu_count() if device == "cuda" else None)
     if problem:
@@ -42,7 +44,7 @@ def run_cell(cell: Cell, *, warmup: int, steps: int, timeout_s: float, trace_dir
     try:
         spawn(measure_rank, ranks=range(cell.world_size), world_size=cell.world_size, master_addr="127.0.0.1",
               master_port=free_port(), args=(cell, warmup, steps, str(work), None if trace_dir is None else str(trace_folder(trace_dir, cell))),
-              timeout_s=timeout_s, device=device)
+              timeout_s=timeout_s, device=device, start_method=None if cell.mem_limit_mb is None else "spawn")
         measured = json.loads((work / "result.json").read_text())
         return CellResult.from_steps(
             cell,

@@ -41,12 +41,12 @@ RANK_NAME_PREFIX = "pipetrain-r"
 _STREAMS = (1, 2)
 
 
-def context(device: str = "cpu") -> BaseContext:
+def context(device: str = "cpu", method: str | None = None) -> BaseContext:
     """The multiprocessing context ranks on `device` ("cpu", "cuda") are started with: the fork server, or `spawn`
-    where PIPETRAIN_START_METHOD=spawn asks for fresh interpreters, and on CUDA: a server whose imports initialised
-    the CUDA runtime (a `torch.cuda.is_available()` at import does) would hand its forks a runtime they cannot
-    use, and that is not yet checked on a GPU."""
-    if start_method() == "spawn" or device != "cpu":
+    where `method` or else PIPETRAIN_START_METHOD asks for fresh interpreters, and on CUDA: a server whose imports
+    initialised the CUDA runtime (a `torch.cuda.is_available()` at import does) would hand its forks a runtime they
+    cannot use, and that is not yet checked on a GPU."""
+    if (method or start_method()) == "spawn" or device != "cpu":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))

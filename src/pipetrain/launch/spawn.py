@@ -129,6 +129,7 @@ def spawn(
     timeout_s: float | None = None,
     device: str | None = None,
     nodes: int = 1,
+    start_method: str | None = None,
 ) -> None:
     """Run `fn(RankSpec, *args)` in one new process per rank in `ranks` (on the CPU forked from the fork server, see
     launch/forkserver.py; fresh interpreters on CUDA and with PIPETRAIN_START_METHOD=spawn); return when all succeed.
@@ -139,10 +140,11 @@ def spawn(
     take long). After `timeout_s` seconds all ranks are stopped and `RankTimeoutError` is raised.
     `device` ("cpu", "cuda"; default: PIPETRAIN_DEVICE, else CUDA when present) goes to every rank's spec; on CUDA,
     more ranks than GPUs raise `ConfigError` before any rank starts. `nodes`: the hosts the whole job spans.
+    `start_method`: "spawn" for fresh interpreters whatever PIPETRAIN_START_METHOD says (None: as it says).
     """
     device = resolve_device(device)
     check_local_ranks(first_local_rank + len(ranks), device)
-    ctx = context(device)
+    ctx = context(device, start_method)
     launched_at = process_start_s()
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
