@@ -36,8 +36,11 @@ CASES = {
 }
 #: the tensor-parallel case: (schedule, checkpoint policy) at tp=2, pp=1
 TP_CASE = ("tp2", ("gpipe", "always"))
-#: the traced step span may differ from the step time measured around it by this fraction
+#: the traced step span may differ from the step time measured around it by this fraction, plus STEP_SLACK_NS for
+#: what lies between the two clocks' readings (the `with` itself; on 2 shared cores a preemption: 1.5 ms over a
+#: 50 ms step was seen once in two clean-clone suites)
 STEP_TOLERANCE = 0.02
+STEP_SLACK_NS = 5_000_000
 
 
 def _case(spec: RankSpec, device, name: str, out: Path) -> None:
@@ -132,7 +135,8 @@ def test_step_span_matches_the_outside_step_time(traced, name):
         steps = sorted((s for s in spans if s.rank == rank and s.kind == "step"), key=lambda s: s.step)
         assert len(steps) == len(outside) == TRACED
         for step, measured in zip(steps, outside):
-            assert abs(step.duration_ns - measured) <= STEP_TOLERANCE * measured, (step.duration_ns, measured)
+            assert step.duration_ns <= measured, (step.duration_ns, measured)  # the span lies inside the outside timer
+            assert measured - step.duration_ns <= STEP_TOLERANCE * measured + STEP_SLACK_NS, (step.duration_ns, measured)
             work = [s for s in spans if s.rank == rank and s.step == step.step and s.kind != "step"]
             assert all(step.start_ns <= s.start_ns and s.end_ns <= step.end_ns for s in work)
             top = [s for s in work if s.kind not in ("recompute",)]
