@@ -22,7 +22,7 @@ train: $(VENV)/.installed
 # the repository): the test that fine-tunes a real pretrained model at pp=2 (about 25 s) runs on it, and skips where
 # it is missing
 smollm2: $(VENV)/.installed
-	$(PY) -m pipetrain.workloads.smollm2 prepare
+	$(PY) -m pipetrain.workloads.hf.smollm2 prepare
 
 test: $(VENV)/.installed smollm2
 	bash scripts/slurm-up.sh

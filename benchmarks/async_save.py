@@ -29,7 +29,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.session import build_session, close_session, join_job
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 PIPELINE = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=4)
 LAYOUTS = {"pp2": (2, ParallelConfig(pipeline=PIPELINE)), "dp2xpp2": (4, ParallelConfig(dp=2, pipeline=PIPELINE))}

@@ -24,7 +24,7 @@ from torch import nn
 
 from interleave import cpu_per_rank, finish, markdown_table, median_s, paired_ratio, resolve_defaults, run_job
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.partition import cost_balance, uniform_balance
 from pipetrain.partition.measure import profile_model
 from pipetrain.partition.stagecost import stage_costs

@@ -39,8 +39,8 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
 from pipetrain.session import build_session, close_session, join_job
-from pipetrain.workloads.corpus import LENGTH_STEP, synthetic_corpus, token_batches
-from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
+from pipetrain.workloads.lm.corpus import LENGTH_STEP, synthetic_corpus, token_batches
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
 
 WORLD = 2
 FULL = {"seq_len": 512, "docs": 256, "rounds": 3}

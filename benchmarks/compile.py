@@ -33,10 +33,10 @@ from interleave import (
     resolve_defaults, run_job,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.session import build_session
 from pipetrain.workloads.registry import get_workload
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 PP = 2
 SEED = 0

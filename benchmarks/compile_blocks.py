@@ -17,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pipetrain.pipeline.compiled import compile_blocks
-from pipetrain.workloads.presets import PRESETS
-from pipetrain.workloads.transformer import TransformerClassifier
+from pipetrain.workloads.classifier.presets import PRESETS
+from pipetrain.workloads.classifier.model import TransformerClassifier
 
 MICRO = 8
 PAIRS = 31

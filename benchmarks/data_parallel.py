@@ -27,10 +27,10 @@ from interleave import (
     median_s, paired_ratio, reference_batch, resolve_defaults, run_job,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.session import build_session
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 WORLD = 2
 SEED = 0

@@ -24,7 +24,7 @@ from pipetrain.partition.profile import load_profile
 from pipetrain.plan.hardware import load_calibration
 from pipetrain.plan.model import config_blocks, profile_blocks
 from pipetrain.plan.predict import Layout, predict
-from pipetrain.workloads.presets import PRESETS
+from pipetrain.workloads.classifier.presets import PRESETS
 from pipetrain.workloads.registry import get_workload
 
 from cli_runs import load_average, pipetrain

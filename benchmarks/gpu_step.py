@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from pipetrain.bench import calibrate
-from pipetrain.bench.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
+from pipetrain.launch.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 from pipetrain.blocks import build_sequential
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.meter import model_flops
 from pipetrain.logs.mfu import peak_tflops
 from pipetrain.pipeline.clock import clock_for
@@ -36,8 +36,8 @@ from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
 from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import Layout, predict
 from pipetrain.session import close_session, open_session
-from pipetrain.workloads.presets import PRESETS
-from pipetrain.workloads.transformer import TransformerClassifier
+from pipetrain.workloads.classifier.presets import PRESETS
+from pipetrain.workloads.classifier.model import TransformerClassifier
 
 
 def _median_step(step, steps: int, warmup: int, clock) -> float:

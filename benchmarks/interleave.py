@@ -31,8 +31,8 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.session import close_session, join_job
-from pipetrain.workloads.imdb import batches, synthetic_imdb
-from pipetrain.workloads.transformer import PRESETS
+from pipetrain.workloads.classifier.imdb import batches, synthetic_imdb
+from pipetrain.workloads.classifier.model import PRESETS
 
 __all__ = [
     "Step", "add_common_args", "resolve_defaults", "reference_batch", "engine_step", "run_job", "time_rounds",

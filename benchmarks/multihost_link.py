@@ -35,7 +35,7 @@ CELLS = {"pp across hosts": dict(dp=1, pp=2, chunks=4, schedule="gpipe"),
 
 
 def _shape() -> dict:
-    from pipetrain.workloads.presets import PRESETS
+    from pipetrain.workloads.classifier.presets import PRESETS
 
     c = PRESETS[PRESET]
     return dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout)
@@ -56,7 +56,7 @@ def calibrate_rank(path: Path, samples: int, repeats: int) -> None:
 
 
 def _calibrate(cluster, folder: Path, rate: str, samples: int, repeats: int) -> Path:
-    from tests.multihost.cluster import environ, torchrun, wait_all
+    from scripts.netns_cluster import environ, torchrun, wait_all
 
     path = folder / f"calibration-{rate}.json"
     me = [str(Path(__file__).resolve()), "--calibrate-rank", str(path), "--samples", str(samples),
@@ -72,7 +72,7 @@ def _calibrate(cluster, folder: Path, rate: str, samples: int, repeats: int) -> 
 
 
 def _cell(cluster, folder: Path, name: str, steps: int) -> float:
-    from tests.multihost.cluster import ADDRESSES, MASTER_PORT, environ, wait_all
+    from scripts.netns_cluster import ADDRESSES, MASTER_PORT, environ, wait_all
 
     cell = CELLS[name]
     run_dir = folder / name.replace(" ", "-")
@@ -101,7 +101,7 @@ def _predicted(calibration: Path, *, shared_cores: bool) -> dict[str, float]:
     from pipetrain.plan.hardware import load_calibration
     from pipetrain.plan.model import config_blocks
     from pipetrain.plan.predict import Layout, predict
-    from pipetrain.workloads.presets import PRESETS
+    from pipetrain.workloads.classifier.presets import PRESETS
 
     calib = load_calibration(calibration)
     blocks = config_blocks(PRESETS[PRESET])
@@ -116,7 +116,7 @@ def _predicted(calibration: Path, *, shared_cores: bool) -> dict[str, float]:
 
 
 def measure_rate(rate: str, out: Path, steps: int, samples: int, repeats: int) -> None:
-    from tests.multihost.cluster import Cluster
+    from scripts.netns_cluster import Cluster
 
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.multihost.cluster import ADDRESSES, MASTER_PORT, Cluster, environ, losses, wait_all, wait_for  # noqa: E402
+from scripts.netns_cluster import ADDRESSES, MASTER_PORT, Cluster, environ, losses, wait_all, wait_for  # noqa: E402
 
 JOB = ["-m", "pipetrain", "train", "--preset", "tiny", "--data", "synthetic", "--schedule", "gpipe", "--chunks", "2",
        "--batch-size", "16", "--train-samples", "64", "--test-samples", "16", "--epochs", "1", "--max-steps", "2",

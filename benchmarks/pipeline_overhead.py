@@ -36,10 +36,10 @@ from interleave import (
 from pipetrain.bench.results import ideal_speedup
 from pipetrain.blocks import build_blocks, build_sequential
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.partition import balance_bounds, uniform_balance
 from pipetrain.session import build_session
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 PP = 2
 SEED = 0

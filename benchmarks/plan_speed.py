@@ -22,7 +22,7 @@ from pipetrain.plan.hardware import DEFAULT_DEVICE, DEFAULT_NETWORK
 from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import clear_caches
 from pipetrain.plan.search import SearchSpace, search
-from pipetrain.workloads.presets import PRESETS
+from pipetrain.workloads.classifier.presets import PRESETS
 
 
 def main() -> None:

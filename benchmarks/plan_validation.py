@@ -36,7 +36,7 @@ from pipetrain.config import SCHEDULES
 from pipetrain.plan.hardware import default_calibration_path, load_calibration
 from pipetrain.plan.model import config_blocks
 from pipetrain.plan.predict import Layout, predict
-from pipetrain.workloads.presets import PRESETS
+from pipetrain.workloads.classifier.presets import PRESETS
 
 MB = 2**20
 

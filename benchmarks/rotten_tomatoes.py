@@ -18,10 +18,10 @@ import argparse
 import torch
 
 from pipetrain.blocks import build_sequential
-from pipetrain.workloads.classifier import ClassifierWorkload
-from pipetrain.workloads.imdb import ReviewDataset
-from pipetrain.workloads.imdb_package import load_package_imdb, load_rotten_tomatoes
-from pipetrain.workloads.presets import PRESETS
+from pipetrain.workloads.classifier.workload import ClassifierWorkload
+from pipetrain.workloads.classifier.imdb import ReviewDataset
+from pipetrain.workloads.classifier.imdb_package import load_package_imdb, load_rotten_tomatoes
+from pipetrain.workloads.classifier.presets import PRESETS
 
 
 def accuracy(model: torch.nn.Module, workload: ClassifierWorkload, data: ReviewDataset, *, batch_size: int,

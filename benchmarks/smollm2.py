@@ -27,9 +27,9 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.session import build_session, close_session, join_job
-from pipetrain.workloads.gutenberg import gutenberg_folder
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss
-from pipetrain.workloads.smollm2 import prepare
+from pipetrain.workloads.text.gutenberg import gutenberg_folder
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
+from pipetrain.workloads.hf.smollm2 import prepare
 
 PROMPT = "The capital of France is"
 #: name -> (dp, pp); (1, 1) is the unsplit transformers model
@@ -114,7 +114,7 @@ def heldout(args: argparse.Namespace) -> None:
     """The held-out loss of a HF folder on the held-out split a `train --model` job of this data evaluates."""
     import transformers
 
-    from pipetrain.trainer import TrainConfig, load_data
+    from pipetrain.train.loop import TrainConfig, load_data
 
     config = TrainConfig(workload="hf", model_dir=args.model, data=args.data, seq_len=args.seq_len)
     _, test = load_data(config)

@@ -20,10 +20,10 @@ from interleave import (
     add_common_args, finish, markdown_table, median_s, paired_ratio, reference_batch, resolve_defaults, run_job,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.session import build_session
 from pipetrain.trace.tracer import Tracer
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 FULL = {"rounds": 8, "steps": 3, "warmup": 2, "chunks": [4, 16]}
 QUICK = {"rounds": 2, "steps": 2, "warmup": 1, "chunks": [4]}

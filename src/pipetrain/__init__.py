@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pipetrain.moved import install as _install_moved_paths
+
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it
@@ -23,7 +25,7 @@ _EXPORTS = {
     "PipetrainError": "pipetrain.errors",
     "RankFailedError": "pipetrain.errors",
     "NonFiniteError": "pipetrain.errors",
-    "RankSpec": "pipetrain.launch.spawn",
+    "RankSpec": "pipetrain.launch.ranks",
     "launch_local": "pipetrain.launch.spawn",
     "Pipe": "pipetrain.pipe",
     "PipelineEngine": "pipetrain.pipeline",
@@ -41,11 +43,14 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
+_install_moved_paths()  # the import paths of 0.1 that moved keep working, with a DeprecationWarning
+
 if TYPE_CHECKING:
     from pipetrain.blocks import BlockModel, ModuleListModel, build_sequential
     from pipetrain.config import ParallelConfig, PipelineConfig
     from pipetrain.errors import ConfigError, DataError, LaunchError, NonFiniteError, PipetrainError, RankFailedError
-    from pipetrain.launch.spawn import RankSpec, launch_local
+    from pipetrain.launch.ranks import RankSpec
+    from pipetrain.launch.spawn import launch_local
     from pipetrain.pipe import Pipe
     from pipetrain.pipeline import Loss, PipelineEngine, StepResult, TokenCrossEntropy
     from pipetrain.recipe import Recipe, RecipeConfig, StepOutcome, build_optimizer

@@ -23,7 +23,7 @@ from torch import nn
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import detect, free_port
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.parallel import pick_device
 from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline import PipelineEngine, StepResult

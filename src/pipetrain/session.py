@@ -14,7 +14,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.startup import Startup
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
 from pipetrain.parallel.mesh import leave_after_error

@@ -22,8 +22,8 @@ from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
 from pipetrain.pipeline.precision import autocast
 from pipetrain.session import build_session, close_session, join_job
-from pipetrain.workloads.gpt import GPT_PRESETS, PAD_ID, GPTEmbedding, GPTModel
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, PAD_ID, GPTEmbedding, GPTModel
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 SEED = 3
 LR = 0.05

@@ -15,7 +15,7 @@ import pytest
 
 from pipetrain.check import run_checks
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.trainer import TrainConfig, load_data
+from pipetrain.train.loop import TrainConfig, load_data
 
 MODELS = "tests.distributed.check_models"
 EXAMPLE = f"{Path(__file__).resolve().parents[2] / 'examples' / 'my_model.py'}:workload"  # file.py:NAME

@@ -144,7 +144,7 @@ def test_export_loads_into_plain_sequential(runs, tmp_path):
 def test_export_refuses_another_model(runs, tmp_path):
     from dataclasses import replace
 
-    from pipetrain.workloads.transformer import TransformerClassifier
+    from pipetrain.workloads.classifier.model import TransformerClassifier
     from tests.distributed.harness import MODEL_CONFIG
 
     _, out = runs

@@ -25,7 +25,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
 
 RTOL, ATOL = 1e-5, 4e-5

@@ -39,7 +39,7 @@ from pipetrain.pipeline import PipelineEngine  # noqa: E402
 from pipetrain.recipe.clip import grad_norm  # noqa: E402
 from pipetrain.recipe.groups import no_decay_names  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, make_batches,  # noqa: E402
                                              reference, spawned)
 from tests.hf_folders import tiny_tokenizer, transformers_names  # noqa: E402

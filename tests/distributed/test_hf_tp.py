@@ -27,12 +27,12 @@ transformers = pytest.importorskip("transformers")
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
-from pipetrain.checkpoint.hf_export import export_hf  # noqa: E402
+from pipetrain.workloads.hf.export import export_hf  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.parallel.tensor import check_tensor_parallel  # noqa: E402
 from pipetrain.session import build_session  # noqa: E402
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, make_batches, spawned,  # noqa: E402
                                              tiny_configs)

@@ -25,7 +25,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.recipe import Recipe, RecipeConfig, lr_at
-from pipetrain.trainer import TrainConfig, train_rank
+from pipetrain.train.loop import TrainConfig, train_rank
 
 RTOL = 1e-5
 STEPS = 10  # 160 samples in batches of 16

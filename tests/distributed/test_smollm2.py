@@ -6,7 +6,7 @@ its own tensors), take one batch of 2 windows of 32 tokens of English text token
 tokenizer, and make two AdamW steps on it. The first step's loss equals the unsplit transformers model's
 (`model(input_ids, labels=input_ids).loss`) on the same batch within 1e-4 (fp32 over 30 layers; measured
 differences are ~1e-6) and is that of a pretrained model (below 5 nats, where random weights give ~10.8);
-the second step's loss is lower. Skipped where the folder is not prepared: `python -m pipetrain.workloads.smollm2
+the second step's loss is lower. Skipped where the folder is not prepared: `python -m pipetrain.workloads.hf.smollm2
 prepare` (make test does it once, ~540 MB under ~/.cache/pipetrain).
 """
 
@@ -23,11 +23,11 @@ from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
-from pipetrain.workloads.smollm2 import prepared_folder  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.workloads.hf.smollm2 import prepared_folder  # noqa: E402
 
 FOLDER = prepared_folder()
-pytestmark = pytest.mark.skipif(FOLDER is None, reason="SmolLM2 not prepared: python -m pipetrain.workloads.smollm2 prepare")
+pytestmark = pytest.mark.skipif(FOLDER is None, reason="SmolLM2 not prepared: python -m pipetrain.workloads.hf.smollm2 prepare")
 SEQ, TOLERANCE = 32, 1e-4
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. However little known the feelings or views of such a man may be on his first entering a "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multihost.cluster import Cluster
+from scripts.netns_cluster import Cluster
 
 _NAMES = itertools.count()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli.main import main
-from tests.multihost.cluster import (ADDRESSES, MASTER_PORT, Cluster, environ, losses, netns_problem, torchrun,
+from scripts.netns_cluster import (ADDRESSES, MASTER_PORT, Cluster, environ, losses, netns_problem, torchrun,
                                      wait_all, wait_for)
 
 PROBLEM = netns_problem()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.multihost.cluster import ADDRESSES, MASTER_PORT, Cluster, environ, netns_problem, wait_all
+from scripts.netns_cluster import ADDRESSES, MASTER_PORT, Cluster, environ, netns_problem, wait_all
 
 PROBLEM = netns_problem()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multihost.cluster import Cluster, netns_problem
+from scripts.netns_cluster import Cluster, netns_problem
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm-netns.sh"
 

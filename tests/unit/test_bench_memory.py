@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetrain.bench.memory import (
+from pipetrain.launch.memory import (
     apply_memory_limit,
     current_memory_mb,
     is_oom_error,
@@ -23,7 +23,7 @@ LINUX = sys.platform.startswith("linux")
 
 _CHILD = """
 import torch
-from pipetrain.bench.memory import apply_memory_limit, is_oom_error, oom_reason
+from pipetrain.launch.memory import apply_memory_limit, is_oom_error, oom_reason
 apply_memory_limit(100, torch.device("cpu"))
 small = torch.ones(20 * 2**20 // 4)  # 20 MB fits under the 100 MB limit
 try:

@@ -14,7 +14,7 @@ import pytest
 
 from pipetrain.bench import runner
 from pipetrain.bench.grid import Cell
-from pipetrain.bench.memory import is_oom_error, oom_reason
+from pipetrain.launch.memory import is_oom_error, oom_reason
 from pipetrain.bench.results import CellResult, ResultStore
 from pipetrain.errors import RankFailedError, RankTimeoutError
 

@@ -10,7 +10,7 @@ from pipetrain.cli.parallel_args import add_parallel_arguments, parallel_config
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline.compiled import dynamic_shapes
-from pipetrain.trainer import TrainConfig
+from pipetrain.train.loop import TrainConfig
 
 
 @pytest.mark.parametrize("schedule", SPLIT_BACKWARD_SCHEDULES)

@@ -7,13 +7,13 @@ import torch
 
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
-from pipetrain.trainer import TrainConfig, load_data
-from pipetrain.workloads.corpus import LENGTH_STEP, load_text, synthetic_corpus, token_batches
-from pipetrain.workloads.gpt import GPTModel
+from pipetrain.train.loop import TrainConfig, load_data
+from pipetrain.workloads.lm.corpus import LENGTH_STEP, load_text, synthetic_corpus, token_batches
+from pipetrain.workloads.lm.gpt import GPTModel
 from pipetrain.workloads import registry
-from pipetrain.workloads.classifier import ClassifierWorkload, bucketed_reviews
-from pipetrain.workloads.buckets import MAX_LENGTHS, length_step
-from pipetrain.workloads.imdb import PAD_ID, synthetic_imdb
+from pipetrain.workloads.classifier.workload import ClassifierWorkload, bucketed_reviews
+from pipetrain.workloads.text.batching import MAX_LENGTHS, length_step
+from pipetrain.workloads.classifier.imdb import PAD_ID, synthetic_imdb
 from pipetrain.workloads.registry import get_workload
 
 

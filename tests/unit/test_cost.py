@@ -10,7 +10,7 @@ from pipetrain.blocks import ModuleListModel
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import parameter_costs, resolve_balance
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 
 def small_model() -> ModuleListModel:

@@ -100,7 +100,7 @@ def test_more_local_ranks_than_gpus_is_refused_before_spawning(monkeypatch, gpus
 def test_torchrun_ranks_are_counted_against_the_gpus(monkeypatch, gpus):
     from argparse import Namespace
 
-    from pipetrain.cli.device_flags import device_choice
+    from pipetrain.cli.device_args import device_choice
 
     gpus(1)
     env = ClusterEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, node_rank=0, num_nodes=1,

@@ -15,7 +15,7 @@ from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.session import close_session, open_session
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from pipetrain import trainer
+from pipetrain.train import loop as trainer
 from pipetrain.bench import cell as cell_mod
 from pipetrain.bench.grid import Cell
 from pipetrain.checkpoint.durable import DurableConfig

@@ -10,7 +10,7 @@ import torch
 
 from pipetrain.blocks import build_sequential
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
-from pipetrain.workloads.gpt import GPT_PRESETS, PAD_ID, GPTModel
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, PAD_ID, GPTModel
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,13 +9,13 @@ from argparse import Namespace
 import pytest
 import torch
 
-from pipetrain.bench import memory
+from pipetrain.launch import memory
 from pipetrain.bench.calibrate import NOT_MEASURED, measured_network
 from pipetrain.cli import train as train_cli
 from pipetrain.cli import parallel_args
 from pipetrain.launch import device as device_mod
 from pipetrain.plan.hardware import DEFAULT_NETWORK
-from pipetrain.trainer import TrainConfig
+from pipetrain.train.loop import TrainConfig
 
 MB = 2**20
 

@@ -9,8 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 from pipetrain.blocks import build_blocks, build_sequential  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
-from pipetrain.workloads import hf_causal_lm  # noqa: E402
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.workloads.hf import causal_lm as hf_causal_lm  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.distributed.test_hf_parity import SEQ, VOCAB, tiny_configs  # noqa: E402
 
 

@@ -11,8 +11,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pipetrain.pipeline.loss import IGNORE_INDEX  # noqa: E402
-from pipetrain.trainer import TrainConfig, load_data  # noqa: E402
-from pipetrain.workloads.hf_text import TokenWindows, tokenize_documents, window_batches  # noqa: E402
+from pipetrain.train.loop import TrainConfig, load_data  # noqa: E402
+from pipetrain.workloads.hf.text import TokenWindows, tokenize_documents, window_batches  # noqa: E402
 from tests.hf_folders import tiny_model_folder, tiny_tokenizer  # noqa: E402
 from tests.unit.test_cli_errors import assert_one_error, cli  # noqa: E402,F401
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipetrain.errors import ConfigError, DataError
-from pipetrain.workloads.imdb import (
+from pipetrain.workloads.classifier.imdb import (
     PAD_ID,
     UNK_ID,
     ReviewDataset,

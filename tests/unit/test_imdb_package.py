@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from pipetrain.errors import ConfigError, DataError
-from pipetrain.trainer import TrainConfig, load_data
-from pipetrain.workloads import imdb_package
-from pipetrain.workloads.imdb_package import (
+from pipetrain.train.loop import TrainConfig, load_data
+from pipetrain.workloads.classifier import imdb_package
+from pipetrain.workloads.classifier.imdb_package import (
     held_out_split,
     load_package_imdb,
     load_rotten_tomatoes,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.logs.mfu import ModelFlops, mfu, peak_tflops
-from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 
 def test_flops_per_token_is_6n_plus_12lhqt():
@@ -67,7 +67,7 @@ def test_gpt_leaves_out_token_and_position_tables_but_counts_its_untied_head():
 def test_hugging_face_llama_counts_its_head_but_not_its_embedding():
     transformers = pytest.importorskip("transformers")
     from pipetrain.logs.meter import model_flops
-    from pipetrain.workloads.hf_causal_lm import HFCausalLM
+    from pipetrain.workloads.hf.causal_lm import HFCausalLM
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -172,7 +172,7 @@ def test_eval_batches_bounds_the_batches_read():
     """`--eval-batches K` reads K batches of the held-out stream (the trainer's own `_evaluate`, no processes)."""
     from types import SimpleNamespace
 
-    from pipetrain import trainer
+    from pipetrain.train import loop as trainer
     from pipetrain.checkpoint.durable import Position
 
     read: list[int] = []

@@ -13,7 +13,7 @@ from pipetrain.blocks import BlockSequential, ModuleListModel, build_sequential
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
 from pipetrain.pipeline.stages import ScheduleCache
-from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
 
 
 class Split(nn.Module):

@@ -17,7 +17,7 @@ from pipetrain.launch.env import join_timeout, socket_interface_variables
 from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.failures import backend_failure, error_text
 from pipetrain.launch.lost import report_lost_connection, silent_ranks
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 
 ROUTES = ("Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
           "eth1\t0010A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"

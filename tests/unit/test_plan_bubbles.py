@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.plan.bubbles import bubble_rows, main, markdown
+from benchmarks.bubble_table import main
+from pipetrain.plan.bubbles import bubble_rows, markdown
 from pipetrain.trace.summary import ideal_bubble
 
 

@@ -28,7 +28,7 @@ def test_activation_memory_without_dropout_and_in_float32():
 def test_parameter_counts_match_torch():
     import torch
 
-    from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+    from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
     c = PRESETS["cpu"]
     model = TransformerClassifier(c)

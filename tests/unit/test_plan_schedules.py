@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.pipeline.compat import torch_lowers, torch_schedule_order
+from pipetrain.compat.pipelining import torch_lowers, torch_schedule_order
 from pipetrain.plan.schedules import Action, min_microbatches, rank_stages, schedule_order, stage_rank
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12, 16, 32)]

@@ -157,7 +157,8 @@ def test_a_model_too_big_for_pp_alone_gets_tp_on_a_fast_node():
 
 def test_tp_table_fills_the_node(capsys):
     from pipetrain.plan.hardware import NODES
-    from pipetrain.plan.tp_table import main, node_cells
+    from benchmarks.tp_table import main
+    from pipetrain.plan.tp_table import node_cells
 
     device, network = NODES["a100"]
     cells = node_cells(transformer_blocks(**{**TINY, "nhead": 4}), 4, 32, device, network)

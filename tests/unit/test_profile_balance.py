@@ -18,7 +18,7 @@ from pipetrain.partition import cost_balance, resolve_balance
 from pipetrain.partition.measure import model_fingerprint, profile_model
 from pipetrain.partition.profile import BlockProfile, ModelProfile, load_profile, save_profile
 from pipetrain.partition.stagecost import STATE_FACTOR, balance_by_cost, in_flight, stage_costs
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 
 def mlp(widths: list[int]) -> ModuleListModel:

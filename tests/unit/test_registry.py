@@ -6,11 +6,11 @@ import pytest
 import torch.nn.functional as F
 
 from pipetrain.errors import ConfigError
-from pipetrain.trainer import TrainConfig, load_data
+from pipetrain.train.loop import TrainConfig, load_data
 from pipetrain.workloads import registry
-from pipetrain.workloads.classifier import ClassifierWorkload
+from pipetrain.workloads.classifier.workload import ClassifierWorkload
 from pipetrain.workloads.registry import get_workload, register, workload_names
-from pipetrain.workloads.transformer import TransformerClassifier
+from pipetrain.workloads.classifier.model import TransformerClassifier
 
 
 def test_classifier_is_the_default_workload():
@@ -47,7 +47,7 @@ def test_register_adds_a_workload_and_refuses_a_taken_name(monkeypatch):
 def test_a_bench_cell_names_its_workload_before_the_preset():
     from pipetrain.bench.cell import cell_workload
     from pipetrain.bench.grid import Cell, parse_axis
-    from pipetrain.workloads.gpt import GPTModel
+    from pipetrain.workloads.lm.gpt import GPTModel
 
     workload, preset = cell_workload(Cell(batch_size=8, preset="lm:tiny"))
     assert (workload.name, preset) == ("lm", "tiny") and isinstance(workload.model(preset), GPTModel)

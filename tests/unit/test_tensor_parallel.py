@@ -18,10 +18,10 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.sbatch import SbatchRequest, render_sbatch
 from pipetrain.parallel.tensor import block_plans, check_tensor_parallel
-from pipetrain.parallel.tensor_styles import PRIVATE_DTENSOR, FusedColwiseParallel, HeadParallelAttention
+from pipetrain.compat.tensor_styles import FusedColwiseParallel, HeadParallelAttention
 from pipetrain.pipeline.shapes import boundary_tensors, meta_blocks
-from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 from tests.distributed.harness import PositionTableModel
 
 TRAIN = ["/opt/venv/bin/python", "-m", "pipetrain", "train", "--preset", "tiny"]
@@ -160,10 +160,3 @@ def test_tp_flags():
     args = build_parser().parse_args(["train", "--tp", "2", "--sequence-parallel", "--loss-parallel"])
     parallel = parallel_config(args)
     assert parallel.sequence_parallel and parallel.loss_parallel and "(sequence-parallel)" in parallel.mesh_text
-
-
-def test_private_dtensor_names_exist():
-    import torch.distributed.tensor.placement_types as placements
-
-    for name in PRIVATE_DTENSOR:
-        assert hasattr(placements, name), f"torch moved {name}: update pipetrain/parallel/tensor_styles.py"

@@ -10,7 +10,8 @@ import pytest
 from torch.distributed.tensor import placement_types
 
 from pipetrain.pipeline.timeline import Recorder
-from pipetrain.trace.collectives import PRIVATE_DTENSOR_METHODS, tp_collective_spans
+from pipetrain.compat.dtensor import PLACEMENT_COLLECTIVES
+from pipetrain.trace.collectives import tp_collective_spans
 from pipetrain.trace.spans import KIND_LABELS, TP_KINDS, Span, within_compute
 from pipetrain.trace.summary import summarize, summary_lines
 
@@ -18,8 +19,8 @@ MS = 1_000_000
 
 
 def test_the_private_dtensor_methods_still_exist_with_mesh_and_mesh_dim():
-    """Fails loudly when torch moves or renames a method trace/collectives.py wraps."""
-    for cls_name, name, kind in PRIVATE_DTENSOR_METHODS:
+    """Fails loudly when torch moves or renames a method compat/dtensor.py wraps."""
+    for cls_name, name, kind in PLACEMENT_COLLECTIVES:
         cls = getattr(placement_types, cls_name)
         assert name in cls.__dict__, f"torch.distributed.tensor.placement_types.{cls_name}.{name} moved"
         params = list(inspect.signature(cls.__dict__[name]).parameters)

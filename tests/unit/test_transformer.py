@@ -10,7 +10,7 @@ from torch import nn
 
 from pipetrain.blocks import BlockModel, build_blocks, build_sequential
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier, TransformerConfig
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier, TransformerConfig
 
 TINY = PRESETS["tiny"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from pipetrain.cli.main import main
 from pipetrain.errors import ConfigError
-from pipetrain.trainer import TrainConfig
+from pipetrain.train.loop import TrainConfig
 from pipetrain.workloads.loader import load_workload, portable, workload_label
 from pipetrain.workloads.registry import Workload, get_workload
 
@@ -28,10 +28,10 @@ def test_a_file_path_names_an_instance_loaded_once_per_process():
 
 def test_a_module_path_and_a_subclass_and_a_factory(tmp_path):
     assert get_workload("tests.distributed.check_models:counter").name == "toy"
-    assert type(get_workload("pipetrain.workloads.language_model:LanguageModelWorkload")).__name__ == \
+    assert type(get_workload("pipetrain.workloads.lm.workload:LanguageModelWorkload")).__name__ == \
         "LanguageModelWorkload"  # a subclass is instantiated
     (tmp_path / "factory.py").write_text(
-        "from pipetrain.workloads.language_model import LanguageModelWorkload\n"
+        "from pipetrain.workloads.lm.workload import LanguageModelWorkload\n"
         "def make():\n    return LanguageModelWorkload()\n")
     assert isinstance(load_workload(f"{tmp_path / 'factory.py'}:make"), Workload)
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from pipetrain.bench.calibrate_fsdp import fsdp_figures
 from pipetrain.bench.calibrate_tp import tp_figures
-from pipetrain.bench.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
+from pipetrain.launch.memory import current_memory_mb, device_baseline_bytes, peak_memory_mb, reset_peak_memory
 from pipetrain.blocks import ModuleListModel
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
@@ -57,8 +57,8 @@ from pipetrain.plan.predict import block_times
 from pipetrain.plan.schedules import schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
 from pipetrain.session import build_session, close_session, join_job
-from pipetrain.workloads.presets import TransformerConfig
-from pipetrain.workloads.transformer import TransformerClassifier
+from pipetrain.workloads.classifier.presets import TransformerConfig
+from pipetrain.workloads.classifier.model import TransformerClassifier
 
 __all__ = ["calibrate", "LayerShape", "measured_network", "NOT_MEASURED", "inter_node_description"]
 

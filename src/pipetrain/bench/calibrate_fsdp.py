@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.pipeline.clock import clock_for
-from pipetrain.workloads.presets import TransformerConfig
-from pipetrain.workloads.transformer import TransformerClassifier
+from pipetrain.workloads.classifier.presets import TransformerConfig
+from pipetrain.workloads.classifier.model import TransformerClassifier
 
 __all__ = ["fsdp_figures"]
 

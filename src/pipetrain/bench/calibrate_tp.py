@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from pipetrain.parallel.tensor import tensor_parallel_blocks
 from pipetrain.pipeline.clock import clock_for
-from pipetrain.workloads.presets import TransformerConfig
-from pipetrain.workloads.transformer import TransformerClassifier
+from pipetrain.workloads.classifier.presets import TransformerConfig
+from pipetrain.workloads.classifier.model import TransformerClassifier
 
 __all__ = ["tp_figures"]
 

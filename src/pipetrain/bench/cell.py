@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.bench.grid import Cell
-from pipetrain.bench.memory import (
+from pipetrain.launch.memory import (
     apply_memory_limit,
     is_oom_error,
     lift_memory_limit,
@@ -19,7 +19,7 @@ from pipetrain.bench.memory import (
     reset_peak_memory,
 )
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.parallel import pick_device
 from pipetrain.pipeline.clock import clock_for
 from pipetrain.session import close_session, open_session

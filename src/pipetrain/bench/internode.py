@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.launch.env import ClusterEnv, restore_environ
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 
 __all__ = ["measure_inter_node", "inter_node_figures", "INTER_SIZES"]
 

@@ -53,7 +53,7 @@ class CellResult:
     `median_step_s` is the median of the timed optimizer steps (warm-up excluded) and `step_s_spread`
     their interquartile range (75th − 25th percentile, 0 with fewer than 2 steps). `epoch_s` is
     median step time × steps per epoch of the training set. `peak_mem_mb_per_stage` has one value per
-    pipeline rank (see `pipetrain.bench.memory.peak_memory_mb` for what it counts on CPU and CUDA).
+    pipeline rank (see `pipetrain.launch.memory.peak_memory_mb` for what it counts on CPU and CUDA).
     Speed-ups are ratios of median step times (>1 means this cell is faster); None when unavailable.
     `measured_bubble` is the traced bubble fraction averaged over the ranks (see `pipetrain.trace.summary`),
     from steps traced after the timed ones; `ideal_bubble` the schedule's (p-1)/(m+p-1) counterpart.

@@ -18,7 +18,7 @@ from pipetrain.errors import RankFailedError, RankTimeoutError
 from pipetrain.launch.env import free_port
 from pipetrain.launch.device import gpu_count, resolve_device
 from pipetrain.launch.spawn import spawn
-from pipetrain.workloads.imdb import num_batches
+from pipetrain.workloads.classifier.imdb import num_batches
 
 __all__ = ["run_cell", "run_grid", "trace_folder"]
 

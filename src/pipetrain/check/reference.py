@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pipetrain.blocks import BlockModel, BlockSequential, as_tuple, build_sequential
+from pipetrain.compat.modules import is_batch_norm, is_dropout
 from pipetrain.check.compare import tensor_rel
 from pipetrain.check.report import Hazard
 from pipetrain.pipeline.loss import as_loss
@@ -33,7 +34,7 @@ def quiet(module: nn.Module) -> list[str]:
     """Set every dropout probability inside `module` to 0; returns what was switched off (`name p=...`)."""
     switched = []
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+        if is_dropout(sub) and sub.p > 0:
             switched.append(f"{name or type(sub).__name__} p={sub.p:g}")
             sub.p = 0.0
         for attr, value in list(vars(sub).items()):
@@ -97,7 +98,7 @@ def static_hazards(net: BlockSequential, switched: dict[int, list[str]], ref: di
         found.append(Hazard("dropout", block, f"switched off for the comparison (p=0 on both sides): "
                                               f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"))
     for index, block in enumerate(net):
-        norms = [n for n, m in block.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        norms = [n for n, m in block.named_modules() if is_batch_norm(m)]
         if norms:
             found.append(Hazard("batch statistics", index, f"BatchNorm layer(s) {', '.join(norms)}: normalised "
                                                            "over each micro-batch, not the batch"))

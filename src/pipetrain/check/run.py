@@ -18,7 +18,7 @@ from pipetrain.check.layout import layout_runs
 from pipetrain.check.reference import probe_hazards, quiet, reference_run, static_hazards
 from pipetrain.check.report import TOLERANCES, CheckReport, Hazard
 from pipetrain.errors import ConfigError, RankFailedError
-from pipetrain.pipeline.plan import plan_runs
+from pipetrain.pipeline.runs import plan_runs
 
 __all__ = ["check_batches", "run_check", "run_checks", "DEFAULT_STEPS", "DEFAULT_LR"]
 

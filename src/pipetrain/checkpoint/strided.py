@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pipetrain.parallel.tensor_styles import is_strided
+from pipetrain.compat.dtensor import is_strided
 
 __all__ = ["gather_strided", "full_targets"]
 

@@ -11,7 +11,7 @@ from pipetrain.bench.grid import GridSpec, default_axes
 from pipetrain.bench.report import collect_environment, summary_lines, write_reports
 from pipetrain.bench.results import ResultStore, compute_speedups
 from pipetrain.bench.runner import run_grid
-from pipetrain.cli.device_flags import add_device_argument, device_choice
+from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
 from pipetrain.trace.report import check_trace_dir
 

@@ -9,7 +9,7 @@ from pipetrain.check import DEFAULT_LR, DEFAULT_STEPS, TOLERANCES, run_check
 from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.trainer import SYNTHETIC, TrainConfig, load_data
+from pipetrain.train.loop import SYNTHETIC, TrainConfig, load_data
 from pipetrain.workloads.registry import workload_names
 
 __all__ = ["add_parser", "run"]

@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_hf(folder: Path, model, out: Path, model_dir: str | Path | None, workload: str) -> int:
-    from pipetrain.checkpoint.hf_export import export_hf
-    from pipetrain.workloads.hf_causal_lm import HFCausalLM
+    from pipetrain.workloads.hf.export import export_hf
+    from pipetrain.workloads.hf.causal_lm import HFCausalLM
 
     if not isinstance(model, HFCausalLM):
         raise ConfigError(f"--hf exports a Hugging Face model; checkpoint {str(folder)!r} holds workload {workload!r}",

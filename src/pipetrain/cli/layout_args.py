@@ -125,7 +125,7 @@ def _calibration(args: argparse.Namespace, launched: bool, device: str, say: boo
                               "is missing (each rank measuring on its own could choose differently)",
                               hint="measure it first with `pipetrain plan --calibrate --gpus 2`, or pass --calibration")
         from pipetrain.bench.calibrate import calibrate
-        from pipetrain.workloads.presets import PRESETS
+        from pipetrain.workloads.classifier.presets import PRESETS
 
         if say:
             log.info("pipetrain: --layout auto: no calibration at %s: measuring this machine first (2 ranks, "

@@ -7,14 +7,14 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from pipetrain.cli.device_flags import device_choice
+from pipetrain.cli.device_args import device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import cost_balance
 from pipetrain.partition.profile import load_profile
 from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
-from pipetrain.pipeline.plan import plan_runs
-from pipetrain.trainer import TrainConfig
+from pipetrain.pipeline.runs import plan_runs
+from pipetrain.train.loop import TrainConfig
 
 __all__ = ["add_parallel_arguments", "parallel_config", "cost_balanced"]
 

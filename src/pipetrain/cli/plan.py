@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipetrain.cli.device_flags import add_device_argument, device_choice
+from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import detect, without_launcher_variables
@@ -20,7 +20,7 @@ from pipetrain.plan.predict import Prediction
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.plan.search import SearchResult, SearchSpace, search
 from pipetrain.plan.tensor import tp_problem
-from pipetrain.workloads.presets import PRESETS
+from pipetrain.workloads.classifier.presets import PRESETS
 
 __all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args", "measure_across_nodes"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.cli.device_flags import add_device_argument, device_choice
+from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
 from pipetrain.partition.measure import default_sizes, profile_model_sizes
 from pipetrain.partition.profile import ModelProfile, save_profile

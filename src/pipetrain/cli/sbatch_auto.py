@@ -49,7 +49,7 @@ def choose_for_script(args: argparse.Namespace, train_argv: list[str], *, ranks_
             setattr(targs, name, value)
     world = args.nodes * ranks_per_node
     targs.nproc = world
-    from pipetrain.cli.device_flags import device_choice
+    from pipetrain.cli.device_args import device_choice
 
     choice = resolve_layout(targs, None, model=lambda a: train_verb._config(a).model(),
                             device=args.device or ("cuda" if args.gpus_per_node else device_choice(targs)),

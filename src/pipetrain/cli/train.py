@@ -12,10 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.cli.config_file import add_config_arguments, effective_config
-from pipetrain.cli.device_flags import add_device_argument, device_choice
+from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.cli.durable_args import add_durable_arguments, durable_config
 from pipetrain.cli.layout_args import add_layout_arguments, resolve_layout
-from pipetrain.cli.log_flags import add_log_arguments, log_config
+from pipetrain.cli.log_args import add_log_arguments, log_config
 from pipetrain.cli.model_args import add_model_arguments, model_fields
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
@@ -28,11 +28,11 @@ from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.logs.config import check_log_folders
 from pipetrain.trace.report import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.trainer import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
+from pipetrain.train.loop import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
                                train_rank)
-from pipetrain.workloads.classifier import REAL_EPOCHS
+from pipetrain.workloads.classifier.workload import REAL_EPOCHS
 from pipetrain.workloads.loader import portable
-from pipetrain.workloads.presets import PRESETS
+from pipetrain.workloads.classifier.presets import PRESETS
 from pipetrain.workloads.registry import Dataset, workload_names
 
 #: add_parallel_arguments, parallel_config, cost_balanced (cli/parallel_args.py) and add_durable_arguments,

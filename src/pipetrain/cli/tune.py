@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipetrain.bench.grid import Cell, cell_problem
 from pipetrain.bench.runner import run_cell
-from pipetrain.cli.device_flags import device_choice
+from pipetrain.cli.device_args import device_choice
 from pipetrain.cli.plan import add_plan_arguments, planned
 from pipetrain.errors import ConfigError
 from pipetrain.plan.halving import successive_halving

@@ -11,12 +11,12 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import replace
 
 from pipetrain.errors import LaunchError
 from pipetrain.launch import netif
 from pipetrain.launch.nodelist import expand_nodelist, expand_tasks_per_node
+from pipetrain.launch.ranks import ClusterEnv
 
 __all__ = [
     "ClusterEnv",
@@ -57,38 +57,6 @@ JOIN_TIMEOUT_VARIABLE = "PIPETRAIN_JOIN_TIMEOUT"
 _JOIN_TIMEOUT_S = 120.0
 #: The variables naming the interface a backend binds to: gloo's, and NCCL's (bootstrap and socket transport).
 SOCKET_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
-
-
-@dataclass(frozen=True)
-class ClusterEnv:
-    """The position of one process in a job: global and per-node ranks, and the rendezvous address."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
-    master_addr: str
-    master_port: int
-    source: Literal["torchrun", "slurm"]
-
-    @property
-    def one_task_per_node(self) -> bool:
-        """True when each node runs a single process (Slurm `--ntasks-per-node=1` pattern)."""
-        return self.local_world_size == 1 and self.world_size == self.num_nodes
-
-    def torch_environ(self) -> dict[str, str]:
-        """The variables `torch.distributed.init_process_group(init_method="env://")` reads, for this rank."""
-        return {
-            "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(self.local_rank),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "GROUP_RANK": str(self.node_rank),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
 
 
 def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
@@ -301,17 +269,9 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
         raise LaunchError(
             f"{num_nodes} nodes but MASTER_ADDR is not set", hint="export MASTER_ADDR=<host of rank 0>"
         )
-    return ClusterEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=_port(env, "MASTER_PORT", 29500),
-        source="torchrun",
-    )
+    master_addr, master_port = env.get("MASTER_ADDR", "127.0.0.1"), _port(env, "MASTER_PORT", 29500)
+    return ClusterEnv(rank, world_size, local_rank, local_world_size, node_rank, num_nodes, master_addr, master_port,
+                      "torchrun")
 
 
 def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
@@ -367,17 +327,8 @@ def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
         master_port = _port(env, "MASTER_PORT", 0)
     else:
         master_port = slurm_port(_int(env, "SLURM_JOB_ID"))
-    return ClusterEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        master_addr=master_addr,
-        master_port=master_port,
-        source="slurm",
-    )
+    return ClusterEnv(rank, world_size, local_rank, local_world_size, node_rank, num_nodes, master_addr, master_port,
+                      "slurm")
 
 
 def _port(env: Mapping[str, str], name: str, default: int) -> int:

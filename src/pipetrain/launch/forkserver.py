@@ -31,7 +31,7 @@ PRELOAD = (
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "pipetrain.session",
-    "pipetrain.trainer",
+    "pipetrain.train.loop",
     "pipetrain.launch.forkserver_setup",  # last: the server's own set-up, once the rest is imported
 )
 #: What a rank is called in `ps -o comm` and top (Linux, at most 15 characters: pipetrain-r0, pipetrain-r12, ...);

@@ -12,7 +12,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
@@ -21,27 +20,9 @@ from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.failures import signal_hint
 from pipetrain.launch.forkserver import Inherited, context
-from pipetrain.logs.startup import process_start_s
+from pipetrain.launch.ranks import RankSpec, process_start_s
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """Where a spawned rank sits in the job."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    #: the device type chosen for the job ("cpu" or "cuda"; None: PIPETRAIN_DEVICE, else CUDA when present)
-    device: str | None = None
-    #: hosts the job spans (more than one: the collectives bind to the interface that reaches `master_addr`)
-    nodes: int = 1
-    #: when the process that started the job started (boot-clock seconds; set by `spawn`, whose ranks are forked
-    #: with their imports done): the start of the job's start-up. None: this rank's own process start
-    launched_at: float | None = None
 
 
 #: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).

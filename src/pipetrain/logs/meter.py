@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from pipetrain.bench.memory import peak_memory_mb
+from pipetrain.launch.memory import peak_memory_mb
 from pipetrain.blocks import BlockModel, Tensors
 from pipetrain.logs.mfu import ModelFlops, mfu, peak_tflops
 from pipetrain.logs.records import StepRecord

@@ -13,27 +13,17 @@ start, so it is in none of these.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
+from pipetrain.launch.ranks import process_start_s
 from pipetrain.logs.records import EvalRecord, StepRecord
 
 __all__ = ["Startup", "StartupSink", "process_age_s", "process_start_s", "PHASES"]
 
 log = logging.getLogger("pipetrain")
 PHASES = ("imports+data", "join", "layout check", "mesh", "stages", "setup", "first step")
-
-
-def process_start_s() -> float | None:
-    """When this process started, in seconds of the boot clock (Linux: /proc/self/stat), None elsewhere."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 def process_age_s(started_at: float | None = None) -> float | None:

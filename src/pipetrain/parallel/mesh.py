@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain.compat.modules import abort_process_group
 from pipetrain.launch.device import pick_device
 
 __all__ = ["Mesh", "pick_device", "init_process_group", "build_mesh", "leave_after_error", "PRIVATE_C10D"]
@@ -72,9 +73,7 @@ def leave_after_error() -> str:
     if not dist.is_initialized():
         return "none"
     if dist.get_backend() == "nccl":
-        from torch.distributed import distributed_c10d
-
-        distributed_c10d._abort_process_group()
+        abort_process_group()
         return "aborted"
     return "left"
 

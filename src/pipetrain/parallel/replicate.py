@@ -11,7 +11,7 @@ from torch.distributed.tensor import Shard
 
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
-from pipetrain.parallel.tensor_styles import is_strided
+from pipetrain.compat.dtensor import is_strided
 from pipetrain.pipeline.precision import AutocastStage, compute_dtype
 from pipetrain.pipeline.recompute import RecomputeWrapper
 

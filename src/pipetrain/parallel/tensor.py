@@ -25,10 +25,27 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from pipetrain.blocks import BlockModel
 from pipetrain.errors import ConfigError
 
-__all__ = ["TPPlan", "BlockSplit", "block_plans", "check_tensor_parallel", "tensor_parallel_blocks"]
+__all__ = ["TPPlan", "BlockSplit", "block_plans", "check_tensor_parallel", "tensor_parallel_blocks", "check_divides",
+           "check_sequence"]
 
 #: What `tp_plan` returns for one block: submodule name (fnmatch pattern) -> style, or None (block kept whole).
 TPPlan = dict[str, ParallelStyle] | None
+
+
+def check_divides(tp: int, what: str, size: int, flag: str) -> None:
+    """Raise unless `tp` divides `size` (the `what` of the model: heads, hidden size, vocabulary)."""
+    if size % tp:
+        divisors = [d for d in range(1, size + 1) if size % d == 0][:8]
+        raise ConfigError(f"tp={tp} does not divide the {size} {what} of the model",
+                          hint=f"pass {flag} among the divisors of {size} ({', '.join(map(str, divisors))}, ...)")
+
+
+def check_sequence(tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Raise when sequence parallelism cannot split the model's `seq_len` over `tp` ranks."""
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(f"--sequence-parallel splits each sequence over tp={tp} ranks, but the model's sequence "
+                          f"length {seq_len} is not divisible by {tp}",
+                          hint=f"pass a --seq-len divisible by {tp}, or drop --sequence-parallel")
 
 
 def block_plans(model: BlockModel, tp: int, *, sequence_parallel: bool = False,

@@ -20,7 +20,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline.compiled import compile_blocks
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
-from pipetrain.pipeline.plan import Run, plan_runs
+from pipetrain.pipeline.runs import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule

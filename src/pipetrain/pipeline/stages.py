@@ -18,11 +18,11 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from pipetrain.compat.pipelining import BreadthFirstV
 from pipetrain.config import V_SCHEDULES
 from pipetrain.errors import ConfigError
-from pipetrain.pipeline.plan import Run
+from pipetrain.pipeline.runs import Run
 
 __all__ = ["SCHEDULE_CLASSES", "build_schedule", "ScheduleCache"]
 
@@ -34,32 +34,6 @@ SCHEDULE_CLASSES = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-
-
-class BreadthFirstV(ScheduleLoopedBFS):
-    """GPipe order over the V placement (rank r holds stages r and 2p - 1 - r): every forward of the rank's first
-    stage, then of its second, then the second's backwards, then the first's.
-
-    What a V-shaped job runs where its own schedule cannot: forward-only passes (torch 2.13's `eval()` of
-    `ScheduleZBVZeroBubble` and `ScheduleDualPipeV` fails) and a batch's remainder micro-batch. torch infers the
-    stage-to-rank mapping from these actions, so the V's middle hop (stage p - 1 to p) stays on one rank.
-    """
-
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, *, train: bool, **kwargs) -> None:
-        super().__init__(stages, n_microbatches, **kwargs)
-        if not train:  # torch's runtime would hand the V's local hop a gradient that a forward-only stage lacks;
-            # the backward is skipped, and its (empty: no backward) receive forgotten, as running it would
-            def skip(action: _Action, ctx: object) -> None:
-                self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
-
-            self.register_custom_function(_ComputationType.FULL_BACKWARD, skip)
-
-    def _calculate_single_rank_operations(self, rank: int) -> list[_Action | None]:
-        first, second = rank, 2 * self.pp_group_size - 1 - rank
-        forward, backward = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
-        micro = range(self._n_microbatches)
-        return ([_Action(stage, forward, mb) for stage in (first, second) for mb in micro]
-                + [_Action(stage, backward, mb) for stage in (second, first) for mb in reversed(micro)])
 
 
 def _real(meta: tuple[torch.Tensor, ...], device: torch.device, requires_grad: bool) -> tuple[torch.Tensor, ...]:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from pipetrain.pipeline.clock import Clock, HostClock
-from pipetrain.pipeline.compat import timed_p2p_waits
+from pipetrain.compat.pipelining import timed_p2p_waits
 
 __all__ = ["Record", "Recorder", "span"]
 

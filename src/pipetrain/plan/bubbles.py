@@ -1,4 +1,4 @@
-"""The simulated bubble of each schedule on equal stages, as a table (pure code; `python -m pipetrain.plan.bubbles`).
+"""The simulated bubble of each schedule on equal stages, as a table (pure code; `python benchmarks/bubble_table.py`).
 
 The model's work is split evenly over the `pp * v` stages of each schedule (v = stages per rank), with a
 forward of 1 and a backward of 2 per rank and micro-batch (so F = I = W within a stage), no transfers and
@@ -6,19 +6,21 @@ no host overhead: what the schedule's order alone costs. `bubble` is the simulat
 ranks x compute span), `step` the compute span relative to 1F1B's on the same pp and micro-batches,
 `peak` the most activations a rank holds at once, in micro-batches of the rank's whole share of the model
 (1F1B's first rank: pp). With `--calibration FILE` it prints instead the planner's full predictions
-(`predict`: measured device, host cost per action, transfers, shared CPU cores) for a preset's model.
+(`predict`: measured device, host cost per action, transfers, shared CPU cores) for the block costs given.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipetrain.plan.hardware import load_calibration
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.predict import Layout, predict
 from pipetrain.plan.schedules import V_SCHEDULES, min_microbatches, schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
 
-__all__ = ["BubbleRow", "bubble_rows", "markdown", "predicted_markdown", "main"]
+__all__ = ["BubbleRow", "bubble_rows", "markdown", "predicted_markdown"]
 
 SCHEDULES = (("1f1b", 1), ("zero-bubble", 2), ("zbv", 2), ("dualpipev", 2))
 
@@ -65,14 +67,10 @@ def markdown(rows: Sequence[BubbleRow]) -> str:
     return "\n".join(lines)
 
 
-def predicted_markdown(calibration: str, preset: str, batch: int, pps: Sequence[int], per_rank: Sequence[int]) -> str:
-    """The planner's predicted step time and bubble of each schedule for the `preset` model (dp 1)."""
-    from pipetrain.plan.hardware import load_calibration
-    from pipetrain.plan.model import config_blocks
-    from pipetrain.plan.predict import Layout, predict
-    from pipetrain.workloads.presets import PRESETS
-
-    calib, blocks = load_calibration(calibration), config_blocks(PRESETS[preset])
+def predicted_markdown(calibration: str, blocks: Sequence[BlockCost], batch: int, pps: Sequence[int],
+                       per_rank: Sequence[int]) -> str:
+    """The planner's predicted step time and bubble of each schedule for a model of these block costs (dp 1)."""
+    calib = load_calibration(calibration)
     lines = ["| pp | micro-batches | schedule | predicted step s | vs 1F1B | predicted bubble |",
              "|---:|---:|---|---:|---:|---:|"]
     for pp in pps:
@@ -89,21 +87,5 @@ def predicted_markdown(calibration: str, preset: str, batch: int, pps: Sequence[
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--per-rank", type=int, nargs="+", default=[2, 4, 8], help="micro-batches per pp rank")
-    parser.add_argument("--calibration", default=None, help="a calibration file: print the planner's predictions")
-    parser.add_argument("--preset", default="cpu", help="model preset for --calibration (default: cpu)")
-    parser.add_argument("--batch", type=int, default=64, help="batch for --calibration (default: 64)")
-    args = parser.parse_args(argv)
-    if args.calibration:
-        print(predicted_markdown(args.calibration, args.preset, args.batch, args.pp, args.per_rank))
-    else:
-        print(markdown(bubble_rows(args.pp, args.per_rank)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # this module printed the table before 0.2
+    raise SystemExit("error: the table moved: run `python benchmarks/bubble_table.py` (same options)")

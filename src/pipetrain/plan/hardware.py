@@ -126,7 +126,7 @@ DEFAULT_NETWORK = Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_laten
                           collective_latency_s=2e-5, collective_bytes_per_s=100e9)
 
 
-#: Named GPU nodes for what-if plans (`python -m pipetrain.plan.tp_table`), fp32 training (TF32 matmuls). Rates
+#: Named GPU nodes for what-if plans (`python benchmarks/tp_table.py`), fp32 training (TF32 matmuls). Rates
 #: at the same fraction of the dense TF32 peak as `DEFAULT_DEVICE` (150 of 156 TFLOP/s): A100 SXM 80 GB (156),
 #: H100 SXM 80 GB (495); HBM at ~75 % of 2.0 and 3.35 TB/s. Within a node (NVLink 3 / NVLink 4: 300 / 450 GB/s
 #: per direction): ring collectives at a bus bandwidth of 80 % of that, 240 / 360 GB/s (nccl-tests' all-reduce

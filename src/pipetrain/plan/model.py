@@ -146,7 +146,7 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
 
 
 def config_blocks(config) -> list[BlockCost]:
-    """`transformer_blocks` of a `pipetrain.workloads.presets.TransformerConfig` (e.g. a preset)."""
+    """`transformer_blocks` of a `pipetrain.workloads.classifier.presets.TransformerConfig` (e.g. a preset)."""
     return transformer_blocks(vocab_size=config.vocab_size, seq_len=config.seq_len, emsize=config.emsize,
                               nhead=config.nhead, nhid=config.nhid, nlayers=config.nlayers,
                               num_classes=config.num_classes, dropout=config.dropout)

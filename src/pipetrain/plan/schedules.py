@@ -6,7 +6,7 @@ gradient reduction over data-parallel replicas, placed after its last backward-l
 `microbatch` -1). An action with `fused` set runs as one unit with the next one (torch's OVERLAP_F_B of
 DualPipeV: a forward and a backward whose sends are posted when both are done). The orders are those of
 torch 2.13's `torch.distributed.pipelining` schedules, idle slots removed; `tests/unit/test_plan_schedules.py`
-checks them against torch's own (through `pipetrain.pipeline.compat`) for a table of sizes.
+checks them against torch's own (through `pipetrain.compat.pipelining`) for a table of sizes.
 
 Placement (`stage_rank`): looped (stage s on rank s % pp) for every schedule but the V-shaped ones, where
 rank r holds stages r and 2pp-1-r (the hop from stage pp-1 to pp stays on one rank).

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pipetrain.compat.modules import foreach_mul_
 from pipetrain.pipeline import PipelineEngine
 
 __all__ = ["grad_norm", "clip_grad_norm_", "clip_grads_with_norm_"]
@@ -87,7 +88,7 @@ def clip_grads_with_norm_(engine: PipelineEngine, max_norm: float, total_norm: f
         # plain and DTensor gradients are mixed under tensor parallelism, which one foreach call would refuse
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in _with_grads(engine)]
         if grads:
-            torch._foreach_mul_(grads, coef)
+            foreach_mul_(grads, coef)
 
 
 def clip_grad_norm_(engine: PipelineEngine, max_norm: float, norm_type: float = 2.0) -> float:

@@ -12,8 +12,8 @@ first use, a few operations later; on CUDA the wait is a stream dependency, no h
 recorded step nothing is wrapped: tracing off costs nothing. Collectives over other axes (FSDP's own
 all-gathers do not go through these methods; a `full_tensor()` over dp would) are not TP and not recorded.
 
-The wrapped names are private torch API: `PRIVATE_DTENSOR_METHODS` lists them and
-tests/unit/test_trace_collectives.py fails loudly when one moves.
+The wrapped names are private torch API: `pipetrain.compat.dtensor` wraps them (`PLACEMENT_COLLECTIVES`) and
+tests/unit/test_compat.py fails loudly when one moves.
 """
 
 from __future__ import annotations
@@ -21,28 +21,16 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
-from torch.distributed.tensor import placement_types
-
+from pipetrain.compat.dtensor import wrapped_placement_methods
 from pipetrain.pipeline.timeline import Recorder
 
-__all__ = ["PRIVATE_DTENSOR_METHODS", "TP_AXIS", "tp_collective_spans"]
+__all__ = ["TP_AXIS", "tp_collective_spans"]
 
 #: The mesh dimension whose collectives are tensor parallelism's (parallel/mesh.py names it so).
 TP_AXIS = "tp"
-
-#: (class in torch.distributed.tensor.placement_types, method, span kind): where DTensor runs each collective.
-PRIVATE_DTENSOR_METHODS: tuple[tuple[str, str, str], ...] = (
-    ("Partial", "_reduce_value", "tp_all_reduce"),
-    ("_MaskPartial", "_reduce_value", "tp_all_reduce"),
-    ("Shard", "_reduce_shard_tensor", "tp_reduce_scatter"),
-    ("Shard", "_to_replicate_tensor", "tp_all_gather"),
-    ("_StridedShard", "_to_replicate_tensor", "tp_all_gather"),
-    ("Shard", "_to_new_shard_dim", "tp_all_to_all"),
-)
-
 
 def _over_tp(mesh: Any, mesh_dim: Any) -> bool:
     names = getattr(mesh, "mesh_dim_names", None)
@@ -78,10 +66,5 @@ def _timed(method: Callable[..., Any], kind: str, recorder: Recorder, busy: list
 def tp_collective_spans(recorder: Recorder) -> Iterator[None]:
     """Inside the block (one recorded step), record every TP collective of this rank into `recorder`."""
     busy = [False]
-    with ExitStack() as stack:
-        for cls_name, name, kind in PRIVATE_DTENSOR_METHODS:
-            cls = getattr(placement_types, cls_name)
-            original = cls.__dict__[name]
-            setattr(cls, name, _timed(original, kind, recorder, busy))
-            stack.callback(setattr, cls, name, original)
+    with wrapped_placement_methods(lambda method, kind: _timed(method, kind, recorder, busy)):
         yield

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
+from pipetrain.workloads.base import Workload
 
 __all__ = ["is_import_spec", "load_workload", "workload_label", "portable", "Portable"]
 
@@ -99,8 +100,6 @@ def _load_module(spec: str, where: str) -> Any:
 
 def load_workload(spec: str):
     """The `Workload` that the import path `spec` names; every kind of bad input raises one ConfigError."""
-    from pipetrain.workloads.registry import Workload  # the registry imports this module
-
     where, name = _split(spec)
     module = _load_file(spec, where) if _is_file(where) else _load_module(spec, where)
     if not hasattr(module, name):
@@ -119,7 +118,7 @@ def load_workload(spec: str):
     if inspect.isclass(obj) and inspect.isabstract(obj):
         missing = ", ".join(sorted(obj.__abstractmethods__))
         raise ConfigError(f"--workload {spec!r}: {obj.__name__} is abstract (it does not define {missing})",
-                          hint="define those methods of pipetrain.workloads.registry.Workload")
+                          hint="define those methods of pipetrain.workloads.base.Workload")
     if not callable(obj):
         raise _not_a_workload(spec, f"a {type(obj).__name__}")
     try:
@@ -134,7 +133,7 @@ def load_workload(spec: str):
 
 def _not_a_workload(spec: str, what: str) -> ConfigError:
     return ConfigError(f"--workload {spec!r} is {what}, not a workload",
-                       hint="NAME must be a pipetrain.workloads.registry.Workload instance, subclass, or a factory "
+                       hint="NAME must be a pipetrain.workloads.base.Workload instance, subclass, or a factory "
                             "returning one")
 
 

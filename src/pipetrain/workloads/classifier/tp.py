@@ -3,7 +3,7 @@
 Each `nn.TransformerEncoderLayer`: self-attention split by heads (`HeadParallelAttention`: packed in_proj by
 heads, out_proj row-parallel), `linear1` column-parallel and `linear2` row-parallel. The embedding and the
 classification head are kept whole on every TP rank. With `sequence_parallel`, as in the decoder's plan
-(`pipetrain.workloads.gpt_tp`): norms and dropouts on the local sequence shard, the embedding's output cut to
+(`pipetrain.workloads.lm.tp`): norms and dropouts on the local sequence shard, the embedding's output cut to
 it, the head's input gathered back.
 """
 
@@ -12,10 +12,9 @@ from __future__ import annotations
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from pipetrain.errors import ConfigError
-from pipetrain.parallel.tensor import TPPlan
-from pipetrain.parallel.tensor_styles import SEQUENCE, HeadParallelAttention, gather_sequence, scatter_sequence
-from pipetrain.workloads.gpt_tp import check_divides, check_sequence
-from pipetrain.workloads.presets import TransformerConfig
+from pipetrain.parallel.tensor import TPPlan, check_divides, check_sequence
+from pipetrain.compat.tensor_styles import SEQUENCE, HeadParallelAttention, gather_sequence, scatter_sequence
+from pipetrain.workloads.classifier.presets import TransformerConfig
 
 __all__ = ["classifier_tp_plan"]
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from pipetrain.checkpoint.durable import DurableConfig, DurableRun, Position
 from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
-from pipetrain.launch.spawn import RankSpec
+from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.config import LogConfig
 from pipetrain.parallel.tensor import check_tensor_parallel
 from pipetrain.logs.records import EvalRecord

@@ -6,10 +6,10 @@ embeddings, but cannot `save_pretrained` a GGUF-loaded model: its weights are co
 `LlamaForCausalLM` built from the same config, saved in fp32 safetensors (~540 MB) with the tokenizer, into
 `~/.cache/pipetrain/smollm2-135m-instruct` (never into the repository). Then:
 
-    python -m pipetrain.workloads.smollm2 prepare           # once (about a minute); prints the folder
+    python -m pipetrain.workloads.hf.smollm2 prepare           # once (about a minute); prints the folder
     pipetrain train --workload hf --model ~/.cache/pipetrain/smollm2-135m-instruct --pp 2 --seq-len 128
 
-`python -m pipetrain.workloads.smollm2 convert FILE.gguf OUT` converts another Llama-family GGUF file the same way.
+`python -m pipetrain.workloads.hf.smollm2 convert FILE.gguf OUT` converts another Llama-family GGUF file the same way.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def prepared_folder(folder: Path | None = None) -> Path | None:
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """Convert a Llama-family GGUF file into an fp32 safetensors folder with its tokenizer (atomic)."""
-    from pipetrain.workloads.hf_causal_lm import require_transformers
+    from pipetrain.workloads.hf.causal_lm import require_transformers
 
     transformers = require_transformers()
     for module, package in (("gguf", "gguf==0.19.0"), ("accelerate", "accelerate==1.15.0")):
@@ -97,7 +97,7 @@ def prepare(folder: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipetrain.workloads.smollm2", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipetrain.workloads.hf.smollm2", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     ready = verbs.add_parser("prepare", help="convert the installed SmolLM2 GGUF file once; print the folder")
     ready.add_argument("--out", type=Path, default=None, help=f"default: {default_folder()}")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.errors import ConfigError, DataError
-from pipetrain.workloads.imdb import ReviewDataset, Vocabulary
+from pipetrain.workloads.classifier.imdb import ReviewDataset, Vocabulary
 
 __all__ = [
     "PACKAGE",

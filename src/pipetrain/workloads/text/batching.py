@@ -1,12 +1,49 @@
-"""Length bucketing: a batch order that puts samples of similar lengths together, and the padded batch length."""
+"""Batches of a dataset: a random stream per (seed, name), equal shares per replica, and length bucketing (a batch
+order that puts samples of similar lengths together, and the padded batch length)."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sized
+
 import torch
 
-from pipetrain.workloads.imdb import random_stream
+from pipetrain.errors import ConfigError
+from pipetrain.workloads.text.words import positive
 
-__all__ = ["LENGTH_STEP", "MAX_LENGTHS", "batch_order", "length_step", "padded_length"]
+__all__ = ["random_stream", "check_batching", "num_batches", "LENGTH_STEP", "MAX_LENGTHS", "batch_order", "length_step", "padded_length"]
+
+def random_stream(seed: int, stream: str) -> torch.Generator:
+    """An independent random stream per `(seed, stream)`."""
+    digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def check_batching(batch_size: int, replica: int, replicas: int) -> None:
+    """Raise ConfigError unless `batch_size` splits into `replicas` equal shares and `replica` is one of them."""
+    positive("batch_size", batch_size)
+    positive("replicas", replicas)
+    if batch_size % replicas:
+        raise ConfigError(
+            f"global batch size {batch_size} is not divisible by {replicas} replicas",
+            hint=f"pass a multiple of {replicas}, e.g. --batch-size {replicas * max(1, batch_size // replicas)}",
+        )
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+        raise ConfigError(
+            f"replica {replica!r} is out of range for {replicas} replicas",
+            hint=f"pass replica in 0..{replicas - 1}",
+        )
+
+
+def num_batches(
+    dataset: Sized | int, batch_size: int, *, replicas: int = 1, drop_last: bool = False
+) -> int:
+    """How many batches `batches` yields per epoch to each replica (the same number for every replica)."""
+    check_batching(batch_size, 0, replicas)
+    size = dataset if isinstance(dataset, int) else len(dataset)
+    full, rest = divmod(size, batch_size)
+    return full + (1 if rest and not drop_last and rest >= replicas else 0)
+
 
 #: Batch lengths are rounded up to a multiple of this, bounding the number of shapes (schedules) per epoch.
 LENGTH_STEP = 8

@@ -24,9 +24,9 @@ import torch
 
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
-from pipetrain.workloads.buckets import LENGTH_STEP, batch_order, padded_length
-from pipetrain.workloads.gutenberg import GUTENBERG, gutenberg_books, read_text_file, word_windows
-from pipetrain.workloads.imdb import (
+from pipetrain.workloads.text.batching import LENGTH_STEP, batch_order, padded_length
+from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books, read_text_file, word_windows
+from pipetrain.workloads.classifier.imdb import (
     LENGTH_SIGMA,
     MAX_WORDS,
     MEDIAN_WORDS,

@@ -1,10 +1,11 @@
-"""Tensor-parallel styles the built-in models need beyond torch's: a fused (q, k, v) projection and
-`nn.MultiheadAttention` split by heads, and the two edges of a sequence-parallel region. All send plain local
+"""Tensor-parallel styles the built-in models need beyond torch's (each overrides private hooks of torch's styles): a
+fused (q, k, v) projection and `nn.MultiheadAttention` split by heads, transformers' `Conv1D` (GPT-2), and the two
+edges of a sequence-parallel region. All send plain local
 tensors out (`use_local_output`).
 
 A fused projection `[q; k; v]` (one `nn.Linear(E, 3E)`) cannot be split with `ColwiseParallel`: its contiguous
 `Shard(0)` would give rank 0 all of q and half of k. `FusedColwiseParallel(3)` distributes it with the strided
-placement `_StridedShard(0, split_factor=3)`: rank r holds rows r of q, of k and of v (its heads), while the
+placement `strided_shard(3)` (DTensor's `_StridedShard`): rank r holds rows r of q, of k and of v (its heads), while the
 parameter is still one DTensor of the unsplit shape (`full_tensor()` gives the unsplit weight back).
 """
 
@@ -21,11 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleOutput, RowwiseParallel, parallelize_module)
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from pipetrain.compat.dtensor import is_strided, strided_shard
 from pipetrain.errors import ConfigError
 
-__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "PRIVATE_DTENSOR", "strided_shard", "is_strided",
+__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "Conv1DParallel", "LocalSplitSize", "strided_shard",
+           "is_strided",
            "SEQUENCE", "scatter_sequence", "gather_sequence"]
 
 #: The placement of an activation split along the sequence (dimension 1 of `[batch, seq, ...]`).
@@ -50,20 +52,6 @@ def gather_sequence() -> PrepareModuleInput:
     """Where a sequence-parallel region ends (on the head's first submodule): the local sequence shard
     all-gathered into the whole sequence, a local tensor (backward: this rank's slice of the gradient)."""
     return PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)
-
-#: Private torch names used here (tests/unit/test_tensor_parallel.py fails loudly when one moves).
-PRIVATE_DTENSOR = ("_StridedShard",)
-
-
-def strided_shard(parts: int) -> _StridedShard:
-    """The placement of a tensor made of `parts` stacked blocks along dim 0, each block split over the mesh."""
-    return _StridedShard(0, split_factor=parts)
-
-
-def is_strided(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a DTensor split by `strided_shard` (FSDP2 must then shard another dimension)."""
-    return isinstance(tensor, DTensor) and any(isinstance(p, _StridedShard) for p in tensor.placements)
-
 
 def _distribute_rows(module: nn.Module, names: tuple[str, ...], mesh: DeviceMesh, parts: int,
                      src_data_rank: int | None) -> None:
@@ -110,7 +98,7 @@ class HeadParallelAttention(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.MultiheadAttention) or not module._qkv_same_embed_dim or not module.batch_first:
+        if not isinstance(module, nn.MultiheadAttention) or module.in_proj_weight is None or not module.batch_first:
             raise ConfigError(f"HeadParallelAttention splits a batch-first nn.MultiheadAttention with one packed "
                               f"in_proj, got {type(module).__name__}", hint="use a plan of Colwise/RowwiseParallel")
         tp = device_mesh.size()
@@ -144,3 +132,62 @@ def _head_parallel_forward(self: nn.MultiheadAttention, query: torch.Tensor, key
     attended = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                               is_causal=is_causal, scale=1.0 / math.sqrt(head_dim))
     return self.out_proj(attended.transpose(1, 2).reshape(batch, length, -1)), None
+
+
+class Conv1DParallel(ParallelStyle):
+    """transformers' `Conv1D` (`y = x @ W + b`, `W: [in, out]`) split over the mesh, plain local tensors out.
+
+    `kind="colwise"`: W by output columns (`Shard(1)`, bias `Shard(0)`), the input taken as replicated, the
+    output this rank's columns; `parts > 1` for a fused projection of `parts` stacked outputs (GPT-2's
+    `[q | k | v]`): each part split by columns (`_StridedShard(1, parts)`, the bias replicated), the output
+    part-major.
+    `kind="rowwise"`: W by input rows (`Shard(0)`, bias replicated), the input this rank's columns, the output
+    all-reduced. The module's forward is replaced by one on DTensors (`_conv1d_forward`)."""
+
+    def __init__(self, kind: str, parts: int = 1) -> None:
+        super().__init__()
+        if kind not in ("colwise", "rowwise"):
+            raise ValueError(f"kind {kind!r}: colwise or rowwise")
+        self.kind, self.parts = kind, parts
+
+    def _placements(self, name: str) -> Placement:
+        if self.kind == "rowwise":
+            return Shard(0) if name == "weight" else Replicate()
+        if self.parts == 1:
+            return Shard(1 if name == "weight" else 0)
+        # a fused bias stays replicated (as `FusedColwiseParallel`'s): FSDP2 shards dim 0 of a 1-D tensor, which
+        # would compose wrongly with a strided split; the add to the strided output slices it locally
+        return strided_shard(self.parts, dim=1) if name == "weight" else Replicate()
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param.detach(), mesh, [self._placements(pname)], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if type(module).__name__ != "Conv1D" or module.weight.ndim != 2:
+            raise ConfigError(f"Conv1DParallel splits transformers' Conv1D, got {type(module).__name__}",
+                              hint="use torch's ColwiseParallel / RowwiseParallel for nn.Linear")
+        distribute_module(module, device_mesh, self._partition)
+        module.forward = partial(_conv1d_forward, module, mesh=device_mesh, rowwise=self.kind == "rowwise")
+        return module
+
+
+class LocalSplitSize(ParallelStyle):
+    """GPT-2's attention splits its `c_attn` output into q, k, v with `split_size` (the hidden size): under TP
+    the output is `3 * hidden / tp` wide, so the split becomes `hidden / tp` (the heads are read with -1)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.split_size = module.embed_dim // device_mesh.size()
+        return module
+
+
+def _conv1d_forward(self: nn.Module, x: torch.Tensor, *, mesh: DeviceMesh, rowwise: bool) -> torch.Tensor:
+    """`addmm(b, x, W)` on DTensors: x replicated (colwise; backward all-reduces its gradient) or this rank's
+    columns (rowwise); the result's local tensor (rowwise: all-reduced, then the bias added once)."""
+    if rowwise:
+        local = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False)
+        out = torch.matmul(local, self.weight).redistribute(mesh, [Replicate()])
+        return (out + self.bias).to_local()
+    replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return (torch.matmul(replicated, self.weight) + self.bias).to_local()

@@ -10,23 +10,19 @@ ratio `num_key_value_groups`, and the rotary tables and the causal mask do not d
 the layer runs on its local heads unchanged. Embedding, norms and the head are kept whole on every TP rank.
 
 GPT-2 (`Conv1D` layers, weights stored `[in, out]`, transposed against `nn.Linear`): `c_attn` (the fused
-`[q | k | v]`, `[E, 3E]`) is split by heads along dim 1 with the strided placement `_StridedShard(1, 3)`, its
+`[q | k | v]`, `[E, 3E]`) is split by heads along dim 1 with the strided placement `strided_shard(3, dim=1)`, its
 bias replicated; the attention's `split_size` becomes the local width; `c_proj` and the MLP's `c_proj` are
 row-parallel (`Shard(0)`), `c_fc` column-parallel (`Shard(1)`), see `Conv1DParallel`.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard  # guarded: tensor_styles.PRIVATE_DTENSOR
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
+from pipetrain.compat.tensor_styles import Conv1DParallel, LocalSplitSize
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 
@@ -61,65 +57,6 @@ def llama_tp_plan(config: Any, tp: int) -> TPPlan:
         "layer.mlp.gate_proj": ColwiseParallel(), "layer.mlp.up_proj": ColwiseParallel(),
         "layer.mlp.down_proj": RowwiseParallel(),
     }
-
-
-class Conv1DParallel(ParallelStyle):
-    """transformers' `Conv1D` (`y = x @ W + b`, `W: [in, out]`) split over the mesh, plain local tensors out.
-
-    `kind="colwise"`: W by output columns (`Shard(1)`, bias `Shard(0)`), the input taken as replicated, the
-    output this rank's columns; `parts > 1` for a fused projection of `parts` stacked outputs (GPT-2's
-    `[q | k | v]`): each part split by columns (`_StridedShard(1, parts)`, the bias replicated), the output
-    part-major.
-    `kind="rowwise"`: W by input rows (`Shard(0)`, bias replicated), the input this rank's columns, the output
-    all-reduced. The module's forward is replaced by one on DTensors (`_conv1d_forward`)."""
-
-    def __init__(self, kind: str, parts: int = 1) -> None:
-        super().__init__()
-        if kind not in ("colwise", "rowwise"):
-            raise ValueError(f"kind {kind!r}: colwise or rowwise")
-        self.kind, self.parts = kind, parts
-
-    def _placements(self, name: str) -> Placement:
-        if self.kind == "rowwise":
-            return Shard(0) if name == "weight" else Replicate()
-        if self.parts == 1:
-            return Shard(1 if name == "weight" else 0)
-        # a fused bias stays replicated (as `FusedColwiseParallel`'s): FSDP2 shards dim 0 of a 1-D tensor, which
-        # would compose wrongly with a strided split; the add to the strided output slices it locally
-        return _StridedShard(1, split_factor=self.parts) if name == "weight" else Replicate()
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dist = distribute_tensor(param.detach(), mesh, [self._placements(pname)], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if type(module).__name__ != "Conv1D" or module.weight.ndim != 2:
-            raise ConfigError(f"Conv1DParallel splits transformers' Conv1D, got {type(module).__name__}",
-                              hint="use torch's ColwiseParallel / RowwiseParallel for nn.Linear")
-        distribute_module(module, device_mesh, self._partition)
-        module.forward = partial(_conv1d_forward, module, mesh=device_mesh, rowwise=self.kind == "rowwise")
-        return module
-
-
-class LocalSplitSize(ParallelStyle):
-    """GPT-2's attention splits its `c_attn` output into q, k, v with `split_size` (the hidden size): under TP
-    the output is `3 * hidden / tp` wide, so the split becomes `hidden / tp` (the heads are read with -1)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.split_size = module.embed_dim // device_mesh.size()
-        return module
-
-
-def _conv1d_forward(self: nn.Module, x: torch.Tensor, *, mesh: DeviceMesh, rowwise: bool) -> torch.Tensor:
-    """`addmm(b, x, W)` on DTensors: x replicated (colwise; backward all-reduces its gradient) or this rank's
-    columns (rowwise); the result's local tensor (rowwise: all-reduced, then the bias added once)."""
-    if rowwise:
-        local = DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], run_check=False)
-        out = torch.matmul(local, self.weight).redistribute(mesh, [Replicate()])
-        return (out + self.bias).to_local()
-    replicated = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    return (torch.matmul(replicated, self.weight) + self.bias).to_local()
 
 
 def gpt2_tp_plan(config: Any, tp: int) -> TPPlan:

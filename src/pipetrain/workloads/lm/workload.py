@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pipetrain.pipeline.loss import TokenCrossEntropy
 from typing import Any
 
-from pipetrain.workloads.corpus import TokenCorpus, load_gutenberg, load_text, synthetic_corpus, token_batches
-from pipetrain.workloads.gutenberg import GUTENBERG
-from pipetrain.workloads.gpt import GPT_PRESETS, GPTModel
-from pipetrain.workloads.imdb import num_batches
+from pipetrain.workloads.lm.corpus import TokenCorpus, load_gutenberg, load_text, synthetic_corpus, token_batches
+from pipetrain.workloads.text.gutenberg import GUTENBERG
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
+from pipetrain.workloads.classifier.imdb import num_batches
 from pipetrain.workloads.registry import Batch, DataRequest, Workload
 
 __all__ = ["LanguageModelWorkload"]

@@ -21,27 +21,11 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from pipetrain.errors import ConfigError
-from pipetrain.parallel.tensor import TPPlan
-from pipetrain.parallel.tensor_styles import SEQUENCE, FusedColwiseParallel, gather_sequence, scatter_sequence
-from pipetrain.workloads.gpt import GPTConfig
+from pipetrain.parallel.tensor import TPPlan, check_divides, check_sequence
+from pipetrain.compat.tensor_styles import SEQUENCE, FusedColwiseParallel, gather_sequence, scatter_sequence
+from pipetrain.workloads.lm.presets import GPTConfig
 
-__all__ = ["gpt_tp_plan", "check_divides", "check_sequence"]
-
-
-def check_divides(tp: int, what: str, size: int, flag: str) -> None:
-    """Raise unless `tp` divides `size` (the `what` of the model: heads, hidden size, vocabulary)."""
-    if size % tp:
-        divisors = [d for d in range(1, size + 1) if size % d == 0][:8]
-        raise ConfigError(f"tp={tp} does not divide the {size} {what} of the model",
-                          hint=f"pass {flag} among the divisors of {size} ({', '.join(map(str, divisors))}, ...)")
-
-
-def check_sequence(tp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """Raise when sequence parallelism cannot split the model's `seq_len` over `tp` ranks."""
-    if sequence_parallel and seq_len % tp:
-        raise ConfigError(f"--sequence-parallel splits each sequence over tp={tp} ranks, but the model's sequence "
-                          f"length {seq_len} is not divisible by {tp}",
-                          hint=f"pass a --seq-len divisible by {tp}, or drop --sequence-parallel")
+__all__ = ["gpt_tp_plan", "check_divides", "check_sequence"]  # the checks live in parallel.tensor
 
 
 def gpt_tp_plan(config: GPTConfig, index: int, tp: int, *, sequence_parallel: bool = False,

@@ -20,9 +20,9 @@ import torch
 
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
-from pipetrain.workloads.buckets import batch_order
-from pipetrain.workloads.corpus import HOLD_OUT_EVERY
-from pipetrain.workloads.imdb import num_batches
+from pipetrain.workloads.text.batching import batch_order
+from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
+from pipetrain.workloads.classifier.imdb import num_batches
 
 __all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "load_tokenizer", "tokenize_documents", "window_batches"]
 
@@ -60,7 +60,7 @@ def check_tokenizer(folder: Path) -> None:
 
 def load_tokenizer(folder: Path) -> Any:
     """The tokenizer of a model folder; one ConfigError when the folder has none."""
-    from pipetrain.workloads.hf_causal_lm import require_transformers
+    from pipetrain.workloads.hf.causal_lm import require_transformers
 
     check_tokenizer(folder)
     try:

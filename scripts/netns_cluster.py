@@ -1,4 +1,4 @@
-"""A two-host cluster for one test: two network namespaces joined by a veth pair (scripts/netns-cluster.sh), the
+"""A two-host cluster for a test or a benchmark: two network namespaces joined by a veth pair (scripts/netns-cluster.sh), the
 processes started on each host, and their removal. Traffic goes only to the namespaces' own 10.213.7.0/24."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "netns-cluster.sh"
+SCRIPT = Path(__file__).resolve().with_name("netns-cluster.sh")
 ADDRESSES = ("10.213.7.1", "10.213.7.2")
 RDZV_PORT = 29400
 MASTER_PORT = 29500

@@ -16,7 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from pipetrain.errors import DataError
-from pipetrain.workloads.imdb import tokenize
+from pipetrain.workloads.classifier.imdb import tokenize
 
 __all__ = ["GUTENBERG", "PACKAGE", "gutenberg_folder", "gutenberg_books", "read_text_file", "word_windows"]
 

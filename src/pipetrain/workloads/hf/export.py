@@ -18,7 +18,7 @@ import torch
 
 from pipetrain.checkpoint.export import read_weights
 from pipetrain.errors import CheckpointError, ConfigError
-from pipetrain.workloads.hf_causal_lm import HFCausalLM, require_transformers
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, require_transformers
 
 __all__ = ["export_hf"]
 

@@ -1,12 +1,13 @@
-"""The one place that touches private names of `torch.distributed.pipelining` (torch 2.13); keep additions here.
+"""Private names of `torch.distributed.pipelining` (torch 2.13): schedule orders as plain data, the V placement's
+breadth-first schedule, and timed P2P waits.
 
 `torch_schedule_order` asks torch's own schedule classes for the order of actions of each rank, without a
 process group or stages: the order methods only read a few sizes from `self`, so they are called on a
 plain namespace holding those sizes (the V schedules compute theirs in `__init__` from the stages, by
 the same `_calculate_single_rank_operations`, which reads only `pp_group_size`, `_n_microbatches` and
 `num_stages`). `torch_lowers` runs torch's own lowering of an order to sends and receives, which raises
-when the order cannot run. `tests/unit/test_pipeline_compat.py` fails loudly when any of these
-private names moves or changes shape.
+when the order cannot run. `BreadthFirstV` overrides a schedule's private order method. Every private name
+used is listed in `pipetrain.compat.PRIVATE_NAMES`; tests/unit/test_compat.py fails loudly when one moves.
 """
 
 from __future__ import annotations
@@ -17,28 +18,11 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
+from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
 from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
-__all__ = ["torch_schedule_order", "torch_lowers", "PRIVATE_NAMES", "timed_p2p_waits"]
-
-#: Every private torch name this module relies on (the compat test checks each still exists).
-PRIVATE_NAMES = (
-    "ScheduleGPipe._get_pipeline_order",
-    "Schedule1F1B._get_pipeline_order",
-    "ScheduleInterleaved1F1B._calculate_single_rank_operations",
-    "ScheduleInterleavedZeroBubble._calculate_single_rank_operations",
-    "ScheduleInterleavedZeroBubble._add_bubbles_to_actions",
-    "ScheduleZBVZeroBubble._calculate_single_rank_operations",
-    "ScheduleDualPipeV._calculate_single_rank_operations",
-    "_Action.sub_actions",
-    "_add_send_recv",
-    "_validate_schedule",
-    "_Action",
-    "_ComputationType",
-    "_add_reduce_grad",
-    "_wait_batch_p2p",
-)
-
+__all__ = ["torch_schedule_order", "torch_lowers", "timed_p2p_waits", "BreadthFirstV"]
 
 def _one(action, fused: bool = False) -> tuple:
     mb = -1 if action.microbatch_index is None else int(action.microbatch_index)
@@ -133,3 +117,29 @@ def timed_p2p_waits(record: Callable[[Any, Any], None],
         yield
     finally:
         _schedules._wait_batch_p2p = original
+
+
+class BreadthFirstV(ScheduleLoopedBFS):
+    """GPipe order over the V placement (rank r holds stages r and 2p - 1 - r): every forward of the rank's first
+    stage, then of its second, then the second's backwards, then the first's.
+
+    What a V-shaped job runs where its own schedule cannot: forward-only passes (torch 2.13's `eval()` of
+    `ScheduleZBVZeroBubble` and `ScheduleDualPipeV` fails) and a batch's remainder micro-batch. torch infers the
+    stage-to-rank mapping from these actions, so the V's middle hop (stage p - 1 to p) stays on one rank.
+    """
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, *, train: bool, **kwargs) -> None:
+        super().__init__(stages, n_microbatches, **kwargs)
+        if not train:  # torch's runtime would hand the V's local hop a gradient that a forward-only stage lacks;
+            # the backward is skipped, and its (empty: no backward) receive forgotten, as running it would
+            def skip(action: _Action, ctx: object) -> None:
+                self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+            self.register_custom_function(_ComputationType.FULL_BACKWARD, skip)
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[_Action | None]:
+        first, second = rank, 2 * self.pp_group_size - 1 - rank
+        forward, backward = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+        micro = range(self._n_microbatches)
+        return ([_Action(stage, forward, mb) for stage in (first, second) for mb in micro]
+                + [_Action(stage, backward, mb) for stage in (second, first) for mb in reversed(micro)])

@@ -16,7 +16,8 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.layered import LayeredModel
-from pipetrain.workloads.presets import PRESETS, TransformerConfig
+from pipetrain.workloads.classifier.presets import PRESETS, TransformerConfig
+from pipetrain.workloads.classifier.tp import classifier_tp_plan
 
 __all__ = ["TransformerConfig", "PRESETS", "TransformerClassifier", "EmbeddingBlock", "HeadBlock"]
 
@@ -88,8 +89,6 @@ class TransformerClassifier(LayeredModel):
         return HeadBlock(self.config)
 
     def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False):
-        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.transformer_tp`)."""
-        from pipetrain.workloads.transformer_tp import classifier_tp_plan
-
+        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.classifier.tp`)."""
         return classifier_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel,
                                   loss_parallel=loss_parallel)

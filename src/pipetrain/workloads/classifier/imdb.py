@@ -6,17 +6,16 @@ most frequent first. Reviews are truncated to `seq_len` tokens (keeping the begi
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
-from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipetrain.errors import ConfigError, DataError
+from pipetrain.workloads.text.batching import check_batching, num_batches, random_stream
+from pipetrain.workloads.text.words import PAD_ID, UNK_ID, Vocabulary, positive, tokenize
 
 __all__ = [
     "PAD_ID",
@@ -31,19 +30,8 @@ __all__ = [
     "random_stream",
 ]
 
-PAD_ID = 0
-UNK_ID = 1
 SYNTHETIC_SOURCE = "synthetic IMDB-like corpus (not real reviews)"
 ACLIMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
-
-_BREAK = re.compile(r"<br\s*/?>", re.IGNORECASE)
-_WORD = re.compile(r"[a-z0-9']+")
-
-
-def _positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}", hint=f"pass {name} >= 1")
-
 
 @dataclass(frozen=True)
 class ReviewDataset:
@@ -81,45 +69,6 @@ class ReviewDataset:
         return self.tokens.shape[1]
 
 
-def tokenize(text: str) -> list[str]:
-    """Lower-case words of `text` (`[a-z0-9']+`), with HTML line breaks (`<br />`) removed."""
-    return _WORD.findall(_BREAK.sub(" ", text.lower()))
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """Word <-> id mapping; `words[i]` is the word of id `i`, ids 0 and 1 are padding and unknown."""
-
-    words: tuple[str, ...]
-    _index: dict[str, int] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.words[:2] != ("<pad>", "<unk>"):
-            raise DataError("a vocabulary must start with '<pad>', '<unk>'", hint="build it with Vocabulary.build")
-        object.__setattr__(self, "_index", {word: i for i, word in enumerate(self.words)})
-
-    @classmethod
-    def build(cls, texts: Iterable[str], *, max_size: int, min_freq: int = 1) -> Vocabulary:
-        """The `max_size - 2` most frequent words seen at least `min_freq` times (ties: alphabetical)."""
-        _positive("min_freq", min_freq)
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 2:
-            raise ConfigError(f"vocabulary size must be at least 2, got {max_size!r}", hint="pass vocab_size >= 2")
-        counts = Counter(word for text in texts for word in tokenize(text))
-        ranked = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
-        return cls(("<pad>", "<unk>", *ranked[: max_size - 2]))
-
-    def __len__(self) -> int:
-        return len(self.words)
-
-    def id_of(self, word: str) -> int:
-        return self._index.get(word, UNK_ID)
-
-    def encode(self, text: str, seq_len: int) -> list[int]:
-        """`seq_len` ids of `text`: its first words, padded with `PAD_ID` at the end."""
-        ids = [self.id_of(word) for word in tokenize(text)[:seq_len]]
-        return ids + [PAD_ID] * (seq_len - len(ids))
-
-
 def _review_order(path: Path) -> tuple[int, str]:
     head = path.stem.split("_", 1)[0]
     return (int(head) if head.isdigit() else -1, path.name)
@@ -152,9 +101,9 @@ def load_aclimdb(
     `limit` caps the reviews read per split: the first `ceil(limit / 2)` positive and `limit // 2`
     negative files in file-name order. Negative reviews come first in each dataset.
     """
-    _positive("seq_len", seq_len)
+    positive("seq_len", seq_len)
     if limit is not None:
-        _positive("limit", limit)
+        positive("limit", limit)
     root = Path(root)
     files = _review_files(root)
     texts: dict[str, tuple[list[str], list[int]]] = {}
@@ -190,12 +139,6 @@ ZIPF_EXPONENT, ZIPF_SHIFT, UNK_RATE = 1.0, 2.7, 0.02
 SENTIMENT_WORDS, SENTIMENT_RATE, SENTIMENT_AGREEMENT = 40, 0.06, 0.85
 MIXED_REVIEWS, LABEL_NOISE = 0.2, 0.03
 MIN_SYNTHETIC_VOCAB = 32
-
-
-def random_stream(seed: int, stream: str) -> torch.Generator:
-    """An independent random stream per `(seed, stream)`."""
-    digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def _sentiment_words(vocab_size: int, seed: int) -> torch.Tensor:
@@ -248,9 +191,9 @@ def synthetic_imdb(
     Labels are exactly balanced; a small model learns them well above chance but, by construction
     (few sentiment words in short reviews, mixed-polarity words, label noise), not perfectly.
     """
-    _positive("num_train", num_train)
-    _positive("num_test", num_test)
-    _positive("seq_len", seq_len)
+    positive("num_train", num_train)
+    positive("num_test", num_test)
+    positive("seq_len", seq_len)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_SYNTHETIC_VOCAB:
         raise ConfigError(
             f"synthetic IMDB needs vocab_size >= {MIN_SYNTHETIC_VOCAB}, got {vocab_size!r}",
@@ -262,31 +205,6 @@ def synthetic_imdb(
         _synthetic_split(num_train, seq_len, vocab_size, seed, "train"),
         _synthetic_split(num_test, seq_len, vocab_size, seed, "test"),
     )
-
-
-def _check_batching(batch_size: int, replica: int, replicas: int) -> None:
-    _positive("batch_size", batch_size)
-    _positive("replicas", replicas)
-    if batch_size % replicas:
-        raise ConfigError(
-            f"global batch size {batch_size} is not divisible by {replicas} replicas",
-            hint=f"pass a multiple of {replicas}, e.g. --batch-size {replicas * max(1, batch_size // replicas)}",
-        )
-    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
-        raise ConfigError(
-            f"replica {replica!r} is out of range for {replicas} replicas",
-            hint=f"pass replica in 0..{replicas - 1}",
-        )
-
-
-def num_batches(
-    dataset: ReviewDataset | int, batch_size: int, *, replicas: int = 1, drop_last: bool = False
-) -> int:
-    """How many batches `batches` yields per epoch to each replica (the same number for every replica)."""
-    _check_batching(batch_size, 0, replicas)
-    size = dataset if isinstance(dataset, int) else len(dataset)
-    full, rest = divmod(size, batch_size)
-    return full + (1 if rest and not drop_last and rest >= replicas else 0)
 
 
 def batches(
@@ -310,7 +228,7 @@ def batches(
     fewer than `replicas` samples left over are skipped this epoch. Equal shares keep data-parallel
     gradient averaging exact (every replica's mean carries the same weight).
     """
-    _check_batching(batch_size, replica, replicas)
+    check_batching(batch_size, replica, replicas)
     size = len(dataset)
     if shuffle:
         order = torch.randperm(size, generator=random_stream(seed, f"epoch-{epoch}"))

@@ -10,11 +10,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from pipetrain.workloads.buckets import batch_order, length_step, padded_length
-from pipetrain.workloads.imdb import PAD_ID, ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
-from pipetrain.workloads.imdb_package import load_package_imdb
+from pipetrain.workloads.text.batching import batch_order, length_step, padded_length
+from pipetrain.workloads.classifier.imdb import PAD_ID, ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
+from pipetrain.workloads.classifier.imdb_package import load_package_imdb
 from pipetrain.workloads.registry import Batch, DataRequest, Workload
-from pipetrain.workloads.transformer import PRESETS, TransformerClassifier
+from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
 
 __all__ = ["ClassifierWorkload", "bucketed_reviews", "REAL_EPOCHS"]
 

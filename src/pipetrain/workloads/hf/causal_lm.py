@@ -296,8 +296,8 @@ class HFCausalLM:
         return [((0, embedding), (self.num_blocks - 1, "lm_head.weight"))]
 
     def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False):
-        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.hf_tp`)."""
-        from pipetrain.workloads.hf_tp import hf_tp_plan
+        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.hf.tp`)."""
+        from pipetrain.workloads.hf.tp import hf_tp_plan
 
         return hf_tp_plan(self.config, self.family, index, self.num_blocks, tp, sequence_parallel=sequence_parallel)
 

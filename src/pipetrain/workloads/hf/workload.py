@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.corpus import load_gutenberg, load_text, synthetic_corpus, text_documents
-from pipetrain.workloads.gutenberg import GUTENBERG, gutenberg_books
-from pipetrain.workloads.hf_causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
-from pipetrain.workloads.hf_text import TokenWindows, check_tokenizer, load_tokenizer, tokenize_documents, window_batches
-from pipetrain.workloads.language_model import LanguageModelWorkload
+from pipetrain.workloads.lm.corpus import load_gutenberg, load_text, synthetic_corpus, text_documents
+from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
+from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
+from pipetrain.workloads.hf.text import TokenWindows, check_tokenizer, load_tokenizer, tokenize_documents, window_batches
+from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
 __all__ = ["HFPreset", "HF_PRESETS", "HFWorkload", "DEFAULT_SEQ_LEN", "check_model_folder"]
@@ -140,7 +140,7 @@ class HFWorkload(LanguageModelWorkload):
 
 def check_model_folder(folder: Path) -> Path:
     """`folder` when it holds a Hugging Face model pipetrain can train; else one ConfigError saying what to do."""
-    convert = (f"convert it once to a safetensors folder: python -m pipetrain.workloads.smollm2 convert "
+    convert = (f"convert it once to a safetensors folder: python -m pipetrain.workloads.hf.smollm2 convert "
                f"{str(folder)!r} OUT_DIR (or in Python: transformers' from_pretrained(dir, gguf_file=...), the "
                "weights copied into a model built from its config, then save_pretrained(OUT_DIR)), and pass --model OUT_DIR")
     if folder.is_file() and folder.suffix.lower() == ".gguf":

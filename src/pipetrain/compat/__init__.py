@@ -1,0 +1,54 @@
+"""torch's private names, in one room: every use of one in pipetrain lives in a module here, and `PRIVATE_NAMES`
+lists them all (tests/unit/test_compat.py fails loudly, naming the one, when a torch upgrade moves any).
+
+`pipelining`: schedule orders as data, the V placement's breadth-first schedule, timed P2P waits; `dtensor`: the
+strided placement and the placement methods that run collectives; `tensor_styles`: tensor-parallel styles
+built on torch's private style hooks; `modules`: the dropout and batch-norm base classes, `_foreach_mul_`, aborting a process group.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PRIVATE_NAMES"]
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_PLACEMENTS = "torch.distributed.tensor.placement_types"
+_STYLES = "torch.distributed.tensor.parallel.style"
+
+#: (module, dotted name in it) of every private torch name pipetrain uses, with the compat module that uses it.
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    # pipelining.py: torch's own schedule orders, lowering, the breadth-first V schedule, the P2P wait
+    (_SCHEDULES, "ScheduleGPipe._get_pipeline_order"),
+    (_SCHEDULES, "Schedule1F1B._get_pipeline_order"),
+    (_SCHEDULES, "ScheduleInterleaved1F1B._calculate_single_rank_operations"),
+    (_SCHEDULES, "ScheduleInterleavedZeroBubble._calculate_single_rank_operations"),
+    (_SCHEDULES, "ScheduleInterleavedZeroBubble._add_bubbles_to_actions"),
+    (_SCHEDULES, "ScheduleZBVZeroBubble._calculate_single_rank_operations"),
+    (_SCHEDULES, "ScheduleDualPipeV._calculate_single_rank_operations"),
+    (_SCHEDULES, "ScheduleLoopedBFS._calculate_single_rank_operations"),
+    (_SCHEDULES, "_Action"),
+    (_SCHEDULES, "_Action.sub_actions"),
+    (_SCHEDULES, "_ComputationType"),
+    (_SCHEDULES, "_add_send_recv"),
+    (_SCHEDULES, "_validate_schedule"),
+    (_SCHEDULES, "_add_reduce_grad"),
+    (_SCHEDULES, "_wait_batch_p2p"),
+    # dtensor.py: the strided placement and the placement methods that run collectives
+    (_PLACEMENTS, "_StridedShard"),
+    (_PLACEMENTS, "_MaskPartial"),
+    (_PLACEMENTS, "Partial._reduce_value"),
+    (_PLACEMENTS, "_MaskPartial._reduce_value"),
+    (_PLACEMENTS, "Shard._reduce_shard_tensor"),
+    (_PLACEMENTS, "Shard._to_replicate_tensor"),
+    (_PLACEMENTS, "_StridedShard._to_replicate_tensor"),
+    (_PLACEMENTS, "Shard._to_new_shard_dim"),
+    # tensor_styles.py: the hooks of torch's styles that pipetrain's styles override or call
+    (_STYLES, "ParallelStyle._apply"),
+    (_STYLES, "ColwiseParallel._partition_linear_fn"),
+    (_STYLES, "ColwiseParallel._prepare_input_fn"),
+    (_STYLES, "PrepareModuleOutput._prepare_out_fn"),
+    # modules.py
+    ("torch.nn.modules.batchnorm", "_BatchNorm"),
+    ("torch.nn.modules.dropout", "_DropoutNd"),
+    ("torch", "_foreach_mul_"),
+    ("torch.distributed.distributed_c10d", "_abort_process_group"),
+)

@@ -1,0 +1,35 @@
+"""Private names of torch's modules, tensor functions and process groups: the base classes of dropout and batch norm,
+`torch._foreach_mul_` (one fused multiply of many tensors), and aborting the default process group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group"]
+
+
+def is_dropout(module: nn.Module) -> bool:
+    """Whether `module` is one of torch's dropout layers (`nn.Dropout`, `Dropout1d/2d/3d`, `AlphaDropout`, ...)."""
+    return isinstance(module, _DropoutNd)
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """Whether `module` is one of torch's batch norms (`BatchNorm1d/2d/3d`, `SyncBatchNorm`, lazy ones)."""
+    return isinstance(module, _BatchNorm)
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], scalar: float) -> None:
+    """Multiply every tensor of `tensors` by `scalar` in place, in one fused call."""
+    torch._foreach_mul_(list(tensors), scalar)
+
+
+def abort_process_group() -> None:
+    """Abort the default process group without waiting on its pending work (NCCL; never blocks)."""
+    from torch.distributed import distributed_c10d  # only when aborting: torch.distributed may be absent
+
+    distributed_c10d._abort_process_group()

@@ -1,0 +1,1 @@
+"""Pretrained Hugging Face decoders: the families pipetrain splits, their text, TP plans and export back."""
