@@ -57,7 +57,7 @@ def _positive(name: str, value: int) -> None:
 class PipelineConfig:
     """How the model is cut and scheduled across the `pp` ranks of one pipeline.
 
-    `n_microbatches` is the seed's "chunks": 1 is naive model parallelism.
+    `n_microbatches` is the IDRIS pages' "chunks": 1 is naive model parallelism.
     `balance`, when given, is the number of blocks of each stage (pp * stages_per_rank entries).
     `shape_cache` bounds the schedules kept, one per micro-batch shape (e.g. sequence length); the least
     recently used is rebuilt when needed again.

@@ -1,6 +1,6 @@
 """The benchmark grid: cells (one training configuration each), axis parsing, expansion and validity checks.
 
-A cell is one point of the seed's benchmark: `pp` pipeline ranks, `dp` replicas, a *global* batch size, a
+A cell is one point of the Pipe benchmark: `pp` pipeline ranks, `dp` replicas, a *global* batch size, a
 number of micro-batches (`chunks`, 1 is naive model parallelism), a schedule, a checkpoint policy, a
 workload preset and an optional memory limit. `pp=1` is the single-rank baseline: the whole model on one
 device, no pipeline, so the schedule means nothing there and only `gpipe` with chunks=1 is accepted
@@ -215,11 +215,11 @@ def cell_problem(cell: Cell, *, max_ranks: int | None = None) -> str | None:
 def default_axes(device: str, quick: bool = False) -> dict[str, list[Any]]:
     """The grid `pipetrain bench` runs when no axis is given.
 
-    CPU: pp 1,2 x batch 32..256 x chunks 1..16, preset "cpu". GPU: the seed's grid (pp 2,4, same batches
-    and chunks, preset "gpu") with checkpoint ``except_last``, the default of the `Pipe` the seed measured
+    CPU: pp 1,2 x batch 32..256 x chunks 1..16, preset "cpu". GPU: the Pipe benchmark's grid (pp 2,4, same batches
+    and chunks, preset "gpu") with checkpoint ``except_last``, the default of the `Pipe` the IDRIS pages measured
     (its memory gain came from it). `quick` (any device): pp 1,2 x batch 32,128 x chunks 1,4, preset "cpu":
     large enough that compute, not communication, fills a step, so micro-batching beats naive model
-    parallelism as in the seed (the `tiny` model's 15-40 ms steps are dominated by P2P and per-step costs).
+    parallelism as in the Pipe benchmark (the `tiny` model's 15-40 ms steps are dominated by P2P and per-step costs).
     """
     if quick:
         return {"preset": ["cpu"], "pp": [1, 2], "schedule": ["gpipe"], "checkpoint": ["never"],

@@ -1,4 +1,4 @@
-"""Bench reports: CSV and JSON of every cell, a markdown table laid out like the seed's, heatmap PNGs, a summary.
+"""Bench reports: CSV and JSON of every cell, a markdown table laid out like the IDRIS Pipe benchmark's, heatmap PNGs, a summary.
 
 Tables and heatmaps have one block per (pp, schedule, checkpoint, dp) group — plus preset and memory
 limit when those vary — with rows = global batch size and columns = chunks. A cell that ran out of

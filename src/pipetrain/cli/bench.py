@@ -1,4 +1,4 @@
-"""`pipetrain bench`: the seed's benchmark (stages × batch size × chunks), time and memory per cell, OOM cells."""
+"""`pipetrain bench`: the Pipe benchmark (stages × batch size × chunks), time and memory per cell, OOM cells."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Gantt chart of a traced run as a PNG, in the style of the seed's figure (no torch).
+"""The Gantt chart of a traced run as a PNG, in the style of the IDRIS pipeline page's figure (no torch).
 
 A row per rank; a box per micro-batch's forward (plain) and backward (hatched), coloured by micro-batch
 and labelled `F3` / `B3` where they fit; tensor-parallel collectives as dark bands in the lower part of the

@@ -71,7 +71,7 @@ class TransformerConfig:
 
 #: Named sizes. `tiny` is for tests. `cpu` makes one batch-64 forward+backward take a few tenths of a
 #: second on one CPU core (~0.4 s on the 2-core development machine). `gpu` takes emsize, nhid, nhead,
-#: nlayers and dropout from the PyTorch pipeline-parallelism tutorial (Transformer + Pipe) that the seed
+#: nlayers and dropout from the PyTorch pipeline-parallelism tutorial (Transformer + Pipe) that the IDRIS
 #: benchmark derives from; its seq_len (256) and vocab_size (30000, close to the tutorial's WikiText-2
 #: vocabulary) are chosen for IMDB reviews (the tutorial used 35-token windows).
 PRESETS: dict[str, TransformerConfig] = {
