@@ -109,22 +109,20 @@ class SbatchRequest:
                     "one task per node without GPUs needs the number of ranks each node spawns",
                     hint="pass --ranks-per-node N",
                 )
-            if self.gpus_per_node and self.local_world_size > self.gpus_per_node:
-                raise ConfigError(
-                    f"{self.local_world_size} ranks per node but only {self.gpus_per_node} GPUs per node",
-                    hint=f"pass --ranks-per-node {self.gpus_per_node} or fewer (one rank per GPU)",
-                )
+            self._check_gpus(self.local_world_size, "rank", "--ranks-per-node")
             return
         if self.ranks_per_node is not None:
             raise ConfigError(
                 "ranks_per_node only applies to one task per node",
                 hint="add --one-task-per-node, or set the ranks with --ntasks-per-node",
             )
-        if self.gpus_per_node and self.tasks_per_node > self.gpus_per_node:
-            raise ConfigError(
-                f"{self.tasks_per_node} tasks per node but only {self.gpus_per_node} GPUs per node",
-                hint=f"pass --ntasks-per-node {self.gpus_per_node} or fewer (one task per GPU)",
-            )
+        self._check_gpus(self.tasks_per_node, "task", "--ntasks-per-node")
+
+    def _check_gpus(self, count: int, what: str, flag: str) -> None:
+        """Refuse more processes (`what`: rank or task) per node than the node's GPUs."""
+        if self.gpus_per_node and count > self.gpus_per_node:
+            raise ConfigError(f"{count} {what}s per node but only {self.gpus_per_node} GPUs per node",
+                              hint=f"pass {flag} {self.gpus_per_node} or fewer (one {what} per GPU)")
 
     @property
     def gpus_per_task(self) -> int:
