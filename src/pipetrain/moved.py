@@ -42,6 +42,8 @@ MOVED: dict[str, str] = {
     "pipetrain.pipeline.compat": "pipetrain.compat.pipelining",
     "pipetrain.trainer": "pipetrain.train.loop",
     "pipetrain.parallel.tensor_styles": "pipetrain.compat.tensor_styles",
+    "pipetrain.trace.report": "pipetrain.trace.files",
+    "pipetrain.check.report": "pipetrain.check.findings",
 }
 
 

@@ -11,7 +11,7 @@ from pipetrain.blocks import BlockSequential, build_blocks
 from pipetrain.check import TOLERANCES, CheckReport, Hazard
 from pipetrain.check.compare import spread, step_diffs, tensor_rel
 from pipetrain.check.reference import probe_hazards, quiet, reference_run, static_hazards
-from pipetrain.check.report import BlockDiff, StepDiff, relative
+from pipetrain.check.findings import BlockDiff, StepDiff, relative
 from pipetrain.cli.main import main
 from tests.distributed import check_models
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipetrain.errors import ConfigError
 from pipetrain.trace.chrome import chrome_trace, spans_from_chrome_trace
-from pipetrain.trace.report import check_trace_dir, write_trace_files
+from pipetrain.trace.files import check_trace_dir, write_trace_files
 from pipetrain.trace.spans import Span, spans_from_dicts, spans_to_dicts, union_ns
 from pipetrain.trace.summary import ideal_bubble, summarize
 

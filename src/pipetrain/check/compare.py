@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pipetrain.check.report import BlockDiff, StepDiff, relative
+from pipetrain.check.findings import BlockDiff, StepDiff, relative
 
 __all__ = ["tensor_rel", "step_diffs", "spread"]
 

@@ -20,7 +20,7 @@ from torch import nn
 from pipetrain.blocks import BlockModel, BlockSequential, as_tuple, build_sequential
 from pipetrain.compat.modules import is_batch_norm, is_dropout
 from pipetrain.check.compare import tensor_rel
-from pipetrain.check.report import Hazard
+from pipetrain.check.findings import Hazard
 from pipetrain.pipeline.loss import as_loss
 from pipetrain.pipeline.precision import autocast
 

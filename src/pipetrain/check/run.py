@@ -16,7 +16,7 @@ from pipetrain.blocks import build_sequential
 from pipetrain.check.compare import spread, step_diffs
 from pipetrain.check.layout import layout_runs
 from pipetrain.check.reference import probe_hazards, quiet, reference_run, static_hazards
-from pipetrain.check.report import TOLERANCES, CheckReport, Hazard
+from pipetrain.check.findings import TOLERANCES, CheckReport, Hazard
 from pipetrain.errors import ConfigError, RankFailedError
 from pipetrain.pipeline.runs import plan_runs
 

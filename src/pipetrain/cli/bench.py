@@ -13,7 +13,7 @@ from pipetrain.bench.results import ResultStore, compute_speedups
 from pipetrain.bench.runner import run_grid
 from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
-from pipetrain.trace.report import check_trace_dir
+from pipetrain.trace.files import check_trace_dir
 
 __all__ = ["add_parser", "run"]
 

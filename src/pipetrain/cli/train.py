@@ -26,7 +26,7 @@ from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.lost import report_lost_connection
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.logs.config import check_log_folders
-from pipetrain.trace.report import check_trace_dir
+from pipetrain.trace.files import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
 from pipetrain.train.loop import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
                                train_rank)

@@ -30,7 +30,7 @@ from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.clock import clock_for
 from pipetrain.pipeline.timeline import Recorder, span
 from pipetrain.trace.collectives import tp_collective_spans
-from pipetrain.trace.report import TraceFiles, check_trace_dir, trace_result, write_trace_files
+from pipetrain.trace.files import TraceFiles, check_trace_dir, trace_result, write_trace_files
 from pipetrain.trace.spans import Span, within_compute
 from pipetrain.trace.summary import ideal_bubble
 
