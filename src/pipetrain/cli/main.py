@@ -1,4 +1,5 @@
-"""The `pipetrain` command: one sub-command per module of this package, errors printed once."""
+"""The `pipetrain` command: one sub-command per module of this package, each with its line of the top-level help
+(`VERB_HELP`); errors printed once."""
 
 from __future__ import annotations
 
@@ -19,6 +20,35 @@ __all__ = ["main"]
 VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export")
 #: the verbs that start local ranks when no launcher (torchrun, srun) started this process
 SPAWNING_VERBS = ("train", "check", "bench")
+#: what `pipetrain --help` says above the verbs
+DESCRIPTION = (
+    "Train a PyTorch model over several devices with pipeline, data and tensor parallelism, on one machine or many: "
+    "pipetrain starts the ranks itself, or runs under torchrun or Slurm. Plan a layout before you queue, check it "
+    "against the unsplit model, measure it. Each verb has --help; bad input is one line naming the value and the "
+    "fix, exit code 2."
+)
+#: each verb's line in `pipetrain --help`: what it does for the user (its own --help keeps its module's description)
+VERB_HELP = {
+    "train": "train a model over pipeline, data and tensor ranks",
+    "check": "check that a layout trains like the unsplit model",
+    "bench": "measure step time and memory over a grid of layouts",
+    "sbatch": "write a Slurm batch script for a training job",
+    "profile": "measure each block's time and memory for balancing",
+    "plan": "rank layouts for your GPUs before you queue a job",
+    "tune": "plan, then time the best few layouts on this machine",
+    "export": "write a checkpoint as one unsplit model (or HF folder)",
+}
+
+
+class _Verbs:
+    """The sub-command action as each verb module's `add_parser` sees it: the verb's line in the top-level help is
+    `VERB_HELP`'s, whatever help the module passes."""
+
+    def __init__(self, action: argparse._SubParsersAction) -> None:
+        self._action = action
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        return self._action.add_parser(name, **{**kwargs, "help": VERB_HELP[name]})
 
 
 def _verb(argv: Sequence[str]) -> str | None:
@@ -40,13 +70,13 @@ def _start_rank_server(argv: Sequence[str]) -> None:
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The command's parser. With a verb in `argv`, only that verb's module is imported (the others import
     torch, which `pipetrain plan` does not need); without one, all of them, for the help."""
-    parser = argparse.ArgumentParser(prog="pipetrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pipetrain", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
     verb = _verb(argv or [])
     for name in VERBS if verb not in VERBS else (verb,):
         module = importlib.import_module(f"pipetrain.cli.{name}")
-        module.add_parser(sub).set_defaults(run=module.run)
+        module.add_parser(_Verbs(sub)).set_defaults(run=module.run)
     return parser
 
 
