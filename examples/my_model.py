@@ -97,8 +97,9 @@ class SpiralWorkload(Workload):
     summary = "a residual MLP classifying the arms of a 2-D spiral (synthetic points)"
     presets = PRESETS
 
-    def model(self, preset: str) -> SpiralModel:
+    def model(self, preset: str, *, seq_len: int | None = None) -> SpiralModel:
         self.check_preset(preset)
+        self.check_window(seq_len)
         return SpiralModel(PRESETS[preset])
 
     def load_data(self, request: DataRequest) -> tuple[Spiral, Spiral]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -13,11 +15,14 @@ __all__ = [
     "BlockModel",
     "BlockSequential",
     "ModuleListModel",
+    "TPAbility",
     "Tensors",
     "as_tuple",
     "build_blocks",
     "build_sequential",
     "block_seed",
+    "tp_ability",
+    "tp_plan_hook",
 ]
 
 #: What a block takes and returns: one tensor, or a tuple of tensors.
@@ -44,7 +49,8 @@ class BlockModel(Protocol):
     Optional hook: `tp_plan(index, tp, *, sequence_parallel=False)` returns block `index`'s tensor-parallel plan,
     `{submodule name: ParallelStyle}` for `parallelize_module` (None: the block is kept whole on every TP rank),
     and raises `ConfigError` when `tp` does not divide what it splits; `--tp` needs it (see
-    `pipetrain.parallel.tensor` and docs/tensor-parallel.md).
+    `pipetrain.parallel.tensor` and docs/tensor-parallel.md). Decorated with `@tp_plan_hook(loss_parallel=True)`,
+    it declares that it also answers `loss_parallel=True` (`--loss-parallel`), see `TPAbility`.
     """
 
     @property
@@ -60,6 +66,41 @@ class BlockModel(Protocol):
         """The first block's input(s) for `batch_size` samples: one tensor or a tuple (values may be garbage;
         only shapes and dtypes count)."""
         ...
+
+
+@dataclass(frozen=True)
+class TPAbility:
+    """What a model's `tp_plan` hook declares beyond splitting blocks: `loss_parallel`, whether it takes
+    `loss_parallel=True` (and returns a vocabulary-parallel head, or raises a `ConfigError` saying why not)."""
+
+    loss_parallel: bool = False
+
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def tp_plan_hook(*, loss_parallel: bool = False) -> Callable[[_Hook], _Hook]:
+    """Declare what the decorated `tp_plan` method supports: `@tp_plan_hook(loss_parallel=True)`. The declaration
+    belongs to that method: a subclass overriding `tp_plan` declares again (or is read from its signature)."""
+
+    def declare(hook: _Hook) -> _Hook:
+        hook.tp_ability = TPAbility(loss_parallel=loss_parallel)  # type: ignore[attr-defined]
+        return hook
+
+    return declare
+
+
+def tp_ability(model: object) -> TPAbility | None:
+    """What `model`'s `tp_plan` hook supports, None without a hook. A hook not declared with `tp_plan_hook` (written
+    before declarations) takes `loss_parallel` when its signature names it or takes `**kwargs`."""
+    hook = getattr(model, "tp_plan", None)
+    if hook is None:
+        return None
+    declared = getattr(hook, "tp_ability", None)
+    if isinstance(declared, TPAbility):
+        return declared
+    parameters = inspect.signature(hook).parameters.values()
+    return TPAbility(loss_parallel=any(p.name == "loss_parallel" or p.kind is p.VAR_KEYWORD for p in parameters))
 
 
 def as_tuple(value: Tensors) -> tuple[torch.Tensor, ...]:

@@ -92,8 +92,9 @@ class ToyWorkload(Workload):
     def __init__(self, special: Callable[[], nn.Module] | None = None) -> None:
         self.special = special
 
-    def model(self, preset: str) -> ToyModel:
+    def model(self, preset: str, *, seq_len: int | None = None) -> ToyModel:
         self.check_preset(preset)
+        self.check_window(seq_len)
         return ToyModel(self.special)
 
     def load_data(self, request: DataRequest) -> tuple[Points, Points]:

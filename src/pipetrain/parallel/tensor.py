@@ -11,7 +11,8 @@ two or more dimensions as this rank's shard of dimension 1 (the sequence; `[batc
 integer and boolean tensors (masks) whole: the engine sizes the stages' buffers by that rule. The hook is
 called with `loss_parallel=True` only when the user asks for the vocabulary-parallel head (`--loss-parallel`):
 the last block then returns logits as a DTensor sharded on the vocabulary, and the engine runs its steps under
-`loss_parallel()`; a hook without that keyword is refused with one message.
+`loss_parallel()`. Whether a hook takes that keyword is declared (`pipetrain.blocks.tp_plan_hook`, read by
+`tp_ability`): a hook that does not is refused with one message, before it is called.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from pipetrain.blocks import BlockModel
+from pipetrain.blocks import BlockModel, tp_ability
 from pipetrain.errors import ConfigError
 
 __all__ = ["TPPlan", "BlockSplit", "block_plans", "check_tensor_parallel", "tensor_parallel_blocks", "check_divides",
@@ -52,26 +53,24 @@ def block_plans(model: BlockModel, tp: int, *, sequence_parallel: bool = False,
                 loss_parallel: bool = False) -> list[TPPlan]:
     """Every block's plan (raises the model's `ConfigError` when tp does not divide its sizes, and when the
     model has no plan at all, or no vocabulary-parallel head under `loss_parallel`)."""
-    hook = getattr(model, "tp_plan", None)
-    if hook is None:
+    ability = tp_ability(model)
+    if ability is None:
         raise ConfigError(
             f"the model {type(model).__name__} has no tensor-parallel plan, so --tp {tp} cannot split it",
             hint="run it with --tp 1, or give the BlockModel a tp_plan(index, tp, sequence_parallel) method "
                  "(see docs/tensor-parallel.md)",
         )
-    extra = {"loss_parallel": True} if loss_parallel else {}
     if loss_parallel and getattr(model, "tied_parameters", None) is not None and model.tied_parameters():
         raise ConfigError(f"--loss-parallel splits the head over the vocabulary, but the model "
                           f"{type(model).__name__} ties it to its embedding, which stays whole",
                           hint="drop --loss-parallel (the tied head then runs whole on every TP rank)")
-    try:
-        return [hook(index, tp, sequence_parallel=sequence_parallel, **extra) for index in range(model.num_blocks)]
-    except TypeError as error:
-        if not loss_parallel or "loss_parallel" not in str(error):
-            raise
+    if loss_parallel and not ability.loss_parallel:
         raise ConfigError(f"the model {type(model).__name__} has no vocabulary-parallel head for --loss-parallel",
                           hint="drop --loss-parallel, or accept loss_parallel=True in its tp_plan "
-                               "(see docs/tensor-parallel.md)") from None
+                               "(see docs/tensor-parallel.md)")
+    extra = {"loss_parallel": True} if loss_parallel else {}
+    return [model.tp_plan(index, tp, sequence_parallel=sequence_parallel, **extra)  # type: ignore[attr-defined]
+            for index in range(model.num_blocks)]
 
 
 def check_tensor_parallel(model: BlockModel, tp: int, *, sequence_parallel: bool = False,

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -56,6 +59,8 @@ class Workload(ABC):
     `metrics` names the `StepResult` fields the trainer reports besides the loss (e.g. `accuracy`,
     `perplexity`). `batches` yields this replica's share of each global batch, in the same number on every
     replica (see `num_batches`); `bucket` asks for batches of similar lengths where the data has lengths.
+    A subclass written before `model` took `seq_len` (`def model(self, preset)`) keeps working, with a
+    DeprecationWarning when the class is defined.
     """
 
     name: ClassVar[str]
@@ -70,6 +75,15 @@ class Workload(ABC):
     #: whether `model(preset, seq_len=N)` and `DataRequest.seq_len` change the window (else --seq-len is refused)
     windows: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        model = cls.__dict__.get("model")
+        if callable(model) and not _takes_seq_len(model):
+            warnings.warn(f"{cls.__qualname__}.model(self, preset) takes no seq_len: write "
+                          "model(self, preset, *, seq_len=None) (the old form is deprecated)", DeprecationWarning,
+                          stacklevel=2)
+            cls.model = _without_seq_len(model)  # type: ignore[method-assign]
+
     def check_preset(self, preset: str) -> None:
         """Raise ConfigError unless `preset` is one of this workload's presets."""
         if preset not in self.presets:
@@ -78,9 +92,14 @@ class Workload(ABC):
             )
 
     @abstractmethod
-    def model(self, preset: str) -> BlockModel:
-        """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank); a workload
-        that `windows` also takes `seq_len=` (the window, default the preset's)."""
+    def model(self, preset: str, *, seq_len: int | None = None) -> BlockModel:
+        """The model of `preset` as a `BlockModel` (cheap: blocks are built later, each on its own rank). `seq_len`:
+        the window (None: the preset's); a workload that does not `windows` refuses any other (`check_window`)."""
+
+    def check_window(self, seq_len: int | None) -> None:
+        """Raise ConfigError when a window is asked of a workload that does not `windows`."""
+        if seq_len is not None and not self.windows:
+            raise _no_window(self.name)
 
     def with_model(self, folder: str | Path, *, pack: bool = True) -> Workload:
         """This workload on the pretrained model of a local folder (`--model DIR`); `pack`: whether text is
@@ -123,3 +142,26 @@ class Workload(ABC):
     def eval_split(self, dataset: Dataset) -> str:
         """What the evaluation dataset is, in one word or two ("test", "held-out", "synthetic test")."""
         return "synthetic test" if dataset.synthetic else "test"
+
+
+def _takes_seq_len(model: Callable[..., Any]) -> bool:
+    parameters = inspect.signature(model).parameters.values()
+    return any(p.name == "seq_len" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _without_seq_len(model: Callable[..., BlockModel]) -> Callable[..., BlockModel]:
+    """An old `model(self, preset)` as `model(self, preset, *, seq_len=None)`: a window it cannot take is refused."""
+
+    @functools.wraps(model)
+    def with_seq_len(self: Workload, preset: str, *, seq_len: int | None = None) -> BlockModel:
+        if seq_len is not None:
+            raise _no_window(self.name)
+        return model(self, preset)
+
+    del with_seq_len.__wrapped__  # its signature is the new one
+    return with_seq_len
+
+
+def _no_window(name: str) -> ConfigError:
+    return ConfigError(f"workload {name!r} has no window to change: --seq-len does not apply",
+                       hint="drop --seq-len (the preset sets the length)")

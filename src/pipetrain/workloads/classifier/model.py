@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from pipetrain.blocks import tp_plan_hook
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.layered import LayeredModel
 from pipetrain.workloads.classifier.presets import PRESETS, TransformerConfig
@@ -88,6 +89,7 @@ class TransformerClassifier(LayeredModel):
     def head(self) -> nn.Module:
         return HeadBlock(self.config)
 
+    @tp_plan_hook(loss_parallel=True)
     def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False):
         """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.classifier.tp`)."""
         return classifier_tp_plan(self.config, index, tp, sequence_parallel=sequence_parallel,

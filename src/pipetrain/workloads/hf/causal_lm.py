@@ -1,23 +1,19 @@
 """Hugging Face causal LMs (Llama family, GPT-2) as pipetrain blocks, each rank building and loading only its own.
 
-Blocks: the token embedding (GPT-2: plus position embedding), one block per decoder layer, and the head
-(final norm + LM head). Only the hidden states cross a stage boundary: each layer block rebuilds the causal
-mask and (Llama) the rotary position tables from the sequence length, exactly as the unsplit model builds
-them once. Batches are right-padded or unpadded; padding is ignored through the labels (`ignore_index`).
+`HFCausalLM` reads what it needs about a model type from its `Family` description (`families/`): the blocks
+(`blocks.py`: embedding, one block per decoder layer, head) are transformers' own modules, named as in the
+transformers model. Batches are right-padded or unpadded; padding is ignored through the labels (`ignore_index`).
 Weights come from transformers' initialisation scheme, or from a local safetensors checkpoint folder
 (`config.json` + `model.safetensors` or a sharded index), from which a rank reads only its own tensors.
 Tied input/output embeddings (GPT-2's default, SmolLM2's) stay tied (`tied_parameters`): the head holds a copy
 of the embedding matrix (loaded from the same tensor) and the engine sums the two copies' gradients every
 step (`pipetrain.pipeline.tied`), so they update as the one tensor of the unsplit model.
-Needs the optional extra: `pip install pipetrain[hf]`.
-"""
+Needs the optional extra: `pip install pipetrain[hf]`."""
 
 from __future__ import annotations
 
 import copy
 import json
-import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipetrain.blocks import tp_plan_hook
 from pipetrain.errors import ConfigError
+from pipetrain.parallel.tensor import TPPlan
 from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head, HFBlock, init_like_transformers
+from pipetrain.workloads.hf.families import FAMILIES, Family, family_of, require_transformers
+from pipetrain.workloads.hf.tp import hf_tp_plan
 
 __all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss", "require_transformers"]
 
-#: model_type of a transformers config -> the family pipetrain builds it as.
-SUPPORTED_FAMILIES = {"llama": "llama", "gpt2": "gpt2"}
-
-
-def require_transformers() -> Any:
-    """The `transformers` module, or a ConfigError saying how to install it."""
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("Hugging Face models need the 'transformers' package",
-                          hint="pip install 'pipetrain[hf]'") from None
-    return transformers
+#: model_type of a transformers config -> the family description pipetrain builds it by
+SUPPORTED_FAMILIES: dict[str, Family] = FAMILIES
 
 
 class CausalLMLoss:
@@ -74,105 +65,6 @@ class CausalLMLoss:
 causal_lm_loss = CausalLMLoss()
 
 
-class _Block(nn.Module):
-    """A block whose parameters map to checkpoint keys by prefix (local prefix -> checkpoint prefix)."""
-
-    prefixes: dict[str, str]
-
-    def checkpoint_keys(self) -> Iterator[tuple[str, str]]:
-        """(local name, checkpoint key) of every parameter and persistent buffer."""
-        for name in self.state_dict():
-            local = next(p for p in self.prefixes if name.startswith(p))
-            yield name, self.prefixes[local] + name[len(local):]
-
-
-class _LlamaEmbedding(_Block):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.prefixes = {"embed_tokens.": "model.embed_tokens."}
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-
-class _GPT2Embedding(_Block):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.drop = nn.Dropout(config.embd_pdrop)
-        self.prefixes = {"wte.": "transformer.wte.", "wpe.": "transformer.wpe."}
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(positions)[None])
-
-
-class _DecoderLayer(_Block):
-    """One decoder layer; rebuilds the causal mask (and Llama's rotary tables) from the hidden states' length."""
-
-    def __init__(self, config: Any, family: str, index: int) -> None:
-        super().__init__()
-        self.config = config
-        if family == "llama":
-            llama = require_transformers().models.llama.modeling_llama
-            self.layer = llama.LlamaDecoderLayer(config, index)
-            self.rotary = llama.LlamaRotaryEmbedding(config)
-            self.prefixes = {"layer.": f"model.layers.{index}."}
-        else:
-            self.layer = require_transformers().models.gpt2.modeling_gpt2.GPT2Block(config, layer_idx=index)
-            self.rotary = None
-            self.prefixes = {"layer.": f"transformer.h.{index}."}
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        # positions are 0..n-1 (no packed sequences), so they need not be checked (that reads values: not on meta)
-        mask = require_transformers().masking_utils.create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None
-        )
-        if self.rotary is None:
-            return self.layer(hidden, attention_mask=mask)
-        tables = self.rotary(hidden, position_ids=positions)
-        return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=tables)
-
-
-class _Head(_Block):
-    def __init__(self, config: Any, family: str) -> None:
-        super().__init__()
-        if family == "llama":
-            rms_norm = require_transformers().models.llama.modeling_llama.LlamaRMSNorm
-            self.norm = rms_norm(config.hidden_size, eps=config.rms_norm_eps)
-            self.prefixes = {"norm.": "model.norm.", "lm_head.": "lm_head."}
-        else:
-            self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-            self.prefixes = {"norm.": "transformer.ln_f.", "lm_head.": "lm_head."}
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
-
-
-def _init_like_transformers(block: nn.Module, config: Any, family: str) -> None:
-    """transformers' initialisation: normal(0, initializer_range) weights, zero biases, unit norms;
-    GPT-2 also scales its residual projections by 1/sqrt(2 * n_layer)."""
-    conv1d = require_transformers().pytorch_utils.Conv1D
-    std = config.initializer_range
-    with torch.no_grad():
-        for name, module in block.named_modules():
-            if isinstance(module, (nn.Linear, conv1d, nn.Embedding)):
-                scaled = family == "gpt2" and name.endswith("c_proj")
-                module.weight.normal_(0.0, std / math.sqrt(2 * config.n_layer) if scaled else std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                    module.weight[module.padding_idx].zero_()
-            elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-                module.weight.fill_(1.0)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-
-
 class _Checkpoint:
     """Reads single tensors of a local safetensors checkpoint folder (one file or a sharded index)."""
 
@@ -192,12 +84,12 @@ class _Checkpoint:
                 hint="pass a folder written by save_pretrained(..., safe_serialization=True)",
             )
 
-    def find(self, key: str, family: str) -> str | None:
-        """The stored name of `key` (original GPT-2 checkpoints omit the `transformer.` prefix)."""
+    def find(self, key: str, family: Family) -> str | None:
+        """The stored name of `key` (a checkpoint of the base model, as GPT-2's original files, omits its prefix)."""
         if key in self.files:
             return key
-        bare = key.removeprefix("transformer.")
-        return bare if family == "gpt2" and bare in self.files else None
+        bare = key.removeprefix(f"{family.base}.")
+        return bare if bare != key and bare in self.files else None
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -217,12 +109,7 @@ class HFCausalLM:
     """
 
     def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64) -> None:
-        family = SUPPORTED_FAMILIES.get(getattr(config, "model_type", None))
-        if family is None:
-            raise ConfigError(
-                f"Hugging Face model type {getattr(config, 'model_type', type(config).__name__)!r} is not supported",
-                hint=f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (causal decoder LMs)",
-            )
+        family = family_of(config)
         if not 1 <= seq_len <= config.max_position_embeddings:
             raise ConfigError(f"seq_len {seq_len} is outside 1..{config.max_position_embeddings} for this model",
                               hint=f"pass seq_len <= max_position_embeddings ({config.max_position_embeddings})")
@@ -267,15 +154,15 @@ class HFCausalLM:
         if not 0 <= index < self.num_blocks:
             raise IndexError(f"block {index} of {self.num_blocks}")
         if index == 0:
-            block: _Block = _LlamaEmbedding(self.config) if self.family == "llama" else _GPT2Embedding(self.config)
+            block: HFBlock = Embedding(self.config, self.family)
         elif index == self.num_blocks - 1:
-            block = _Head(self.config, self.family)
+            block = Head(self.config, self.family)
         else:
-            block = _DecoderLayer(self.config, self.family, index - 1)
+            block = DecoderLayer(self.config, self.family, index - 1)
         if next(block.parameters()).device.type == "meta":
             return block  # shape inference
         if self.checkpoint is None:
-            _init_like_transformers(block, self.config, self.family)
+            init_like_transformers(block, self.config, self.family)
         else:
             self._load(block)
         return block
@@ -286,19 +173,18 @@ class HFCausalLM:
     @property
     def tied(self) -> bool:
         """Whether the output head is the input embedding matrix (`config.tie_word_embeddings`)."""
-        return bool(getattr(self.config, "tie_word_embeddings", False))
+        return self.family.ties(self.config)
 
     def tied_parameters(self) -> list[tuple[tuple[int, str], ...]]:
         """The `BlockModel` tie hook: the embedding (block 0) and the head's matrix, when the config ties them."""
         if not self.tied:
             return []
-        embedding = "embed_tokens.weight" if self.family == "llama" else "wte.weight"
+        embedding = self.family.embed.rpartition(".")[2] + ".weight"  # the embedding block's name for it
         return [((0, embedding), (self.num_blocks - 1, "lm_head.weight"))]
 
-    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False):
-        """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.hf.tp`)."""
-        from pipetrain.workloads.hf.tp import hf_tp_plan
-
+    @tp_plan_hook(loss_parallel=False)  # the head stays whole: no vocabulary-parallel head
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False) -> TPPlan:
+        """Block `index`'s tensor-parallel plan: the family's decoder-layer split (see `pipetrain.workloads.hf.tp`)."""
         return hf_tp_plan(self.config, self.family, index, self.num_blocks, tp, sequence_parallel=sequence_parallel)
 
     def attention_shape(self) -> tuple[int, int, int]:
@@ -315,25 +201,24 @@ class HFCausalLM:
 
     # ---- loading -------------------------------------------------------------------------------------
 
-    def _load(self, block: _Block) -> None:
+    def _load(self, block: HFBlock) -> None:
         if self.checkpoint is None:
             raise ValueError("no checkpoint folder to load from")
         state = block.state_dict()
         for name, key in block.checkpoint_keys():
             stored = self.checkpoint.find(key, self.family)
             if stored is None and key == "lm_head.weight":  # tied embeddings: the head reads the embedding matrix
-                stored = self.checkpoint.find("model.embed_tokens.weight" if self.family == "llama"
-                                              else "transformer.wte.weight", self.family)
+                stored = self.checkpoint.find(f"{self.family.embed}.weight", self.family)
             if stored is None:
                 raise ConfigError(
                     f"checkpoint folder {str(self.checkpoint.folder)!r} has no tensor {key!r}: it holds another model",
-                    hint=f"pass the folder of this {self.family} model",
+                    hint=f"pass the folder of this {self.family.name} model",
                 )
             tensor = self.checkpoint.read(stored)
             if tensor.shape != state[name].shape:
                 raise ConfigError(
                     f"checkpoint folder {str(self.checkpoint.folder)!r}: tensor {stored!r} has shape "
-                    f"{list(tensor.shape)}, this {self.family} model needs {list(state[name].shape)}",
+                    f"{list(tensor.shape)}, this {self.family.name} model needs {list(state[name].shape)}",
                     hint="pass the folder of this model, or build the model from that folder (HFCausalLM.from_folder)",
                 )
             with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipetrain.blocks import tp_plan_hook
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.layered import LayeredModel
 from pipetrain.workloads.lm.presets import GPT_PRESETS, GPTConfig
@@ -109,6 +110,7 @@ class GPTModel(LayeredModel):
     def head(self) -> nn.Module:
         return GPTHead(self.config)
 
+    @tp_plan_hook(loss_parallel=True)
     def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False):
         """Block `index`'s tensor-parallel plan (see `pipetrain.workloads.lm.tp`; `loss_parallel`: the
         vocabulary-parallel head)."""

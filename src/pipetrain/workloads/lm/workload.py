@@ -33,8 +33,9 @@ class LanguageModelWorkload(Workload):
     buckets = True
     default_data = GUTENBERG
 
-    def model(self, preset: str) -> GPTModel:
+    def model(self, preset: str, *, seq_len: int | None = None) -> GPTModel:
         self.check_preset(preset)
+        self.check_window(seq_len)
         return GPTModel(GPT_PRESETS[preset])
 
     def load_data(self, request: DataRequest) -> tuple[TokenCorpus, TokenCorpus]:

@@ -1,0 +1,114 @@
+"""The blocks of a Hugging Face causal LM, built from its `Family` description with transformers' own modules.
+
+Three kinds: the embedding (token embedding, plus the position embedding where the family has one), one block per
+decoder layer, and the head (final norm + LM head). Only the hidden states cross a stage boundary: each layer
+block rebuilds the attention mask (and the rotary tables) from the sequence length, as the unsplit model builds
+them once. A block's parameters keep the names of the transformers model through `prefixes` (local -> checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.workloads.hf.families import Family, require_transformers
+
+__all__ = ["HFBlock", "Embedding", "DecoderLayer", "Head", "init_like_transformers"]
+
+
+class HFBlock(nn.Module):
+    """A block whose parameters map to checkpoint keys by prefix (local prefix -> checkpoint prefix)."""
+
+    prefixes: dict[str, str]
+
+    def checkpoint_keys(self) -> Iterator[tuple[str, str]]:
+        """(local name, checkpoint key) of every parameter and persistent buffer."""
+        for name in self.state_dict():
+            local = next(p for p in self.prefixes if name.startswith(p))
+            yield name, self.prefixes[local] + name[len(local):]
+
+
+def _leaf(path: str) -> str:
+    return path.rpartition(".")[2]
+
+
+class Embedding(HFBlock):
+    """Token embedding (named as in the transformers model: `embed_tokens`, `wte`), scaled, plus positions."""
+
+    def __init__(self, config: Any, family: Family) -> None:
+        super().__init__()
+        self.tokens, self.positions = _leaf(family.embed), family.position and _leaf(family.position)
+        padding = config.pad_token_id if family.embed_padding else None
+        self.add_module(self.tokens, nn.Embedding(config.vocab_size, config.hidden_size, padding))
+        self.prefixes = {f"{self.tokens}.": f"{family.embed}."}
+        if family.position is not None:
+            self.add_module(self.positions, nn.Embedding(config.max_position_embeddings, config.hidden_size))
+            self.prefixes[f"{self.positions}."] = f"{family.position}."
+        self.drop = nn.Dropout(getattr(config, family.embed_dropout)) if family.embed_dropout else nn.Identity()
+        self.scale = math.sqrt(config.hidden_size) if family.embed_scale else None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.get_submodule(self.tokens)(input_ids)
+        if self.scale is not None:  # in the embedding's dtype, as transformers does
+            hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
+        if self.positions:
+            hidden = hidden + self.get_submodule(self.positions)(torch.arange(input_ids.shape[1],
+                                                                              device=input_ids.device))[None]
+        return self.drop(hidden)
+
+
+class DecoderLayer(HFBlock):
+    """One decoder layer (`layer`); rebuilds the attention mask and the rotary tables (`rotary`) from the length."""
+
+    def __init__(self, config: Any, family: Family, index: int) -> None:
+        super().__init__()
+        self.config, self.index, self.mask, self.position_ids = config, index, family.mask, family.position_ids
+        self.layer = family.resolve(family.layer_class)(config, index)
+        self.rotary = None if family.rotary_class is None else family.resolve(family.rotary_class)(config)
+        self.prefixes = {"layer.": f"{family.layers}.{index}."}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        inputs: dict[str, Any] = {"attention_mask": self.mask(self.config, hidden, self.index)}
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        if self.position_ids:
+            inputs["position_ids"] = positions
+        if self.rotary is not None:
+            inputs["position_embeddings"] = self.rotary(hidden, position_ids=positions)
+        return self.layer(hidden, **inputs)
+
+
+class Head(HFBlock):
+    """The final norm (`norm`) and the output projection (`lm_head`)."""
+
+    def __init__(self, config: Any, family: Family) -> None:
+        super().__init__()
+        self.norm = family.resolve(family.norm_class)(config.hidden_size, eps=getattr(config, family.norm_eps))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.prefixes = {"norm.": f"{family.norm}.", "lm_head.": f"{family.head}."}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def init_like_transformers(block: nn.Module, config: Any, family: Family) -> None:
+    """transformers' initialisation: normal(0, initializer_range) weights, zero biases, unit norms; the family's
+    `scaled_init` modules (GPT-2's residual projections) with std / sqrt(2 * layers)."""
+    conv1d = require_transformers().pytorch_utils.Conv1D
+    std = config.initializer_range
+    with torch.no_grad():
+        for name, module in block.named_modules():
+            if isinstance(module, (nn.Linear, conv1d, nn.Embedding)):
+                scaled = family.scaled_init is not None and name.endswith(family.scaled_init)
+                module.weight.normal_(0.0, std / math.sqrt(2 * config.num_hidden_layers) if scaled else std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()

@@ -1,0 +1,96 @@
+"""`Family`: one transformers model type described once (its parts' places, its layers' inputs, its TP split).
+
+`HFCausalLM` reads nothing else about a model type: the blocks are built from the classes named here (looked up
+in `transformers.models.<name>.modeling_<name>`), their checkpoint keys are the attribute paths named here, and a
+decoder layer's tensor-parallel plan is the family's `tp_plan`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.errors import ConfigError
+from pipetrain.parallel.tensor import TPPlan
+
+__all__ = ["Family", "causal_mask", "require_transformers", "tp_divides"]
+
+
+def require_transformers() -> Any:
+    """The `transformers` module, or a ConfigError saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("Hugging Face models need the 'transformers' package",
+                          hint="pip install 'pipetrain[hf]'") from None
+    return transformers
+
+
+def causal_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
+    """transformers' causal mask for layer `index` (every layer the same), positions 0..n-1, no padding mask."""
+    # positions are 0..n-1 (no packed sequences), so they need not be checked (that reads values: not on meta)
+    return require_transformers().masking_utils.create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+
+
+def tp_divides(tp: int, sizes: dict[str, int]) -> None:
+    """One ConfigError naming every size of the config that tp does not divide, and the tp values that work."""
+    bad = {name: size for name, size in sizes.items() if size % tp}
+    if bad:
+        common = [d for d in range(1, min(sizes.values()) + 1) if all(s % d == 0 for s in sizes.values())]
+        listed = ", ".join(f"{name}={size}" for name, size in bad.items())
+        raise ConfigError(f"tp={tp} does not divide the model's {listed} (a tensor-parallel rank holds whole heads "
+                          f"and an equal share of the MLP)",
+                          hint=f"pass --tp among {', '.join(map(str, common))} (the common divisors of "
+                               f"{', '.join(f'{n}={s}' for n, s in sizes.items())})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One transformers causal LM type, as pipetrain splits it into embedding, decoder layers and head."""
+
+    #: the config's `model_type`, and the transformers module its classes live in (`models.<name>.modeling_<name>`)
+    name: str
+    # -- where the parts live in the transformers model (attribute paths = checkpoint key prefixes) --
+    embed: str  #: the token embedding, e.g. "model.embed_tokens"; its first component is the base model
+    layers: str  #: the `ModuleList` of decoder layers, e.g. "model.layers"
+    norm: str  #: the final norm, e.g. "model.norm"
+    head: str = "lm_head"  #: the output projection (an `nn.Linear(hidden, vocab, bias=False)`)
+    position: str | None = None  #: a learned position embedding (GPT-2's "transformer.wpe"), or None
+    # -- how the parts are built (class names in the modeling module; a dotted name is imported as it is) --
+    layer_class: str  #: the decoder layer, built as `cls(config, layer_index)`
+    norm_class: str  #: the final norm, built as `cls(hidden_size, eps=config.<norm_eps>)`
+    norm_eps: str  #: the config field of the norm's epsilon
+    rotary_class: str | None = None  #: the rotary tables, built as `cls(config)` in each layer block; None: none
+    # -- the embedding --
+    embed_padding: bool = True  #: the token embedding's `padding_idx` is `config.pad_token_id`
+    embed_dropout: str | None = None  #: the config field of the dropout after the embedding, or None
+    embed_scale: bool = False  #: the embedding is multiplied by sqrt(hidden_size) (Gemma)
+    tie: str | None = "tie_word_embeddings"  #: the config field that ties the head to the embedding (None: never)
+    # -- what a decoder layer takes besides the hidden states --
+    position_ids: bool = False  #: `position_ids=` (0..n-1); `position_embeddings=` whenever `rotary_class` is set
+    mask: Callable[[Any, torch.Tensor, int], Any] = causal_mask  #: `attention_mask=` (config, hidden, layer index)
+    # -- initialisation and tensor parallelism --
+    scaled_init: str | None = None  #: modules ending so get std / sqrt(2 * layers) (GPT-2's residual "c_proj")
+    tp_plan: Callable[[Any, int], TPPlan] | None = None  #: (config, tp) -> a decoder layer's plan; raises when tp
+    #: does not divide what it splits (whole heads, GQA's key/value heads too, the MLP width)
+
+    @property
+    def base(self) -> str:
+        """The base model's attribute (`base_model_prefix`): a checkpoint of the base model omits it."""
+        return self.embed.partition(".")[0]
+
+    def ties(self, config: Any) -> bool:
+        """Whether `config`'s output head is its input embedding matrix."""
+        return self.tie is not None and bool(getattr(config, self.tie, False))
+
+    def resolve(self, name: str) -> type[nn.Module]:
+        """The class `name` of this family's modeling module (a dotted name: that module's class)."""
+        module, _, cls = name.rpartition(".")
+        require_transformers()
+        return getattr(importlib.import_module(module or f"transformers.models.{self.name}.modeling_{self.name}"), cls)

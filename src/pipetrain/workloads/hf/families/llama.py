@@ -1,0 +1,50 @@
+"""The Llama family (`model_type` "llama": Llama 2/3, SmolLM2, TinyLlama): its description and TP plan.
+
+TP, each decoder layer (Megatron's split): q/k/v projections column-parallel (contiguous rows = whole heads: rank r
+holds query heads r·h/tp.. and the key/value heads they read under GQA, so tp divides the key/value heads too),
+`o_proj` row-parallel; the MLP's `gate_proj` and `up_proj` column-parallel, `down_proj` row-parallel (the mapping
+of transformers' own `base_model_tp_plan`). The attention and the MLP each take their input as one replicated
+DTensor (`PrepareModuleInput`), so the backward sums the input gradients of q, k and v (of gate and up) in one
+all-reduce: two all-reduces forward and two backward per layer. transformers' attention reshapes with
+`view(..., -1, head_dim)` and reads only the ratio `num_key_value_groups`, and the rotary tables and the causal
+mask do not depend on the head count, so the layer runs on its local heads unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+from pipetrain.parallel.tensor import TPPlan
+from pipetrain.workloads.hf.families.family import Family, tp_divides
+
+__all__ = ["LLAMA", "llama_tp_plan"]
+
+
+def llama_tp_plan(config: Any, tp: int) -> TPPlan:
+    """A Llama decoder layer's plan (submodule names inside pipetrain's layer block)."""
+    tp_divides(tp, {"num_attention_heads": config.num_attention_heads,
+                    "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
+                    "intermediate_size": config.intermediate_size})
+    replicated = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=False)
+    return {
+        "layer.self_attn": replicated,
+        "layer.self_attn.q_proj": ColwiseParallel(), "layer.self_attn.k_proj": ColwiseParallel(),
+        "layer.self_attn.v_proj": ColwiseParallel(), "layer.self_attn.o_proj": RowwiseParallel(),
+        "layer.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                        use_local_output=False),
+        "layer.mlp.gate_proj": ColwiseParallel(), "layer.mlp.up_proj": ColwiseParallel(),
+        "layer.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+LLAMA = Family(
+    name="llama",
+    embed="model.embed_tokens", layers="model.layers", norm="model.norm",
+    layer_class="LlamaDecoderLayer", norm_class="LlamaRMSNorm", norm_eps="rms_norm_eps",
+    rotary_class="LlamaRotaryEmbedding", position_ids=True,
+    tp_plan=llama_tp_plan,
+)
