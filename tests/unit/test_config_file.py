@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.cli import train as train_cli
+from pipetrain.cli.train_args import describe  # was the private cli.train._config
 from pipetrain.cli.config_file import add_config_arguments, apply_config_file, load_config
 from pipetrain.cli.main import build_parser, main
 from pipetrain.errors import ConfigError
@@ -51,8 +51,8 @@ def test_flags_of_their_own_types_round_trip(flags, capsys, tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(first)
     assert _print(capsys, ["train", "--config", str(path)]) == first
-    durable = train_cli._config(_args(["train", "--config", str(path)])).durable
-    expected = train_cli._config(_args(TINY + ["--save-dir", str(tmp_path), *flags])).durable
+    durable = describe(_args(["train", "--config", str(path)])).durable
+    expected = describe(_args(TINY + ["--save-dir", str(tmp_path), *flags])).durable
     assert durable == expected
 
 
@@ -81,7 +81,7 @@ run-dir = "somewhere"
 [checkpoints-and-failures]
 step-timeout = 60
 """)
-    config = train_cli._config(_args(["train", "--config", str(path), "--epochs", "1", "--eval-every", "9"]))
+    config = describe(_args(["train", "--config", str(path), "--epochs", "1", "--eval-every", "9"]))
     assert config.parallel.pipeline.n_microbatches == 2 and config.parallel.pipeline.balance == (2, 4)
     assert (config.preset, config.batch_size, config.lr, config.bucket, config.train_samples) == ("tiny", 32, 1.0, True, 64)
     assert config.epochs == 1  # the flag wins over the file's 3

@@ -12,7 +12,7 @@ import torch
 from pipetrain.launch import memory
 from pipetrain.bench.calibrate import NOT_MEASURED, measured_network
 from pipetrain.cli import train as train_cli
-from pipetrain.cli import parallel_args
+from pipetrain.train import layout as train_layout  # the cost balancing moved here from cli/parallel_args.py
 from pipetrain.launch import device as device_mod
 from pipetrain.plan.hardware import DEFAULT_NETWORK
 from pipetrain.train.loop import TrainConfig
@@ -46,7 +46,7 @@ def test_partition_time_measures_on_the_jobs_device(monkeypatch):
         seen["device"] = kwargs["device"]
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(parallel_args, "cost_balance", fake_cost_balance)
+    monkeypatch.setattr(train_layout, "cost_balance", fake_cost_balance)
     monkeypatch.setattr(device_mod, "gpu_count", lambda: 1)
     monkeypatch.setenv("PIPETRAIN_DEVICE", "cuda")
     config = TrainConfig(preset="tiny", data="synthetic", train_samples=8, test_samples=8, batch_size=8)

@@ -13,6 +13,7 @@ from pipetrain.bench.results import ResultStore, compute_speedups
 from pipetrain.bench.runner import run_grid
 from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
+from pipetrain.logs.config import probe_write
 from pipetrain.trace.files import check_trace_dir
 
 __all__ = ["add_parser", "run"]
@@ -45,14 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _check_out(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"cannot write to the output folder {str(out)!r}: {err.strerror}",
-                          hint="pass --out with a folder you can write to") from None
+    probe_write(out / ".write-test", f"to the output folder {str(out)!r}", folder=out,
+                hint="pass --out with a folder you can write to")
 
 
 def _with_workload(grid: GridSpec, workload: str | None) -> GridSpec:

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from pipetrain.check import DEFAULT_LR, DEFAULT_STEPS, TOLERANCES, run_check
-from pipetrain.cli.model_args import add_model_arguments, model_fields
+from pipetrain.cli.flag_fields import from_flags
+from pipetrain.cli.model_args import add_model_arguments, add_workload_arguments, model_fields
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.train.loop import SYNTHETIC, TrainConfig, load_data
-from pipetrain.workloads.registry import workload_names
+from pipetrain.train.config import SYNTHETIC, TrainConfig, load_data
+from pipetrain.train.prepare import check_model
 
 __all__ = ["add_parser", "run"]
-
-
-def _data(text: str) -> Path | str:
-    return SYNTHETIC if text == SYNTHETIC else Path(text)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,13 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                            f"tolerances ({tol}); see docs/check.md.")
     add_parallel_arguments(parser)
     group = parser.add_argument_group("what to check")
-    group.add_argument("--workload", default="classifier",
-                       help=f"{' | '.join(workload_names())}, or MODULE:NAME or path/to/file.py:NAME "
-                            "(default: classifier)")
-    group.add_argument("--preset", default="cpu", help="model size of the workload (default: cpu)")
-    group.add_argument("--data", type=_data, default=SYNTHETIC, metavar="DIR|FILE|synthetic",
-                       help="the batches: the workload's synthetic corpus (default), or its real data as "
-                            "`train --data` reads it")
+    add_workload_arguments(group, data_default=SYNTHETIC, data_help="the batches: the workload's synthetic corpus "
+                                                                     "(default), or its real data as `train --data` reads it")
     group.add_argument("--seq-len", type=int, default=None, help="the window, for a workload that has one")
     group.add_argument("--batch-size", type=int, default=8, help="global batch size (default: 8)")
     group.add_argument("--steps", type=int, default=DEFAULT_STEPS,
@@ -48,12 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     synthetic = args.data == SYNTHETIC
-    config = TrainConfig(
-        parallel=parallel_config(args), workload=args.workload, preset=args.preset, data=args.data,
-        train_samples=args.batch_size * max(args.steps, 1) if synthetic else None,
-        test_samples=args.batch_size if synthetic else None, seq_len=args.seq_len, batch_size=args.batch_size,
-        epochs=1, seed=args.seed, precision=args.precision, progress=False, **model_fields(args),
-    )
+    config = from_flags(TrainConfig, args, parallel=parallel_config(args), epochs=1, progress=False,
+                        train_samples=args.batch_size * max(args.steps, 1) if synthetic else None,
+                        test_samples=args.batch_size if synthetic else None, **model_fields(args))
+    check_model(config)
     config = cost_balanced(config, args, launched=False)
     train, _ = load_data(config)
     report = run_check(config, train, steps=args.steps, lr=args.lr)

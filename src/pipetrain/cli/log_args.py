@@ -32,10 +32,9 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def log_config(args: argparse.Namespace) -> LogConfig:
-    """The validated `LogConfig` of parsed arguments; `args.effective_config` (set by
-    `pipetrain.cli.config_file.apply_config_file`) becomes the run folder's config.toml."""
+    """The validated `LogConfig` of parsed arguments (with the training group's `--metrics` and the layout group's
+    `--layout-prediction`); its `config_text` is written from the whole job description (cli/train_args.py)."""
     return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(workload_label(args.workload)),
                      log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
-                     eval_batches=args.eval_batches, peak_tflops=args.peak_tflops,
-                     config_text=getattr(args, "effective_config", ""),
-                     predicted=getattr(args, "layout_prediction", None))
+                     eval_batches=args.eval_batches, peak_tflops=args.peak_tflops, metrics=args.metrics,
+                     predicted=args.layout_prediction)

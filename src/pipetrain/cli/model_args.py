@@ -1,4 +1,5 @@
-"""The pretrained-model flags of `pipetrain train` (`--model DIR`, `--no-pack`) and the TrainConfig fields they set."""
+"""The model and data flags of the verbs that describe a job (`train`, `check`): `--workload`, `--preset`, `--data`,
+and the pretrained-model ones (`--model DIR`, `--no-pack`), with the TrainConfig fields they set."""
 
 from __future__ import annotations
 
@@ -7,8 +8,24 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
+from pipetrain.train.config import SYNTHETIC
+from pipetrain.workloads.registry import workload_names
 
-__all__ = ["add_model_arguments", "model_fields"]
+__all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "model_fields"]
+
+
+def data_path(text: str) -> Path | str:
+    """`--data`: the word `synthetic`, else a path (write ./synthetic for a folder of that name)."""
+    return SYNTHETIC if text == SYNTHETIC else Path(text)
+
+
+def add_workload_arguments(group: argparse._ArgumentGroup, *, data_default: Path | str | None, data_help: str) -> None:
+    """`--workload`, `--preset` and `--data` (default `data_default`, said by `data_help`) in `group`."""
+    group.add_argument("--workload", default="classifier",
+                       help=f"what to train: {' | '.join(workload_names())}, or your own as MODULE:NAME or "
+                            "path/to/file.py:NAME (default: classifier)")
+    group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
+    group.add_argument("--data", type=data_path, default=data_default, metavar="DIR|FILE|synthetic", help=data_help)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
-from pipetrain.errors import ConfigError
-from pipetrain.partition import cost_balance
-from pipetrain.partition.profile import load_profile
-from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
-from pipetrain.pipeline.runs import plan_runs
-from pipetrain.train.loop import TrainConfig
+from pipetrain.train.config import TrainConfig
+from pipetrain.train.layout import balanced
 
 __all__ = ["add_parallel_arguments", "parallel_config", "cost_balanced"]
-
-log = logging.getLogger("pipetrain")
 
 
 def _balance(text: str) -> tuple[int, ...]:
@@ -85,35 +78,8 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
 
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:
-    """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs.
-
-    Costs come from `--profile`, else the blocks are measured here (not on a launched rank: every rank
-    must split the model the same way, so ranks started by torchrun or srun need `--profile`).
-    """
-    pipeline = config.parallel.pipeline
-    if pipeline.partition not in COST_METHODS:
-        for flag, value in (("--mem-cap", args.mem_cap), ("--profile", args.profile)):
-            if value is not None:
-                raise ConfigError(f"{flag} is only used by --partition time|memory, not {pipeline.partition!r}",
-                                  hint=f"add --partition time, or drop {flag}")
-        return config
-    if pipeline.balance is not None:
-        raise ConfigError(f"--balance {','.join(map(str, pipeline.balance))} and --partition {pipeline.partition} "
-                          "both choose the split", hint="pass one of them")
-    if args.profile is None and launched:
-        raise ConfigError(f"--partition {pipeline.partition} on ranks started by a launcher needs --profile FILE "
-                          "(each rank measuring on its own could split the model differently)",
-                          hint="write one first with `pipetrain profile --output FILE` and pass --profile FILE")
-    check_mem_cap(pipeline.partition, args.mem_cap)
-    profile = load_profile(args.profile) if args.profile is not None else None
-    micro = plan_runs(config.batch_size // config.parallel.dp, pipeline.n_microbatches)[0].size
-    if say and profile is None:
-        log.info("pipetrain: measuring each block at micro-batch size %d for --partition %s "
-                 "(pass --profile FILE to reuse a profile)", micro, pipeline.partition)
-    pipeline, choice = cost_balance(config.model(), pipeline, micro_batch_size=micro, profile=profile,
-                                    mem_cap_mb=args.mem_cap, profile_source=f"the profile {str(args.profile)!r}",
-                                    device=device_choice(args) if profile is None else "cpu")  # the job's device
-    if say:
-        for line in choice.lines():
-            log.info("pipetrain: %s", line)
-    return replace(config, parallel=replace(config.parallel, pipeline=pipeline))
+    """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs: the
+    costs of `--profile`, else measured on the job's device (see `pipetrain.train.layout.balanced`)."""
+    request = replace(config.layout, profile=args.profile, mem_cap=args.mem_cap)
+    device = device_choice(args) if args.profile is None else "cpu"
+    return balanced(replace(config, layout=request), device=device, launched=launched, say=say)

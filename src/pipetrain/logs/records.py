@@ -1,12 +1,17 @@
-"""The records the training loop hands to its log sinks: one `StepRecord` per optimizer step, one `EvalRecord`
-per held-out evaluation (plain frozen data, global figures identical on every rank unless said otherwise)."""
+"""The records of a run, one family of plain data (global figures, identical on every rank unless said otherwise):
+one `StepRecord` per optimizer step and one `EvalRecord` per held-out evaluation, which the loop hands to its log
+sinks; `MetricTotals`, the running means of an epoch; one `EpochReport` per epoch (the `--metrics` file)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["StepRecord", "EvalRecord", "record_dict"]
+if TYPE_CHECKING:  # plain data: no torch at import
+    from pipetrain.pipeline.engine import StepResult
+
+__all__ = ["StepRecord", "EvalRecord", "record_dict", "EpochReport", "MetricTotals", "report_dicts", "perplexity"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +65,71 @@ def record_dict(record: StepRecord | EvalRecord) -> dict[str, Any]:
     """`record` as JSON data with a leading `"kind"`: "step" or "eval"."""
     kind = "step" if isinstance(record, StepRecord) else "eval"
     return {"kind": kind, **asdict(record)}
+
+
+def perplexity(loss: float, metrics: tuple[str, ...]) -> float | None:
+    """exp(`loss`) when the workload reports perplexity among its `metrics`, else None."""
+    return math.exp(min(loss, 700.0)) if "perplexity" in metrics else None
+
+
+class MetricTotals:
+    """Running means of loss and accuracy over steps, each step weighted by what its loss averages over."""
+
+    def __init__(self, loss: float = 0.0, correct: float = 0.0, count: float = 0.0) -> None:
+        self.loss, self.correct, self.count = loss, correct, count
+
+    def add(self, result: StepResult) -> None:
+        self.loss += result.loss * result.count
+        self.correct += (result.accuracy or 0.0) * result.count
+        self.count += result.count
+
+    def means(self) -> tuple[float, float]:
+        count = max(self.count, 1.0)
+        return self.loss / count, self.correct / count
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """What one epoch measured (global figures, identical on every rank). Accuracy is per sample for a
+    classifier and per token for a language model; perplexity is None unless the workload reports it. The
+    `test_*` figures are those of the epoch's last evaluation (see `of`)."""
+
+    epoch: int
+    steps: int
+    train_loss: float
+    train_accuracy: float
+    test_loss: float
+    test_accuracy: float
+    seconds: float
+    synthetic: bool
+    data: str = ""
+    train_perplexity: float | None = None
+    test_perplexity: float | None = None
+    best_eval: dict | None = None  # the lowest held-out loss so far (an EvalRecord as a dict)
+    #: what the `test_*` figures were measured on: "test", "held-out", "synthetic test", ...
+    eval_split: str = "test"
+
+    @classmethod
+    def of(cls, epoch: int, step: int, trained: MetricTotals, tested: MetricTotals, *, seconds: float, synthetic: bool,
+           data: str, metrics: tuple[str, ...], best: EvalRecord | None, eval_split: str) -> EpochReport:
+        """The report of epoch `epoch`, ended at step `step`: its steps added up to `trained`, its last evaluation
+        to `tested`; `metrics` are the workload's (perplexity when it names it); `best` the best evaluation so far."""
+        (train_loss, train_accuracy), (test_loss, test_accuracy) = trained.means(), tested.means()
+        return cls(epoch, step, train_loss, train_accuracy, test_loss, test_accuracy, seconds, synthetic, data,
+                   perplexity(train_loss, metrics), perplexity(test_loss, metrics), asdict(best) if best else None,
+                   eval_split)
+
+    def line(self, epochs: int) -> str:
+        def ppl(value: float | None) -> str:
+            return "" if value is None else f" ppl {value:.2f}"
+
+        return (
+            f"epoch {self.epoch}/{epochs}  train loss {self.train_loss:.4f} acc {self.train_accuracy:.3f}"
+            f"{ppl(self.train_perplexity)}  {self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
+            f"{ppl(self.test_perplexity)}  time {self.seconds:.1f}s  steps {self.steps}  ({self.data})"
+        )
+
+
+def report_dicts(reports: list[EpochReport]) -> list[dict]:
+    """Epoch reports as plain dicts (for JSON output)."""
+    return [asdict(report) for report in reports]

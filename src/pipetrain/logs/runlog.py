@@ -1,5 +1,6 @@
 """The run log: the one object the training loop feeds (`step`, `eval`, `close`), fanning each record out to the
-console, `steps.jsonl` and TensorBoard on rank 0, and keeping the run's best held-out result on every rank."""
+console, `steps.jsonl`, TensorBoard and the progress sink (banner, bar, epoch lines) on rank 0, and keeping the run's
+best held-out result on every rank."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipetrain.logs.console import ConsoleSink
 from pipetrain.logs.jsonl import JsonLinesSink
 from pipetrain.logs.meter import StepMeter, model_flops
 from pipetrain.logs.predicted import PredictionSink
+from pipetrain.logs.progress import ProgressSink
 from pipetrain.logs.records import EvalRecord, StepRecord
 from pipetrain.logs.tensorboard import TensorBoardSink
 from pipetrain.pipeline.engine import PipelineEngine, StepResult
@@ -39,19 +41,25 @@ class Sink(Protocol):
 class RunLog:
     """One rank's log of a run. The loop calls `begin_step()` before each step and `step(result, ...)` after it,
     asks `due(step, epoch_end=...)` whether to evaluate, hands each evaluation to `eval(record)`, and calls
-    `close()`. Only the `main` rank (global rank 0) measures and writes; `best` is kept on every rank (the
-    evaluations are identical everywhere). `console`: log a step line every `config.log_every` steps (off
-    under a progress bar; evaluations are logged either way)."""
+    `close()`; around them `begin_epoch` / `end_epoch`, `epoch` and `end` reach the progress sink. Only the
+    `main` rank (global rank 0) measures and writes; `best` is kept on every rank (the evaluations are identical
+    everywhere). `console`: log a step line every `config.log_every` steps (off under a progress bar; evaluations
+    are logged either way); `bar`: a tqdm bar per epoch; `banner`: what the run is, said first."""
 
     def __init__(self, config: LogConfig, meter: StepMeter, *, main: bool, total_steps: int | None = None,
-                 console: bool = True, best: EvalRecord | None = None) -> None:
+                 console: bool = True, best: EvalRecord | None = None, bar: bool = False,
+                 banner: str | None = None) -> None:
         self.config = config
         self.meter = meter
         self.main = main
         self.best = best
         self.sinks: list[Sink] = []
+        self.progress: ProgressSink | None = None
         if not main:
             return
+        self.progress = ProgressSink(bar=bar)
+        if banner:
+            self.progress.banner(banner)
         if config.run_dir is not None:
             folder = Path(config.run_dir)
             folder.mkdir(parents=True, exist_ok=True)
@@ -63,8 +71,29 @@ class RunLog:
         self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps, steps=console))
         if config.predicted is not None:
             self.sinks.append(PredictionSink(*config.predicted, total_steps=total_steps))
+        self.sinks.append(self.progress)
         if config.run_dir is not None:
             log.info("pipetrain: logging to %s", Path(config.run_dir) / STEPS_FILE)
+
+    def begin_epoch(self, epoch: int, *, total: int, done: int) -> None:
+        """Epoch `epoch` of `total` steps starts, `done` of them already made (a resumed run)."""
+        if self.progress is not None:
+            self.progress.begin_epoch(epoch, total=total, done=done)
+
+    def end_epoch(self) -> None:
+        """The epoch's steps are done, or the run stops within them."""
+        if self.progress is not None:
+            self.progress.end_epoch()
+
+    def epoch(self, line: str) -> None:
+        """The line of an epoch's report (rank 0)."""
+        if self.progress is not None:
+            self.progress.epoch(line)
+
+    def end(self) -> None:
+        """The run ended, finished or stopped (not by an error): the best held-out result is said."""
+        if self.progress is not None:
+            self.progress.end(self.best_line())
 
     def begin_step(self) -> None:
         """A step starts now (its time is measured from here)."""
@@ -110,11 +139,12 @@ class RunLog:
 
 
 def open_run_log(config: LogConfig, *, model: BlockModel, engine: PipelineEngine, world_size: int, precision: str,
-                 main: bool, total_steps: int | None = None, console: bool = True) -> RunLog:
+                 main: bool, total_steps: int | None = None, console: bool = True, bar: bool = False,
+                 banner: str | None = None) -> RunLog:
     """The run log of a job training `model` on `engine` over `world_size` devices; MFU is measured when a peak
     FLOP/s is known (`config.peak_tflops`, or a GPU of `pipetrain.logs.mfu.PEAK_TFLOPS`)."""
     meter = StepMeter(device=engine.device, devices=world_size, per_token=not isinstance(engine.loss, SampleMeanLoss),
                       precision=precision, peak_tflops_=config.peak_tflops)
     if main and meter.peak is not None:
         meter.flops = model_flops(model)
-    return RunLog(config, meter, main=main, total_steps=total_steps, console=console)
+    return RunLog(config, meter, main=main, total_steps=total_steps, console=console, bar=bar, banner=banner)

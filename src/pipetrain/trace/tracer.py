@@ -9,6 +9,9 @@
                 optimizer.step()
     files = tracer.close()   # on rank 0: TraceFiles (trace.json, gantt.png, summary); None elsewhere
 
+`finish(say=...)` is `close()` with the close-out of a training run: the files and the summary logged, and a run
+that stopped before any traced step told so instead of failing.
+
 With `out_dir=None` nothing is written: rank 0 gets the summary only (as `pipetrain bench` uses it).
 
 Every rank must call `step()` the same number of times and `close()` once (it gathers over the job).
@@ -16,6 +19,7 @@ Every rank must call `step()` the same number of times and `close()` once (it ga
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -35,6 +39,8 @@ from pipetrain.trace.spans import Span, within_compute
 from pipetrain.trace.summary import ideal_bubble
 
 __all__ = ["Tracer"]
+
+log = logging.getLogger("pipetrain")
 
 
 class Tracer:
@@ -107,6 +113,21 @@ class Tracer:
         if self.out_dir is None:
             return trace_result(spans, ideal_bubble=ideal)
         return write_trace_files(spans, self.out_dir, ideal_bubble=ideal, title=self.title, metadata=metadata)
+
+
+    def finish(self, *, say: bool) -> TraceFiles | None:
+        """`close()`, and on rank 0 its files and summary lines logged; when the run stopped before any traced step
+        (e.g. by a signal during the warm-up), nothing is gathered nor written, which `say` (rank 0) tells."""
+        if self.traced_steps == 0:
+            if say:
+                log.info("pipetrain: the run stopped before any step was traced: no trace written")
+            return None
+        files = self.close()
+        if files is not None:
+            for line in [f"trace of {self.traced_steps} step(s): {files.trace} (open in ui.perfetto.dev), {files.gantt}",
+                         *files.lines()]:
+                log.info("pipetrain: %s", line)
+        return files
 
 
 def _clock_offset_ns() -> int:

@@ -1,0 +1,57 @@
+"""`pipetrain train`'s flags, parsed once into the job description (`describe`), and the description written back
+as the flags of a file `--config` reads (`config_text`): `--print-config` and the run folder's config.toml."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import Any
+
+from pipetrain.cli.config_file import effective_config
+from pipetrain.cli.durable_args import durable_config
+from pipetrain.cli.flag_fields import from_flags
+from pipetrain.cli.layout_args import explicit_layout, one_rank
+from pipetrain.cli.log_args import log_config
+from pipetrain.cli.model_args import model_fields
+from pipetrain.cli.parallel_args import parallel_config
+from pipetrain.cli.recipe_args import recipe_config
+from pipetrain.plan.auto import Fixed
+from pipetrain.train.config import LayoutRequest, TrainConfig
+
+__all__ = ["describe", "config_text"]
+
+
+def describe(args: argparse.Namespace) -> TrainConfig:
+    """The job description of `pipetrain train`'s parsed flags (after `--config FILE`), validated as far as it goes
+    without the model, the data or the machine (`pipetrain.train.prepare` does the rest). Nothing is written into
+    `args`; with `--layout auto` the layout is a one-rank placeholder until `prepare` chooses it."""
+    auto = args.layout == "auto"
+    request = LayoutRequest(auto=auto, fixed=explicit_layout(args) if auto else Fixed(), nproc=args.nproc,
+                            calibration=args.calibration, profile=args.profile, mem_cap=args.mem_cap)
+    config = from_flags(TrainConfig, args, parallel=parallel_config(one_rank(args) if auto else args), layout=request,
+                        recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
+                        durable=durable_config(args), logs=log_config(args), **model_fields(args))
+    return replace(config, logs=replace(config.logs, config_text=config_text(args, config)))
+
+
+def _settled(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
+    """The flags (dest -> value) whose values the description settled where the flags left them open."""
+    flags: dict[str, Any] = {name: getattr(config, name) for name in ("epochs", "bucket", "seq_len")
+                             if getattr(config, name) is not None}  # the defaults of the data
+    if args.layout == "auto" and not config.layout.auto:  # chosen: the run's configuration is the layout it ran
+        parallel, pipeline = config.parallel, config.parallel.pipeline
+        flags.update(layout="manual", pp=pipeline.pp, dp=parallel.dp, dp_mode=parallel.dp_mode,
+                     schedule=pipeline.schedule, chunks=pipeline.n_microbatches, checkpoint=pipeline.checkpoint,
+                     stages_per_rank=pipeline.stages_per_rank, balance=pipeline.balance, partition=None, profile=None,
+                     mem_cap=None, layout_prediction=config.logs.predicted)
+    return flags
+
+
+def config_text(args: argparse.Namespace, config: TrainConfig) -> str:
+    """The configuration of the job `config`, parsed from `args`, as a file `--config` reads: the flags as given,
+    with what the description settled that they left open (the window, the epochs and bucketing its data defaults
+    to; the layout `--layout auto` chose, and its prediction)."""
+    if not hasattr(args, "config_parser"):  # not parsed by `apply_config_file`: no file to write
+        return ""
+    return effective_config(argparse.Namespace(**{**vars(args), **_settled(args, config)}))

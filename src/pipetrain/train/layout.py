@@ -1,0 +1,171 @@
+"""The layout settled before any rank starts, read from the job description and returned as a new one (`replace`):
+`--layout auto` (the planner's choice within the flags given) and the split of `--partition time|memory`.
+
+Where the figures come from: block costs from `--profile FILE`, else measured here at several micro-batch sizes
+(fixed + per-sample fit); the device and network from `--calibration FILE` (default: this machine's stored one),
+else measured here first. Both are said, with how long they took. Ranks started by a launcher (torchrun, srun)
+decide from the files alone, so every rank computes the same choice: there they need both files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from pipetrain.blocks import BlockModel
+from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.errors import ConfigError
+from pipetrain.partition import cost_balance
+from pipetrain.partition.profile import load_profile
+from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
+from pipetrain.pipeline.runs import plan_runs
+from pipetrain.plan.auto import choose_layout, layout_flags
+from pipetrain.plan.hardware import Calibration, default_calibration_path, load_calibration, save_calibration
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.predict import Layout
+from pipetrain.train.config import LayoutRequest, TrainConfig
+from pipetrain.workloads.classifier.presets import PRESETS, TransformerConfig
+
+__all__ = ["auto_layout", "balanced", "Calibrate"]
+
+log = logging.getLogger("pipetrain")
+_MB = 2**20
+
+#: Measures this machine: `calibrate(layer_shape, device=..., precision=...)` (`pipetrain.bench.calibrate`).
+Calibrate = Callable[..., Calibration]
+
+
+def _layer_shape(config: TrainConfig) -> dict:
+    """The encoder layer calibration times: the job's preset when it is a Transformer's sizes, else the cpu one."""
+    sizes = config.task().presets.get(config.preset)
+    c = sizes if isinstance(sizes, TransformerConfig) else PRESETS["cpu"]
+    return dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout)
+
+
+def _calibration(config: TrainConfig, launched: bool, device: str, say: bool,
+                 calibrate: Calibrate | None) -> tuple[Calibration, str]:
+    path = config.layout.calibration or default_calibration_path()
+    if not path.exists():
+        if launched or calibrate is None:
+            raise ConfigError(f"--layout auto on ranks started by a launcher needs a calibration file; {str(path)!r} "
+                              "is missing (each rank measuring on its own could choose differently)",
+                              hint="measure it first with `pipetrain plan --calibrate --gpus 2`, or pass --calibration")
+        if say:
+            log.info("pipetrain: --layout auto: no calibration at %s: measuring this machine first (2 ranks, "
+                     "about 30 s)", path)
+        start = time.perf_counter()
+        measured = calibrate(_layer_shape(config), device=device,
+                             precision="fp32-strict" if config.precision == "fp32-strict" else "fp32")
+        save_calibration(measured, path)
+        return measured, f"measured now in {time.perf_counter() - start:.0f} s, stored in {path}"
+    return load_calibration(path), f"{path} ({load_calibration(path).measured.split(',')[0]})"
+
+
+def _blocks(config: TrainConfig, model: BlockModel, launched: bool, device: str,
+            say: bool) -> tuple[list[BlockCost], str]:
+    from pipetrain.partition.measure import default_sizes, model_fingerprint, profile_model_sizes
+    from pipetrain.plan.model import profile_blocks
+
+    given = config.layout.profile
+    if given is not None:
+        profile = load_profile(given)
+        if profile.fingerprint != model_fingerprint(model):
+            raise ConfigError(f"the profile {str(given)!r} is of another model ({profile.model!r})",
+                              hint="profile this model with `pipetrain profile` (same workload and preset)")
+        source = f"profile {given} ({profile.describe()})"
+    elif launched:
+        raise ConfigError("--layout auto on ranks started by a launcher needs --profile FILE (each rank measuring "
+                          "on its own could choose differently)",
+                          hint="write one first with `pipetrain profile --output FILE` and pass --profile FILE")
+    else:
+        sizes = default_sizes(min(16, config.batch_size))
+        if say:
+            log.info("pipetrain: --layout auto: measuring each block at micro-batch sizes %s (pass --profile FILE "
+                     "to reuse a profile)", ", ".join(map(str, sizes)))
+        start = time.perf_counter()
+        profile = profile_model_sizes(model, sizes, device=device, repeats=3)
+        source = f"measured now in {time.perf_counter() - start:.1f} s ({profile.describe()})"
+    return profile_blocks(profile), source
+
+
+def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
+    def accepts(layout: Layout) -> bool:
+        try:
+            pipeline = PipelineConfig(pp=layout.pp, schedule=layout.schedule, n_microbatches=layout.chunks,
+                                      checkpoint=layout.checkpoint,
+                                      stages_per_rank=layout.virtual if layout.virtual > 1 else None)
+            pipeline.check_blocks(num_blocks)
+            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline)
+        except ConfigError:
+            return False
+        return True
+    return accepts
+
+
+def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, launched: bool, say: bool,
+                calibrate: Calibrate | None = None) -> TrainConfig:
+    """`config` with the layout `--layout auto` chooses for `world` ranks, `per_node` on each node (logged when
+    `say`, with the prediction, which `logs.predicted` then carries to the run log); `config` itself without
+    `--layout auto`. `launched`: ranks started by a launcher, which decide from the files alone; `calibrate`
+    measures this machine when the calibration file is missing."""
+    request = config.layout
+    if not request.auto:
+        return config
+    calib, calib_source = _calibration(config, launched, device, say, calibrate)
+    blocks, blocks_source = _blocks(config, config.model(), launched, device, say)
+    memory = request.mem_cap * _MB if request.mem_cap is not None else (
+        calib.device.memory_bytes / max(1, per_node) if calib.device.cores else calib.device.memory_bytes)
+    choice = choose_layout(blocks, world=world, batch=config.batch_size, network=calib.network, fixed=request.fixed,
+                           device=replace(calib.device, memory_bytes=memory),
+                           gpus_per_node=per_node if per_node < world else 0, accepts=_accepts(len(blocks)))
+    best = choice.prediction
+    lay = best.layout
+    pipeline = replace(config.parallel.pipeline, pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks,
+                       checkpoint=lay.checkpoint, stages_per_rank=lay.virtual if lay.virtual > 1 else None,
+                       balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform")
+    if say:
+        log.info("pipetrain: --layout auto chose %s for %d ranks, global batch %d (%d layouts predicted)",
+                 " ".join(layout_flags(best)), world, config.batch_size, choice.considered)
+        log.info("pipetrain: predicted %.3f s/step, memory per rank %s MB (budget %.0f MB); block costs: %s; "
+                 "device and network: %s", best.step_s, "/".join(f"{m / _MB:.0f}" for m in best.memory_bytes),
+                 memory / _MB, blocks_source, calib_source)
+    return replace(config, parallel=replace(config.parallel, dp=lay.dp, dp_mode=lay.dp_mode, pipeline=pipeline),
+                   layout=LayoutRequest(),  # the split is chosen: nothing left to balance
+                   logs=replace(config.logs, predicted=(best.step_s, best.memory_bytes[0] / _MB)))
+
+
+def balanced(config: TrainConfig, *, device: str, launched: bool, say: bool = True) -> TrainConfig:
+    """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs.
+
+    Costs come from `--profile`, else the blocks are measured here on `device` (not on a launched rank: every rank
+    must split the model the same way, so ranks started by torchrun or srun need `--profile`).
+    """
+    pipeline, request = config.parallel.pipeline, config.layout
+    if pipeline.partition not in COST_METHODS:
+        for flag, value in (("--mem-cap", request.mem_cap), ("--profile", request.profile)):
+            if value is not None:
+                raise ConfigError(f"{flag} is only used by --partition time|memory, not {pipeline.partition!r}",
+                                  hint=f"add --partition time, or drop {flag}")
+        return config
+    if pipeline.balance is not None:
+        raise ConfigError(f"--balance {','.join(map(str, pipeline.balance))} and --partition {pipeline.partition} "
+                          "both choose the split", hint="pass one of them")
+    if request.profile is None and launched:
+        raise ConfigError(f"--partition {pipeline.partition} on ranks started by a launcher needs --profile FILE "
+                          "(each rank measuring on its own could split the model differently)",
+                          hint="write one first with `pipetrain profile --output FILE` and pass --profile FILE")
+    check_mem_cap(pipeline.partition, request.mem_cap)
+    profile = load_profile(request.profile) if request.profile is not None else None
+    micro = plan_runs(config.batch_size // config.parallel.dp, pipeline.n_microbatches)[0].size
+    if say and profile is None:
+        log.info("pipetrain: measuring each block at micro-batch size %d for --partition %s "
+                 "(pass --profile FILE to reuse a profile)", micro, pipeline.partition)
+    pipeline, choice = cost_balance(config.model(), pipeline, micro_batch_size=micro, profile=profile,
+                                    mem_cap_mb=request.mem_cap, profile_source=f"the profile {str(request.profile)!r}",
+                                    device=device if profile is None else "cpu")  # the job's device
+    if say:
+        for line in choice.lines():
+            log.info("pipetrain: %s", line)
+    return replace(config, parallel=replace(config.parallel, pipeline=pipeline))
