@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test bench clean smollm2
+.PHONY: train test test-bf16 bench clean smollm2
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	bash scripts/inductor-deps.sh $(PYTHON)
@@ -27,6 +27,10 @@ smollm2: $(VENV)/.installed
 test: $(VENV)/.installed smollm2
 	bash scripts/slurm-up.sh
 	$(PY) -m pytest -q
+
+# the bf16 and compiled-stage tier under each ATEN_CPU_CAPABILITY this CPU has (docs/testing.md, "bf16 on any CPU")
+test-bf16: $(VENV)/.installed
+	PY=$(PY) bash scripts/bf16-tier.sh
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/pipetrain bench

@@ -24,6 +24,7 @@ from pipetrain.pipeline.precision import autocast
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.lm.gpt import GPT_PRESETS, PAD_ID, GPTEmbedding, GPTModel
 from pipetrain.workloads.classifier.model import PRESETS, TransformerClassifier
+from tests.tolerances import forward_stages
 
 SEED = 3
 LR = 0.05
@@ -154,6 +155,13 @@ def _inputs(x):
     return x if isinstance(x, tuple) else (x,)
 
 
+def bf16_stages(model_name: str, parallel: ParallelConfig) -> int:
+    """The bf16 rounding stages on the forward path of a harness transformer under `parallel` (tests/tolerances.py):
+    more under tensor parallelism, and under FSDP2 (bf16 parameters and inputs)."""
+    config = {"classifier": MODEL_CONFIG, "gpt": GPT_CONFIG}[model_name]
+    return forward_stages(config.nlayers, tp=parallel.tp, fsdp=parallel.dp > 1 and parallel.dp_mode == "fsdp")
+
+
 def make_batches(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic token batches (the last ones may be short)."""
     gen = torch.Generator().manual_seed(7)
@@ -168,9 +176,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference_run(batches, model_name: str = "classifier", precision: str = "fp32", clip: float | None = None) -> dict:
+def reference_run(batches, model_name: str = "classifier", precision: str = "fp32", clip: float | None = None,
+                  *, terms: bool = False) -> dict:
     """Single process, whole batch, plain mean loss, SGD: the ground truth (under autocast for bf16); with
-    `clip`, gradients clipped by `torch.nn.utils.clip_grad_norm_` (the norms recorded)."""
+    `clip`, gradients clipped by `torch.nn.utils.clip_grad_norm_` (the norms recorded). With `terms`, also the
+    magnitudes the bf16 budget scales with (tests/tolerances.py): per step and parameter sqrt(sum_b ||g_b||^2)
+    over the per-sample gradients g_b ("terms"), and the losses' scales from the logits ("loss_scales",
+    "eval_loss_scales")."""
     factory, _, loss_fn, eval_batches = MODELS[model_name]
     model = build_sequential(factory(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -179,21 +191,61 @@ def reference_run(batches, model_name: str = "classifier", precision: str = "fp3
         with autocast("cpu", precision):
             return model(*_inputs(x)).float()
 
-    losses, grads, norms = [], [], []
+    losses, grads, norms, sample_terms, loss_scales = [], [], [], [], []
     for x, y in batches:
+        if terms:
+            sample_terms.append(_sample_terms(model, forward, loss_fn, x, y))
         opt.zero_grad()
-        loss = loss_fn(forward(x), y)
+        logits = forward(x)
+        loss = loss_fn(logits, y)
         loss.backward()
         losses.append(loss.item())
+        loss_scales.append(_loss_scale(logits.detach(), y))
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     model.eval()
     with torch.no_grad():
-        evals = [(loss_fn(forward(x), y).item(), forward(x)) for x, y in eval_batches()]
+        evals, eval_scales = [], []
+        for x, y in eval_batches():
+            logits = forward(x)
+            evals.append((loss_fn(logits, y).item(), logits))
+            eval_scales.append(_loss_scale(logits, y))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "norms": norms}
+    out = {"losses": losses, "grads": grads, "params": params, "evals": evals, "norms": norms}
+    if terms:
+        out.update(terms=sample_terms, loss_scales=loss_scales, eval_loss_scales=eval_scales)
+    return out
+
+
+def _counted(y: torch.Tensor) -> torch.Tensor:
+    """Per row of the loss (sample, or token of a token batch): whether it counts (not padding)."""
+    return (y != IGNORE_INDEX).reshape(-1)
+
+
+def _loss_scale(logits: torch.Tensor, y: torch.Tensor) -> float:
+    """sqrt(2) (mean over the counted rows of ||z_row||^2)^(1/2): how far the mean cross-entropy moves per unit of
+    relative logit error (tests/tolerances.py, item 3)."""
+    rows = logits.reshape(-1, logits.shape[-1])[_counted(y)]
+    return (2 * rows.double().pow(2).sum(-1).mean()).sqrt().item()
+
+
+def _sample_terms(model: nn.Module, forward, loss_fn, x, y) -> dict[str, float]:
+    """sqrt(sum_b ||g_b||^2) per parameter, g_b the gradient of sample b's share of the batch's mean loss."""
+    counts = _counted(y).reshape(y.shape[0], -1).sum(1)
+    squares = {n: 0.0 for n, _ in model.named_parameters()}
+    for b in range(y.shape[0]):
+        if counts[b] == 0:
+            continue
+        model.zero_grad()
+        sample = tuple(t[b:b + 1] for t in x) if isinstance(x, tuple) else x[b:b + 1]
+        (loss_fn(forward(sample), y[b:b + 1]) * (counts[b] / counts.sum())).backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                squares[n] += p.grad.double().pow(2).sum().item()
+    model.zero_grad()
+    return {n: value ** 0.5 for n, value in squares.items()}
 
 
 def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: str = "classifier",
@@ -221,7 +273,8 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     gc.collect()
     live_stages = sum(type(o).__name__ == "PipelineStage" for o in gc.get_objects())
     cache = (len(engine.schedules), engine.schedules.evictions, live_stages)
-    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache, "norms": norms}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache, "norms": norms,
+            "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:

@@ -32,6 +32,8 @@ from tests.distributed.harness import (
     reference_run,
 )
 
+pytestmark = pytest.mark.bf16  # the compiled-stage tier, run under each ATEN_CPU_CAPABILITY (docs/testing.md)
+
 RTOL, ATOL = 1e-5, 4e-5
 BATCHES = [8, 8, 8]
 
@@ -82,7 +84,8 @@ def _worker(spec: RankSpec, out: str) -> None:
             records[name] = {"losses": losses, "grads": grads,
                              "params": {n: p.detach().clone() for n, p in engine.named_parameters()},
                              "compiled": all(map(is_compiled, blocks)) and len(blocks) > 0,
-                             "graphs": dynamo_utils.counters["stats"]["unique_graphs"]}
+                             "graphs": dynamo_utils.counters["stats"]["unique_graphs"],
+                             "capability": torch.backends.cpu.get_cpu_capability()}
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -110,6 +113,7 @@ def test_compiled_stages_match_the_eager_process(name, records, reference):
     for per_rank in records:
         record = per_rank[name]
         assert record["compiled"] and record["graphs"] > 0, "the blocks did not run compiled"
+        assert record["capability"] == torch.backends.cpu.get_cpu_capability()  # ATEN_CPU_CAPABILITY reached the rank
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(reference["losses"]),
                                    rtol=RTOL, atol=ATOL)
         assert_grads_and_params(reference, record, rtol=RTOL, atol=ATOL)

@@ -1,9 +1,10 @@
 """bf16 on CUDA/NCCL: pipelined and FSDP runs under `--precision bf16` against a single-process autocast run.
 
 Skipped without 2 CUDA devices. The reference runs bf16 autocast on the CPU, whose kernels (and whose
-lists of ops kept in fp32) differ from CUDA's, so only the bf16-noise tolerances of
-tests/distributed/test_precision.py's later steps apply (losses within 1e-2, gradients within
-0.25 ||ref|| per tensor, final parameters within 2e-3); the weights must stay fp32.
+lists of ops kept in fp32) differ from CUDA's, so only fixed bf16-noise tolerances apply (losses within 1e-2,
+gradients within 0.25 ||ref|| per tensor, final parameters within 2e-3): first guesses, not the error budget
+derived in tests/tolerances.py that the CPU tier uses (this test has not run on two GPUs yet); the weights must
+stay fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tests.distributed.test_parity import DP_BATCHES, PIPELINE_BATCHES, _pipe
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.bf16,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 

@@ -12,6 +12,8 @@ from pipetrain.errors import ConfigError
 from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.train.loop import TrainConfig
 
+pytestmark = pytest.mark.bf16  # the compiled-stage tier (docs/testing.md)
+
 
 @pytest.mark.parametrize("schedule", SPLIT_BACKWARD_SCHEDULES)
 def test_split_backward_schedules_refuse_compiled_blocks(schedule):

@@ -10,6 +10,8 @@ from pipetrain.errors import ConfigError
 from pipetrain.pipeline.precision import AutocastStage, autocast, check_precision
 from pipetrain.pipeline.recompute import RecomputeWrapper
 
+pytestmark = pytest.mark.bf16
+
 
 class TwoOutputs(nn.Module):
     """A block that returns a float tensor and an integer one (a mask) as a tuple."""
