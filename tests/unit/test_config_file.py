@@ -159,3 +159,18 @@ def test_bad_files(tmp_path, text, message):
 def test_defaults_that_depend_on_the_data_are_printed_resolved(data, expected, capsys):
     printed = _print(capsys, ["train", *data])
     assert all(line in printed.splitlines() for line in expected), printed
+
+
+@pytest.mark.parametrize("flags,schedule,warmup", [
+    ([], "cosine", 30),  # make train's job: the classifier on real reviews takes its workload's schedule
+    (["--data", "synthetic"], "constant", 0),  # the synthetic corpus: RecipeConfig's defaults
+    (["--lr-schedule", "constant"], "constant", 0),  # a schedule flag given: the flags decide it all
+    (["--warmup-steps", "5"], "constant", 5),
+    (["--workload", "lm"], "constant", 0),  # a workload without a schedule of its own
+])
+def test_the_lr_schedule_left_open_is_the_workloads_for_its_data(flags, schedule, warmup):
+    args = _args(["train", *flags])
+    config = describe(args)
+    assert (config.recipe.lr_schedule, config.recipe.warmup_steps) == (schedule, warmup)
+    written = config.logs.config_text
+    assert f'lr-schedule = "{schedule}"' in written and f"warmup-steps = {warmup}" in written

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from pipetrain.cli.layout_args import is_default, mark_defaults
 from pipetrain.recipe import LR_SCHEDULES, WSD_DECAY_FRACTION, RecipeConfig
 
-__all__ = ["add_recipe_arguments", "recipe_config"]
+__all__ = ["add_recipe_arguments", "recipe_config", "schedule_left_open", "SCHEDULE_DESTS"]
 
 #: The defaults, all from `RecipeConfig` (the one place to change them).
 DEFAULTS = RecipeConfig()
+#: The flags of the LR schedule: given neither, a job takes its workload's schedule for its data.
+SCHEDULE_DESTS = ("lr_schedule", "warmup_steps")
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +22,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """
     group = parser.add_argument_group("optimization recipe")
     group.add_argument("--lr-schedule", default=DEFAULTS.lr_schedule,
-                       help=f"learning rate over the run: {' | '.join(LR_SCHEDULES)} (default: {DEFAULTS.lr_schedule})")
+                       help=f"learning rate over the run: {' | '.join(LR_SCHEDULES)} (default: the workload's for its data, "
+                            f"else {DEFAULTS.lr_schedule}; the classifier on real reviews: cosine, 30 warm-up steps)")
     group.add_argument("--warmup-steps", type=int, default=DEFAULTS.warmup_steps, metavar="N",
                        help=f"linear warm-up steps up to --lr (default: {DEFAULTS.warmup_steps})")
     group.add_argument("--min-lr", type=float, default=DEFAULTS.min_lr, metavar="LR",
@@ -35,6 +39,12 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--skip-nonfinite", type=int, default=DEFAULTS.skip_nonfinite, metavar="N",
                        help="skip up to N steps whose loss or gradient norm is nan/inf (no update) before "
                             f"stopping (default: {DEFAULTS.skip_nonfinite}: stop at the first)")
+    mark_defaults(parser, SCHEDULE_DESTS)
+
+
+def schedule_left_open(args: argparse.Namespace) -> bool:
+    """Whether the flags leave the LR schedule to the workload: neither `--lr-schedule` nor `--warmup-steps` given."""
+    return all(is_default(getattr(args, dest)) for dest in SCHEDULE_DESTS)
 
 
 def recipe_config(args: argparse.Namespace) -> RecipeConfig:

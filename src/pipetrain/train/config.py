@@ -152,8 +152,7 @@ class TrainConfig:
 
     def model(self) -> BlockModel:
         """The workload's model for this preset and window (a `BlockModel`)."""
-        task = self.task()
-        return task.model(self.preset, seq_len=self.window) if task.windows else task.model(self.preset)
+        return self.task().model(self.preset, seq_len=self.window)
 
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""

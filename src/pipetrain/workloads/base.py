@@ -111,6 +111,11 @@ class Workload(ABC):
         """What a job on this data does when it does not say: `bucket` (batches of similar lengths) and `epochs`."""
         return {"bucket": False, "epochs": 2}
 
+    def recipe_defaults(self, *, synthetic: bool) -> dict[str, Any]:
+        """The learning-rate schedule a job on this data trains with when `pipetrain train` is given neither
+        `--lr-schedule` nor `--warmup-steps` (`RecipeConfig` fields; none: its constant learning rate)."""
+        return {}
+
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
         """The window a job trains with: `seq_len` when given, else the preset's for this kind of data (None for
         a workload that does not `windows`)."""
