@@ -167,6 +167,8 @@ def test_defaults_that_depend_on_the_data_are_printed_resolved(data, expected, c
     (["--lr-schedule", "constant"], "constant", 0),  # a schedule flag given: the flags decide it all
     (["--warmup-steps", "5"], "constant", 5),
     (["--workload", "lm"], "constant", 0),  # a workload without a schedule of its own
+    (["--max-steps", "40"], "cosine", 4),  # a short run warms up over its first tenth at most
+    (["--max-steps", "2"], "cosine", 0),
 ])
 def test_the_lr_schedule_left_open_is_the_workloads_for_its_data(flags, schedule, warmup):
     args = _args(["train", *flags])

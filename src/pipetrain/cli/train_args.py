@@ -33,7 +33,7 @@ def describe(args: argparse.Namespace) -> TrainConfig:
                         recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
                         durable=durable_config(args), logs=log_config(args), **model_fields(args))
     if schedule_left_open(args):  # the workload's schedule for this data (the classifier's real reviews: cosine)
-        schedule = config.task().recipe_defaults(synthetic=config.synthetic)
+        schedule = config.task().recipe_defaults(synthetic=config.synthetic, max_steps=config.max_steps)
         config = replace(config, recipe=replace(config.recipe, **schedule))
     return replace(config, logs=replace(config.logs, config_text=config_text(args, config)))
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import sys
 import time
 from contextlib import nullcontext
 
+import torch
+
 from pipetrain.checkpoint.durable import DurableRun, Position
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.records import EpochReport, EvalRecord, MetricTotals, perplexity, report_dicts
 from pipetrain.logs.runlog import RunLog, open_run_log
 from pipetrain.logs.startup import StartupSink
+from pipetrain.parallel.mesh import Mesh
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.timeline import span
 from pipetrain.recipe import Recipe, StepOutcome, build_optimizer
@@ -64,6 +68,14 @@ def _banner(config: TrainConfig, workload: Workload, session: Session, train: Da
             f"{pipeline.checkpoint} | balance {session.engine.balance} | {config.precision} | device {session.device}")
 
 
+def seed_rank(seed: int, mesh: Mesh) -> None:
+    """Seed this rank's default generators (dropout) from the job's seed, its replica and its stage, so that a run
+    is the same from the same seed; the tensor-parallel ranks of a stage share one stream (their replicated
+    activations drop the same elements). A resumed job then restores the stream its checkpoint saved."""
+    digest = hashlib.blake2b(f"dropout:{seed}:{mesh.dp_rank}:{mesh.pp_rank}".encode(), digest_size=8).digest()
+    torch.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
 def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset] | None = None) -> list[EpochReport]:
     """Train on this rank (one of dp × pp); every rank returns the same epoch reports."""
     workload = config.task()
@@ -72,6 +84,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                            precision=config.precision, timeout_s=config.durable.process_group_timeout_s)
     try:
         engine = session.engine
+        seed_rank(config.seed, session.mesh)
         engine.keep_outputs = False  # the loop reads the metrics only: no full-batch logits held between steps
         optimizer = build_optimizer(engine, config.recipe.lr, config.recipe.weight_decay)
         recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)

@@ -111,9 +111,10 @@ class Workload(ABC):
         """What a job on this data does when it does not say: `bucket` (batches of similar lengths) and `epochs`."""
         return {"bucket": False, "epochs": 2}
 
-    def recipe_defaults(self, *, synthetic: bool) -> dict[str, Any]:
-        """The learning-rate schedule a job on this data trains with when `pipetrain train` is given neither
-        `--lr-schedule` nor `--warmup-steps` (`RecipeConfig` fields; none: its constant learning rate)."""
+    def recipe_defaults(self, *, synthetic: bool, max_steps: int | None = None) -> dict[str, Any]:
+        """The learning-rate schedule a job on this data (of at most `max_steps` steps, when set) trains with when
+        `pipetrain train` is given neither `--lr-schedule` nor `--warmup-steps` (`RecipeConfig` fields; none: its
+        constant learning rate)."""
         return {}
 
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:

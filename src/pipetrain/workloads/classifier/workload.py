@@ -69,8 +69,11 @@ class ClassifierWorkload(Workload):
         # real reviews vary in length (median 174 words); one epoch of the 20,000 fits `make train`'s 5 minutes
         return {"bucket": True, "epochs": REAL_EPOCHS}
 
-    def recipe_defaults(self, *, synthetic: bool) -> dict[str, Any]:
-        return {} if synthetic else dict(REAL_RECIPE)
+    def recipe_defaults(self, *, synthetic: bool, max_steps: int | None = None) -> dict[str, Any]:
+        if synthetic:
+            return {}
+        warmup = REAL_RECIPE["warmup_steps"]  # a short run (--max-steps) warms up over its first tenth at most
+        return {**REAL_RECIPE, "warmup_steps": warmup if max_steps is None else min(warmup, max_steps // 10)}
 
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int:
         self.check_preset(preset)
