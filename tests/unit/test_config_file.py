@@ -4,6 +4,7 @@ reaching `TrainConfig`, and the file format over any argparse parser (flags othe
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -161,18 +162,27 @@ def test_defaults_that_depend_on_the_data_are_printed_resolved(data, expected, c
     assert all(line in printed.splitlines() for line in expected), printed
 
 
-@pytest.mark.parametrize("flags,schedule,warmup", [
-    ([], "cosine", 30),  # make train's job: the classifier on real reviews takes its workload's schedule
-    (["--data", "synthetic"], "constant", 0),  # the synthetic corpus: RecipeConfig's defaults
-    (["--lr-schedule", "constant"], "constant", 0),  # a schedule flag given: the flags decide it all
-    (["--warmup-steps", "5"], "constant", 5),
-    (["--workload", "lm"], "constant", 0),  # a workload without a schedule of its own
-    (["--max-steps", "40"], "cosine", 4),  # a short run warms up over its first tenth at most
-    (["--max-steps", "2"], "cosine", 0),
+@pytest.mark.parametrize("flags,schedule,warmup,clip", [
+    ([], "cosine", 30, 1.0),  # make train's job: the classifier on real reviews takes its workload's recipe
+    (["--data", "synthetic"], "constant", 0, None),  # the synthetic corpus: RecipeConfig's defaults
+    (["--lr-schedule", "constant"], "constant", 30, 1.0),  # a flag given decides its field, the others stay open
+    (["--warmup-steps", "5", "--grad-clip", "none"], "cosine", 5, None),
+    (["--grad-clip", "0.5"], "cosine", 30, 0.5),
+    (["--workload", "lm"], "constant", 0, None),  # a workload without a recipe of its own
+    (["--max-steps", "40"], "cosine", 4, 1.0),  # a short run warms up over its first tenth at most
+    (["--max-steps", "2"], "cosine", 0, 1.0),
 ])
-def test_the_lr_schedule_left_open_is_the_workloads_for_its_data(flags, schedule, warmup):
+def test_recipe_flags_left_open_take_the_workloads_values_for_its_data(flags, schedule, warmup, clip):
     args = _args(["train", *flags])
     config = describe(args)
-    assert (config.recipe.lr_schedule, config.recipe.warmup_steps) == (schedule, warmup)
+    assert (config.recipe.lr_schedule, config.recipe.warmup_steps, config.recipe.grad_clip) == (schedule, warmup, clip)
     written = config.logs.config_text
     assert f'lr-schedule = "{schedule}"' in written and f"warmup-steps = {warmup}" in written
+    assert (clip is None and "grad-clip" not in written.replace('grad-clip = "none"', "")) or f"grad-clip = {clip}" in written
+    assert describe(_args(["train", "--config", _written(written)])).recipe == config.recipe  # read back the same
+
+
+def _written(text: str) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as handle:
+        handle.write(text)
+    return handle.name

@@ -15,7 +15,7 @@ from pipetrain.cli.layout_args import explicit_layout, one_rank
 from pipetrain.cli.log_args import log_config
 from pipetrain.cli.model_args import model_fields
 from pipetrain.cli.parallel_args import parallel_config
-from pipetrain.cli.recipe_args import SCHEDULE_DESTS, recipe_config, schedule_left_open
+from pipetrain.cli.recipe_args import left_open, recipe_config
 from pipetrain.plan.auto import Fixed
 from pipetrain.train.config import LayoutRequest, TrainConfig
 
@@ -32,9 +32,9 @@ def describe(args: argparse.Namespace) -> TrainConfig:
     config = from_flags(TrainConfig, args, parallel=parallel_config(one_rank(args) if auto else args), layout=request,
                         recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
                         durable=durable_config(args), logs=log_config(args), **model_fields(args))
-    if schedule_left_open(args):  # the workload's schedule for this data (the classifier's real reviews: cosine)
-        schedule = config.task().recipe_defaults(synthetic=config.synthetic, max_steps=config.max_steps)
-        config = replace(config, recipe=replace(config.recipe, **schedule))
+    defaults = config.task().recipe_defaults(synthetic=config.synthetic, max_steps=config.max_steps)
+    if chosen := {dest: value for dest, value in defaults.items() if dest in left_open(args)}:  # the workload's
+        config = replace(config, recipe=replace(config.recipe, **chosen))  # recipe for its data, where flags are silent
     return replace(config, logs=replace(config.logs, config_text=config_text(args, config)))
 
 
@@ -42,8 +42,7 @@ def _settled(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
     """The flags (dest -> value) whose values the description settled where the flags left them open."""
     flags: dict[str, Any] = {name: getattr(config, name) for name in ("epochs", "bucket", "seq_len")
                              if getattr(config, name) is not None}  # the defaults of the data
-    if schedule_left_open(args):  # the workload's LR schedule for this data
-        flags.update({dest: getattr(config.recipe, dest) for dest in SCHEDULE_DESTS})
+    flags.update({dest: getattr(config.recipe, dest) for dest in left_open(args)})  # the workload's recipe
     if args.layout == "auto" and not config.layout.auto:  # chosen: the run's configuration is the layout it ran
         parallel, pipeline = config.parallel, config.parallel.pipeline
         flags.update(layout="manual", pp=pipeline.pp, dp=parallel.dp, dp_mode=parallel.dp_mode,

@@ -112,9 +112,9 @@ class Workload(ABC):
         return {"bucket": False, "epochs": 2}
 
     def recipe_defaults(self, *, synthetic: bool, max_steps: int | None = None) -> dict[str, Any]:
-        """The learning-rate schedule a job on this data (of at most `max_steps` steps, when set) trains with when
-        `pipetrain train` is given neither `--lr-schedule` nor `--warmup-steps` (`RecipeConfig` fields; none: its
-        constant learning rate)."""
+        """The recipe a job on this data (of at most `max_steps` steps, when set) trains with where `pipetrain train`'s
+        flags are silent: `RecipeConfig` fields among `lr_schedule`, `warmup_steps` and `grad_clip` (none: its
+        defaults, a constant learning rate and no clipping)."""
         return {}
 
     def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
