@@ -139,9 +139,10 @@ def spawn(
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
                 process = ctx.Process(target=_child, args=(fn, spec, args, writer, Inherited()), name=f"pipetrain-rank{rank}")
-                process.start()
+                with _sigint_held():  # a rank half-started by a Ctrl-C could not be stopped, and would print a traceback
+                    process.start()
+                    processes.append(process)
                 writer.close()
-                processes.append(process)
                 running[process.sentinel] = (rank, process)
             listening = set(readers)  # the readers of ranks that have not closed their end yet
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -176,6 +177,23 @@ def spawn(
         finally:
             for reader in readers:
                 reader.close()
+
+
+@contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold a SIGINT (Ctrl-C) that lands inside the block until its end, then take it as it would have been taken
+    (main thread only): starting a process is not cut short halfway, leaving a child reading half its arguments."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 @contextmanager
