@@ -20,7 +20,6 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan, check_divides, check_sequence
 from pipetrain.compat.tensor_styles import SEQUENCE, FusedColwiseParallel, gather_sequence, scatter_sequence
 from pipetrain.workloads.lm.presets import GPTConfig
