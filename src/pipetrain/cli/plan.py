@@ -13,13 +13,14 @@ from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import detect, without_launcher_variables
-from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, Calibration, default_calibration_path,
+from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, NODES, Calibration, default_calibration_path,
                                      default_device, load_calibration, save_calibration)
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.plan.search import SearchResult, SearchSpace, search
 from pipetrain.plan.tensor import tp_problem
+from pipetrain.plan.transformer import describe, read_config, sizes_from_config
 from pipetrain.workloads.classifier.presets import PRESETS
 
 __all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args", "measure_across_nodes"]
@@ -28,6 +29,8 @@ log = logging.getLogger("pipetrain")
 _GB = 2**30
 #: Devices per node when only --gpus is given (pipeline neighbours inside a node, dp across nodes beyond it).
 ASSUMED_GPUS_PER_NODE = 8
+#: Tokens per sample of a --model plan without --seq-len.
+DEFAULT_MODEL_SEQ_LEN = 2048
 
 
 def _names(allowed) -> callable:
@@ -58,6 +61,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
     model.add_argument("--profile", type=Path, default=None, metavar="FILE",
                        help="per-block profile from `pipetrain profile` (instead of the analytic model)")
+    model.add_argument("--model", default=None, metavar="DIR|config.json",
+                       help="a Hugging Face model folder or a bare config.json, priced from its sizes alone "
+                            "(nothing loaded; llama, qwen2, qwen3, mistral, gemma, phi3, olmo2, gpt2)")
+    model.add_argument("--seq-len", type=int, default=None,
+                       help=f"tokens per sample with --model (default: {DEFAULT_MODEL_SEQ_LEN}, at most the "
+                            "config's max_position_embeddings)")
     model.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
     model.add_argument("--precision", choices=tuple(DEFAULT_RATES), default="fp32",
                        help="the training precision the device's rates are those of: fp32 (TF32 matmuls on CUDA), "
@@ -76,6 +85,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
                         help="tensor-parallel layouts with sequence parallelism, without, or both (default: both)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
+    limits.add_argument("--chunks", type=int, default=None, help="consider only this many micro-batches per replica")
+    limits.add_argument("--stages-per-rank", type=int, default=None,
+                        help="consider only this many stages per rank for interleaved-1f1b and zero-bubble")
+    what_if = parser.add_argument_group(
+        "what-if (engine features pipetrain's train does not have: to compare with other trainers)")
+    what_if.add_argument("--recompute-unit", choices=("stage", "layer"), default="stage",
+                         help="what a recomputing micro-batch checkpoints: its whole stage, keeping the stage's "
+                              "input (pipetrain; default), or each layer alone, keeping every layer's input "
+                              "(torchtitan's and Megatron's full recomputation)")
+    what_if.add_argument("--vocab-parallel", action="store_true",
+                         help="with --model: split the embedding and the head over tp by vocabulary (torchtitan's "
+                              "loss parallelism; pipetrain keeps them whole)")
+    what_if.add_argument("--float8", action="store_true",
+                         help="with --precision bf16: Float8 projections gathered by FSDP in float8 (1 byte per "
+                              "weight; torchtitan's enable_fsdp_float8_all_gather); rates stay the device's")
+    what_if.add_argument("--gpu-node", choices=tuple(NODES), default=None,
+                         help="the stated figures of a GPU node (hardware.NODES) instead of a calibration, at "
+                              "--precision (bf16: twice the fp32/TF32 rate)")
     limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
 
 
@@ -91,7 +118,8 @@ def _positive(name: str, value: int | float | None) -> None:
 
 
 def _devices(args: argparse.Namespace) -> tuple[int, int]:
-    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "pp", "gpu_mem", "tp"):
+    for name in ("gpus", "nodes", "gpus_per_node", "batch", "top", "max_chunks", "max_pp", "pp", "gpu_mem", "tp",
+                 "seq_len", "chunks", "stages_per_rank"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.gpus is not None and args.nodes is not None:
         raise ConfigError("both --gpus and --nodes given", hint="pass --gpus N, or --nodes N --gpus-per-node G")
@@ -106,6 +134,24 @@ def _devices(args: argparse.Namespace) -> tuple[int, int]:
 
 def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
     """The block costs and a description of where they come from."""
+    model = getattr(args, "model", None)
+    if model is None and (getattr(args, "seq_len", None) is not None or getattr(args, "vocab_parallel", False)):
+        raise ConfigError("--seq-len and --vocab-parallel price a --model", hint="pass --model DIR|config.json")
+    if model is not None:
+        given = [flag for flag, value in (("--preset", args.preset), ("--profile", args.profile)) if value is not None]
+        if given:
+            raise ConfigError(f"both --model and {given[0]} given", hint="pass one of them")
+        config, file = read_config(model)
+        sizes = sizes_from_config(config, str(file))
+        longest = config.get("max_position_embeddings") or config.get("n_positions") or DEFAULT_MODEL_SEQ_LEN
+        seq_len = args.seq_len or min(DEFAULT_MODEL_SEQ_LEN, longest)
+        if seq_len > longest:
+            raise ConfigError(f"--seq-len {seq_len} is longer than the model's {longest} positions",
+                              hint=f"pass --seq-len {longest} or less")
+        element = 2 if args.precision == "bf16" else 4
+        args.model_sizes, args.model_seq_len = sizes, seq_len
+        blocks = sizes.blocks(seq_len, element=element, vocab_parallel=getattr(args, "vocab_parallel", False))
+        return blocks, f"{file} priced from its config at seq len {seq_len} ({sizes.summary()})"
     if args.profile is not None:
         if args.preset is not None:
             raise ConfigError("both --preset and --profile given", hint="pass one of them")
@@ -122,6 +168,15 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
 
 def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
     """The calibration to plan with (measured now with --calibrate), and where it came from."""
+    node = getattr(args, "gpu_node", None)
+    if node is not None:
+        if args.calibrate or args.calibration is not None:
+            raise ConfigError("--gpu-node and a calibration both describe the device", hint="pass one of them")
+        device, network = NODES[node]
+        rate = device.flops_per_s * DEFAULT_RATES[args.precision] / DEFAULT_RATES["fp32"]
+        return (Calibration(device=dataclasses.replace(device, flops_per_s=rate), network=network,
+                            backend="nccl (assumed)", measured="stated", precision=args.precision),
+                f"stated {device.name} figures at {args.precision} ({rate / 1e12:.0f} TFLOP/s; hardware.NODES)")
     path = args.calibration or default_calibration_path()
     if args.calibrate:
         from pipetrain.bench.calibrate import calibrate
@@ -190,8 +245,15 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
         from dataclasses import replace
 
         device = replace(device, memory_bytes=args.gpu_mem * _GB)
+    float8 = getattr(args, "float8", False)
+    if float8 and args.precision != "bf16":
+        raise ConfigError("--float8 trains Float8 projections in a bf16 job", hint="add --precision bf16")
     chosen = dict(schedules=tuple(args.schedules), checkpoints=tuple(args.checkpoints), dp_modes=tuple(args.dp_modes),
-                  max_chunks=args.max_chunks, max_pp=args.max_pp, only_pp=args.pp)
+                  max_chunks=args.max_chunks, max_pp=args.max_pp, only_pp=args.pp,
+                  only_chunks=getattr(args, "chunks", None), precision="bf16" if args.precision == "bf16" else "fp32",
+                  float8=float8, recompute_unit=getattr(args, "recompute_unit", "stage"))
+    if getattr(args, "stages_per_rank", None):
+        chosen["virtual"] = (args.stages_per_rank,)
     if "tps" not in fixed:
         chosen.update(tensor_space(args, blocks, gpus, per_node))
     space = SearchSpace(**{**chosen, **fixed})
@@ -219,6 +281,10 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     precision = getattr(args, "precision", "fp32")  # a Namespace made by hand may lack it
     if precision != "fp32":
         out += ["--precision", precision]
+    if getattr(args, "model", None) is not None:
+        folder = Path(args.model)
+        folder = folder if folder.is_dir() else folder.parent
+        return out + ["--workload", "hf", "--model", str(folder), "--seq-len", str(args.model_seq_len)]
     if args.profile:  # the profile names its model "workload:preset"
         workload, _, preset = getattr(args, "profile_model", "").rpartition(":")
         return out + (["--workload", workload] if workload else []) + ["--preset", preset or "cpu"]
@@ -234,6 +300,20 @@ def _row(rank: int, p: Prediction) -> str:
     return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
             f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
             f"{100 * p.bubble:>6.1f}% {memory}")
+
+
+def _per_schedule(result: SearchResult, flops_per_token: float, seq_len: int, gpus: int) -> None:
+    """The fastest predicted layout of each schedule (fitting or not), in tokens and model FLOP/s per GPU."""
+    fastest: dict[str, Prediction] = {}
+    for p in sorted(result.best + result.too_big, key=lambda p: p.step_s):
+        fastest.setdefault(p.layout.schedule, p)
+    print("\nper schedule (fastest simulated layout of each; tokens/s per GPU, model TFLOP/s per GPU):")
+    for schedule, p in fastest.items():
+        tokens = p.samples_per_s * seq_len / gpus
+        fits = "" if p in result.best else "  (too big)"
+        print(f"  {schedule:<18} step {p.step_s:9.3f} s  {tokens:10.1f} tokens/s/GPU  "
+              f"{tokens * flops_per_token / 1e12:7.1f} TFLOP/s  max {max(p.memory_bytes) / _GB:.1f} GiB  "
+              f"bubble {100 * p.bubble:.1f} %{fits}")
 
 
 def measure_across_nodes(args: argparse.Namespace) -> bool:
@@ -262,6 +342,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"pipetrain plan: {info['gpus']} devices{assumed}, {info['memory_gb']:.1f} GB each, global batch {args.batch}")
     print(f"  model: {info['model']}\n  device/network: {info['calibration']}")
     print(f"  {result.enumerated} layouts, {result.simulated} simulated, {info['seconds']:.3f} s")
+    sizes = getattr(args, "model_sizes", None)
+    if sizes is not None:
+        for line in describe(sizes, args.model_seq_len, element=2 if args.precision == "bf16" else 4,
+                             tp=result.best[0].layout.tp):
+            print(f"  {line}")
+    what_if = [flag for flag, on in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") == "layer"),
+                                     ("--vocab-parallel", getattr(args, "vocab_parallel", False)),
+                                     ("--float8", getattr(args, "float8", False))) if on]
+    if what_if:
+        print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "
+              "layout it runs")
     if info["space"].tps == (1,) and getattr(args, "tp", None) is None:
         print("  tensor parallelism not considered: this pipetrain's train has no --tp (pass --tp N to plan it)")
     print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'tp':>4} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
@@ -274,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
             worst = max(range(len(p.memory_bytes)), key=lambda i: p.memory_bytes[i])
             print(_row(0, p).replace("  0", "  -", 1) +
                   f"  <- stage {worst} needs {p.memory_bytes[worst] / _GB:.2f} GB")
+    if sizes is not None:
+        _per_schedule(result, sizes.flops_per_token(args.model_seq_len), args.model_seq_len, info["gpus"])
     best = result.best[0]
     flags = train_args(best, args)
     python = sys.executable

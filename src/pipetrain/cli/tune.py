@@ -52,9 +52,10 @@ def _describe(cell: Cell) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.profile is not None:
-        raise ConfigError("tune measures the reference Transformer presets; --profile is for `plan` only",
-                          hint="pass --preset NAME")
+    for flag, value in (("--profile", args.profile), ("--model", getattr(args, "model", None))):
+        if value is not None:
+            raise ConfigError(f"tune measures the reference Transformer presets; {flag} is for `plan` only",
+                              hint="pass --preset NAME")
     for name in ("candidates", "first_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", hint="pass 1 or more")

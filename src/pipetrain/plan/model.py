@@ -79,6 +79,8 @@ class BlockCost:
     #: measured seconds per micro-batch whatever its size (a profile fitted over several sizes)
     fixed_forward_s: float = 0.0
     fixed_backward_s: float = 0.0
+    #: parameters of the block's projection weights (what Float8 training converts; `predict`'s `float8`)
+    matmul_params: int = 0
 
 
 def transformer_activation_bytes(s: int, b: int, h: int, a: int, *, ffn: int | None = None, element: int = 2,

@@ -29,7 +29,7 @@ from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatc
 from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
                                    tp_params, tp_problem, tp_traffic)
 
-__all__ = ["Layout", "Prediction", "predict", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of",
+__all__ = ["Layout", "Prediction", "predict", "static_bytes", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of",
            "reduce_s", "clear_caches"]
 
 
@@ -50,6 +50,15 @@ class Layout:
     gpus_per_node: int = 0  # 0: every rank on one node
     tp: int = 1
     sequence_parallel: bool = False
+    #: "fp32" (weights, gradients and AdamW state in the blocks' parameter bytes) or "bf16" (pipetrain's autocast:
+    #: fp32 weights and state; FSDP gathers the weights in bf16 and accumulates gradients in fp32)
+    precision: str = "fp32"
+    #: what-if: Float8 projections whose FSDP all-gather is in float8 (gathered at 1 byte; torchtitan's
+    #: `enable_fsdp_float8_all_gather`); pipetrain's engine has no Float8
+    float8: bool = False
+    #: what recomputation checkpoints: "stage" (pipetrain: the whole stage, keeping its input) or, what-if,
+    #: "layer" (each block alone, keeping every block's input: torchtitan's and Megatron's full recomputation)
+    recompute_unit: str = "stage"
 
     @property
     def world_size(self) -> int:
@@ -183,6 +192,13 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         latency = network.inter_latency_s if across else network.p2p_latency_s
         bandwidth = network.inter_bytes_per_s if across else network.p2p_bytes_per_s
         backward = sum(t[1] for t in times)
+        held = again = None
+        if layout.recompute_unit == "layer":  # every block keeps its input; the stage's output stays for backward
+            inputs = [tp_output_bytes(blocks[i - 1], tp, sp) if i else 0.0 for i in range(start, stop)]
+            held = samples * (sum(inputs) + tp_output_bytes(part[-1], tp, sp))
+            again = held + samples * device.activation_factor * max(tp_activation_bytes(b, tp, sp) for b in part)
+        elif layout.recompute_unit != "stage":
+            raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}", hint="use 'stage' or 'layer'")
         costs.append(StageCost(
             forward_s=sum(t[0] for t in times) + comm,
             backward_s=backward + comm,
@@ -191,8 +207,30 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
             reduce_s=reduce_s(sum(tp_param_bytes(b, tp) for b in part), layout, network, groups=len(part) + 1),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
+            held_bytes=held, recompute_bytes=again,
         ))
     return costs
+
+
+def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
+    """Bytes of weights, gradients and AdamW state one rank holds for `blocks` (see `Layout.precision`).
+
+    DDP or one replica: weights, gradients and the two moments (4 copies of the parameter bytes), DDP's buckets a
+    fifth. FSDP: the stage's weights stay gathered between micro-batches and its gradients accumulate unsharded
+    until the last backward, the fp32 shards (weights, gradient, two moments) are split over dp. In fp32 that is
+    2 + 4/dp copies of the parameter bytes; in bf16 the gathered weights take 2 bytes per parameter (1 for Float8
+    projections, `float8`), the accumulated gradients 4 (FSDP2 accumulates in its fp32 reduce dtype), the shards
+    16 / dp."""
+    param_bytes = sum(tp_param_bytes(b, layout.tp) for b in blocks)
+    if layout.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"unknown precision {layout.precision!r} for memory", hint="use 'fp32' or 'bf16'")
+    if layout.dp_mode != "fsdp" or layout.dp == 1:
+        return (5 if layout.dp > 1 else 4) * param_bytes
+    if layout.precision == "fp32":
+        return 2 * param_bytes + 4 * param_bytes / layout.dp
+    params = sum(tp_params(b, layout.tp) for b in blocks)
+    fp8 = sum(b.matmul_params / (layout.tp if b.tensor is not None else 1) for b in blocks) if layout.float8 else 0.0
+    return 2 * (params - fp8) + fp8 + 4 * params + 16 * params / layout.dp
 
 
 def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> Prediction:
@@ -222,12 +260,8 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     for rank in range(layout.pp):
         held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
         mine = [blocks[i] for s in held for i in range(*bounds[s])]
-        param_bytes = sum(tp_param_bytes(b, layout.tp) for b in mine)
         sharded = layout.dp_mode == "fsdp" and layout.dp > 1
-        if sharded:
-            static = 2 * param_bytes + 4 * param_bytes / layout.dp
-        else:
-            static = (5 if layout.dp > 1 else 4) * param_bytes
+        static = static_bytes(mine, layout)
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
         memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
         optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1, layout.tp))

@@ -46,6 +46,12 @@ class SearchSpace:
     only_pp: int | None = None
     tps: tuple[int, ...] = (1,)
     sequence_parallel: tuple[bool, ...] = (False, True)
+    #: carried into every layout (`Layout`'s fields of the same names): memory precision and the what-ifs
+    precision: str = "fp32"
+    float8: bool = False
+    recompute_unit: str = "stage"
+    #: consider only this many micro-batches per replica (None: every power of 2 up to `max_chunks`)
+    only_chunks: int | None = None
 
 
 @dataclass
@@ -59,6 +65,8 @@ class SearchResult:
 
 
 def _chunk_options(local: int, pp: int, space: SearchSpace) -> list[int]:
+    if space.only_chunks is not None:
+        return [space.only_chunks] if local % space.only_chunks == 0 else []
     return [c for c in (1 << k for k in range(0, 31)) if c <= min(local, space.max_chunks) and local % c == 0]
 
 
@@ -115,7 +123,9 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                             for balance in space.balances if pp * v > 1 else ("uniform",):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
                                                       virtual=v, checkpoint=checkpoint, dp_mode=mode, balance=balance,
-                                                      gpus_per_node=gpus_per_node, tp=tp, sequence_parallel=sp))
+                                                      gpus_per_node=gpus_per_node, tp=tp, sequence_parallel=sp,
+                                                      precision=space.precision, float8=space.float8,
+                                                      recompute_unit=space.recompute_unit))
     return layouts
 
 

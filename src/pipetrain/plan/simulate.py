@@ -50,6 +50,11 @@ class StageCost:
     send_s: float = 0.0
     reduce_s: float = 0.0
     weight_share: float = 0.5
+    #: bytes a recomputing micro-batch keeps from its forward to its backward (None: `input_bytes`, the stage's
+    #: input: the whole stage is recomputed), and the bytes it holds while its backward runs (None:
+    #: `activation_bytes`, every block's activations at once)
+    held_bytes: float | None = None
+    recompute_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -158,12 +163,14 @@ def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) ->
         for stage, kind, mb, *_ in rows:
             cost = costs[stage]
             again = mb in recomputed
-            held = cost.input_bytes if again else cost.activation_bytes
+            kept = cost.input_bytes if cost.held_bytes is None else cost.held_bytes
+            held = kept if again else cost.activation_bytes
             if kind == 0:
                 live += held
                 inflight += 1
             elif again and kind in (1, 2):
-                peak = max(peak, live - held + cost.activation_bytes)
+                peak = max(peak, live - held + (cost.activation_bytes if cost.recompute_bytes is None
+                                                else cost.recompute_bytes))
             peak, peak_inflight = max(peak, live), max(peak_inflight, inflight)
             if kind in (1, 3):
                 live -= held

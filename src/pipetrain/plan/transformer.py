@@ -1,0 +1,290 @@
+"""A decoder-only language model priced from its `config.json` alone: sizes, parameters, FLOPs, block costs.
+
+`load_sizes(PATH)` reads a model folder's `config.json` (or a bare one) as JSON: no `transformers` model is built,
+no weight is read, no torch is imported. `DecoderSizes` is the description (layers, hidden, intermediate, query and
+key/value heads, head dimension, vocabulary, tied head, gated MLP, biases, q/k norms, learned positions), read for
+each family from its own field names (transformers 5.24's configuration classes): llama, qwen2, qwen3, mistral,
+gemma, phi3, olmo2 (`hidden_size`, `num_hidden_layers`, ...) and gpt2 (`n_embd`, `n_layer`, `n_head`, `n_inner`).
+Fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) change no count.
+
+Per token of a sequence of s (h hidden, q = heads × head_dim query width, k = kv_heads × head_dim, f intermediate):
+
+- forward FLOPs of a layer: 2h(q + 2k) (Q, K, V) + 2qh (output) + 4sq (scores and weighted values, full causal
+  square as the PaLM convention counts it) + 2hf·(3 gated | 2 plain); the head 2hV. Training FLOPs per token are
+  `flops_per_token`: 6N + 12·L·q·s, the convention of `pipetrain.logs.mfu` (N without embedding tables, the head
+  counted even when tied), so a plan's MFU and a run's are the same arithmetic.
+- activations a layer keeps for backward (attention by SDPA/flash kernels: no s² tensor; Korthikanti et al. 2022's
+  count generalised to grouped-query attention and gated MLPs), bytes per token at element size e: e·(4h (two norm
+  inputs, the attention and MLP inputs) + 2q + 2k (Q, K, V, attention output) + 4f gated (gate, its activation,
+  up, their product) | 2f plain) + q/k norm inputs e·(q + k) where the family has them + one byte per element of
+  each dropout mask (GPT-2's two residual dropouts, when the config's rate is above 0). Tensor parallelism
+  (Megatron's split, `TensorSplit`) divides everything but the 4h part and the masks, sequence parallelism that too.
+- the head keeps the final norm's and the projection's inputs (2eh) and, for the loss, the logits and their
+  log-probabilities in fp32 (8V per token): pipetrain casts a stage's outputs to fp32.
+
+`blocks` turns this into the planner's `BlockCost`s, one per block of pipetrain's Hugging Face adapter: the
+embedding, one per decoder layer, the head (final norm and LM head). Parameters are counted in fp32 (`param_bytes`:
+pipetrain keeps fp32 weights and optimizer state; bf16 gathers and Float8 are `predict`'s precision). The
+embedding and the head stay whole on every tensor-parallel rank, as pipetrain runs them; `vocab_parallel=True`
+splits them over the vocabulary (torchtitan's row-wise embedding and loss-parallel head), for what-if plans.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipetrain.errors import ConfigError
+from pipetrain.plan.model import BlockCost, TensorSplit
+
+__all__ = ["DecoderSizes", "FAMILY_FIELDS", "sizes_from_config", "load_sizes", "read_config"]
+
+#: model_type -> what the family's config calls each size (or the fixed value it has)
+FAMILY_FIELDS: dict[str, str] = {
+    "llama": "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, "
+             "vocab_size, tie_word_embeddings, attention_bias, mlp_bias",
+    "qwen2": "as llama, with biases on q, k and v",
+    "qwen3": "as llama, with q/k norms over the head dimension",
+    "mistral": "as llama, no biases",
+    "gemma": "as llama, with head_dim, tied by default",
+    "phi3": "as llama, fused qkv_proj and gate_up_proj, no biases",
+    "olmo2": "as llama, with q/k norms over the whole projection width",
+    "gpt2": "n_embd, n_inner, n_layer, n_head, n_positions, vocab_size, tie_word_embeddings, resid_pdrop",
+}
+_LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "olmo2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderSizes:
+    """What the planner needs of a decoder-only LM (see the module docstring)."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    gated: bool = True  #: gate, up and down projections (SwiGLU, GeGLU); False: two (GPT-2's c_fc, c_proj)
+    layer_norm: bool = False  #: LayerNorm (weight and bias) rather than RMSNorm (weight)
+    qkv_bias: bool = False
+    o_bias: bool = False  #: the attention output projection's bias (row-parallel: replicated)
+    mlp_bias: bool = False  #: the MLP's biases: up (and gate), column-parallel; down, row-parallel
+    qk_norm: int = 0  #: q/k norm widths per layer (Qwen3: 2 × head_dim; OLMo-2: (heads + kv_heads) × head_dim)
+    positions: int = 0  #: rows of a learned position embedding (GPT-2's n_positions); 0: rotary
+    dropout: bool = False  #: residual dropout in training (its masks are kept for backward)
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def _norm(self) -> int:
+        return self.hidden * (2 if self.layer_norm else 1)
+
+    def matmul_params(self) -> int:
+        """A layer's projection weights (what tensor parallelism splits and Float8 converts)."""
+        h, q, k, f = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return h * (q + 2 * k) + q * h + h * f * (3 if self.gated else 2)
+
+    def column_biases(self) -> int:
+        return (self.q_width + 2 * self.kv_width) * self.qkv_bias + self.intermediate * (2 if self.gated else 1) * self.mlp_bias
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        return (self.matmul_params() + self.column_biases() + self.hidden * (self.o_bias + self.mlp_bias)
+                + 2 * self._norm() + self.qk_norm)
+
+    def embedding_params(self) -> int:
+        """The token embedding, plus the learned positions where the family has them."""
+        return (self.vocab + self.positions) * self.hidden
+
+    def head_params(self) -> int:
+        """The final norm and the LM head's matrix (a copy of the embedding's when tied)."""
+        return self._norm() + self.vocab * self.hidden
+
+    def params(self) -> int:
+        """The model's parameters, a tied head counted once (as `model.num_parameters()` counts them)."""
+        return (self.embedding_params() + self.layers * self.layer_params() + self._norm()
+                + (0 if self.tied else self.vocab * self.hidden))
+
+    def flops_params(self) -> int:
+        """N of the PaLM formula (`pipetrain.logs.mfu`): every parameter but the embedding tables, the head's
+        matrix counted even when tied."""
+        return self.layers * self.layer_params() + self.head_params()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward, no recomputation) of one token: 6N + 12·L·heads·head_dim·s."""
+        return 6.0 * self.flops_params() + 12.0 * self.layers * self.q_width * seq_len
+
+    def layer_activation_bytes(self, seq_len: int, element: int = 2) -> tuple[float, float]:
+        """(all, the part tensor parallelism splits) bytes one layer keeps for backward, per sample."""
+        s, e = seq_len, element
+        split = e * s * (2 * self.q_width + 2 * self.kv_width + (4 if self.gated else 2) * self.intermediate)
+        if self.qk_norm:  # the q and k projections' outputs before their norms
+            split += e * s * (self.q_width + self.kv_width)
+        replicated = 4 * e * s * self.hidden + (2 * s * self.hidden if self.dropout else 0)
+        return float(replicated + split), float(split)
+
+    def blocks(self, seq_len: int, *, element: int = 2, vocab_parallel: bool = False) -> list[BlockCost]:
+        """The planner's costs of pipetrain's blocks (embedding, layers, head) at `seq_len`, activations of
+        `element` bytes (2 under bf16 autocast, 4 in fp32), parameters counted in fp32."""
+        s, e, h, V = seq_len, element, self.hidden, self.vocab
+        sh = s * h
+        vocab_split = {"params": V * h, "comm_bytes": float(e * sh), "collectives": 1,
+                       "divides": (("vocab_size", V),), "sequence": s, "tensors": 1}
+        embed = self.embedding_params()
+        blocks = [BlockCost(
+            name="Embedding", params=embed, param_bytes=4.0 * embed,
+            activation_bytes=float(8 * s + (sh if self.dropout else 0)), output_bytes=float(e * sh),
+            forward_traffic=float(2 * e * sh), kernels=3, tensors=2 if self.positions else 1,
+            fixed_backward_traffic=float(2 * 4 * embed),  # a dense gradient: zeroed and written per micro-batch
+            tensor=TensorSplit(flops=0.0, traffic=0.0, activation_bytes=0.0, **vocab_split) if vocab_parallel else None,
+        )]
+        q, k, f = self.q_width, self.kv_width, self.intermediate
+        flops = 2 * s * h * (q + 2 * k) + 2 * s * q * h + 4 * s * s * q + 2 * s * h * f * (3 if self.gated else 2)
+        kept, split_act = self.layer_activation_bytes(s, e)
+        traffic = e * s * (10 * h + 3 * (q + k) + 5 * f)  # norms, residuals, rotary, the MLP's activation
+        weights = 4 + (3 if self.gated else 2)
+        split = TensorSplit(
+            params=self.matmul_params() + self.column_biases(), flops=float(flops),
+            traffic=float(e * s * (3 * (q + k) + 5 * f)), activation_bytes=split_act, comm_bytes=float(e * sh),
+            divides=(("num_attention_heads", self.heads), ("num_key_value_heads", self.kv_heads),
+                     ("intermediate_size", f)),
+            sequence=s, tensors=weights + (3 if self.qkv_bias else 0) + ((2 if self.gated else 1) if self.mlp_bias else 0),
+        )
+        layer = self.layer_params()
+        tensors = weights + 2 * (2 if self.layer_norm else 1) + (2 if self.qk_norm else 0) + 3 * self.qkv_bias \
+            + self.o_bias + ((3 if self.gated else 2) if self.mlp_bias else 0)
+        for index in range(self.layers):
+            blocks.append(BlockCost(
+                name=f"DecoderLayer{index}", params=layer, param_bytes=4.0 * layer, activation_bytes=kept,
+                output_bytes=float(e * sh), forward_flops=float(flops), forward_traffic=float(traffic), kernels=20,
+                tensors=tensors, tensor=split, matmul_params=self.matmul_params(),
+            ))
+        head = self.head_params()
+        logits = 8 * s * V  # fp32 logits and their log-probabilities, kept for the loss's backward
+        blocks.append(BlockCost(
+            name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh + logits),
+            output_bytes=float(4 * s * V), forward_flops=float(2 * s * h * V), forward_traffic=float(e * 3 * sh + logits),
+            kernels=6, tensors=3 if self.layer_norm else 2,
+            tensor=TensorSplit(flops=float(2 * s * h * V), traffic=float(logits), activation_bytes=float(logits),
+                               **vocab_split) if vocab_parallel else None,
+        ))
+        return blocks
+
+    def summary(self) -> str:
+        """One line: the family and its sizes."""
+        return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, intermediate {self.intermediate}"
+                f"{' (gated)' if self.gated else ''}, {self.heads} heads ({self.kv_heads} key/value) of {self.head_dim}, "
+                f"vocabulary {self.vocab}{', tied head' if self.tied else ''}; {self.params() / 1e9:.3f} B parameters")
+
+
+def _number(config: dict[str, Any], name: str, where: str, default: Any = None) -> int:
+    value = config.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {name} is {value!r}, expected a positive integer",
+                          hint=f"give the config a positive integer {name}")
+    return value
+
+
+def sizes_from_config(config: dict[str, Any], where: str = "config.json") -> DecoderSizes:
+    """The sizes of a transformers config given as a dict (a `config.json`'s contents); one ConfigError naming the
+    model_type and the families that can be priced when its family is not one of them."""
+    model_type = config.get("model_type")
+    if model_type == "gpt2":
+        h = _number(config, "n_embd", where)
+        heads = _number(config, "n_head", where)
+        return DecoderSizes(
+            model_type="gpt2", layers=_number(config, "n_layer", where), hidden=h,
+            intermediate=_number(config, "n_inner", where, 4 * h), heads=heads, kv_heads=heads, head_dim=h // heads,
+            vocab=_number(config, "vocab_size", where), tied=bool(config.get("tie_word_embeddings", True)),
+            gated=False, layer_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+            positions=_number(config, "n_positions", where, 1024),
+            dropout=float(config.get("resid_pdrop", 0.1) or 0) > 0)
+    if model_type not in _LLAMA_LIKE:
+        raise ConfigError(
+            f"{where} holds a {model_type!r} model, which the planner cannot price: it needs the sizes of a "
+            "decoder-only family it knows (layers, hidden and intermediate sizes, query and key/value heads, head "
+            "dimension, vocabulary, tied head, gated MLP, biases)",
+            hint=f"plan a config of one of: {', '.join(FAMILY_FIELDS)}; or profile the model "
+                 "(`pipetrain profile`) and pass --profile FILE")
+    h = _number(config, "hidden_size", where)
+    heads = _number(config, "num_attention_heads", where)
+    kv = _number(config, "num_key_value_heads", where, heads)
+    head_dim = _number(config, "head_dim", where, h // heads if h % heads == 0 else None)
+    if heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
+                          hint="fix the config: each key/value head serves a whole group of query heads")
+    bias = bool(config.get("attention_bias", False))
+    return DecoderSizes(
+        model_type=model_type, layers=_number(config, "num_hidden_layers", where), hidden=h,
+        intermediate=_number(config, "intermediate_size", where), heads=heads, kv_heads=kv, head_dim=head_dim,
+        vocab=_number(config, "vocab_size", where),
+        tied=bool(config.get("tie_word_embeddings", model_type == "gemma")),
+        qkv_bias=True if model_type == "qwen2" else bias and model_type not in ("mistral", "phi3"),
+        o_bias=bias and model_type not in ("qwen2", "mistral", "phi3"),
+        mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
+        qk_norm={"qwen3": 2 * head_dim, "olmo2": (heads + kv) * head_dim}.get(model_type, 0),
+        dropout=model_type == "phi3" and float(config.get("resid_pdrop", 0) or 0) > 0)
+
+
+def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The JSON of a model folder's `config.json` or of a bare config file, and the file read; one ConfigError for
+    a path that is neither."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not file.is_file():
+        raise ConfigError(f"model folder {str(path)!r} has no config.json",
+                          hint="pass a folder written by save_pretrained, or the path of a config.json")
+    if not file.is_file():
+        raise ConfigError(f"--model {str(path)!r} is neither a model folder nor a config file",
+                          hint="pass a folder holding config.json, or the path of a config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {str(file)!r} as a JSON config: {err}",
+                          hint="pass a transformers config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{str(file)!r} is not a JSON object", hint="pass a transformers config.json")
+    return config, file
+
+
+def load_sizes(path: str | Path) -> DecoderSizes:
+    """`sizes_from_config` of a model folder or a bare config.json (read as JSON: nothing else is loaded)."""
+    config, file = read_config(path)
+    return sizes_from_config(config, str(file))
+
+
+def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1) -> list[str]:
+    """What the planner counts for `sizes` at `seq_len` (activations of `element` bytes; the split at `tp`)."""
+    mib = 2**20
+    kept, split = sizes.layer_activation_bytes(seq_len, element)
+    layer_input = element * seq_len * sizes.hidden
+    lines = [
+        f"parameters {sizes.params() / 1e9:.3f} B: {sizes.layers} layers of {sizes.layer_params() / 1e6:.2f} M, "
+        f"embedding {sizes.embedding_params() / 1e6:.1f} M (first stage), head {sizes.head_params() / 1e6:.1f} M "
+        f"(last stage{', a copy of the embedding: tied' if sizes.tied else ''})",
+        f"training FLOPs per token {sizes.flops_per_token(seq_len):.4g} (6N + 12·L·heads·head_dim·s, N = "
+        f"{sizes.flops_params() / 1e9:.3f} B: pipetrain.logs.mfu's convention; recomputation not counted)",
+        f"per layer and sample at seq len {seq_len}, {element}-byte activations: {kept / mib:.1f} MiB kept for "
+        f"backward without recomputation; recomputing, {layer_input / mib:.1f} MiB (checkpoint: the stage's input "
+        f"per stage; --recompute-unit layer: each layer's input)",
+    ]
+    if tp > 1:
+        lines.append(f"at tp={tp}: a layer's {sizes.matmul_params() / 1e6:.1f} M projection weights and "
+                     f"{split / mib:.1f} MiB of its activations split (each rank {kept / mib - split / mib * (1 - 1 / tp):.1f}"
+                     f" MiB; {kept / tp / mib:.1f} MiB with sequence parallelism), 2 all-reduces of {layer_input / mib:.1f}"
+                     " MiB per forward and per backward")
+    lines.append("per parameter: fp32 16 B (weights, gradient, 2 AdamW moments; DDP +4 B of buckets); FSDP keeps the "
+                 "stage's weights gathered (fp32 4 B, bf16 2 B, Float8 1 B) and its gradients (4 B) plus 16 B / dp")
+    return lines
