@@ -1,8 +1,10 @@
 """The layout settled before any rank starts, read from the job description and returned as a new one (`replace`):
 `--layout auto` (the planner's choice within the flags given) and the split of `--partition time|memory`.
 
-Where the figures come from: block costs from `--profile FILE`, else measured here at several micro-batch sizes
-(fixed + per-sample fit); the device and network from `--calibration FILE` (default: this machine's stored one),
+Where the figures come from: block costs from `--profile FILE`; else, for a Hugging Face folder (`--workload hf
+--model DIR`) of a family the planner prices, from its config.json alone (`plan.transformer`: the same pricing as
+`pipetrain plan --model`, deterministic, so launched ranks need no profile); else measured here at several
+micro-batch sizes (fixed + per-sample fit); the device and network from `--calibration FILE` (default: this machine's stored one),
 else measured here first. Both are said, with how long they took. Ranks started by a launcher (torchrun, srun)
 decide from the files alone, so every rank computes the same choice: there they need both files.
 """
@@ -25,6 +27,7 @@ from pipetrain.plan.auto import choose_layout, layout_flags
 from pipetrain.plan.hardware import Calibration, default_calibration_path, load_calibration, save_calibration
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout
+from pipetrain.plan.transformer import load_sizes
 from pipetrain.train.config import LayoutRequest, TrainConfig
 from pipetrain.workloads.classifier.presets import PRESETS, TransformerConfig
 
@@ -69,6 +72,9 @@ def _blocks(config: TrainConfig, model: BlockModel, launched: bool, device: str,
     from pipetrain.plan.model import profile_blocks
 
     given = config.layout.profile
+    analytic = _analytic_blocks(config, model) if given is None else None
+    if analytic is not None:
+        return analytic
     if given is not None:
         profile = load_profile(given)
         if profile.fingerprint != model_fingerprint(model):
@@ -88,6 +94,21 @@ def _blocks(config: TrainConfig, model: BlockModel, launched: bool, device: str,
         profile = profile_model_sizes(model, sizes, device=device, repeats=3)
         source = f"measured now in {time.perf_counter() - start:.1f} s ({profile.describe()})"
     return profile_blocks(profile), source
+
+
+def _analytic_blocks(config: TrainConfig, model: BlockModel) -> tuple[list[BlockCost], str] | None:
+    """The analytic costs of a `--model DIR` job whose family the planner prices, or None (measure instead)."""
+    if config.model_dir is None:
+        return None
+    try:
+        sizes = load_sizes(config.model_dir)
+    except ConfigError:  # a family the adapter splits but the planner cannot price: measure it
+        return None
+    seq_len = config.window
+    blocks = sizes.blocks(seq_len, element=2 if config.precision == "bf16" else 4)
+    if len(blocks) != getattr(model, "num_blocks", len(blocks)):
+        return None
+    return blocks, f"{config.model_dir}/config.json priced at seq len {seq_len} ({sizes.summary()})"
 
 
 def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
