@@ -148,3 +148,40 @@ def test_layout_auto_prices_an_hf_folder_from_its_config(tmp_path, monkeypatch, 
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     assert cli_main.main(argv) == 0 and ran[-1].parallel == local.parallel
+
+
+def test_state_bytes_per_precision_under_fsdp_and_ddp():
+    from pipetrain.plan.predict import Layout, static_bytes
+
+    sizes = sizes_from_config(dict(SMALL, model_type="llama"))
+    layer = sizes.blocks(16)[1:2]
+    p, m = sizes.layer_params(), sizes.matmul_params()
+    fsdp = dict(dp=4, pp=1, batch=8, chunks=1, dp_mode="fsdp")
+    assert static_bytes(layer, Layout(**fsdp)) == 2 * 4 * p + 4 * 4 * p / 4  # fp32: gathered weights, grads, shards
+    assert static_bytes(layer, Layout(**fsdp, precision="bf16")) == 2 * p + 4 * p + 16 * p / 4
+    assert static_bytes(layer, Layout(**fsdp, precision="bf16", float8=True)) == 2 * (p - m) + m + 4 * p + 4 * p
+    ddp = dict(fsdp, dp_mode="ddp")  # DDP keeps fp32 weights under bf16 autocast: the same in both
+    assert static_bytes(layer, Layout(**ddp)) == static_bytes(layer, Layout(**ddp, precision="bf16")) == 5 * 4 * p
+    split = static_bytes(layer, Layout(**fsdp, precision="bf16", float8=True, tp=2))
+    mine = p - m / 2  # tp=2 halves the projection weights (llama has no biases), the norms stay whole
+    assert split == pytest.approx(2 * (mine - m / 2) + m / 2 + 4 * mine + 16 * mine / 4)
+
+
+def test_per_layer_recomputation_keeps_every_layer_input():
+    from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+    from pipetrain.plan.predict import Layout, stage_costs
+
+    sizes = sizes_from_config(dict(SMALL, model_type="llama", num_hidden_layers=6))
+    blocks = sizes.blocks(16, element=2)
+    stage = Layout(dp=1, pp=2, batch=4, chunks=2, checkpoint="always")
+    layer = Layout(dp=1, pp=2, batch=4, chunks=2, checkpoint="always", recompute_unit="layer")
+    bounds = [(0, 4), (4, 8)]
+    whole = stage_costs(blocks, stage, default_device(), DEFAULT_NETWORK, bounds)
+    each = stage_costs(blocks, layer, default_device(), DEFAULT_NETWORK, bounds)
+    samples, hidden = 2, 2 * 16 * 64  # bytes of one sample's hidden states
+    assert whole[1].held_bytes is None and whole[1].input_bytes == samples * hidden  # the stage's input only
+    # stage 1: the inputs of 3 layers and of the head, and the stage's output (the logits) kept for its backward
+    assert each[1].held_bytes == samples * (4 * hidden + blocks[-1].output_bytes)
+    assert each[0].held_bytes == samples * 4 * hidden  # 3 layer inputs and the output (the ids are not counted)
+    biggest = max(b.activation_bytes for b in blocks[4:8])
+    assert each[1].recompute_bytes == each[1].held_bytes + samples * biggest

@@ -56,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             raise ConfigError(f"tune measures the reference Transformer presets; {flag} is for `plan` only",
                               hint="pass --preset NAME")
+    for flag, given in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") != "stage"),
+                        ("--gpu-node", getattr(args, "gpu_node", None) is not None)):
+        if given:
+            raise ConfigError(f"tune measures its layouts on this machine as pipetrain runs them; {flag} is for "
+                              "`plan` only", hint=f"drop {flag.split()[0]}")
     for name in ("candidates", "first_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1", hint="pass 1 or more")
