@@ -56,6 +56,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                            "built-in A100-class figures when missing)")
     gpus.add_argument("--calibrate", action="store_true",
                       help="measure this machine first (2 ranks, about 30 s) and store it in the calibration file")
+    gpus.add_argument("--gpu-node", choices=tuple(NODES), default=None,
+                      help="plan on the stated figures of a GPU node (hardware.NODES) instead of a calibration, at "
+                           "--precision (bf16: twice the fp32/TF32 rate)")
     add_device_argument(gpus)
     model = parser.add_argument_group("model and batch")
     model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
@@ -100,9 +103,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_argument("--float8", action="store_true",
                          help="with --precision bf16: Float8 projections gathered by FSDP in float8 (1 byte per "
                               "weight; torchtitan's enable_fsdp_float8_all_gather); rates stay the device's")
-    what_if.add_argument("--gpu-node", choices=tuple(NODES), default=None,
-                         help="the stated figures of a GPU node (hardware.NODES) instead of a calibration, at "
-                              "--precision (bf16: twice the fp32/TF32 rate)")
+
     limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
@@ -78,10 +78,13 @@ class AutoChoice:
 
 def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device: Device, network: Network,
                   fixed: Fixed = Fixed(), gpus_per_node: int = 0, max_chunks: int = 64,
-                  accepts: Callable[[Layout], bool] = lambda layout: True, unit: str = "rank") -> AutoChoice:
+                  accepts: Callable[[Layout], bool] = lambda layout: True, unit: str = "rank",
+                  precision: str = "fp32") -> AutoChoice:
     """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
-    `device.memory_bytes`, among those `fixed` allows and `accepts` takes."""
-    layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, fixed.space(max_chunks), gpus_per_node)
+    `device.memory_bytes`, among those `fixed` allows and `accepts` takes; `precision` the job's ("bf16": FSDP
+    gathers its weights in bf16, see `Layout.precision`)."""
+    space = replace(fixed.space(max_chunks), precision=precision)
+    layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, space, gpus_per_node)
                if getattr(layout, "tp", 1) == 1 and fixed.allows(layout) and accepts(layout)]  # no TP yet
     if not layouts:
         given = ", ".join(f"{k}={v}" for k, v in vars(fixed).items() if v is not None) or "no constraint"

@@ -140,7 +140,8 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
         calib.device.memory_bytes / max(1, per_node) if calib.device.cores else calib.device.memory_bytes)
     choice = choose_layout(blocks, world=world, batch=config.batch_size, network=calib.network, fixed=request.fixed,
                            device=replace(calib.device, memory_bytes=memory),
-                           gpus_per_node=per_node if per_node < world else 0, accepts=_accepts(len(blocks)))
+                           gpus_per_node=per_node if per_node < world else 0, accepts=_accepts(len(blocks)),
+                           precision="bf16" if config.precision == "bf16" else "fp32")
     best = choice.prediction
     lay = best.layout
     pipeline = replace(config.parallel.pipeline, pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks,
