@@ -56,8 +56,9 @@ def main() -> None:
         print(f"| {schedule} | {tps} | {tokens / p.step_s:.1f} | {mem} | {planned_mem:.1f} | "
               f"{planned_mem / mem:.3f} | {max(q.memory_bytes) / gib:.1f} |")
     ratio = titan["1f1b"].step_s / titan["interleaved-1f1b"].step_s
+    engine = own["1f1b"].step_s / own["interleaved-1f1b"].step_s
     print(f"\ninterleaved / 1F1B throughput: published {128 / 100:.2f}, planned {ratio:.3f} "
-          f"({100 * (ratio / 1.28 - 1):+.1f} %); pipetrain's own engine {own['1f1b'].step_s / own['interleaved-1f1b'].step_s:.3f}")
+          f"({100 * (ratio / 1.28 - 1):+.1f} %); pipetrain's own engine {engine:.3f}")
     for schedule in PUBLISHED:
         print(f"{schedule}: memory per pipeline rank (GiB) " +
               " ".join(f"{m / gib:.1f}" for m in titan[schedule].memory_bytes))

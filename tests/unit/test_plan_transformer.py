@@ -67,7 +67,8 @@ def test_flops_are_the_runs_mfu_arithmetic(name):
     blocks = sizes.blocks(32)
     assert len(blocks) == model.num_blocks
     # forward + backward of the blocks' matmuls and attention = the PaLM count less its norms' and biases' 6 FLOPs
-    others = sizes.layers * (sizes.layer_params() - sizes.matmul_params()) + sizes.head_params() - sizes.vocab * sizes.hidden
+    others = (sizes.layers * (sizes.layer_params() - sizes.matmul_params()) + sizes.head_params()
+              - sizes.vocab * sizes.hidden)
     assert 3 * sum(b.forward_flops for b in blocks) == 32 * (sizes.flops_per_token(32) - 6 * others)
 
 

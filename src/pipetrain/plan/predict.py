@@ -5,8 +5,10 @@ the block costs and the device, point-to-point transfers and the data-parallel g
 the network) + the optimizer step (AdamW over the rank's parameters) + one small collective (the step's
 metrics). Memory per rank = parameters, gradients and the two AdamW moments (4 copies of the parameter
 bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharded over dp; DDP adds its
-gradient buckets) + the simulated activation peak + the receive buffers torch's stages allocate per
-micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory before the model).
+gradient buckets; bf16 and Float8 under FSDP: `static_bytes`) + the simulated activation peak (a recomputing
+micro-batch keeps its stage's input, or with `recompute_unit="layer"` every block's input) + the receive buffers
+torch's stages allocate per micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory
+before the model).
 A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
 (r and 2pp-1-r); the activation peak is the simulated one of the rank's own order (both its stages).
 With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
@@ -29,8 +31,8 @@ from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatc
 from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
                                    tp_params, tp_problem, tp_traffic)
 
-__all__ = ["Layout", "Prediction", "predict", "static_bytes", "stage_costs", "block_times", "optimizer_s", "rank_speeds", "order_of",
-           "reduce_s", "clear_caches"]
+__all__ = ["Layout", "Prediction", "predict", "static_bytes", "stage_costs", "block_times", "optimizer_s",
+           "rank_speeds", "order_of", "reduce_s", "clear_caches"]
 
 
 @dataclass(frozen=True, kw_only=True)

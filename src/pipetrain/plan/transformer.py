@@ -95,7 +95,8 @@ class DecoderSizes:
         return h * (q + 2 * k) + q * h + h * f * (3 if self.gated else 2)
 
     def column_biases(self) -> int:
-        return (self.q_width + 2 * self.kv_width) * self.qkv_bias + self.intermediate * (2 if self.gated else 1) * self.mlp_bias
+        up = self.intermediate * (2 if self.gated else 1)
+        return (self.q_width + 2 * self.kv_width) * self.qkv_bias + up * self.mlp_bias
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
@@ -158,7 +159,8 @@ class DecoderSizes:
             traffic=float(e * s * (3 * (q + k) + 5 * f)), activation_bytes=split_act, comm_bytes=float(e * sh),
             divides=(("num_attention_heads", self.heads), ("num_key_value_heads", self.kv_heads),
                      ("intermediate_size", f)),
-            sequence=s, tensors=weights + (3 if self.qkv_bias else 0) + ((2 if self.gated else 1) if self.mlp_bias else 0),
+            sequence=s,
+            tensors=weights + (3 if self.qkv_bias else 0) + ((2 if self.gated else 1) if self.mlp_bias else 0),
         )
         layer = self.layer_params()
         tensors = weights + 2 * (2 if self.layer_norm else 1) + (2 if self.qk_norm else 0) + 3 * self.qkv_bias \
@@ -173,7 +175,8 @@ class DecoderSizes:
         logits = 8 * s * V  # fp32 logits and their log-probabilities, kept for the loss's backward
         blocks.append(BlockCost(
             name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh + logits),
-            output_bytes=float(4 * s * V), forward_flops=float(2 * s * h * V), forward_traffic=float(e * 3 * sh + logits),
+            output_bytes=float(4 * s * V), forward_flops=float(2 * s * h * V),
+            forward_traffic=float(e * 3 * sh + logits),
             kernels=6, tensors=3 if self.layer_norm else 2,
             tensor=TensorSplit(flops=float(2 * s * h * V), traffic=float(logits), activation_bytes=float(logits),
                                **vocab_split) if vocab_parallel else None,
@@ -183,7 +186,8 @@ class DecoderSizes:
     def summary(self) -> str:
         """One line: the family and its sizes."""
         return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, intermediate {self.intermediate}"
-                f"{' (gated)' if self.gated else ''}, {self.heads} heads ({self.kv_heads} key/value) of {self.head_dim}, "
+                f"{' (gated)' if self.gated else ''}, {self.heads} heads ({self.kv_heads} key/value) of "
+                f"{self.head_dim}, "
                 f"vocabulary {self.vocab}{', tied head' if self.tied else ''}; {self.params() / 1e9:.3f} B parameters")
 
 
@@ -281,10 +285,11 @@ def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1
         f"per stage; --recompute-unit layer: each layer's input)",
     ]
     if tp > 1:
+        rank = (kept - split + split / tp) / mib
         lines.append(f"at tp={tp}: a layer's {sizes.matmul_params() / 1e6:.1f} M projection weights and "
-                     f"{split / mib:.1f} MiB of its activations split (each rank {kept / mib - split / mib * (1 - 1 / tp):.1f}"
-                     f" MiB; {kept / tp / mib:.1f} MiB with sequence parallelism), 2 all-reduces of {layer_input / mib:.1f}"
-                     " MiB per forward and per backward")
+                     f"{split / mib:.1f} MiB of its activations split (each rank {rank:.1f} MiB; "
+                     f"{kept / tp / mib:.1f} MiB with sequence parallelism), 2 all-reduces of "
+                     f"{layer_input / mib:.1f} MiB per forward and per backward")
     lines.append("per parameter: fp32 16 B (weights, gradient, 2 AdamW moments; DDP +4 B of buckets); FSDP keeps the "
                  "stage's weights gathered (fp32 4 B, bf16 2 B, Float8 1 B) and its gradients (4 B) plus 16 B / dp")
     return lines

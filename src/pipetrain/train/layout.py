@@ -4,8 +4,8 @@
 Where the figures come from: block costs from `--profile FILE`; else, for a Hugging Face folder (`--workload hf
 --model DIR`) of a family the planner prices, from its config.json alone (`plan.transformer`: the same pricing as
 `pipetrain plan --model`, deterministic, so launched ranks need no profile); else measured here at several
-micro-batch sizes (fixed + per-sample fit); the device and network from `--calibration FILE` (default: this machine's stored one),
-else measured here first. Both are said, with how long they took. Ranks started by a launcher (torchrun, srun)
+micro-batch sizes (fixed + per-sample fit). The device and network from `--calibration FILE` (default: this
+machine's stored one), else measured here first. Both are said, with how long they took. Ranks started by a launcher (torchrun, srun)
 decide from the files alone, so every rank computes the same choice: there they need both files.
 """
 
