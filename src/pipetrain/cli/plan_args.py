@@ -1,0 +1,92 @@
+"""The flags `pipetrain plan` and `pipetrain tune` share: devices, model and batch, limits of the search, what-ifs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from pipetrain.cli.device_args import add_device_argument
+from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES
+from pipetrain.plan.hardware import DEFAULT_RATES, NODES, default_calibration_path
+from pipetrain.plan.schedules import SIMULATED_SCHEDULES
+from pipetrain.workloads.classifier.presets import PRESETS
+
+__all__ = ["add_plan_arguments", "DEFAULT_MODEL_SEQ_LEN"]
+
+#: Tokens per sample of a --model plan without --seq-len.
+DEFAULT_MODEL_SEQ_LEN = 2048
+
+
+def _names(allowed: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(allowed)}")
+        return values
+    return parse
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `plan` and `tune` share."""
+    gpus = parser.add_argument_group("devices")
+    gpus.add_argument("--gpus", type=int, default=None, help="devices (ranks) in the job")
+    gpus.add_argument("--nodes", type=int, default=None, help="nodes (with --gpus-per-node; instead of --gpus)")
+    gpus.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
+    gpus.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
+                      help="memory per device in GB (default: the calibrated device's)")
+    gpus.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                      help=f"device/network figures (default: {default_calibration_path()}; "
+                           "built-in A100-class figures when missing)")
+    gpus.add_argument("--calibrate", action="store_true",
+                      help="measure this machine first (2 ranks, about 30 s) and store it in the calibration file")
+    gpus.add_argument("--gpu-node", choices=tuple(NODES), default=None,
+                      help="plan on the stated figures of a GPU node (hardware.NODES) instead of a calibration, at "
+                           "--precision (bf16: twice the fp32/TF32 rate)")
+    add_device_argument(gpus)
+    model = parser.add_argument_group("model and batch")
+    model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
+    model.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                       help="per-block profile from `pipetrain profile` (instead of the analytic model)")
+    model.add_argument("--model", default=None, metavar="DIR|config.json",
+                       help="a Hugging Face model folder or a bare config.json, priced from its sizes alone "
+                            "(nothing loaded; llama, qwen2, qwen3, mistral, gemma, phi3, olmo2, gpt2)")
+    model.add_argument("--seq-len", type=int, default=None,
+                       help=f"tokens per sample with --model (default: {DEFAULT_MODEL_SEQ_LEN}, at most the "
+                            "config's max_position_embeddings)")
+    model.add_argument("--batch", type=int, default=256, help="global batch size (default: 256)")
+    model.add_argument("--precision", choices=tuple(DEFAULT_RATES), default="fp32",
+                       help="the training precision the device's rates are those of: fp32 (TF32 matmuls on CUDA), "
+                            "fp32-strict, bf16 (default: fp32)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--schedules", type=_names(SIMULATED_SCHEDULES), default=SIMULATED_SCHEDULES,
+                        help="schedules to consider, comma-separated (default: all the simulator plays)")
+    limits.add_argument("--checkpoints", type=_names(CHECKPOINT_POLICIES), default=CHECKPOINT_POLICIES,
+                        help="recomputation policies to consider (default: all)")
+    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")
+    limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
+    limits.add_argument("--pp", type=int, default=None, help="consider only this pipeline degree")
+    limits.add_argument("--tp", type=int, default=None,
+                        help="consider only this tensor-parallel degree (default: every degree dividing a node's "
+                             "GPUs, when this pipetrain trains with --tp; else 1)")
+    limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
+                        help="tensor-parallel layouts with sequence parallelism, without, or both (default: both)")
+    limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
+    limits.add_argument("--chunks", type=int, default=None, help="consider only this many micro-batches per replica")
+    limits.add_argument("--stages-per-rank", type=int, default=None,
+                        help="consider only this many stages per rank for interleaved-1f1b and zero-bubble")
+    what_if = parser.add_argument_group(
+        "what-if (engine features pipetrain's train does not have: to compare with other trainers)")
+    what_if.add_argument("--recompute-unit", choices=("stage", "layer"), default="stage",
+                         help="what a recomputing micro-batch checkpoints: its whole stage, keeping the stage's "
+                              "input (pipetrain; default), or each layer alone, keeping every layer's input "
+                              "(torchtitan's and Megatron's full recomputation)")
+    what_if.add_argument("--vocab-parallel", action="store_true",
+                         help="with --model: split the embedding and the head over tp by vocabulary (torchtitan's "
+                              "loss parallelism; pipetrain keeps them whole)")
+    what_if.add_argument("--float8", action="store_true",
+                         help="with --precision bf16: Float8 projections gathered by FSDP in float8 (1 byte per "
+                              "weight; torchtitan's enable_fsdp_float8_all_gather); rates stay the device's")
+
+    limits.add_argument("--top", type=int, default=10, help="layouts to print (default: 10)")
