@@ -13,12 +13,14 @@ import torch
 from pipetrain.checkpoint.durable import Position
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.loop import _length
 from pipetrain.workloads.base import Workload
 from pipetrain.workloads.classifier.imdb import batches as review_batches
 from pipetrain.workloads.classifier.imdb import synthetic_imdb
 from pipetrain.workloads.classifier.workload import bucketed_reviews
 from pipetrain.workloads.hf.text import TokenWindows, window_batches
 from pipetrain.workloads.lm.corpus import TokenCorpus, synthetic_corpus, token_batches
+from pipetrain.workloads.registry import get_workload
 from pipetrain.workloads.position import batches_left, replica_shares
 from pipetrain.workloads.text.batching import batch_order
 
@@ -170,3 +172,11 @@ def test_max_steps_alone_is_the_run_length_and_with_epochs_a_cap(corpus):
     assert capped.total_steps(corpus) == 16 and capped.epochs_of(corpus) == 2
     plain = TrainConfig(workload="lm", preset="tiny", data="synthetic", batch_size=BATCH)
     assert plain.epochs == 2 and plain.total_steps(corpus) == 16
+
+
+def test_the_start_up_line_says_the_steps_and_the_epochs_they_take(corpus):
+    lm = get_workload("lm")
+    alone = TrainConfig(workload="lm", preset="tiny", data="synthetic", batch_size=BATCH, max_steps=30)
+    assert _length(alone, lm, corpus) == "30 steps, 4 epochs of 8 batches (from --max-steps)"
+    plain = TrainConfig(workload="lm", preset="tiny", data="synthetic", batch_size=BATCH, epochs=1)
+    assert _length(plain, lm, corpus) == "8 steps, 1 epoch of 8 batches"
