@@ -11,8 +11,10 @@ resumed at the reference's own layout gives its losses bitwise.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -29,17 +31,29 @@ WORDS = ("the a cat dog sat on mat ran far away house tree river blue green red 
          "dark").split()
 
 
-def _text(folder: Path) -> Path:
-    """84 paragraphs of 8 to 40 words (76 train documents, 8 held out)."""
+def _documents() -> list[str]:
+    """84 documents of 8 to 40 words (76 train documents, 8 held out)."""
     pick = random.Random(0)
-    paragraphs = [" ".join(pick.choice(WORDS) for _ in range(pick.randint(8, 40))) for _ in range(84)]
+    return [" ".join(pick.choice(WORDS) for _ in range(pick.randint(8, 40))) for _ in range(84)]
+
+
+def _text(folder: Path) -> Path:
+    """The documents as paragraphs of a text file."""
     path = folder / "corpus.txt"
-    path.write_text("\n\n".join(paragraphs))
+    path.write_text("\n\n".join(_documents()))
     return path
 
 
-#: the data the jobs train on, written into a folder (swap this for another source, e.g. a JSON lines file)
-DATA = _text
+def _json_lines(folder: Path) -> Path:
+    """The documents as `{"text": ...}` rows of a JSON lines file."""
+    path = folder / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": document}) + "\n" for document in _documents()))
+    return path
+
+
+#: the data the jobs train on, written into a folder: JSON lines rows where pipetrain reads them (its `data`
+#: room, read through `datasets`), else the same documents as a text file
+DATA = _json_lines if find_spec("pipetrain.data") and find_spec("datasets") else _text
 ARGS = ["--workload", "lm", "--preset", "tiny", "--batch-size", "8", "--max-steps", str(STEPS), "--lr-schedule",
         "cosine", "--warmup-steps", "3", "--no-progress", "--log-every", "100"]
 DP2 = ["--dp", "2", "--pp", "1", "--chunks", "2"]
