@@ -142,7 +142,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         # the batches this epoch has not done yet, from the global sample where they start (seeking, not replaying)
         stream = workload.batches_from(train, config.batch_size, seed=config.seed, epoch=epoch, replica=dp_rank,
                                        replicas=config.parallel.dp, bucket=config.bucket,
-                                       start=at.start(config.batch_size))
+                                       start=min(at.start(config.batch_size), size))
         run_log.begin_epoch(epoch, total=total, done=at.in_epoch)
         for x, y in itertools.islice(stream, max(0, total - at.in_epoch)):
             run_log.begin_step()
@@ -153,9 +153,10 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
             if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
                 totals.add(result)
-            read = min(config.batch_size, size - at.start(config.batch_size))  # a last short batch: the rest
+            here = min(at.start(config.batch_size), size)  # (a checkpoint without `sample`: full batches before)
+            read = min(config.batch_size, size - here)  # a last short batch: the rest of the epoch
             at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict(),
-                          sample=at.start(config.batch_size) + read, samples=at.samples + read)
+                          sample=here + read, samples=at.samples + read)
             run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
                          skipped=outcome.skipped)
             if run_log.due(at.step, epoch_end=at.in_epoch == total):
