@@ -94,8 +94,11 @@ class Workload(ABC):
                           stacklevel=2)
             cls.model = _without_seq_len(model)  # type: ignore[method-assign]
         batches = cls.__dict__.get("batches")
-        if callable(batches):
-            cls.seeks = _takes(batches, "start")
+        if callable(batches) and "seeks" not in cls.__dict__:  # (a class may say it itself)
+            try:
+                cls.seeks = _takes(batches, "start")
+            except (TypeError, ValueError):  # no signature to read: read its epochs from the start
+                cls.seeks = False
 
     def check_preset(self, preset: str) -> None:
         """Raise ConfigError unless `preset` is one of this workload's presets."""
