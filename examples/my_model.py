@@ -111,12 +111,14 @@ class SpiralWorkload(Workload):
                 spiral(request.test_samples, arms, request.seed + 1))
 
     def batches(self, dataset: Spiral, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
-                replica: int, replicas: int, bucket: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                replica: int, replicas: int, bucket: bool = False,
+                start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # the epoch's order depends on (seed, epoch) only; a resumed job starts at global sample `start` of it
         order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
                  if shuffle else torch.arange(len(dataset)))
         share = batch_size // replicas
-        for start in range(0, self.num_batches(dataset, batch_size, replicas=replicas) * batch_size, batch_size):
-            mine = order[start + replica * share : start + (replica + 1) * share]
+        for first in range(start, self.num_batches(dataset, batch_size, replicas=replicas) * batch_size, batch_size):
+            mine = order[first + replica * share : first + (replica + 1) * share]
             yield dataset.points[mine], dataset.arms[mine]
 
     def num_batches(self, dataset: Spiral, batch_size: int, *, replicas: int) -> int:

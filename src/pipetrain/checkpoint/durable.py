@@ -82,8 +82,9 @@ class DurableConfig:
         """Where `resume` reads: `resume_from`, else `save_dir` (its latest complete checkpoint)."""
         return self.resume_from if self.resume_from is not None else self.save_dir
 
-    def check(self, *, model_name: str, model: BlockModel) -> None:
-        """Before any rank starts: the save folder is writable and, with --resume, holds a checkpoint of `model`."""
+    def check(self, *, model_name: str, model: BlockModel, batch_size: int | None = None) -> None:
+        """Before any rank starts: the save folder is writable and, with --resume, holds a checkpoint of `model`
+        (saved inside an epoch: by a job of the same global `batch_size`, when given)."""
         if self.save_dir is None:
             return
         probe_writable(self.save_dir)
@@ -96,13 +97,26 @@ class DurableConfig:
                                   "it does not say where training stopped",
                                   hint="load it with pipetrain.checkpoint.load_checkpoint in your loop, or pass "
                                        "another --save-dir")
+            _check_batch_size(meta.extras["position"], meta.config.get("batch_size"), batch_size, folder)
+
+
+def _check_batch_size(position: Mapping[str, Any], saved: int | None, batch_size: int | None, folder: Path) -> None:
+    """A checkpoint saved inside an epoch is resumed with the global batch it was saved with: its position counts
+    that epoch's batches (and, with --bucket, the epoch's order groups samples in batches of that size)."""
+    if batch_size is None or saved is None or saved == batch_size or not position.get("in_epoch"):
+        return
+    raise ConfigError(f"checkpoint {str(folder)!r} was saved inside epoch {position.get('epoch')} by a job of global "
+                      f"batch size {saved}, this job's is {batch_size}",
+                      hint=f"resume with --batch-size {saved} (the global batch; dp, pp and tp may change)")
 
 
 @dataclass
 class Position:
-    """Where training is: optimizer steps done, the epoch under way (1-based), its batches done, what the
-    epoch has measured so far (`totals`), the reports of finished epochs (`reports`) and the training recipe's
-    state (`recipe`: its skipped-step count; the LR is a function of `step`), all JSON data."""
+    """Where training is: optimizer steps done, the epoch under way (1-based), its batches done, the global
+    samples of its order done (`sample`: where its next batch starts, under any layout; None in a checkpoint
+    written before it was recorded: `in_epoch` full batches), the samples trained in the whole run (`samples`),
+    what the epoch has measured so far (`totals`), the reports of finished epochs (`reports`) and the training
+    recipe's state (`recipe`: its skipped-step count; the LR is a function of `step`), all JSON data."""
 
     step: int = 0
     epoch: int = 1
@@ -110,6 +124,12 @@ class Position:
     totals: dict[str, float] = field(default_factory=dict)
     reports: list[dict[str, Any]] = field(default_factory=list)
     recipe: dict[str, Any] = field(default_factory=dict)
+    sample: int | None = 0
+    samples: int = 0
+
+    def start(self, batch_size: int) -> int:
+        """The global sample of the epoch's order the next batch begins with."""
+        return self.in_epoch * batch_size if self.sample is None else self.sample
 
 
 class DurableRun:
@@ -151,11 +171,12 @@ class DurableRun:
             assert source is not None
             folder = find_checkpoint(source)
             meta = load_checkpoint(folder, self.engine, self.optimizer, model_name=self.model_name)
-            position = Position(**meta.extras["position"])
+            position = Position(**{"sample": None, **meta.extras["position"]})  # None: saved before it was recorded
             self._saved = copy.deepcopy(position.__dict__)
             if dist.get_rank() == 0:
-                log.info("pipetrain: resumed from %s (step %d, epoch %d, %d batches of it done)",
-                         folder, position.step, position.epoch, position.in_epoch)
+                log.info("pipetrain: resumed from %s (step %d, epoch %d, %d batches of it done; its next sample: "
+                         "%s of its order)", folder, position.step, position.epoch, position.in_epoch,
+                         "?" if position.sample is None else position.sample)
         self._step = position.step
         if self._watchdog is not None:
             self._watchdog.progress(position.step)

@@ -80,8 +80,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help=f"synthetic corpus only: test samples (default: {SYNTHETIC_TEST})")
     group.add_argument("--batch-size", type=int, default=64, help="global batch size (default: 64)")
     group.add_argument("--epochs", type=int, default=None,
-                       help=f"default: {REAL_EPOCHS} on the classifier's real reviews, 2 otherwise")
-    group.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+                       help=f"default: {REAL_EPOCHS} on the classifier's real reviews, 2 otherwise; with --max-steps "
+                            "alone, as many as its steps need")
+    group.add_argument("--max-steps", type=int, default=None, metavar="N",
+                       help="the run's length: N optimizer steps, going round the data as often as needed (the "
+                            "epochs follow, said at start-up), the LR schedule N steps long; with --epochs too, a cap: "
+                            "the run ends at whichever comes first")
     group.add_argument("--lr", type=float, default=RECIPE_DEFAULTS.lr,
                        help=f"AdamW (peak) learning rate (default: {RECIPE_DEFAULTS.lr:g})")
     group.add_argument("--seed", type=int, default=0)

@@ -65,8 +65,10 @@ class TrainConfig:
     #: tokens per sample for a workload that `windows` (None: the preset's window for this data)
     seq_len: int | None = None
     batch_size: int = 64
-    #: None: the workload's default for this data (`Workload.job_defaults`)
+    #: None: the workload's default for this data (`Workload.job_defaults`), or, with `max_steps`, as many as the
+    #: steps take (`epochs_of`)
     epochs: int | None = None
+    #: the run's length in optimizer steps (the epochs repeat as needed); with `epochs` too, a cap (whichever ends first)
     max_steps: int | None = None
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 0
@@ -89,6 +91,8 @@ class TrainConfig:
         workload.check_preset(self.preset)
         self._check_data(workload)
         for name, value in workload.job_defaults(synthetic=self.synthetic).items():
+            if name == "epochs" and self.max_steps is not None:
+                continue  # --max-steps alone is the run's length: the epochs follow from it (`epochs_of`)
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         if self.bucket and self.parallel.pipeline.compile:  # lengths vary per batch: compile with symbolic shapes
@@ -141,9 +145,24 @@ class TrainConfig:
         return self.recipe.lr
 
     def total_steps(self, train: Dataset) -> int:
-        """The optimizer steps of the whole run on `train` (epochs of batches, or --max-steps when fewer)."""
+        """The optimizer steps of the whole run on `train`: `max_steps` when set alone (the run's length), else the
+        epochs' batches (or `max_steps` when fewer)."""
+        if self.max_steps is not None and self.epochs is None:
+            return self.max_steps
         per_epoch = self.task().num_batches(train, self.batch_size, replicas=self.parallel.dp)
         return per_epoch * self.epochs if self.max_steps is None else min(per_epoch * self.epochs, self.max_steps)
+
+    def epochs_of(self, train: Dataset) -> int:
+        """The epochs the run goes through on `train`: `epochs`, or (`max_steps` alone) as many as its steps need,
+        the last one cut short where the steps end."""
+        if self.epochs is not None or self.max_steps is None:
+            return self.epochs
+        per_epoch = self.task().num_batches(train, self.batch_size, replicas=self.parallel.dp)
+        if per_epoch < 1:
+            raise ConfigError(f"an epoch of {len(train)} samples holds no global batch of {self.batch_size} over "
+                              f"{self.parallel.dp} replica(s): --max-steps {self.max_steps} cannot be trained",
+                              hint="give more data or pass a smaller --batch-size")
+        return -(-self.max_steps // per_epoch)
 
     def task(self) -> Workload:
         """The registered workload this job trains (on `model_dir` when set)."""

@@ -65,7 +65,17 @@ def _banner(config: TrainConfig, workload: Workload, session: Session, train: Da
             f"{', bucketed' if config.bucket else ''})")
     return (f"{data} | workload {workload.name}, preset {config.preset} | dp={parallel.dp} ({parallel.dp_mode}) x "
             f"pp={parallel.mesh_text} | schedule {pipeline.schedule}, chunks {pipeline.n_microbatches}, recompute "
-            f"{pipeline.checkpoint} | balance {session.engine.balance} | {config.precision} | device {session.device}")
+            f"{pipeline.checkpoint} | balance {session.engine.balance} | {config.precision} | device {session.device}"
+            f" | {_length(config, workload, train)}")
+
+
+def _length(config: TrainConfig, workload: Workload, train: Dataset) -> str:
+    """The run's length: its steps, and the epochs they go through (as many as --max-steps needs, when it is set
+    without --epochs)."""
+    per_epoch = workload.num_batches(train, config.batch_size, replicas=config.parallel.dp)
+    epochs = config.epochs_of(train)
+    return (f"{config.total_steps(train):,} steps, {epochs} epoch{'s' if epochs != 1 else ''} of {per_epoch:,} "
+            f"batches{' (from --max-steps)' if config.epochs is None else ''}")
 
 
 def seed_rank(seed: int, mesh: Mesh) -> None:
@@ -118,20 +128,23 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                   run_log: RunLog) -> list[EpochReport]:
     """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
     per_epoch = workload.num_batches(train, config.batch_size, replicas=config.parallel.dp)
+    epochs, size = config.epochs_of(train), len(train)
     at = durable.start()
     recipe.load_state_dict(at.recipe)
     reports = [EpochReport(**report) for report in at.reports]
     run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
-    for epoch in range(at.epoch, config.epochs + 1):
+    for epoch in range(at.epoch, epochs + 1):
         if config.max_steps is not None and at.step >= config.max_steps:
             break
         start = time.perf_counter()
         totals = MetricTotals(**at.totals)
         total = per_epoch if config.max_steps is None else min(per_epoch, at.in_epoch + config.max_steps - at.step)
-        stream = workload.batches(train, config.batch_size, shuffle=True, seed=config.seed, epoch=epoch,
-                                  replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket)
+        # the batches this epoch has not done yet, from the global sample where they start (seeking, not replaying)
+        stream = workload.batches_from(train, config.batch_size, seed=config.seed, epoch=epoch, replica=dp_rank,
+                                       replicas=config.parallel.dp, bucket=config.bucket,
+                                       start=min(at.start(config.batch_size), size))
         run_log.begin_epoch(epoch, total=total, done=at.in_epoch)
-        for x, y in itertools.islice(stream, at.in_epoch, total):  # the batches this epoch has not done yet
+        for x, y in itertools.islice(stream, max(0, total - at.in_epoch)):
             run_log.begin_step()
             with tracer.step() if tracer is not None else nullcontext():
                 recipe.optimizer.zero_grad(set_to_none=True)
@@ -140,7 +153,10 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
             if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
                 totals.add(result)
-            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict())
+            here = min(at.start(config.batch_size), size)  # (a checkpoint without `sample`: full batches before)
+            read = min(config.batch_size, size - here)  # a last short batch: the rest of the epoch
+            at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict(),
+                          sample=here + read, samples=at.samples + read)
             run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
                          skipped=outcome.skipped)
             if run_log.due(at.step, epoch_end=at.in_epoch == total):
@@ -160,10 +176,10 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                                 synthetic=train.synthetic, data=workload.describe_data(train),
                                 metrics=workload.metrics, best=run_log.best, eval_split=workload.eval_split(test))
         reports.append(report)
-        run_log.epoch(report.line(config.epochs))
+        run_log.epoch(report.line(epochs))
         if partial:
             break
-        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports), recipe.state_dict())
+        at = Position(at.step, epoch + 1, 0, {}, report_dicts(reports), recipe.state_dict(), samples=at.samples)
         durable.end_epoch(at)
     return reports
 

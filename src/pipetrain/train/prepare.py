@@ -103,7 +103,7 @@ def prepare(config: TrainConfig, *, device: str, env: ClusterEnv | None = None, 
         config.parallel.check_nodes(job.local_world_size)  # TP within a node
     if main:  # the process that writes the metrics file and the trace, and commits checkpoints
         check_metrics_file(config.logs.metrics)
-        config.durable.check(model_name=config.model_name(), model=config.model())
+        config.durable.check(model_name=config.model_name(), model=config.model(), batch_size=config.batch_size)
         check_log_folders(config.logs)
     data = load_data(config)
     config.recipe.check_run(config.total_steps(data[0]))

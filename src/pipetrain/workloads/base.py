@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -61,6 +62,13 @@ class Workload(ABC):
     replica (see `num_batches`); `bucket` asks for batches of similar lengths where the data has lengths.
     A subclass written before `model` took `seq_len` (`def model(self, preset)`) keeps working, with a
     DeprecationWarning when the class is defined.
+
+    The data position (docs/long-jobs.md): the order of an epoch's samples depends on `seed` and `epoch` alone
+    (never on `replica`/`replicas`), and `batches(..., start=S)` yields the global batches that begin at global
+    sample `S` of that order, computing where they are instead of building the batches before them: a job
+    resumed under another layout then trains exactly what the uninterrupted job would have. A subclass whose
+    `batches` takes no `start` keeps working: its epoch is read from the beginning and the batches before the
+    position are skipped (`seeks` is False).
     """
 
     name: ClassVar[str]
@@ -74,6 +82,8 @@ class Workload(ABC):
     default_data: ClassVar[str | None] = None
     #: whether `model(preset, seq_len=N)` and `DataRequest.seq_len` change the window (else --seq-len is refused)
     windows: ClassVar[bool] = False
+    #: whether `batches` takes `start` (set from its signature when the class is defined; see `batches_from`)
+    seeks: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -83,6 +93,12 @@ class Workload(ABC):
                           "model(self, preset, *, seq_len=None) (the old form is deprecated)", DeprecationWarning,
                           stacklevel=2)
             cls.model = _without_seq_len(model)  # type: ignore[method-assign]
+        batches = cls.__dict__.get("batches")
+        if callable(batches) and "seeks" not in cls.__dict__:  # (a class may say it itself)
+            try:
+                cls.seeks = _takes(batches, "start")
+            except (TypeError, ValueError):  # no signature to read: read its epochs from the start
+                cls.seeks = False
 
     def check_preset(self, preset: str) -> None:
         """Raise ConfigError unless `preset` is one of this workload's presets."""
@@ -129,9 +145,25 @@ class Workload(ABC):
     @abstractmethod
     def batches(
         self, dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
-        replica: int, replicas: int, bucket: bool = False,
+        replica: int, replicas: int, bucket: bool = False, start: int = 0,
     ) -> Iterator[Batch]:
-        """One epoch of this replica's `(inputs, targets)` batches; `batch_size` is the global batch."""
+        """One epoch of this replica's `(inputs, targets)` batches; `batch_size` is the global batch. `start`: the
+        global sample of the epoch's order the first batch begins with (a resumed job's position; a multiple of
+        `batch_size`); the batches before it are not built. The order depends on `seed` and `epoch`, not on
+        `replica` or `replicas`."""
+
+    def batches_from(
+        self, dataset: Dataset, batch_size: int, *, seed: int, epoch: int, replica: int, replicas: int,
+        bucket: bool = False, start: int = 0,
+    ) -> Iterator[Batch]:
+        """The shuffled training batches of `epoch` from global sample `start` on: `batches(..., start=start)`,
+        or, for a workload that cannot seek (`seeks` False), its epoch with the `start // batch_size` batches
+        before the position skipped."""
+        kwargs = {"shuffle": True, "seed": seed, "epoch": epoch, "replica": replica, "replicas": replicas,
+                  "bucket": bucket}
+        if self.seeks:
+            return self.batches(dataset, batch_size, start=start, **kwargs)
+        return itertools.islice(self.batches(dataset, batch_size, **kwargs), start // batch_size, None)
 
     @abstractmethod
     def num_batches(self, dataset: Dataset, batch_size: int, *, replicas: int) -> int:
@@ -150,9 +182,13 @@ class Workload(ABC):
         return "synthetic test" if dataset.synthetic else "test"
 
 
+def _takes(method: Callable[..., Any], name: str) -> bool:
+    parameters = inspect.signature(method).parameters.values()
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def _takes_seq_len(model: Callable[..., Any]) -> bool:
-    parameters = inspect.signature(model).parameters.values()
-    return any(p.name == "seq_len" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return _takes(model, "seq_len")
 
 
 def _without_seq_len(model: Callable[..., BlockModel]) -> Callable[..., BlockModel]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.errors import ConfigError, DataError
+from pipetrain.workloads.position import replica_shares
 from pipetrain.workloads.text.batching import check_batching, num_batches, random_stream
 from pipetrain.workloads.text.words import PAD_ID, UNK_ID, Vocabulary, positive, tokenize
 
@@ -217,8 +218,10 @@ def batches(
     replica: int = 0,
     replicas: int = 1,
     drop_last: bool = False,
+    start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of `(tokens, labels)` batches for data-parallel replica `replica` of `replicas`.
+    """One epoch of `(tokens, labels)` batches for data-parallel replica `replica` of `replicas`, from global sample
+    `start` of the epoch's order on (a resumed job's position: the batches before it are not built).
 
     The dataset order is a permutation seeded by `(seed, epoch)` when `shuffle`, else the stored order.
     Consecutive global batches of `batch_size` samples are cut into `replicas` equal, contiguous parts,
@@ -234,8 +237,6 @@ def batches(
         order = torch.randperm(size, generator=random_stream(seed, f"epoch-{epoch}"))
     else:
         order = torch.arange(size)
-    for index in range(num_batches(size, batch_size, replicas=replicas, drop_last=drop_last)):
-        global_batch = order[index * batch_size : (index + 1) * batch_size]
-        share = len(global_batch) // replicas
-        part = global_batch[replica * share : (replica + 1) * share]
+    for _, part in replica_shares(order, batch_size, replica=replica, replicas=replicas, start=start,
+                                  drop_last=drop_last):
         yield dataset.tokens[part], dataset.labels[part]

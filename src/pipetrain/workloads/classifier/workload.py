@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from pipetrain.workloads.position import replica_shares
 from pipetrain.workloads.text.batching import batch_order, length_step, padded_length
 from pipetrain.workloads.classifier.imdb import PAD_ID, ReviewDataset, batches, load_aclimdb, num_batches, synthetic_imdb
 from pipetrain.workloads.classifier.imdb_package import load_package_imdb
@@ -27,7 +28,8 @@ REAL_RECIPE = {"lr_schedule": "cosine", "warmup_steps": 30, "grad_clip": 1.0}
 
 
 def bucketed_reviews(
-    dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int, replicas: int
+    dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int, replicas: int,
+    start: int = 0,
 ) -> Iterator[Batch]:
     """`imdb.batches` with reviews of similar lengths together, each batch cut to its longest review (rounded
     up to `length_step(seq_len)` tokens: 8 up to a window of 128, at most 16 lengths per window) instead of the
@@ -36,11 +38,8 @@ def bucketed_reviews(
     order = batch_order(lengths, batch_size, shuffle=shuffle, bucket=True, seed=seed, stream=f"epoch-{epoch}",
                         bucket_stream=f"review-buckets-{epoch}")
     step = length_step(dataset.seq_len)
-    for index in range(num_batches(dataset, batch_size, replicas=replicas)):
-        global_batch = order[index * batch_size : (index + 1) * batch_size]
+    for global_batch, part in replica_shares(order, batch_size, replica=replica, replicas=replicas, start=start):
         length = padded_length(lengths[global_batch], dataset.seq_len, step)
-        share = len(global_batch) // replicas
-        part = global_batch[replica * share : (replica + 1) * share]
         yield dataset.tokens[part, :length], dataset.labels[part]
 
 
@@ -98,13 +97,13 @@ class ClassifierWorkload(Workload):
 
     def batches(
         self, dataset: ReviewDataset, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
-        replica: int, replicas: int, bucket: bool = False,
+        replica: int, replicas: int, bucket: bool = False, start: int = 0,
     ) -> Iterator[Batch]:
         if not bucket:  # every review padded to the preset's seq_len
             return batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
-                           replicas=replicas)
+                           replicas=replicas, start=start)
         return bucketed_reviews(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
-                                replicas=replicas)
+                                replicas=replicas, start=start)
 
     def num_batches(self, dataset: ReviewDataset, batch_size: int, *, replicas: int) -> int:
         return num_batches(dataset, batch_size, replicas=replicas)

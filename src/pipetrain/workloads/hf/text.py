@@ -22,7 +22,7 @@ from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.text.batching import batch_order
 from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
-from pipetrain.workloads.classifier.imdb import num_batches
+from pipetrain.workloads.position import replica_shares
 
 __all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "load_tokenizer", "tokenize_documents", "window_batches"]
 
@@ -111,17 +111,15 @@ def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vo
 
 
 def window_batches(data: TokenWindows, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int = 0,
-                   replicas: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                   replicas: int = 1, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of `(input ids, next-token targets)` `[share, seq_len]` for replica `replica` of `replicas`:
-    global batches of `batch_size` rows cut into equal contiguous shares (as `corpus.token_batches`);
-    targets past a row's end are `IGNORE_INDEX` (by position: a pad id may be a real token)."""
+    global batches of `batch_size` rows cut into equal contiguous shares (as `corpus.token_batches`), from global
+    sample `start` of the epoch's order on; targets past a row's end are `IGNORE_INDEX` (by position: a pad id
+    may be a real token)."""
     order = batch_order(data.lengths, batch_size, shuffle=shuffle, bucket=False, seed=seed,
                         stream=f"hf-epoch-{epoch}", bucket_stream=f"hf-buckets-{epoch}")
     positions = torch.arange(1, data.tokens.shape[1])
-    for index in range(num_batches(len(data), batch_size, replicas=replicas)):
-        global_batch = order[index * batch_size : (index + 1) * batch_size]
-        share = len(global_batch) // replicas
-        part = global_batch[replica * share : (replica + 1) * share]
+    for _, part in replica_shares(order, batch_size, replica=replica, replicas=replicas, start=start):
         tokens = data.tokens[part]
         targets = tokens[:, 1:].clone()
         targets[positions[None, :] >= data.lengths[part][:, None]] = IGNORE_INDEX

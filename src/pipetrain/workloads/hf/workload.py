@@ -125,12 +125,12 @@ class HFWorkload(LanguageModelWorkload):
                                   pack=self.pack, source=f"{source}, tokenized by {self.folder.name}")
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
-                replicas: int, bucket: bool = False) -> Iterator[Batch]:
+                replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
         if isinstance(dataset, TokenWindows):
             return window_batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
-                                  replicas=replicas)
+                                  replicas=replicas, start=start)
         return super().batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
-                               replicas=replicas, bucket=bucket)
+                               replicas=replicas, bucket=bucket, start=start)
 
     def describe_data(self, dataset: Any) -> str:
         if isinstance(dataset, TokenWindows):

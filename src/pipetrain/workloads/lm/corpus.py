@@ -24,6 +24,7 @@ import torch
 
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.workloads.position import replica_shares
 from pipetrain.workloads.text.batching import LENGTH_STEP, batch_order, padded_length
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books, read_text_file, word_windows
 from pipetrain.workloads.classifier.imdb import (
@@ -33,7 +34,6 @@ from pipetrain.workloads.classifier.imdb import (
     MIN_WORDS,
     PAD_ID,
     Vocabulary,
-    num_batches,
     random_stream,
     tokenize,
 )
@@ -169,9 +169,10 @@ def load_documents(documents: list[str], *, seq_len: int, vocab_size: int, sourc
 
 def token_batches(
     corpus: TokenCorpus, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
-    replica: int = 0, replicas: int = 1, bucket: bool = False,
+    replica: int = 0, replicas: int = 1, bucket: bool = False, start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of `(inputs, targets)` `[share, length]` batches for replica `replica` of `replicas`.
+    """One epoch of `(inputs, targets)` `[share, length]` batches for replica `replica` of `replicas`, from global
+    sample `start` of the epoch's order on (`pipetrain.workloads.position`).
 
     Global batches of `batch_size` documents are cut into equal contiguous shares as in `imdb.batches`
     (same count for every replica; a last short batch smaller than `replicas` is dropped). `length` is the
@@ -181,11 +182,8 @@ def token_batches(
     order = batch_order(corpus.lengths, batch_size, shuffle=shuffle, bucket=bucket, seed=seed,
                         stream=f"lm-epoch-{epoch}", bucket_stream=f"lm-buckets-{epoch}")
     width = corpus.tokens.shape[1] - 1
-    for index in range(num_batches(len(corpus), batch_size, replicas=replicas)):
-        global_batch = order[index * batch_size : (index + 1) * batch_size]
+    for global_batch, part in replica_shares(order, batch_size, replica=replica, replicas=replicas, start=start):
         length = padded_length(corpus.lengths[global_batch] - 1, width)
-        share = len(global_batch) // replicas
-        part = global_batch[replica * share : (replica + 1) * share]
         tokens = corpus.tokens[part, : length + 1]
         targets = tokens[:, 1:].clone()
         targets[targets == PAD_ID] = IGNORE_INDEX

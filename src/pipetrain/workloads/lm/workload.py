@@ -56,10 +56,10 @@ class LanguageModelWorkload(Workload):
 
     def batches(
         self, dataset: TokenCorpus, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
-        replica: int, replicas: int, bucket: bool = False,
+        replica: int, replicas: int, bucket: bool = False, start: int = 0,
     ) -> Iterator[Batch]:
         return token_batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
-                             replicas=replicas, bucket=bucket)
+                             replicas=replicas, bucket=bucket, start=start)
 
     def num_batches(self, dataset: TokenCorpus, batch_size: int, *, replicas: int) -> int:
         return num_batches(len(dataset), batch_size, replicas=replicas)
