@@ -25,7 +25,7 @@ def hf_tp_plan(config: Any, family: Family | str, index: int, num_blocks: int, t
     if family.tp_plan is None:
         raise ConfigError(f"the Hugging Face {family.name} model has no tensor-parallel plan, so --tp {tp} cannot "
                           "split it", hint="run it with --tp 1")
-    plan = family.tp_plan(config, tp)
+    plan = family.layer_tp_plan(config, tp)
     if sequence_parallel:
         raise ConfigError(f"--sequence-parallel is not available for the Hugging Face {family.name} model's TP plan "
                           "in this version (its norms and head stay whole)",

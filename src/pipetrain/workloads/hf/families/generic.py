@@ -1,0 +1,137 @@
+"""The generic description: a model type with no description of its own but the common layout.
+
+transformers' causal LM class for the config (`AutoModelForCausalLM`'s mapping) is built on the meta device; when
+it holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm`, `model.rotary_emb` and
+`lm_head` (an `nn.Linear` without bias), the description names the classes found there (the decoder layer is
+`type(model.layers[0])`), reads the norm's epsilon field and initial value, picks the mask as transformers does
+(`config.layer_types`, else `config.sliding_window`) and translates the config's own `base_model_tp_plan` into
+torch's styles. What such a model does beyond its layers (a scaled embedding or logits, a soft cap) is not
+described, so the adapter says in one line that the generic description is used and `pipetrain check` is the proof;
+a class without that layout is refused naming the parts that are missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from pipetrain.compat.tensor_styles import heads_replicated
+from pipetrain.errors import ConfigError
+from pipetrain.parallel.tensor import TPPlan
+from pipetrain.workloads.hf.families.family import (Family, causal_mask, layer_types_mask, require_transformers,
+                                                    sliding_window_mask, tp_divides)
+
+__all__ = ["COMMON_LAYOUT", "generic_family"]
+
+log = logging.getLogger("pipetrain")
+
+#: the parts of the common layout (transformers' Llama-derived models): role -> attribute path
+COMMON_LAYOUT = {"embedding": "model.embed_tokens", "layers": "model.layers", "final norm": "model.norm",
+                 "rotary tables": "model.rotary_emb", "head": "lm_head"}
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")
+#: transformers' TP style names -> torch's styles (a module on this rank's heads for "replicated_with_grad_allreduce")
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+           "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+           "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+           "replicated_with_grad_allreduce": heads_replicated}
+_BUILT: dict[str, Family] = {}
+
+
+def _dotted(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _causal_lm_class(config: Any) -> type[nn.Module]:
+    mapping = require_transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise ConfigError(f"Hugging Face model type {config.model_type!r} is not supported: it has no description in "
+                          "pipetrain and transformers has no causal LM class for it",
+                          hint="pass a causal decoder LM (one AutoModelForCausalLM loads)") from None
+
+
+def _misfit(config: Any, model: nn.Module) -> list[str]:
+    """What of the common layout `model` lacks or holds differently, one phrase each."""
+    found = {role: _get(model, path) for role, path in COMMON_LAYOUT.items()}
+    wrong = [f"no {path} ({role})" for role, path in COMMON_LAYOUT.items() if found[role] is None]
+    embedding, head, layers = found["embedding"], found["head"], found["layers"]
+    if embedding is not None and type(embedding) is not nn.Embedding:
+        wrong.append(f"model.embed_tokens is a {type(embedding).__name__}, not an nn.Embedding (a scaled embedding?)")
+    if head is not None and (type(head) is not nn.Linear or head.bias is not None):
+        wrong.append(f"lm_head is a {type(head).__name__}{' with a bias' if getattr(head, 'bias', None) is not None else ''}, "
+                     "not an nn.Linear without bias")
+    if layers is not None and (not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers):
+        wrong.append("model.layers is not a ModuleList of num_hidden_layers decoder layers")
+    norm = found["final norm"]
+    if norm is not None and not any(isinstance(getattr(config, f, None), float) for f in _EPS_FIELDS):
+        wrong.append(f"no epsilon field for the final norm in the config (one of {', '.join(_EPS_FIELDS)})")
+    return wrong
+
+
+def _tp_plan_of(config: Any):
+    styles = dict(getattr(config, "base_model_tp_plan", None) or {})
+    unknown = sorted({style for style in styles.values() if style not in _STYLES})
+    prefix = "layers.*."
+
+    def plan(config: Any, tp: int) -> TPPlan:
+        if not styles or unknown or any(not key.startswith(prefix) for key in styles):
+            raise ConfigError(f"the generic description of {config.model_type!r} cannot split its layers: "
+                              + (f"its TP plan uses {', '.join(unknown)}" if unknown else
+                                 "transformers gives it no decoder-layer TP plan"),
+                              hint="run it with --tp 1")
+        tp_divides(tp, {name: getattr(config, name) for name in ("num_attention_heads", "num_key_value_heads",
+                                                                 "intermediate_size")
+                        if isinstance(getattr(config, name, None), int)})
+        built: dict[str, ParallelStyle] = {f"layer.{key[len(prefix):]}": _STYLES[style]() for key, style in
+                                           styles.items()}
+        return built
+
+    return plan
+
+
+def generic_family(config: Any) -> Family:
+    """The generic description of `config`'s model type (built once per process, said in one log line), or one
+    ConfigError naming what of the common layout its transformers class lacks."""
+    name = config.model_type
+    if name in _BUILT:
+        return _BUILT[name]
+    cls = _causal_lm_class(config)
+    with torch.device("meta"):
+        model = cls(copy.deepcopy(config))
+    wrong = _misfit(config, model)
+    if wrong:
+        raise ConfigError(f"Hugging Face model type {name!r} is not supported: it has no description in pipetrain and "
+                          f"{cls.__name__} does not have the common layout: {'; '.join(wrong)}",
+                          hint="describe the family (a Family in pipetrain/workloads/hf/families/, see docs/models.md)")
+    norm = model.get_submodule(COMMON_LAYOUT["final norm"])
+    eps = next(f for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float))
+    norm_init = type(norm)(config.hidden_size, eps=getattr(config, eps)).weight.flatten()[0].item()
+    layer_types = getattr(config, "layer_types", None)
+    family = Family(
+        name=name, embed=COMMON_LAYOUT["embedding"], layers=COMMON_LAYOUT["layers"], norm=COMMON_LAYOUT["final norm"],
+        layer_class=_dotted(type(model.get_submodule("model.layers.0"))), norm_class=_dotted(type(norm)),
+        norm_eps=eps, rotary_class=_dotted(type(model.get_submodule(COMMON_LAYOUT["rotary tables"]))),
+        position_ids=True, norm_init=norm_init, tp_plan=_tp_plan_of(config),
+        mask=(layer_types_mask if layer_types is not None and len(layer_types) == config.num_hidden_layers
+              else sliding_window_mask if getattr(config, "sliding_window", None) is not None else causal_mask),
+    )
+    log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
+                "run `pipetrain check` on it, which is the proof that it trains the same as unsplit",
+                name, cls.__name__, type(model.get_submodule("model.layers.0")).__name__, type(norm).__name__,
+                type(model.get_submodule(COMMON_LAYOUT["rotary tables"])).__name__)
+    _BUILT[name] = family
+    return family
