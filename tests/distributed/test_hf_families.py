@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from pipetrain.check import run_checks  # noqa: E402
 from pipetrain.checkpoint.state import save_checkpoint  # noqa: E402
 from pipetrain.cli import main as cli_main  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
@@ -36,6 +37,7 @@ from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.pipeline import PipelineEngine  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
+from pipetrain.train.loop import TrainConfig, load_data  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from pipetrain.workloads.hf.families import FAMILIES  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, make_batches,  # noqa: E402
@@ -188,3 +190,26 @@ def test_export_hf_round_trip_gives_the_trained_logits(family, runs, tmp_path, c
         theirs, ours = exported(input_ids=ids).logits, trained(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours, rtol=RTOL, atol=ATOL)
     assert (theirs - before).abs().max() > 100 * ATOL, "the steps did not change the model"
+
+
+@pytest.fixture(scope="module")
+def checks(runs, tmp_path_factory):
+    """`pipetrain check --workload hf --model DIR --data synthetic --batch-size 4 --seq-len 32 --steps 2 --pp 2
+    --schedule 1f1b --chunks 2` for every family: all in one job of 2 ranks (what the command runs, `run_checks`)."""
+    _, _, folders, _ = runs
+    pipeline = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)
+    configs = {family: TrainConfig(parallel=ParallelConfig(pipeline=pipeline), workload="hf",
+                                   model_dir=Path(folder), data="synthetic", batch_size=4, seq_len=32,
+                                   train_samples=8, test_samples=4, epochs=1, progress=False)
+               for family, folder in folders.items()}
+    jobs = [(config, load_data(config)[0]) for config in configs.values()]
+    return dict(zip(configs, run_checks(jobs, steps=2, work_dir=tmp_path_factory.mktemp("check"))))
+
+
+@pytest.mark.parametrize("family", sorted(family_configs()))
+def test_pipetrain_check_passes_each_family(family, checks):
+    report = checks[family]
+    text = "\n".join(report.lines())
+    assert report.passed and text.splitlines()[-1].startswith("PASS"), text
+    worst = max(max(d.grad for d in step.blocks.values()) for step in report.steps)
+    assert 0 < worst <= report.tolerances.grad  # compared for real: round-off shows, within tolerance

@@ -110,8 +110,14 @@ def generic_family(config: Any) -> Family:
     if name in _BUILT:
         return _BUILT[name]
     cls = _causal_lm_class(config)
-    with torch.device("meta"):
-        model = cls(copy.deepcopy(config))
+    logging_ = require_transformers().utils.logging
+    verbosity = logging_.get_verbosity()
+    logging_.set_verbosity_error()  # its advice for the class's own uses (BERT's "add is_decoder=True") is noise here
+    try:
+        with torch.device("meta"):
+            model = cls(copy.deepcopy(config))
+    finally:
+        logging_.set_verbosity(verbosity)
     wrong = _misfit(config, model)
     if wrong:
         raise ConfigError(f"Hugging Face model type {name!r} is not supported: it has no description in pipetrain and "
