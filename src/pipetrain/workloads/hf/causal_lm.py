@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs (Llama family, GPT-2) as pipetrain blocks, each rank building and loading only its own.
+"""Hugging Face causal LMs (the described families: Llama, GPT-2, Qwen2/3, Mistral, Gemma, Phi-3, OLMo-2; others
+with the common layout) as pipetrain blocks, each rank building and loading only its own.
 
 `HFCausalLM` reads what it needs about a model type from its `Family` description (`families/`): the blocks
 (`blocks.py`: embedding, one block per decoder layer, head) are transformers' own modules, named as in the

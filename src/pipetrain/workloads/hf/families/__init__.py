@@ -1,10 +1,10 @@
 """The transformers model types pipetrain splits, one `Family` description each, and the one lookup.
 
-A new family (Qwen2, Mistral, Gemma, ...) is one more description in a module of its own, added to `FAMILIES`: its
-`model_type`; where the embedding, position embedding, decoder layers, final norm and head live in the transformers
-model; the class names of the decoder layer, final norm and rotary tables; what a layer takes (position ids,
-rotary tables, how its attention mask is built, e.g. sliding windows); embedding scaling and ties; and the TP plan
-of one decoder layer with its divisibility rule (Llama's `llama_tp_plan` fits Qwen2 and Mistral as it is).
+Described: Llama and GPT-2 (`llama.py`, `gpt2.py`); Qwen2 (2.5), Qwen3, Mistral and Gemma as Llama plus what differs
+(`llama_shaped.py`); Phi-3 (`phi3.py`: fused projections, partial rotary) and OLMo-2 (`olmo2.py`: post-norms, q/k
+norms over all heads). A new family is one more description added to `FAMILIES`. A model type without one but with
+transformers' common layout gets the generic description (`generic.py`, said in one log line); any other is
+refused naming the supported types and what of the layout is missing.
 """
 
 from __future__ import annotations

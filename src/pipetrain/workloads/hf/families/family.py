@@ -1,8 +1,11 @@
 """`Family`: one transformers model type described once (its parts' places, its layers' inputs, its TP split).
 
 `HFCausalLM` reads nothing else about a model type: the blocks are built from the classes named here (looked up
-in `transformers.models.<name>.modeling_<name>`), their checkpoint keys are the attribute paths named here, and a
-decoder layer's tensor-parallel plan is the family's `tp_plan`.
+in `transformers.models.<name>.modeling_<name>`, or by their dotted path), their checkpoint keys are the attribute
+paths named here, the mask a layer gets is the family's `mask` builder (causal, sliding window, per layer type),
+and a decoder layer's tensor-parallel plan is `layer_tp_plan`. The fields that the layer class computes by itself
+(biases, q/k norms, fused projections, post-norms) are described too, so a layer's sizes are read from the config
+with the description alone (a test counts them against transformers' layer).
 """
 
 from __future__ import annotations
