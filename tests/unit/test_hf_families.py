@@ -168,3 +168,18 @@ def test_no_module_outside_the_descriptions_branches_on_a_family_name():
                    'if "gemma" == name:'):
         assert pattern.search(branch), branch
     assert not pattern.search('any(p.name == "seq_len" for p in parameters)')
+
+
+def test_the_generic_tp_plan_is_transformers_own_or_refused_naming_the_style(monkeypatch):
+    monkeypatch.setattr(generic, "_BUILT", {})
+    config = family_configs()["qwen3"]
+    plan = generic.generic_family(config).layer_tp_plan(config, 2)  # Qwen3 read as if it had no description
+    assert type(plan["layer.self_attn.q_norm"]).__name__ == "SequenceParallel"  # its q/k norms over head_dim
+    assert set(plan) == {f"layer.{key.removeprefix('layers.*.')}" for key in config.base_model_tp_plan}
+    for key, style in (("layers.*.mlp.gate_proj", "packed_colwise"),  # a style pipetrain does not translate
+                       ("layers.*.input_layernorm", "replicated_with_grad_allreduce")):  # not on the heads
+        monkeypatch.setattr(generic, "_BUILT", {})
+        config.base_model_tp_plan = {**type(config).base_model_tp_plan, key: style}
+        with pytest.raises(ConfigError, match=f"uses '{style}' \\({re.escape(key)}\\)") as err:
+            generic.generic_family(config).layer_tp_plan(config, 2)
+        assert "--tp 1" in err.value.hint

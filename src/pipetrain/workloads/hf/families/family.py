@@ -22,7 +22,8 @@ from pipetrain.compat.tensor_styles import heads_replicated
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 
-__all__ = ["Family", "causal_mask", "sliding_window_mask", "layer_types_mask", "require_transformers", "tp_divides"]
+__all__ = ["Family", "causal_mask", "sliding_window_mask", "layer_types_mask", "transformers_mask", "require_transformers",
+           "tp_divides"]
 
 
 def require_transformers() -> Any:
@@ -57,6 +58,17 @@ def layer_types_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
     sliding = config.layer_types[index] == "sliding_attention"
     build = masks.create_sliding_window_causal_mask if sliding else masks.create_causal_mask
     return build(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+
+
+def transformers_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
+    """The mask of a family without a description (the generic one), picked as transformers' models pick it:
+    per `config.layer_types` when the config lists one type per layer, else sliding when `config.sliding_window`
+    is set, else causal."""
+    types = getattr(config, "layer_types", None)
+    if types is not None and len(types) == config.num_hidden_layers:
+        return layer_types_mask(config, hidden, index)
+    return sliding_window_mask(config, hidden, index) if getattr(config, "sliding_window", None) is not None \
+        else causal_mask(config, hidden, index)
 
 
 def tp_divides(tp: int, sizes: dict[str, int]) -> None:

@@ -3,8 +3,8 @@
 transformers' causal LM class for the config (`AutoModelForCausalLM`'s mapping) is built on the meta device; when
 it holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm`, `model.rotary_emb` and
 `lm_head` (an `nn.Linear` without bias), the description names the classes found there (the decoder layer is
-`type(model.layers[0])`), reads the norm's epsilon field and initial value, picks the mask as transformers does
-(`config.layer_types`, else `config.sliding_window`) and translates the config's own `base_model_tp_plan` into
+`type(model.layers[0])`), reads the norm's epsilon field and initial value, picks each layer's mask as transformers
+does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and translates the config's own `base_model_tp_plan` into
 torch's styles. What such a model does beyond its layers (a scaled embedding or logits, a soft cap) is not
 described, so the adapter says in one line that the generic description is used and `pipetrain check` is the proof;
 a class without that layout is refused naming the parts that are missing.
@@ -19,13 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipetrain.compat.tensor_styles import heads_replicated
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
-from pipetrain.workloads.hf.families.family import (Family, causal_mask, layer_types_mask, require_transformers,
-                                                    sliding_window_mask, tp_divides)
+from pipetrain.workloads.hf.families.family import Family, require_transformers, tp_divides, transformers_mask
 
 __all__ = ["COMMON_LAYOUT", "generic_family"]
 
@@ -82,25 +81,30 @@ def _misfit(config: Any, model: nn.Module) -> list[str]:
     return wrong
 
 
-def _tp_plan_of(config: Any):
+def _tp_plan(config: Any, tp: int) -> TPPlan:
+    """The decoder layer's plan: transformers' own `base_model_tp_plan` of `config`, as torch's styles."""
     styles = dict(getattr(config, "base_model_tp_plan", None) or {})
-    unknown = sorted({style for style in styles.values() if style not in _STYLES})
     prefix = "layers.*."
+    with torch.device("meta"):
+        layer = generic_family(config).resolve(generic_family(config).layer_class)(config, 0)
+    head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
 
-    def plan(config: Any, tp: int) -> TPPlan:
-        if not styles or unknown or any(not key.startswith(prefix) for key in styles):
-            raise ConfigError(f"the generic description of {config.model_type!r} cannot split its layers: "
-                              + (f"its TP plan uses {', '.join(unknown)}" if unknown else
-                                 "transformers gives it no decoder-layer TP plan"),
-                              hint="run it with --tp 1")
-        tp_divides(tp, {name: getattr(config, name) for name in ("num_attention_heads", "num_key_value_heads",
-                                                                 "intermediate_size")
-                        if isinstance(getattr(config, name, None), int)})
-        built: dict[str, ParallelStyle] = {f"layer.{key[len(prefix):]}": _STYLES[style]() for key, style in
-                                           styles.items()}
-        return built
+    def fits(key: str, style: str) -> bool:  # a whole weight on the rank's heads: only a norm over head_dim
+        if style != "replicated_with_grad_allreduce":
+            return style in _STYLES
+        weight = getattr(_get(layer, key[len(prefix):]) if key.startswith(prefix) else None, "weight", None)
+        return weight is not None and head_dim is not None and weight.numel() == head_dim
 
-    return plan
+    unknown = sorted({f"{style!r} ({key})" for key, style in styles.items() if not fits(key, style)})
+    if not styles or unknown or any(not key.startswith(prefix) for key in styles):
+        raise ConfigError(f"the generic description of {config.model_type!r} cannot split its layers: "
+                          + (f"transformers' TP plan for it uses {', '.join(unknown)}, which pipetrain does not "
+                             "translate" if unknown else "transformers gives it no decoder-layer TP plan"),
+                          hint="run it with --tp 1")
+    tp_divides(tp, {name: getattr(config, name) for name in ("num_attention_heads", "num_key_value_heads",
+                                                             "intermediate_size")
+                    if isinstance(getattr(config, name, None), int)})
+    return {f"layer.{key[len(prefix):]}": _STYLES[style]() for key, style in styles.items()}
 
 
 def generic_family(config: Any) -> Family:
@@ -126,14 +130,11 @@ def generic_family(config: Any) -> Family:
     norm = model.get_submodule(COMMON_LAYOUT["final norm"])
     eps = next(f for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float))
     norm_init = type(norm)(config.hidden_size, eps=getattr(config, eps)).weight.flatten()[0].item()
-    layer_types = getattr(config, "layer_types", None)
     family = Family(
         name=name, embed=COMMON_LAYOUT["embedding"], layers=COMMON_LAYOUT["layers"], norm=COMMON_LAYOUT["final norm"],
         layer_class=_dotted(type(model.get_submodule("model.layers.0"))), norm_class=_dotted(type(norm)),
         norm_eps=eps, rotary_class=_dotted(type(model.get_submodule(COMMON_LAYOUT["rotary tables"]))),
-        position_ids=True, norm_init=norm_init, tp_plan=_tp_plan_of(config),
-        mask=(layer_types_mask if layer_types is not None and len(layer_types) == config.num_hidden_layers
-              else sliding_window_mask if getattr(config, "sliding_window", None) is not None else causal_mask),
+        position_ids=True, norm_init=norm_init, tp_plan=_tp_plan, mask=transformers_mask,
     )
     log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
                 "run `pipetrain check` on it, which is the proof that it trains the same as unsplit",
