@@ -12,8 +12,8 @@ against the tied tensor, whose gradient sums both uses). The same job runs Qwen3
 removed from its description: the norms' gradients then miss the other rank's heads, and the test asserts they
 differ (the detail of the description is what makes it exact). The pp2 1F1B checkpoint of each family is exported
 with `pipetrain export CKPT OUT --hf`; `AutoModelForCausalLM.from_pretrained(OUT)` gives the unsplit model's
-logits after the same steps. `pipetrain check` (2 steps, pp2 1F1B, 2 chunks, its own tolerances) runs on every
-family in one job of 2 ranks, and once from the command line.
+logits after the same steps. `pipetrain check` (2 steps, pp2 1F1B, 2 chunks, its own tolerances) passes every
+family, and a tiny Arcee on the generic description, in one job of 2 ranks (what the command runs).
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ def test_export_hf_round_trip_gives_the_trained_logits(family, runs, tmp_path, c
 def checks(runs, tmp_path_factory):
     """`pipetrain check --workload hf --model DIR --data synthetic --batch-size 4 --seq-len 32 --steps 2 --pp 2
     --schedule 1f1b --chunks 2` for every family: all in one job of 2 ranks (what the command runs, `run_checks`)."""
-    _, _, folders, _ = runs
+    _, _, folders, root = runs
+    folders = {**folders, "arcee (generic)": str(_arcee_folder(root / "arcee"))}
     pipeline = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)
     configs = {family: TrainConfig(parallel=ParallelConfig(pipeline=pipeline), workload="hf",
                                    model_dir=Path(folder), data="synthetic", batch_size=4, seq_len=32,
@@ -206,7 +207,20 @@ def checks(runs, tmp_path_factory):
     return dict(zip(configs, run_checks(jobs, steps=2, work_dir=tmp_path_factory.mktemp("check"))))
 
 
-@pytest.mark.parametrize("family", sorted(family_configs()))
+def _arcee_folder(folder: Path) -> Path:
+    """A tiny Arcee (no description of its own, the common layout: the generic description) with the tokenizer."""
+    tokenizer = tiny_tokenizer()
+    sizes = {k: v for k, v in family_configs()["mistral"].to_dict().items()
+             if k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "max_position_embeddings", "pad_token_id")}
+    torch.manual_seed(SEED)
+    config = transformers.ArceeConfig(**sizes, vocab_size=len(tokenizer))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", sorted(family_configs()) + ["arcee (generic)"])
 def test_pipetrain_check_passes_each_family(family, checks):
     report = checks[family]
     text = "\n".join(report.lines())

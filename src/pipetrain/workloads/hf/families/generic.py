@@ -7,7 +7,8 @@ it holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.n
 does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and translates the config's own `base_model_tp_plan` into
 torch's styles. What such a model does beyond its layers (a scaled embedding or logits, a soft cap) is not
 described, so the adapter says in one line that the generic description is used and `pipetrain check` is the proof;
-a class without that layout is refused naming the parts that are missing.
+a class without that layout is refused naming the parts that are missing. The line is said once per job: by the
+process that starts the local ranks, or by rank 0 of a launcher.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from pipetrain.compat.tensor_styles import heads_replicated
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.launch.env import detect
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.workloads.hf.families.family import Family, require_transformers, tp_divides, transformers_mask
 
@@ -107,6 +109,18 @@ def _tp_plan(config: Any, tp: int) -> TPPlan:
     return {f"layer.{key[len(prefix):]}": _STYLES[style]() for key, style in styles.items()}
 
 
+def _speaks() -> bool:
+    """Whether this process says the job's one line: the process that starts local ranks (not the ranks it
+    spawned, which have joined their group when they build the model), or rank 0 of a launcher (torchrun, Slurm)."""
+    try:
+        placed = detect()
+    except PipetrainError:
+        placed = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return placed is not None and torch.distributed.get_rank() == 0
+    return placed is None or placed.rank == 0
+
+
 def generic_family(config: Any) -> Family:
     """The generic description of `config`'s model type (built once per process, said in one log line), or one
     ConfigError naming what of the common layout its transformers class lacks."""
@@ -136,9 +150,10 @@ def generic_family(config: Any) -> Family:
         norm_eps=eps, rotary_class=_dotted(type(model.get_submodule(COMMON_LAYOUT["rotary tables"]))),
         position_ids=True, norm_init=norm_init, tp_plan=_tp_plan, mask=transformers_mask,
     )
-    log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
-                "run `pipetrain check` on it, which is the proof that it trains the same as unsplit",
-                name, cls.__name__, type(model.get_submodule("model.layers.0")).__name__, type(norm).__name__,
-                type(model.get_submodule(COMMON_LAYOUT["rotary tables"])).__name__)
+    if _speaks():
+        log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
+                    "run `pipetrain check` on it, which is the proof that it trains the same as unsplit",
+                    name, cls.__name__, type(model.get_submodule("model.layers.0")).__name__, type(norm).__name__,
+                    type(model.get_submodule(COMMON_LAYOUT["rotary tables"])).__name__)
     _BUILT[name] = family
     return family
