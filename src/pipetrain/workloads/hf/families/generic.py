@@ -3,9 +3,9 @@
 transformers' causal LM class for the config (`AutoModelForCausalLM`'s mapping) is built on the meta device; when
 it holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm`, `model.rotary_emb` and
 `lm_head` (an `nn.Linear` without bias), the description names the classes found there (the decoder layer is
-`type(model.layers[0])`), reads the norm's epsilon field and initial value, picks each layer's mask as transformers
-does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and translates the config's own `base_model_tp_plan` into
-torch's styles. What such a model does beyond its layers (a scaled embedding or logits, a soft cap) is not
+`type(model.layers[0])`), reads the norm's epsilon field and initial value (as its constructor sets it), picks each
+layer's mask as transformers does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and
+translates the config's own `base_model_tp_plan` into torch's styles. What such a model does beyond its layers (a scaled embedding or logits, a soft cap) is not
 described, so the adapter says in one line that the generic description is used and `pipetrain check` is the proof;
 a class without that layout is refused naming the parts that are missing. The line is said once per job: by the
 process that starts the local ranks, or by rank 0 of a launcher.
@@ -35,7 +35,7 @@ log = logging.getLogger("pipetrain")
 #: the parts of the common layout (transformers' Llama-derived models): role -> attribute path
 COMMON_LAYOUT = {"embedding": "model.embed_tokens", "layers": "model.layers", "final norm": "model.norm",
                  "rotary tables": "model.rotary_emb", "head": "lm_head"}
-_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon")
 #: transformers' TP style names -> torch's styles (a module on this rank's heads for "replicated_with_grad_allreduce")
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
@@ -80,7 +80,19 @@ def _misfit(config: Any, model: nn.Module) -> list[str]:
     norm = found["final norm"]
     if norm is not None and not any(isinstance(getattr(config, f, None), float) for f in _EPS_FIELDS):
         wrong.append(f"no epsilon field for the final norm in the config (one of {', '.join(_EPS_FIELDS)})")
+    elif norm is not None and _norm_init(config, norm) is None:
+        wrong.append(f"model.norm is a {type(norm).__name__}, not built as cls(hidden_size, eps=...) with a weight")
     return wrong
+
+
+def _norm_init(config: Any, norm: nn.Module) -> float | None:
+    """The initial value of the final norm's weight as its class builds it, or None when it is not built so."""
+    eps = next(f for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float))
+    try:
+        weight = type(norm)(config.hidden_size, eps=getattr(config, eps)).weight
+    except (TypeError, AttributeError):
+        return None
+    return None if weight is None else weight.flatten()[0].item()
 
 
 def _tp_plan(config: Any, tp: int) -> TPPlan:
@@ -134,6 +146,9 @@ def generic_family(config: Any) -> Family:
     try:
         with torch.device("meta"):
             model = cls(copy.deepcopy(config))
+    except Exception as err:  # transformers' own check of the config, whatever it raises
+        raise ConfigError(f"transformers cannot build {cls.__name__} from this {name!r} config: "
+                          f"{type(err).__name__}: {err}", hint="pass a config that from_pretrained loads") from None
     finally:
         logging_.set_verbosity(verbosity)
     wrong = _misfit(config, model)
@@ -143,12 +158,12 @@ def generic_family(config: Any) -> Family:
                           hint="describe the family (a Family in pipetrain/workloads/hf/families/, see docs/models.md)")
     norm = model.get_submodule(COMMON_LAYOUT["final norm"])
     eps = next(f for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float))
-    norm_init = type(norm)(config.hidden_size, eps=getattr(config, eps)).weight.flatten()[0].item()
     family = Family(
         name=name, embed=COMMON_LAYOUT["embedding"], layers=COMMON_LAYOUT["layers"], norm=COMMON_LAYOUT["final norm"],
         layer_class=_dotted(type(model.get_submodule("model.layers.0"))), norm_class=_dotted(type(norm)),
         norm_eps=eps, rotary_class=_dotted(type(model.get_submodule(COMMON_LAYOUT["rotary tables"]))),
-        position_ids=True, norm_init=norm_init, tp_plan=_tp_plan, mask=transformers_mask,
+        position_ids=True, norm_init=_norm_init(config, norm), tp_plan=_tp_plan, mask=transformers_mask,
+        embed_padding=model.get_submodule(COMMON_LAYOUT["embedding"]).padding_idx is not None,
     )
     if _speaks():
         log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
