@@ -1,7 +1,7 @@
 """The Hugging Face family descriptions: each names parts that exist in the transformers model and says what its
 decoder layer holds (biases, q/k norms, fused projections, post-norms), so a layer's size is read from the config;
 each gives the transformers model's logits and initialisation through the one adapter, and a detail removed from a
-description (Gemma's embedding scaling, its zero-centred norms) breaks that. A model type without a description
+description (Gemma's embedding scaling, its zero-centred norms, Mistral's and Qwen2's sliding windows) breaks that. A model type without a description
 but with the common layout runs on the generic description (said in one line); one without is refused naming what
 is missing. No module outside the descriptions branches on a family's name."""
 
@@ -108,10 +108,19 @@ def test_each_family_gives_the_transformers_logits_and_initialisation(name, tmp_
                 assert torch.equal(block.get_parameter(local), fresh[key]), key
 
 
-def test_gemma_without_its_embedding_scaling_or_zero_centred_norms_is_not_gemma(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "removed"), [
+    ("gemma", {"embed_scale": False}),  # Gemma's embedding scaling
+    ("mistral", {"mask": families.causal_mask}),  # Mistral's sliding window (4 tokens of 16)
+    ("qwen2", {"mask": families.causal_mask}),  # Qwen2's sliding layer
+])
+def test_a_family_without_a_detail_of_its_description_is_not_that_family(name, removed, tmp_path, monkeypatch):
+    config = _configs()[name]
+    ours, theirs = _logits(dataclasses.replace(FAMILIES[name], **removed), config, tmp_path, monkeypatch)
+    assert (ours - theirs).abs().max() > 100 * ATOL  # the detail matters: without it, other logits
+
+
+def test_gemma_without_its_zero_centred_norms_is_not_gemma(monkeypatch):
     config = _configs()["gemma"]
-    ours, theirs = _logits(dataclasses.replace(FAMILIES["gemma"], embed_scale=False), config, tmp_path, monkeypatch)
-    assert (ours - theirs).abs().max() > 100 * ATOL  # the scaling is a detail of the description that matters
     unscaled = dataclasses.replace(FAMILIES["gemma"], norm_init=1.0)
     monkeypatch.setitem(FAMILIES, "gemma", unscaled)
     norm = HFCausalLM(config, seq_len=SEQ).build_block(3).norm.weight
