@@ -1,9 +1,9 @@
 """The Hugging Face family descriptions: each names parts that exist in the transformers model and says what its
 decoder layer holds (biases, q/k norms, fused projections, post-norms), so a layer's size is read from the config;
 each gives the transformers model's logits and initialisation through the one adapter, and a detail removed from a
-description (Gemma's embedding scaling, its zero-centred norms, Mistral's and Qwen2's sliding windows) breaks that. A model type without a description
-but with the common layout runs on the generic description (said in one line); one without is refused naming what
-is missing. No module outside the descriptions branches on a family's name."""
+description (Gemma's embedding scaling, its zero-centred norms, Mistral's and Qwen2's sliding windows) breaks that.
+A model type without a description but with the common layout runs on the generic description (said in one line);
+one without is refused naming what is missing. No module outside the descriptions branches on a family's name."""
 
 from __future__ import annotations
 
@@ -167,7 +167,8 @@ def test_a_model_type_without_description_or_common_layout_is_refused_naming_wha
 
 def test_no_module_outside_the_descriptions_branches_on_a_family_name():
     names = "|".join(FAMILIES)
-    pattern = re.compile(rf"""\b(family|family\.name|model_type)\s*(==|!=)|(==|!=|\bin\b)\s*[(\[{{]?\s*["']({names})["']"""
+    pattern = re.compile(rf"""\b(family|family\.name|model_type)\s*(==|!=)"""  # a family compared with anything
+                         rf"""|(==|!=|\bin\b)\s*[(\[{{]?\s*["']({names})["']"""  # anything compared with a name
                          rf"""|["']({names})["']\s*(==|!=)""")
     found = [f"{path.relative_to(SRC)}:{number}: {line.strip()}"
              for path in SRC.rglob("*.py") if "families" not in path.parts

@@ -43,7 +43,8 @@ def _edited(folder, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tp_not_dividing_the_key_value_heads_names_sizes_and_the_tp_that_work(family, folders, cli, capsys):  # noqa: F811
+def test_tp_not_dividing_the_key_value_heads_names_sizes_and_the_tps_that_work(family, folders, cli,  # noqa: F811
+                                                                                capsys):
     capsys.readouterr()
     code, out, err, _ = cli(TRAIN_HF + ["--model", str(folders[family]), "--pp", "1", "--tp", "4"])
     assert_one_error(code, out, err, "tp=4 does not divide the model's num_key_value_heads=2",
@@ -51,7 +52,8 @@ def test_tp_not_dividing_the_key_value_heads_names_sizes_and_the_tp_that_work(fa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_config_that_does_not_describe_its_weights_is_one_message(family, folders, cli, tmp_path, capsys):  # noqa: F811
+def test_a_config_that_does_not_describe_its_weights_is_one_message(family, folders, cli,  # noqa: F811
+                                                                     tmp_path, capsys):
     capsys.readouterr()
     code, out, err, _ = cli(TRAIN_HF + ["--model", str(_edited(folders[family], tmp_path, intermediate_size=80))])
     assert_one_error(code, out, err, "has shape [", f"its config ({family}: ", "intermediate_size=80",
@@ -69,8 +71,8 @@ def test_a_config_of_another_family_than_its_weights_is_one_message(folders, cli
     ("bert", "BertLMHeadModel does not have the common layout: no model.embed_tokens (embedding); no model.layers"),
     ("gemma2", "model.embed_tokens is a Gemma2TextScaledWordEmbedding, not an nn.Embedding"),
 ])
-def test_a_model_type_without_description_or_common_layout_names_what_is_missing(model_type, missing, folders, cli,  # noqa: F811
-                                                                                  tmp_path, capsys):
+def test_a_model_type_without_description_or_common_layout_names_what_is_missing(model_type, missing,  # noqa: F811
+                                                                                  folders, cli, tmp_path, capsys):
     capsys.readouterr()
     folder = _edited(folders["gemma"], tmp_path, model_type=model_type)
     code, out, err, _ = cli(TRAIN_HF + ["--model", str(folder)])

@@ -27,7 +27,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from pipetrain.compat.dtensor import is_strided, strided_shard
 from pipetrain.errors import ConfigError
 
-__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "Conv1DParallel", "LocalSplitSize", "heads_replicated", "strided_shard",
+__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "Conv1DParallel", "LocalSplitSize", "heads_replicated",
+           "strided_shard",
            "is_strided",
            "SEQUENCE", "scatter_sequence", "gather_sequence"]
 

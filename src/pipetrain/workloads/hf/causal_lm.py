@@ -177,14 +177,15 @@ class HFCausalLM:
                 if found is None:
                     raise ConfigError(f"checkpoint folder {folder!r} has no tensor {key!r}, which its config "
                                       f"({self.family.name}: {sizes}) needs: the config and the weights disagree",
-                                      hint=f"pass a folder whose config.json was saved with its weights (save_pretrained)"
-                                           f", or fix config.json (e.g. its model_type, {self.config.model_type!r})")
+                                      hint=f"pass a folder whose config.json was saved with its weights "
+                                           f"(save_pretrained), or fix config.json (e.g. its model_type, "
+                                           f"{self.config.model_type!r})")
                 if list(stored[found]) != list(state[name].shape):
-                    raise ConfigError(f"checkpoint folder {folder!r}: tensor {found!r} has shape {list(stored[found])}, "
-                                      f"its config ({self.family.name}: {sizes}) needs {list(state[name].shape)}: the "
-                                      "config and the weights disagree",
-                                      hint="pass a folder whose config.json was saved with its weights (save_pretrained)"
-                                           ", or fix the sizes in config.json")
+                    raise ConfigError(f"checkpoint folder {folder!r}: tensor {found!r} has shape "
+                                      f"{list(stored[found])}, its config ({self.family.name}: {sizes}) needs "
+                                      f"{list(state[name].shape)}: the config and the weights disagree",
+                                      hint="pass a folder whose config.json was saved with its weights "
+                                           "(save_pretrained), or fix the sizes in config.json")
 
     # ---- BlockModel ----------------------------------------------------------------------------------
 

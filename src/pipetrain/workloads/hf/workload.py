@@ -160,7 +160,8 @@ def check_model_folder(folder: Path) -> Path:
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     if model_type not in SUPPORTED_FAMILIES:  # the generic description, when the layout is the common one
         supported = (f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (Llama-family models such as SmolLM2 "
-                     f"and TinyLlama are 'llama'), and others with the common layout; or write a BlockModel of your own")
+                     f"and TinyLlama are 'llama'), and others with the common layout; or write a BlockModel of your "
+                     "own")
         try:
             config = require_transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
         except (ValueError, KeyError, OSError):

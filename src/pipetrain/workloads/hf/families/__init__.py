@@ -44,5 +44,5 @@ def family_of(config: Any) -> Family:
         return generic_family(config)
     except ConfigError as err:
         raise ConfigError(err.message,
-                          hint=f"supported model types: {', '.join(FAMILIES)} (causal decoder LMs), and others with the "
-                               f"common layout ({', '.join(COMMON_LAYOUT.values())}); or {err.hint}") from None
+                          hint=f"supported model types: {', '.join(FAMILIES)} (causal decoder LMs), and others with "
+                               f"the common layout ({', '.join(COMMON_LAYOUT.values())}); or {err.hint}") from None

@@ -22,8 +22,8 @@ from pipetrain.compat.tensor_styles import heads_replicated
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 
-__all__ = ["Family", "causal_mask", "sliding_window_mask", "layer_types_mask", "transformers_mask", "require_transformers",
-           "tp_divides"]
+__all__ = ["Family", "causal_mask", "sliding_window_mask", "layer_types_mask", "transformers_mask",
+           "require_transformers", "tp_divides"]
 
 
 def require_transformers() -> Any:

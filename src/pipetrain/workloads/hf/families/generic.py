@@ -1,14 +1,14 @@
 """The generic description: a model type with no description of its own but the common layout.
 
-transformers' causal LM class for the config (`AutoModelForCausalLM`'s mapping) is built on the meta device; when
-it holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm`, `model.rotary_emb` and
-`lm_head` (an `nn.Linear` without bias), the description names the classes found there (the decoder layer is
+transformers' causal LM class for the config (`AutoModelForCausalLM`'s mapping) is built on the meta device; when it
+holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm`, `model.rotary_emb` and `lm_head`
+(an `nn.Linear` without bias), the description names the classes found there (the decoder layer is
 `type(model.layers[0])`), reads the norm's epsilon field and initial value (as its constructor sets it), picks each
 layer's mask as transformers does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and
-translates the config's own `base_model_tp_plan` into torch's styles. What such a model does beyond its layers (a scaled embedding or logits, a soft cap) is not
-described, so the adapter says in one line that the generic description is used and `pipetrain check` is the proof;
-a class without that layout is refused naming the parts that are missing. The line is said once per job: by the
-process that starts the local ranks, or by rank 0 of a launcher.
+translates the config's own `base_model_tp_plan` into torch's styles. What such a model does beyond its layers (a
+scaled embedding or logits, a soft cap) is not described, so the adapter says in one line that the generic
+description is used and `pipetrain check` is the proof; a class without that layout is refused naming the parts that
+are missing. The line is said once per job: by the process that starts the local ranks, or by rank 0 of a launcher.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _misfit(config: Any, model: nn.Module) -> list[str]:
     if embedding is not None and type(embedding) is not nn.Embedding:
         wrong.append(f"model.embed_tokens is a {type(embedding).__name__}, not an nn.Embedding (a scaled embedding?)")
     if head is not None and (type(head) is not nn.Linear or head.bias is not None):
-        wrong.append(f"lm_head is a {type(head).__name__}{' with a bias' if getattr(head, 'bias', None) is not None else ''}, "
-                     "not an nn.Linear without bias")
+        biased = " with a bias" if getattr(head, "bias", None) is not None else ""
+        wrong.append(f"lm_head is a {type(head).__name__}{biased}, not an nn.Linear without bias")
     if layers is not None and (not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers):
         wrong.append("model.layers is not a ModuleList of num_hidden_layers decoder layers")
     norm = found["final norm"]
