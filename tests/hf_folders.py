@@ -51,3 +51,24 @@ def transformers_names(model) -> dict[str, str]:
     """An `HFCausalLM`'s layout-free parameter names ("block.local") -> the transformers model's names."""
     return {f"{index}.{local}": name for index in range(model.num_blocks)
             for local, name in model.parameter_keys(index).items()}
+
+
+def family_configs(vocab_size: int = 96) -> dict:
+    """A tiny config of each added family, made with its own config class (2 layers, hidden 32, 4 query heads and
+    2 key/value heads of 8), each with what sets it apart switched on: Qwen2 with a sliding layer (layer 1, window
+    4), Mistral sliding over 4 tokens, Qwen3 and OLMo-2 with their q/k norms, Gemma tied (its default), Phi-3 with
+    half of each head rotated (`partial_rotary_factor` 0.5)."""
+    import transformers
+
+    common = {"vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0,
+              "bos_token_id": 0, "eos_token_id": 0}
+    return {
+        "qwen2": transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        "qwen3": transformers.Qwen3Config(**common, head_dim=8),
+        "mistral": transformers.MistralConfig(**common, sliding_window=4),
+        "gemma": transformers.GemmaConfig(**common, head_dim=8),
+        "phi3": transformers.Phi3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "partial_rotary_factor": 0.5}),
+        "olmo2": transformers.Olmo2Config(**common),
+    }

@@ -76,7 +76,7 @@ TRAIN_HF = ["train", "--workload", "hf", "--seq-len", "16", "--max-steps", "1", 
 def test_bad_model_folders_are_one_message(case, cli, tmp_path, capsys):  # noqa: F811
     expected = {
         "no-tokenizer": ["has no tokenizer", "tokenizer.json", "save_pretrained"],
-        "unsupported-family": ["holds a 'mistral' model", "supported model types: llama, gpt2"],
+        "unsupported-family": ["holds a 'bert' model", "no model.embed_tokens", "supported model types: llama, gpt2"],
         "gguf-file": ["is a GGUF file", "convert it once", "--model OUT_DIR"],
         "gguf-folder": ["holds a GGUF file (model.Q4.gguf) but no config.json", "convert it once"],
         "missing": ["is not a folder"],
@@ -87,7 +87,7 @@ def test_bad_model_folders_are_one_message(case, cli, tmp_path, capsys):  # noqa
     if case == "no-tokenizer":
         argv += ["--model", str(_folder_of(tmp_path, tokenizer=False))]
     elif case == "unsupported-family":
-        argv += ["--model", str(_folder_of(tmp_path, model_type="mistral"))]
+        argv += ["--model", str(_folder_of(tmp_path, model_type="bert"))]
     elif case == "gguf-file":
         (tmp_path / "model.Q4.gguf").write_bytes(b"GGUF")
         argv += ["--model", str(tmp_path / "model.Q4.gguf")]

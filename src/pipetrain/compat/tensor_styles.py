@@ -21,12 +21,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleOutput, RowwiseParallel, parallelize_module)
+                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from pipetrain.compat.dtensor import is_strided, strided_shard
 from pipetrain.errors import ConfigError
 
-__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "Conv1DParallel", "LocalSplitSize", "strided_shard",
+__all__ = ["FusedColwiseParallel", "HeadParallelAttention", "Conv1DParallel", "LocalSplitSize", "heads_replicated",
+           "strided_shard",
            "is_strided",
            "SEQUENCE", "scatter_sequence", "gather_sequence"]
 
@@ -52,6 +54,14 @@ def gather_sequence() -> PrepareModuleInput:
     """Where a sequence-parallel region ends (on the head's first submodule): the local sequence shard
     all-gathered into the whole sequence, a local tensor (backward: this rank's slice of the gradient)."""
     return PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)
+
+def heads_replicated() -> ParallelStyle:
+    """A module applied to this rank's attention heads (dimension 2 of `[batch, seq, heads, head_dim]`) with one
+    whole weight, such as Qwen3's q/k norms: the weight a replicated DTensor and the input this rank's shard of
+    the heads, so the weight's gradient (a partial sum over this rank's heads) is summed over the TP ranks; a
+    plain local tensor out. torch's `SequenceParallel` does exactly that with the heads for the sequence."""
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
 
 def _distribute_rows(module: nn.Module, names: tuple[str, ...], mesh: DeviceMesh, parts: int,
                      src_data_rank: int | None) -> None:

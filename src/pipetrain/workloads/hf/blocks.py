@@ -95,7 +95,8 @@ class Head(HFBlock):
 
 
 def init_like_transformers(block: nn.Module, config: Any, family: Family) -> None:
-    """transformers' initialisation: normal(0, initializer_range) weights, zero biases, unit norms; the family's
+    """transformers' initialisation: normal(0, initializer_range) weights, zero biases, norms at the family's
+    `norm_init` (1; Gemma's zero-centred norms 0, as `GemmaPreTrainedModel._init_weights` does); the family's
     `scaled_init` modules (GPT-2's residual projections) with std / sqrt(2 * layers)."""
     conv1d = require_transformers().pytorch_utils.Conv1D
     std = config.initializer_range
@@ -109,6 +110,6 @@ def init_like_transformers(block: nn.Module, config: Any, family: Family) -> Non
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                     module.weight[module.padding_idx].zero_()
             elif isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
-                module.weight.fill_(1.0)
+                module.weight.fill_(family.norm_init)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()

@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs (Llama family, GPT-2) as pipetrain blocks, each rank building and loading only its own.
+"""Hugging Face causal LMs (the described families: Llama, GPT-2, Qwen2/3, Mistral, Gemma, Phi-3, OLMo-2; others
+with the common layout) as pipetrain blocks, each rank building and loading only its own.
 
 `HFCausalLM` reads what it needs about a model type from its `Family` description (`families/`): the blocks
 (`blocks.py`: embedding, one block per decoder layer, head) are transformers' own modules, named as in the
@@ -33,6 +34,11 @@ __all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss",
 
 #: model_type of a transformers config -> the family description pipetrain builds it by
 SUPPORTED_FAMILIES: dict[str, Family] = FAMILIES
+
+
+#: the config fields a disagreement message names (those the config has)
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "n_embd", "n_inner", "n_head")
 
 
 class CausalLMLoss:
@@ -91,6 +97,15 @@ class _Checkpoint:
         bare = key.removeprefix(f"{family.base}.")
         return bare if bare != key and bare in self.files else None
 
+    def shapes(self) -> dict[str, list[int]]:
+        """Every stored tensor's shape, read from the safetensors headers (no tensor is read)."""
+        shapes: dict[str, list[int]] = {}
+        for file in sorted(set(self.files.values())):
+            with open(file, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            shapes.update({key: entry["shape"] for key, entry in header.items() if key != "__metadata__"})
+        return shapes
+
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
 
@@ -120,6 +135,7 @@ class HFCausalLM:
         self.checkpoint = None if checkpoint is None else _Checkpoint(Path(checkpoint))
         if self.checkpoint is not None:
             self._check_folder_config(Path(checkpoint))
+            self._check_weights()
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, seq_len: int = 64) -> HFCausalLM:
@@ -143,6 +159,33 @@ class HFCausalLM:
                     f"the configured model's is {ours[field]!r}",
                     hint="pass the folder of this model, or build the model from that folder (HFCausalLM.from_folder)",
                 )
+
+    def _check_weights(self) -> None:
+        """One ConfigError for the first tensor this config needs that the folder lacks or holds in another shape
+        (a config.json that does not describe its weights), before any rank loads a block."""
+        stored, folder = self.checkpoint.shapes(), str(self.checkpoint.folder)
+        for index in range(self.num_blocks):
+            with torch.device("meta"):
+                block = self.build_block(index)
+            state = block.state_dict()
+            for name, key in block.checkpoint_keys():
+                found = self.checkpoint.find(key, self.family)
+                if found is None and key == f"{self.family.head}.weight" and self.tied:
+                    found = self.checkpoint.find(f"{self.family.embed}.weight", self.family)
+                sizes = ", ".join(f"{field}={getattr(self.config, field)}" for field in _SIZE_FIELDS
+                                  if isinstance(getattr(self.config, field, None), int))
+                if found is None:
+                    raise ConfigError(f"checkpoint folder {folder!r} has no tensor {key!r}, which its config "
+                                      f"({self.family.name}: {sizes}) needs: the config and the weights disagree",
+                                      hint=f"pass a folder whose config.json was saved with its weights "
+                                           f"(save_pretrained), or fix config.json (e.g. its model_type, "
+                                           f"{self.config.model_type!r})")
+                if list(stored[found]) != list(state[name].shape):
+                    raise ConfigError(f"checkpoint folder {folder!r}: tensor {found!r} has shape "
+                                      f"{list(stored[found])}, its config ({self.family.name}: {sizes}) needs "
+                                      f"{list(state[name].shape)}: the config and the weights disagree",
+                                      hint="pass a folder whose config.json was saved with its weights "
+                                           "(save_pretrained), or fix the sizes in config.json")
 
     # ---- BlockModel ----------------------------------------------------------------------------------
 

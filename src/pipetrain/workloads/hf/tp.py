@@ -1,7 +1,8 @@
 """The tensor-parallel plans of the Hugging Face causal LM blocks (`HFCausalLM.tp_plan`): Megatron's split.
 
-Each decoder layer is split by its family's plan (`Family.tp_plan`: Llama's in `families/llama.py`, GPT-2's in
-`families/gpt2.py`), which also refuses a tp that does not divide the heads (GQA: the key/value heads too) or the
+Each decoder layer is split by its family's plan (`Family.layer_tp_plan`: Llama's in `families/llama.py`, GPT-2's
+in `families/gpt2.py`, Phi-3's in `families/phi3.py`, a q/k norm's over the heads added by the description), which
+also refuses a tp that does not divide the heads (GQA: the key/value heads too) or the
 MLP; the embedding, the norms and the head are kept whole on every TP rank (no vocabulary-parallel head, no
 sequence parallelism).
 """
@@ -25,7 +26,7 @@ def hf_tp_plan(config: Any, family: Family | str, index: int, num_blocks: int, t
     if family.tp_plan is None:
         raise ConfigError(f"the Hugging Face {family.name} model has no tensor-parallel plan, so --tp {tp} cannot "
                           "split it", hint="run it with --tp 1")
-    plan = family.tp_plan(config, tp)
+    plan = family.layer_tp_plan(config, tp)
     if sequence_parallel:
         raise ConfigError(f"--sequence-parallel is not available for the Hugging Face {family.name} model's TP plan "
                           "in this version (its norms and head stay whole)",

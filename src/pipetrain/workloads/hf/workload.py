@@ -22,6 +22,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.workloads.lm.corpus import load_gutenberg, load_text, synthetic_corpus, text_documents
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
+from pipetrain.workloads.hf.families import family_of
 from pipetrain.workloads.hf.text import TokenWindows, check_tokenizer, load_tokenizer, tokenize_documents, window_batches
 from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
@@ -157,8 +158,18 @@ def check_model_folder(folder: Path) -> Path:
         raise ConfigError(f"model folder {str(folder)!r} has no config.json",
                           hint="pass a folder written by save_pretrained (config.json, model.safetensors, tokenizer)")
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_FAMILIES:
-        raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot split",
-                          hint=f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (Llama-family models such as "
-                               "SmolLM2 and TinyLlama are 'llama'); or write a BlockModel of your own")
+    if model_type not in SUPPORTED_FAMILIES:  # the generic description, when the layout is the common one
+        supported = (f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (Llama-family models such as SmolLM2 "
+                     f"and TinyLlama are 'llama'), and others with the common layout; or write a BlockModel of your "
+                     "own")
+        try:
+            config = require_transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (ValueError, KeyError, OSError):
+            raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
+                              "split (transformers does not know this model type)", hint=supported) from None
+        try:
+            family_of(config)
+        except ConfigError as err:
+            raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
+                              f"split: {err.message.partition(': ')[2] or err.message}", hint=supported) from None
     return folder

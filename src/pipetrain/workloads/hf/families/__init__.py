@@ -1,10 +1,10 @@
 """The transformers model types pipetrain splits, one `Family` description each, and the one lookup.
 
-A new family (Qwen2, Mistral, Gemma, ...) is one more description in a module of its own, added to `FAMILIES`: its
-`model_type`; where the embedding, position embedding, decoder layers, final norm and head live in the transformers
-model; the class names of the decoder layer, final norm and rotary tables; what a layer takes (position ids,
-rotary tables, how its attention mask is built, e.g. sliding windows); embedding scaling and ties; and the TP plan
-of one decoder layer with its divisibility rule (Llama's `llama_tp_plan` fits Qwen2 and Mistral as it is).
+Described: Llama and GPT-2 (`llama.py`, `gpt2.py`); Qwen2 (2.5), Qwen3, Mistral and Gemma as Llama plus what differs
+(`llama_shaped.py`); Phi-3 (`phi3.py`: fused projections, partial rotary) and OLMo-2 (`olmo2.py`: post-norms, q/k
+norms over all heads). A new family is one more description added to `FAMILIES`. A model type without one but with
+transformers' common layout gets the generic description (`generic.py`, said in one log line); any other is
+refused naming the supported types and what of the layout is missing.
 """
 
 from __future__ import annotations
@@ -12,23 +12,37 @@ from __future__ import annotations
 from typing import Any
 
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.hf.families.family import Family, causal_mask, require_transformers, tp_divides
+from pipetrain.workloads.hf.families.family import (Family, causal_mask, layer_types_mask, require_transformers,
+                                                    sliding_window_mask, tp_divides)
+from pipetrain.workloads.hf.families.generic import COMMON_LAYOUT, generic_family
 from pipetrain.workloads.hf.families.gpt2 import GPT2, gpt2_tp_plan
-from pipetrain.workloads.hf.families.llama import LLAMA, llama_tp_plan
+from pipetrain.workloads.hf.families.llama import LLAMA, gathered_attention_tp_plan, llama_tp_plan
+from pipetrain.workloads.hf.families.llama_shaped import GEMMA, MISTRAL, QWEN2, QWEN3
+from pipetrain.workloads.hf.families.olmo2 import OLMO2
+from pipetrain.workloads.hf.families.phi3 import PHI3, phi3_tp_plan
 
-__all__ = ["Family", "FAMILIES", "family_of", "causal_mask", "require_transformers", "tp_divides", "LLAMA",
-           "GPT2", "llama_tp_plan", "gpt2_tp_plan"]
+__all__ = ["Family", "FAMILIES", "COMMON_LAYOUT", "family_of", "generic_family", "causal_mask", "layer_types_mask",
+           "sliding_window_mask", "require_transformers", "tp_divides", "LLAMA", "GPT2", "QWEN2", "QWEN3", "MISTRAL",
+           "GEMMA", "PHI3", "OLMO2", "llama_tp_plan", "gpt2_tp_plan", "phi3_tp_plan", "gathered_attention_tp_plan"]
 
 #: model_type of a transformers config -> its description
-FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, GPT2)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, GPT2, QWEN2, QWEN3, MISTRAL, GEMMA, PHI3,
+                                                                   OLMO2)}
 
 
 def family_of(config: Any) -> Family:
-    """The description of `config`'s `model_type`; a ConfigError naming the supported ones for any other."""
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is None:
-        raise ConfigError(
-            f"Hugging Face model type {getattr(config, 'model_type', type(config).__name__)!r} is not supported",
-            hint=f"supported model types: {', '.join(FAMILIES)} (causal decoder LMs)",
-        )
-    return family
+    """The description of `config`'s `model_type`; for another causal LM with the common layout the generic
+    description (said in one log line); else a ConfigError naming the supported types and what did not fit."""
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is not None:
+        return family
+    if not model_type:
+        raise ConfigError(f"Hugging Face model type of {type(config).__name__} is not supported (it has none)",
+                          hint=f"supported model types: {', '.join(FAMILIES)} (causal decoder LMs)")
+    try:
+        return generic_family(config)
+    except ConfigError as err:
+        raise ConfigError(err.message,
+                          hint=f"supported model types: {', '.join(FAMILIES)} (causal decoder LMs), and others with "
+                               f"the common layout ({', '.join(COMMON_LAYOUT.values())}); or {err.hint}") from None

@@ -1,8 +1,11 @@
 """`Family`: one transformers model type described once (its parts' places, its layers' inputs, its TP split).
 
 `HFCausalLM` reads nothing else about a model type: the blocks are built from the classes named here (looked up
-in `transformers.models.<name>.modeling_<name>`), their checkpoint keys are the attribute paths named here, and a
-decoder layer's tensor-parallel plan is the family's `tp_plan`.
+in `transformers.models.<name>.modeling_<name>`, or by their dotted path), their checkpoint keys are the attribute
+paths named here, the mask a layer gets is the family's `mask` builder (causal, sliding window, per layer type),
+and a decoder layer's tensor-parallel plan is `layer_tp_plan`. The fields that the layer class computes by itself
+(biases, q/k norms, fused projections, post-norms) are described too, so a layer's sizes are read from the config
+with the description alone (a test counts them against transformers' layer).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.compat.tensor_styles import heads_replicated
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 
-__all__ = ["Family", "causal_mask", "require_transformers", "tp_divides"]
+__all__ = ["Family", "causal_mask", "sliding_window_mask", "layer_types_mask", "transformers_mask",
+           "require_transformers", "tp_divides"]
 
 
 def require_transformers() -> Any:
@@ -36,6 +41,34 @@ def causal_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
     # positions are 0..n-1 (no packed sequences), so they need not be checked (that reads values: not on meta)
     return require_transformers().masking_utils.create_causal_mask(
         config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+
+
+def sliding_window_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
+    """Mistral's and Phi-3's mask: every layer sliding over `config.sliding_window` tokens when it is set, else
+    causal (as `MistralModel` and `Phi3Model` choose their mask builder)."""
+    masks = require_transformers().masking_utils
+    build = masks.create_causal_mask if config.sliding_window is None else masks.create_sliding_window_causal_mask
+    return build(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+
+
+def layer_types_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
+    """Qwen2's and Qwen3's mask: layer `index` slides when `config.layer_types[index]` is "sliding_attention",
+    else causal (`Qwen2Model`'s mapping of layer types to masks)."""
+    masks = require_transformers().masking_utils
+    sliding = config.layer_types[index] == "sliding_attention"
+    build = masks.create_sliding_window_causal_mask if sliding else masks.create_causal_mask
+    return build(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+
+
+def transformers_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
+    """The mask of a family without a description (the generic one), picked as transformers' models pick it:
+    per `config.layer_types` when the config lists one type per layer, else sliding when `config.sliding_window`
+    is set, else causal."""
+    types = getattr(config, "layer_types", None)
+    if types is not None and len(types) == config.num_hidden_layers:
+        return layer_types_mask(config, hidden, index)
+    return sliding_window_mask(config, hidden, index) if getattr(config, "sliding_window", None) is not None \
+        else causal_mask(config, hidden, index)
 
 
 def tp_divides(tp: int, sizes: dict[str, int]) -> None:
@@ -75,19 +108,47 @@ class Family:
     # -- what a decoder layer takes besides the hidden states --
     position_ids: bool = False  #: `position_ids=` (0..n-1); `position_embeddings=` whenever `rotary_class` is set
     mask: Callable[[Any, torch.Tensor, int], Any] = causal_mask  #: `attention_mask=` (config, hidden, layer index)
+    # -- what the decoder layer holds (its sizes, read from the config with these; the layer class computes it) --
+    qkv_bias: bool | str = False  #: q/k/v projections have biases: True (Qwen2), False, or the config field that
+    #: says (Llama's "attention_bias")
+    o_bias: bool | str = False  #: the attention's output projection has a bias (True, False or a config field)
+    mlp_bias: bool | str = False  #: the MLP's projections have biases (True, False or a config field: "mlp_bias")
+    qk_norm: str | None = None  #: a norm on queries and keys: "head" (over head_dim, one weight of head_dim shared
+    #: by the heads: Qwen3) or "projection" (over the whole q / k projection, weights of heads * head_dim: OLMo-2)
+    fused_qkv: str | None = None  #: one projection holding [q | k | v] (Phi-3's "self_attn.qkv_proj"), or None
+    fused_gate_up: str | None = None  #: one projection holding [gate | up] (Phi-3's "mlp.gate_up_proj"), or None
+    post_norms: bool = False  #: norms after attention and MLP (OLMo-2) instead of before them
     # -- initialisation and tensor parallelism --
+    norm_init: float = 1.0  #: every norm weight's initial value (Gemma's zero-centred `x * (1 + weight)`: 0.0)
     scaled_init: str | None = None  #: modules ending so get std / sqrt(2 * layers) (GPT-2's residual "c_proj")
     tp_plan: Callable[[Any, int], TPPlan] | None = None  #: (config, tp) -> a decoder layer's plan; raises when tp
-    #: does not divide what it splits (whole heads, GQA's key/value heads too, the MLP width)
+    #: does not divide what it splits (whole heads, GQA's key/value heads too, the MLP width); a "head" q/k norm
+    #: is added by `layer_tp_plan`
 
     @property
     def base(self) -> str:
         """The base model's attribute (`base_model_prefix`): a checkpoint of the base model omits it."""
         return self.embed.partition(".")[0]
 
+    def has(self, what: str, config: Any) -> bool:
+        """Whether `config`'s model has the feature `what` (a field naming a bool or a config field: "qkv_bias")."""
+        value = getattr(self, what)
+        return bool(getattr(config, value, False)) if isinstance(value, str) else bool(value)
+
     def ties(self, config: Any) -> bool:
         """Whether `config`'s output head is its input embedding matrix."""
         return self.tie is not None and bool(getattr(config, self.tie, False))
+
+    def layer_tp_plan(self, config: Any, tp: int) -> TPPlan:
+        """A decoder layer's plan: `tp_plan`'s, plus, for a "head" q/k norm (applied to this rank's heads with the
+        whole weight), the norms' weights replicated with their gradients summed over the TP ranks (what
+        transformers' plan calls "replicated_with_grad_allreduce"); None when the family has no plan."""
+        if self.tp_plan is None:
+            return None
+        plan = self.tp_plan(config, tp)
+        if plan is not None and self.qk_norm == "head":
+            plan = {**plan, **{f"layer.self_attn.{name}": heads_replicated() for name in ("q_norm", "k_norm")}}
+        return plan
 
     def resolve(self, name: str) -> type[nn.Module]:
         """The class `name` of this family's modeling module (a dotted name: that module's class)."""

@@ -31,5 +31,6 @@ GPT2 = Family(
     embed="transformer.wte", position="transformer.wpe", layers="transformer.h", norm="transformer.ln_f",
     layer_class="GPT2Block", norm_class="torch.nn.LayerNorm", norm_eps="layer_norm_epsilon",
     embed_padding=False, embed_dropout="embd_pdrop", scaled_init="c_proj",
+    fused_qkv="attn.c_attn", qkv_bias=True, o_bias=True, mlp_bias=True,
     tp_plan=gpt2_tp_plan,
 )

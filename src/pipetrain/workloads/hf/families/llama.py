@@ -20,14 +20,19 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.workloads.hf.families.family import Family, tp_divides
 
-__all__ = ["LLAMA", "llama_tp_plan"]
+__all__ = ["LLAMA", "llama_tp_plan", "gathered_attention_tp_plan", "decoder_tp_sizes"]
+
+
+def decoder_tp_sizes(config: Any) -> dict[str, int]:
+    """What a decoder layer's TP split divides: the query heads, the key/value heads (GQA), the MLP width."""
+    return {"num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "intermediate_size": config.intermediate_size}
 
 
 def llama_tp_plan(config: Any, tp: int) -> TPPlan:
     """A Llama decoder layer's plan (submodule names inside pipetrain's layer block)."""
-    tp_divides(tp, {"num_attention_heads": config.num_attention_heads,
-                    "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
-                    "intermediate_size": config.intermediate_size})
+    tp_divides(tp, decoder_tp_sizes(config))
     replicated = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=False)
     return {
@@ -41,10 +46,21 @@ def llama_tp_plan(config: Any, tp: int) -> TPPlan:
     }
 
 
+def gathered_attention_tp_plan(config: Any, tp: int) -> TPPlan:
+    """Llama's MLP split, and an attention whose q/k/v outputs are all-gathered (each rank attends over all heads,
+    `o_proj` takes its slice of the replicated input): for layers that read the whole projection, OLMo-2's q/k
+    norms over all heads (transformers' own plan: "colwise_gather_output", "rowwise_split_input")."""
+    plan = llama_tp_plan(config, tp)
+    gathered = {f"layer.self_attn.{name}": ColwiseParallel(output_layouts=Replicate()) for name in ("q_proj", "k_proj",
+                                                                                                  "v_proj")}
+    return {**plan, **gathered, "layer.self_attn.o_proj": RowwiseParallel(input_layouts=Replicate())}
+
+
 LLAMA = Family(
     name="llama",
     embed="model.embed_tokens", layers="model.layers", norm="model.norm",
     layer_class="LlamaDecoderLayer", norm_class="LlamaRMSNorm", norm_eps="rms_norm_eps",
     rotary_class="LlamaRotaryEmbedding", position_ids=True,
+    qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
     tp_plan=llama_tp_plan,
 )

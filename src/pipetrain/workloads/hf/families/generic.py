@@ -1,0 +1,174 @@
+"""The generic description: a model type with no description of its own but the common layout.
+
+transformers' causal LM class for the config (`AutoModelForCausalLM`'s mapping) is built on the meta device; when it
+holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm`, `model.rotary_emb` and `lm_head`
+(an `nn.Linear` without bias), the description names the classes found there (the decoder layer is
+`type(model.layers[0])`), reads the norm's epsilon field and initial value (as its constructor sets it), picks each
+layer's mask as transformers does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and
+translates the config's own `base_model_tp_plan` into torch's styles. What such a model does beyond its layers (a
+scaled embedding or logits, a soft cap) is not described, so the adapter says in one line that the generic
+description is used and `pipetrain check` is the proof; a class without that layout is refused naming the parts that
+are missing. The line is said once per job: by the process that starts the local ranks, or by rank 0 of a launcher.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from pipetrain.compat.tensor_styles import heads_replicated
+from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.launch.env import detect
+from pipetrain.parallel.tensor import TPPlan
+from pipetrain.workloads.hf.families.family import Family, require_transformers, tp_divides, transformers_mask
+
+__all__ = ["COMMON_LAYOUT", "generic_family"]
+
+log = logging.getLogger("pipetrain")
+
+#: the parts of the common layout (transformers' Llama-derived models): role -> attribute path
+COMMON_LAYOUT = {"embedding": "model.embed_tokens", "layers": "model.layers", "final norm": "model.norm",
+                 "rotary tables": "model.rotary_emb", "head": "lm_head"}
+_EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon")
+#: transformers' TP style names -> torch's styles (a module on this rank's heads for "replicated_with_grad_allreduce")
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+           "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+           "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+           "replicated_with_grad_allreduce": heads_replicated}
+_BUILT: dict[str, Family] = {}
+
+
+def _dotted(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _causal_lm_class(config: Any) -> type[nn.Module]:
+    mapping = require_transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise ConfigError(f"Hugging Face model type {config.model_type!r} is not supported: it has no description in "
+                          "pipetrain and transformers has no causal LM class for it",
+                          hint="pass a causal decoder LM (one AutoModelForCausalLM loads)") from None
+
+
+def _misfit(config: Any, model: nn.Module) -> list[str]:
+    """What of the common layout `model` lacks or holds differently, one phrase each."""
+    found = {role: _get(model, path) for role, path in COMMON_LAYOUT.items()}
+    wrong = [f"no {path} ({role})" for role, path in COMMON_LAYOUT.items() if found[role] is None]
+    embedding, head, layers = found["embedding"], found["head"], found["layers"]
+    if embedding is not None and type(embedding) is not nn.Embedding:
+        wrong.append(f"model.embed_tokens is a {type(embedding).__name__}, not an nn.Embedding (a scaled embedding?)")
+    if head is not None and (type(head) is not nn.Linear or head.bias is not None):
+        biased = " with a bias" if getattr(head, "bias", None) is not None else ""
+        wrong.append(f"lm_head is a {type(head).__name__}{biased}, not an nn.Linear without bias")
+    if layers is not None and (not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers):
+        wrong.append("model.layers is not a ModuleList of num_hidden_layers decoder layers")
+    norm = found["final norm"]
+    if norm is not None and not any(isinstance(getattr(config, f, None), float) for f in _EPS_FIELDS):
+        wrong.append(f"no epsilon field for the final norm in the config (one of {', '.join(_EPS_FIELDS)})")
+    elif norm is not None and _norm_init(config, norm) is None:
+        wrong.append(f"model.norm is a {type(norm).__name__}, not built as cls(hidden_size, eps=...) with a weight")
+    return wrong
+
+
+def _norm_init(config: Any, norm: nn.Module) -> float | None:
+    """The initial value of the final norm's weight as its class builds it, or None when it is not built so."""
+    eps = next(f for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float))
+    try:
+        weight = type(norm)(config.hidden_size, eps=getattr(config, eps)).weight
+    except (TypeError, AttributeError):
+        return None
+    return None if weight is None else weight.flatten()[0].item()
+
+
+def _tp_plan(config: Any, tp: int) -> TPPlan:
+    """The decoder layer's plan: transformers' own `base_model_tp_plan` of `config`, as torch's styles."""
+    styles = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = "layers.*."
+    with torch.device("meta"):
+        layer = generic_family(config).resolve(generic_family(config).layer_class)(config, 0)
+    head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
+
+    def fits(key: str, style: str) -> bool:  # a whole weight on the rank's heads: only a norm over head_dim
+        if style != "replicated_with_grad_allreduce":
+            return style in _STYLES
+        weight = getattr(_get(layer, key[len(prefix):]) if key.startswith(prefix) else None, "weight", None)
+        return weight is not None and head_dim is not None and weight.numel() == head_dim
+
+    unknown = sorted({f"{style!r} ({key})" for key, style in styles.items() if not fits(key, style)})
+    if not styles or unknown or any(not key.startswith(prefix) for key in styles):
+        raise ConfigError(f"the generic description of {config.model_type!r} cannot split its layers: "
+                          + (f"transformers' TP plan for it uses {', '.join(unknown)}, which pipetrain does not "
+                             "translate" if unknown else "transformers gives it no decoder-layer TP plan"),
+                          hint="run it with --tp 1")
+    tp_divides(tp, {name: getattr(config, name) for name in ("num_attention_heads", "num_key_value_heads",
+                                                             "intermediate_size")
+                    if isinstance(getattr(config, name, None), int)})
+    return {f"layer.{key[len(prefix):]}": _STYLES[style]() for key, style in styles.items()}
+
+
+def _speaks() -> bool:
+    """Whether this process says the job's one line: the process that starts local ranks (not the ranks it
+    spawned, which have joined their group when they build the model), or rank 0 of a launcher (torchrun, Slurm)."""
+    try:
+        placed = detect()
+    except PipetrainError:
+        placed = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return placed is not None and torch.distributed.get_rank() == 0
+    return placed is None or placed.rank == 0
+
+
+def generic_family(config: Any) -> Family:
+    """The generic description of `config`'s model type (built once per process, said in one log line), or one
+    ConfigError naming what of the common layout its transformers class lacks."""
+    name = config.model_type
+    if name in _BUILT:
+        return _BUILT[name]
+    cls = _causal_lm_class(config)
+    logging_ = require_transformers().utils.logging
+    verbosity = logging_.get_verbosity()
+    logging_.set_verbosity_error()  # its advice for the class's own uses (BERT's "add is_decoder=True") is noise here
+    try:
+        with torch.device("meta"):
+            model = cls(copy.deepcopy(config))
+    except Exception as err:  # transformers' own check of the config, whatever it raises
+        raise ConfigError(f"transformers cannot build {cls.__name__} from this {name!r} config: "
+                          f"{type(err).__name__}: {err}", hint="pass a config that from_pretrained loads") from None
+    finally:
+        logging_.set_verbosity(verbosity)
+    wrong = _misfit(config, model)
+    if wrong:
+        raise ConfigError(f"Hugging Face model type {name!r} is not supported: it has no description in pipetrain and "
+                          f"{cls.__name__} does not have the common layout: {'; '.join(wrong)}",
+                          hint="describe the family (a Family in pipetrain/workloads/hf/families/, see docs/models.md)")
+    norm = model.get_submodule(COMMON_LAYOUT["final norm"])
+    eps = next(f for f in _EPS_FIELDS if isinstance(getattr(config, f, None), float))
+    family = Family(
+        name=name, embed=COMMON_LAYOUT["embedding"], layers=COMMON_LAYOUT["layers"], norm=COMMON_LAYOUT["final norm"],
+        layer_class=_dotted(type(model.get_submodule("model.layers.0"))), norm_class=_dotted(type(norm)),
+        norm_eps=eps, rotary_class=_dotted(type(model.get_submodule(COMMON_LAYOUT["rotary tables"]))),
+        position_ids=True, norm_init=_norm_init(config, norm), tp_plan=_tp_plan, mask=transformers_mask,
+        embed_padding=model.get_submodule(COMMON_LAYOUT["embedding"]).padding_idx is not None,
+    )
+    if _speaks():
+        log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
+                    "run `pipetrain check` on it, which is the proof that it trains the same as unsplit",
+                    name, cls.__name__, type(model.get_submodule("model.layers.0")).__name__, type(norm).__name__,
+                    type(model.get_submodule(COMMON_LAYOUT["rotary tables"])).__name__)
+    _BUILT[name] = family
+    return family
