@@ -37,24 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
+from pipetrain.plan.config_names import CONFIG_NAMES, FAMILY_FIELDS, ConfigNames
 from pipetrain.plan.model import BlockCost, TensorSplit
 
-__all__ = ["DecoderSizes", "FAMILY_FIELDS", "sizes_from_config", "load_sizes", "read_config"]
-
-#: model_type -> what the family's config calls each size (or the fixed value it has)
-FAMILY_FIELDS: dict[str, str] = {
-    "llama": "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, "
-             "vocab_size, tie_word_embeddings, attention_bias, mlp_bias",
-    "qwen2": "as llama, with biases on q, k and v",
-    "qwen3": "as llama, with q/k norms over the head dimension",
-    "mistral": "as llama, no biases",
-    "gemma": "as llama, with head_dim, tied by default",
-    "phi3": "as llama, fused qkv_proj and gate_up_proj, no biases",
-    "olmo2": "as llama, with q/k norms over the whole projection width",
-    "gpt2": "n_embd, n_inner, n_layer, n_head, n_positions, vocab_size, tie_word_embeddings, resid_pdrop",
-}
-_LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "olmo2")
-
+__all__ = ["DecoderSizes", "ConfigNames", "CONFIG_NAMES", "FAMILY_FIELDS", "sizes_from_config", "load_sizes", "read_config"]
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderSizes:
@@ -201,45 +187,41 @@ def _number(config: dict[str, Any], name: str, where: str, default: Any = None) 
     return value
 
 
+def _flag(config: dict[str, Any], value: str | bool) -> bool:
+    return bool(config.get(value, False)) if isinstance(value, str) else value
+
+
 def sizes_from_config(config: dict[str, Any], where: str = "config.json") -> DecoderSizes:
-    """The sizes of a transformers config given as a dict (a `config.json`'s contents); one ConfigError naming the
-    model_type and the families that can be priced when its family is not one of them."""
+    """The sizes of a transformers config given as a dict (a `config.json`'s contents), read through its family's
+    `ConfigNames`; one ConfigError naming the model_type and the families that can be priced for any other."""
     model_type = config.get("model_type")
-    if model_type == "gpt2":
-        h = _number(config, "n_embd", where)
-        heads = _number(config, "n_head", where)
-        return DecoderSizes(
-            model_type="gpt2", layers=_number(config, "n_layer", where), hidden=h,
-            intermediate=_number(config, "n_inner", where, 4 * h), heads=heads, kv_heads=heads, head_dim=h // heads,
-            vocab=_number(config, "vocab_size", where), tied=bool(config.get("tie_word_embeddings", True)),
-            gated=False, layer_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
-            positions=_number(config, "n_positions", where, 1024),
-            dropout=float(config.get("resid_pdrop", 0.1) or 0) > 0)
-    if model_type not in _LLAMA_LIKE:
+    names = CONFIG_NAMES.get(model_type)
+    if names is None:
         raise ConfigError(
             f"{where} holds a {model_type!r} model, which the planner cannot price: it needs the sizes of a "
             "decoder-only family it knows (layers, hidden and intermediate sizes, query and key/value heads, head "
             "dimension, vocabulary, tied head, gated MLP, biases)",
-            hint=f"plan a config of one of: {', '.join(FAMILY_FIELDS)}; or profile the model "
+            hint=f"plan a config of one of: {', '.join(CONFIG_NAMES)}; or profile the model "
                  "(`pipetrain profile`) and pass --profile FILE")
-    h = _number(config, "hidden_size", where)
-    heads = _number(config, "num_attention_heads", where)
-    kv = _number(config, "num_key_value_heads", where, heads)
+    h = _number(config, names.hidden, where)
+    heads = _number(config, names.heads, where)
+    kv = _number(config, names.kv_heads, where, heads) if names.kv_heads else heads
     head_dim = _number(config, "head_dim", where, h // heads if h % heads == 0 else None)
     if heads % kv:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
                           hint="fix the config: each key/value head serves a whole group of query heads")
-    bias = bool(config.get("attention_bias", False))
+    width = names.intermediate_default and names.intermediate_default * h
+    dropout = config.get(names.dropout, names.dropout_default) if names.dropout else 0
     return DecoderSizes(
-        model_type=model_type, layers=_number(config, "num_hidden_layers", where), hidden=h,
-        intermediate=_number(config, "intermediate_size", where), heads=heads, kv_heads=kv, head_dim=head_dim,
-        vocab=_number(config, "vocab_size", where),
-        tied=bool(config.get("tie_word_embeddings", model_type == "gemma")),
-        qkv_bias=True if model_type == "qwen2" else bias and model_type not in ("mistral", "phi3"),
-        o_bias=bias and model_type not in ("qwen2", "mistral", "phi3"),
-        mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
-        qk_norm={"qwen3": 2 * head_dim, "olmo2": (heads + kv) * head_dim}.get(model_type, 0),
-        dropout=model_type == "phi3" and float(config.get("resid_pdrop", 0) or 0) > 0)
+        model_type=model_type, layers=_number(config, names.layers, where), hidden=h,
+        intermediate=_number(config, names.intermediate, where, width), heads=heads, kv_heads=kv,
+        head_dim=head_dim, vocab=_number(config, "vocab_size", where),
+        tied=bool(config.get("tie_word_embeddings", names.tied_default)), gated=names.gated,
+        layer_norm=names.layer_norm, qkv_bias=_flag(config, names.qkv_bias), o_bias=_flag(config, names.o_bias),
+        mlp_bias=_flag(config, names.mlp_bias),
+        qk_norm={"head": 2 * head_dim, "projection": (heads + kv) * head_dim}.get(names.qk_norm, 0),
+        positions=_number(config, names.positions, where, names.positions_default) if names.positions else 0,
+        dropout=float(dropout or 0) > 0)
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
