@@ -14,6 +14,9 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -66,15 +69,29 @@ class Tokenized:
     cached: bool
 
 
-def _processes(rows: int, procs: int | None) -> int:
+@contextmanager
+def _bars(datasets: Any, on: bool) -> Iterator[None]:
+    """`datasets`' progress bars on (`on`) or off inside the block, as they were after it."""
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.enable_progress_bars() if on else datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.disable_progress_bars() if was_off else datasets.enable_progress_bars()
+
+
+def _processes(rows: int, procs: int | None) -> int | None:
+    """The tokenizing processes for `rows` rows: the cores (or `procs`), fewer for few rows; None: this one."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(procs or cores, rows // ROWS_PER_PROC))
+    count = min(procs or cores, rows // ROWS_PER_PROC)
+    return count if count > 1 else None
 
 
 def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_name: str, tokenizer_key: str,
                     cache_root: Path | None = None, procs: int | None = None) -> Tokenized:
     """The rows of `--data path` (JSON lines, Parquet, datasets folder) tokenized by `tokenizer` as `fmt` says, from
-    the cache when it holds them, else tokenized now (over `procs` processes, default the cores) and stored."""
+    the cache when it holds them, else tokenized now (over `procs` processes, default the cores) and stored. The
+    tokenization shows a progress bar on a terminal; reading and storing show none."""
     datasets = require_datasets()
     root = cache_root or default_cache_root()
     data_format, files = detect_format(path)
@@ -85,7 +102,8 @@ def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_nam
     if (final / "meta.json").is_file():
         meta = json.loads((final / "meta.json").read_text())
         return Tokenized(datasets.load_from_disk(str(final / "rows")), meta["kind"], data_format, cached=True)
-    rows = read_rows(data_format, files, cache_dir=root / "arrow")
+    with _bars(datasets, False):
+        rows = read_rows(data_format, files, cache_dir=root / "arrow")
     source = f"--data {str(path)!r}"
     kind, fields = row_kind(rows.column_names, fmt, source)
     if kind == "chat":
@@ -97,13 +115,14 @@ def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_nam
     building = root / f".tokens-{key}.{os.getpid()}.partial"
     shutil.rmtree(building, ignore_errors=True)
     try:
-        mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
-                          batched=True, with_indices=True, remove_columns=rows.column_names,
-                          num_proc=_processes(len(rows), procs) if len(rows) >= 2 * ROWS_PER_PROC else None,
-                          features=datasets.Features(features), desc=f"tokenizing {path.name}",
-                          cache_file_name=str(building / "map" / "tokens.arrow"), load_from_cache_file=False,
-                          new_fingerprint=key)
-        mapped.save_to_disk(str(building / "rows"))
+        with _bars(datasets, sys.stderr.isatty()):
+            mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
+                              batched=True, with_indices=True, remove_columns=rows.column_names,
+                              num_proc=_processes(len(rows), procs), features=datasets.Features(features),
+                              desc=f"tokenizing {path.name}", cache_file_name=str(building / "map" / "tokens.arrow"),
+                              load_from_cache_file=False, new_fingerprint=key)
+        with _bars(datasets, False):
+            mapped.save_to_disk(str(building / "rows"))
         del mapped
         shutil.rmtree(building / "map")
         (building / "meta.json").write_text(json.dumps({"kind": kind, "format": data_format, "source": str(path),
