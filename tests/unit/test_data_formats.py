@@ -138,3 +138,17 @@ def _fmt(**kwargs):
     from pipetrain.data.fields import RowFormat
 
     return RowFormat(**kwargs)
+
+
+def test_the_lm_workload_reads_the_text_field_of_rows_with_its_word_tokeniser(tmp_path):
+    from pipetrain.errors import ConfigError
+    from pipetrain.workloads.lm.corpus import load_documents
+
+    data = write_rows(tmp_path / "rows.parquet", [{"body": doc} for doc in DOCS], "parquet")
+    config = TrainConfig(workload="lm", preset="tiny", data=data, row_format=_fmt(text_field="body"), batch_size=4)
+    train, _ = load_data(config)
+    expected, _ = load_documents(DOCS, seq_len=32, vocab_size=96, source="")
+    assert train.source.startswith(f"Parquet at {data}") and torch.equal(train.tokens, expected.tokens)
+    chats = write_rows(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}] * 20, "jsonl")
+    with pytest.raises(ConfigError, match="holds instruction rows"):
+        load_data(TrainConfig(workload="lm", preset="tiny", data=chats, batch_size=4))

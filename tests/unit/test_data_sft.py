@@ -75,7 +75,7 @@ def test_chat_rows_train_on_the_assistant_turns_only(folder, tmp_path):
     assert alone == "yes 0<|im_end|>\nno 0<|im_end|>\n"
     assert "[" not in marked.split("assistant\n")[0]  # system and user turns: not one target
     # a target is trained exactly where the mask says so: the rest (prompts, padding) is the ignore index
-    tokens, mask = train.take(torch.tensor([0]))
+    _, mask = train.take(torch.tensor([0]))
     assert torch.equal(y[0] != IGNORE_INDEX, mask[0, 1:])
 
 
@@ -107,3 +107,16 @@ def test_truncation_drops_long_rows_or_cuts_their_prompts_from_the_left(folder, 
         "input_ids"] + [tok.eos_token_id]
     assert int(train.lengths[cut]) == 25 and tokens[0].tolist() == full[-25:]  # the last 25 tokens: the prompt's end
     assert tok.decode(tokens[0][mask[0]]) == " no<|endoftext|>" and not bool(mask[0, 0])
+
+
+def test_data_show_prints_the_rows_with_the_trained_tokens_marked(folder, tmp_path, capsys):
+    from pipetrain.cli.main import main
+
+    data = jsonl(tmp_path / "chat.jsonl", [chat(i) for i in range(20)])
+    capsys.readouterr()
+    assert main(["data", "show", "--data", str(data), "--model", str(folder), "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "JSON lines at" in out and "chat rows" in out and out.count("--- sample") == 2
+    assert "assistant\n[[yes 0<|im_end|>\n]]<|im_start|>user\nIs 0 big?" in out
+    assert "[[no 1<|im_end|>\n]]" in out and "[[" not in out.split("--- sample 0")[1].split("assistant\n")[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError, DataError
 
-__all__ = ["FORMATS", "SUFFIXES", "detect_format", "read_rows", "require_datasets"]
+__all__ = ["FORMATS", "SUFFIXES", "detect_format", "rows_format", "read_rows", "read_texts", "require_datasets"]
 
 #: file suffix -> format name (as the start-up line says it)
 SUFFIXES = {".txt": "text", ".jsonl": "JSON lines", ".json": "JSON lines", ".parquet": "Parquet"}
@@ -51,6 +51,18 @@ def detect_format(path: Path) -> tuple[str, list[Path]]:
         raise ConfigError(f"--data {str(path)!r} mixes formats ({', '.join(found)})",
                           hint="put the files of one format in a folder of their own and pass that folder")
     return found[0], files
+
+
+def rows_format(path: Path) -> str | None:
+    """The format of `--data path` when it is rows (JSON lines, Parquet, a datasets folder); None for plain text, or
+    a path that is not there (the text readers say what is wrong with it)."""
+    if not path.exists():
+        return None
+    try:
+        fmt, _ = detect_format(path)
+    except DataError:
+        return None
+    return None if fmt == "text" else fmt
 
 
 def _check_parquet(files: list[Path]) -> None:
@@ -91,3 +103,19 @@ def read_rows(fmt: str, files: list[Path], *, cache_dir: Path) -> Any:
         cause = err.__cause__ or err
         raise DataError(f"cannot read {', '.join(str(f) for f in files[:3])} as {fmt}: {cause}",
                         hint="check the file (one JSON object per line for .jsonl)") from None
+
+
+def read_texts(path: Path, fmt: str, row_format: Any, *, cache_dir: Path) -> list[str]:
+    """The plain-text field of the rows of `path` as a list of documents, for a workload with a word tokeniser (its
+    vocabulary is built in memory from all of them): prompt/answer and chat rows need a model's own tokenizer."""
+    from pipetrain.data.fields import row_kind
+
+    _, files = detect_format(path)
+    rows = read_rows(fmt, files, cache_dir=cache_dir)
+    source = f"--data {str(path)!r}"
+    kind, fields = row_kind(rows.column_names, row_format, source)
+    if kind != "text":
+        raise ConfigError(f"{source} holds {kind} rows, which train on their answers through a model's tokenizer "
+                          "and chat template", hint="pass --workload hf --model DIR (a pretrained model folder)")
+    texts = rows[fields[0]]
+    return [text for text in texts if isinstance(text, str) and text.strip()]

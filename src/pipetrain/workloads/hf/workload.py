@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.data.cache import tokenize_cached, tokenizer_digest
-from pipetrain.data.fields import RowFormat
-from pipetrain.data.formats import detect_format
+from pipetrain.data.formats import rows_format
 from pipetrain.data.rows import TokenRows, token_rows
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY, load_gutenberg, load_text, synthetic_corpus, text_documents
+from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY, check_text_only, load_gutenberg, load_text, synthetic_corpus, text_documents
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
 from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
@@ -120,11 +119,11 @@ class HFWorkload(LanguageModelWorkload):
                                     seq_len=seq_len, vocab_size=vocab, seed=request.seed)
         if self.folder is None:  # a preset's model: the lm workload's word tokeniser
             if request.path is not None:
-                return load_text(request.path, seq_len=seq_len, vocab_size=vocab)
+                return load_text(request.path, seq_len=seq_len, vocab_size=vocab, row_format=request.row_format)
             return load_gutenberg(seq_len=seq_len, vocab_size=vocab)
         if request.path is not None:
-            fmt, _ = detect_format(Path(request.path))
-            if fmt != "text":
+            fmt = rows_format(Path(request.path))
+            if fmt is not None:
                 return self._rows(request, fmt, seq_len, vocab)
             check_text_only(request.row_format, request.path)
             documents, source = text_documents(Path(request.path)), f"text at {request.path}"
@@ -164,14 +163,6 @@ class HFWorkload(LanguageModelWorkload):
         if isinstance(dataset, (TokenWindows, TokenRows)):
             return f"{'packed' if dataset.packed else 'padded'} text, {self.folder.name if self.folder else ''} tokenizer"
         return super().describe_data(dataset)
-
-
-def check_text_only(row_format: RowFormat, path: Path) -> None:
-    """One ConfigError when field flags are given for plain-text data, which has no fields."""
-    given = [f"--{name.replace('_', '-')}" for name, value in row_format.fields().items() if value is not None]
-    if given:
-        raise ConfigError(f"{', '.join(given)} names fields of JSON lines, Parquet or datasets rows, but --data "
-                          f"{str(path)!r} is plain text", hint=f"drop {', '.join(given)}, or pass data with fields")
 
 
 def check_model_folder(folder: Path) -> Path:
