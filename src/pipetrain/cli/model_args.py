@@ -42,7 +42,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --model: join the documents with EOS and cut them into windows of --seq-len tokens "
                             "(no padding, the pretraining convention; default); --no-pack: one document per row, "
                             "padded to --seq-len")
-    rows = parser.add_argument_group("data rows (JSON lines, Parquet, datasets folders)")
+    rows = parser.add_argument_group("data rows")
     add_row_arguments(rows)
 
 

@@ -99,9 +99,21 @@ def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_nam
                                       "tokenizer": tokenizer_key, "data": files_digest(files)},
                                      sort_keys=True).encode(), digest_size=16).hexdigest()
     final = root / f"tokens-{key}"
-    if (final / "meta.json").is_file():
-        meta = json.loads((final / "meta.json").read_text())
-        return Tokenized(datasets.load_from_disk(str(final / "rows")), meta["kind"], data_format, cached=True)
+    if not (final / "meta.json").is_file():
+        import filelock  # a dependency of datasets
+
+        root.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(str(root / f".tokens-{key}.lock")):  # the ranks of a node: one tokenizes
+            if not (final / "meta.json").is_file():
+                return _tokenize(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, root, key, procs)
+    meta = json.loads((final / "meta.json").read_text())
+    return Tokenized(datasets.load_from_disk(str(final / "rows")), meta["kind"], data_format, cached=True)
+
+
+def _tokenize(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
+              files: list[Path], root: Path, key: str, procs: int | None) -> Tokenized:
+    """Tokenize the rows now into `root/tokens-<key>` (see `tokenize_cached`)."""
+    final = root / f"tokens-{key}"
     with _bars(datasets, False):
         rows = read_rows(data_format, files, cache_dir=root / "arrow")
     source = f"--data {str(path)!r}"
@@ -129,7 +141,7 @@ def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_nam
                                                         "rows": len(rows)}))
         try:
             building.rename(final)
-        except OSError:  # another process finished the same key first: its copy is as good
+        except OSError:  # another node's process (a shared cache folder) finished the same key first
             shutil.rmtree(building, ignore_errors=True)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)

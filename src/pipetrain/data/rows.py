@@ -114,8 +114,8 @@ def token_rows(rows: Any, *, kind: str, seq_len: int, pack: bool, truncate: str,
         how = (f"one example per row, {'assistant turns' if kind == 'chat' else 'answers'} trained; rows longer "
                f"than {width} tokens: {dropped} dropped{cut_text} (--truncate {truncate})")
         unit = "example"
-    test = torch.arange(hold_out_every - 1, len(index), hold_out_every)
-    train = torch.tensor([i for i in range(len(index)) if i % hold_out_every != hold_out_every - 1], dtype=torch.long)
+    every = torch.arange(len(index))
+    test, train = every[every % hold_out_every == hold_out_every - 1], every[every % hold_out_every != hold_out_every - 1]
     if not len(train) or not len(test):
         raise DataError(f"{source} gives {len(index)} {unit}(s) of {seq_len} tokens; a train and a held-out split "
                         f"need {hold_out_every}", hint="give more data, or a shorter --seq-len")
