@@ -14,6 +14,7 @@ from typing import Any
 from pipetrain.blocks import BlockModel
 from pipetrain.checkpoint.durable import DurableConfig
 from pipetrain.config import ParallelConfig
+from pipetrain.data.fields import RowFormat
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.pipeline.compiled import dynamic_shapes
@@ -56,6 +57,9 @@ class TrainConfig:
     #: a pretrained model folder (`--model DIR`, `Workload.with_model`) and whether its text is packed (`--no-pack`)
     model_dir: Path | None = None
     pack: bool = True
+    #: the fields of JSON lines, Parquet or datasets rows (`--text-field`, `--prompt-field`, `--answer-field`) and
+    #: what a row longer than the window does (`--truncate`)
+    row_format: RowFormat = field(default_factory=RowFormat)
     #: None: the workload's default data (`Workload.default_data`, else its synthetic corpus); SYNTHETIC: the
     #: synthetic corpus; else a folder/file
     data: Path | str | None = None
@@ -205,5 +209,6 @@ def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
     synthetic = config.synthetic
     request = DataRequest(preset=config.preset, path=None if synthetic else config.data, synthetic=synthetic,
                           train_samples=config.train_samples or SYNTHETIC_TRAIN,
-                          test_samples=config.test_samples or SYNTHETIC_TEST, seed=config.seed, seq_len=config.window)
+                          test_samples=config.test_samples or SYNTHETIC_TEST, seed=config.seed, seq_len=config.window,
+                          row_format=config.row_format)
     return config.task().load_data(request)

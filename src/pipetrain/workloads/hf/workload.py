@@ -18,11 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipetrain.data.cache import tokenize_cached, tokenizer_digest
+from pipetrain.data.formats import rows_format
+from pipetrain.data.rows import TokenRows, token_rows
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.lm.corpus import load_gutenberg, load_text, synthetic_corpus, text_documents
+from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY, check_text_only, load_gutenberg, load_text, synthetic_corpus, text_documents
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
-from pipetrain.workloads.hf.text import TokenWindows, check_tokenizer, load_tokenizer, tokenize_documents, window_batches
+from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
+                                         tokenize_documents, window_batches)
 from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
@@ -115,25 +119,48 @@ class HFWorkload(LanguageModelWorkload):
                                     seq_len=seq_len, vocab_size=vocab, seed=request.seed)
         if self.folder is None:  # a preset's model: the lm workload's word tokeniser
             if request.path is not None:
-                return load_text(request.path, seq_len=seq_len, vocab_size=vocab)
+                return load_text(request.path, seq_len=seq_len, vocab_size=vocab, row_format=request.row_format)
             return load_gutenberg(seq_len=seq_len, vocab_size=vocab)
         if request.path is not None:
+            fmt = rows_format(Path(request.path))
+            if fmt is not None:
+                return self._rows(request, fmt, seq_len, vocab)
+            check_text_only(request.row_format, request.path)
             documents, source = text_documents(Path(request.path)), f"text at {request.path}"
         else:
             documents, source = [text for _, text in gutenberg_books()], GUTENBERG.partition(" (")[0]
         return tokenize_documents(documents, load_tokenizer(self.folder), seq_len=seq_len, vocab_size=vocab,
                                   pack=self.pack, source=f"{source}, tokenized by {self.folder.name}")
 
+    def _rows(self, request: DataRequest, fmt: str, seq_len: int, vocab: int) -> tuple[TokenRows, TokenRows]:
+        """JSON lines, Parquet or a datasets folder: tokenized once (cached), read from memory-mapped files."""
+        tokenizer = load_tokenizer(self.folder)
+        check_vocabulary(tokenizer, vocab)
+        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
+                               tokenizer_key=tokenizer_digest(self.folder))
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        if eos is None:
+            raise ConfigError(f"the tokenizer of {self.folder.name} has no EOS token", hint="set eos_token in its "
+                                                                                             "tokenizer_config.json")
+        source = (f"{fmt} at {request.path} ({done.kind} rows, {len(done.rows):,}), tokenized by {self.folder.name}"
+                  f"{' (cached)' if done.cached else ''}")
+        return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack,
+                          truncate=request.row_format.truncate, pad_id=pad, eos_id=eos, source=source,
+                          hold_out_every=HOLD_OUT_EVERY)
+
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
                 replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
-        if isinstance(dataset, TokenWindows):
+        if isinstance(dataset, (TokenWindows, TokenRows)):
             return window_batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
                                   replicas=replicas, start=start)
         return super().batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
                                replicas=replicas, bucket=bucket, start=start)
 
     def describe_data(self, dataset: Any) -> str:
-        if isinstance(dataset, TokenWindows):
+        if isinstance(dataset, TokenRows) and dataset.supervised:
+            return f"answers of {self.folder.name if self.folder else ''}-tokenized rows"
+        if isinstance(dataset, (TokenWindows, TokenRows)):
             return f"{'packed' if dataset.packed else 'padded'} text, {self.folder.name if self.folder else ''} tokenizer"
         return super().describe_data(dataset)
 

@@ -41,7 +41,8 @@ class LanguageModelWorkload(Workload):
     def load_data(self, request: DataRequest) -> tuple[TokenCorpus, TokenCorpus]:
         config = GPT_PRESETS[request.preset]
         if request.path is not None:
-            return load_text(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size)
+            return load_text(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size,
+                             row_format=request.row_format)
         if not request.synthetic:
             return load_gutenberg(seq_len=config.seq_len, vocab_size=config.vocab_size)
         return synthetic_corpus(num_train=request.train_samples, num_test=request.test_samples,
