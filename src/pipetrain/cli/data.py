@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipetrain.cli.model_args import add_row_arguments, row_format
+from pipetrain.cli.model_args import add_pack_arguments, add_row_arguments, row_format
 from pipetrain.data.show import show_samples
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import TrainConfig, load_data
@@ -25,8 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help="the model folder whose tokenizer (and chat template) reads the data")
     show.add_argument("--seq-len", type=int, default=None, help="the window (default: as train's, 128 or the model's)")
     show.add_argument("--rows", type=int, default=3, help="how many samples to print (default: 3)")
-    show.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                      help="plain text: packed into windows (default) or one document per row (--no-pack)")
+    add_pack_arguments(show)
     add_row_arguments(show.add_argument_group("data rows"))
     return parser
 

@@ -1,20 +1,22 @@
 """The model and data flags of the verbs that describe a job (`train`, `check`): `--workload`, `--preset`, `--data`,
-the pretrained-model ones (`--model DIR`, `--no-pack`) and the fields of data rows (`--text-field`, `--prompt-field`,
+the pretrained-model ones (`--model DIR`, `--pack`) and the fields of data rows (`--text-field`, `--prompt-field`,
 `--answer-field`, `--truncate`), with the TrainConfig fields they set."""
 
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
 from pipetrain.data.fields import TRUNCATE, RowFormat
+from pipetrain.data.packing import PACK_MODES, pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import SYNTHETIC
 from pipetrain.workloads.registry import workload_names
 
-__all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "add_row_arguments", "row_format",
-           "model_fields"]
+__all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "add_pack_arguments", "add_row_arguments",
+           "row_format", "model_fields"]
 
 
 def data_path(text: str) -> Path | str:
@@ -32,18 +34,34 @@ def add_workload_arguments(group: argparse._ArgumentGroup, *, data_default: Path
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model DIR` (a local Hugging Face folder, with --workload hf) and `--pack/--no-pack`."""
+    """`--model DIR` (a local Hugging Face folder, with --workload hf) and `--pack`."""
     group = parser.add_argument_group("pretrained model (--workload hf)")
     group.add_argument("--model", type=Path, default=None, metavar="DIR",
                        help="a local Hugging Face model folder (config.json, model.safetensors, tokenizer files) "
                             "to fine-tune; its own tokenizer reads the text (--data, default: the Gutenberg books); "
                             "--seq-len sets the window (default: 128)")
-    group.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                       help="with --model: join the documents with EOS and cut them into windows of --seq-len tokens "
-                            "(no padding, the pretraining convention; default); --no-pack: one document per row, "
-                            "padded to --seq-len")
+    add_pack_arguments(group)
     rows = parser.add_argument_group("data rows")
     add_row_arguments(rows)
+
+
+class _NoPack(argparse.Action):
+    """`--no-pack`, the old spelling of `--pack none`: still works, with a DeprecationWarning."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        warnings.warn("--no-pack is deprecated: pass --pack none", DeprecationWarning, stacklevel=2)
+        namespace.pack = "none"
+
+
+def add_pack_arguments(group: argparse._ArgumentGroup) -> None:
+    """`--pack none|windows|documents` (a bare `--pack` is windows) and the deprecated `--no-pack` in `group`."""
+    group.add_argument("--pack", nargs="?", choices=PACK_MODES, const="windows", default="windows",
+                       help="with --model, how documents fill windows of --seq-len tokens: windows (joined with EOS "
+                            "and cut, no padding, attention across documents: the pretraining convention; default), "
+                            "documents (whole documents side by side, positions restarting and attention only "
+                            "within each document; the start-up line gives the packing efficiency), none (one "
+                            "document per row, padded)")
+    group.add_argument("--no-pack", nargs=0, action=_NoPack, help=argparse.SUPPRESS)
 
 
 def add_row_arguments(group: argparse._ArgumentGroup) -> None:
@@ -70,7 +88,8 @@ def row_format(args: argparse.Namespace) -> RowFormat:
 
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The `TrainConfig` fields of the parsed flags (`model_dir`, `pack`, `row_format`)."""
-    model, pack = getattr(args, "model", None), getattr(args, "pack", True)
-    if model is None and not pack:
-        raise ConfigError("--no-pack applies to a pretrained model's text", hint="pass --workload hf --model DIR, or drop --no-pack")
+    model, pack = getattr(args, "model", None), pack_mode(getattr(args, "pack", "windows"))
+    if model is None and pack != "windows":
+        raise ConfigError(f"--pack {pack} applies to a pretrained model's text", hint="pass --workload hf --model DIR, "
+                                                                                      f"or drop --pack {pack}")
     return {"model_dir": model, "pack": pack, "row_format": row_format(args)}

@@ -15,6 +15,7 @@ from pipetrain.blocks import BlockModel
 from pipetrain.checkpoint.durable import DurableConfig
 from pipetrain.config import ParallelConfig
 from pipetrain.data.fields import RowFormat
+from pipetrain.data.packing import pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.pipeline.compiled import dynamic_shapes
@@ -54,9 +55,10 @@ class TrainConfig:
     layout: LayoutRequest = field(default_factory=LayoutRequest)
     workload: str = "classifier"
     preset: str = "cpu"
-    #: a pretrained model folder (`--model DIR`, `Workload.with_model`) and whether its text is packed (`--no-pack`)
+    #: a pretrained model folder (`--model DIR`, `Workload.with_model`) and how its text fills windows (`--pack`:
+    #: none | windows | documents; True and False, the old spelling, are windows and none)
     model_dir: Path | None = None
-    pack: bool = True
+    pack: str | bool = "windows"
     #: the fields of JSON lines, Parquet or datasets rows (`--text-field`, `--prompt-field`, `--answer-field`) and
     #: what a row longer than the window does (`--truncate`)
     row_format: RowFormat = field(default_factory=RowFormat)
@@ -90,6 +92,7 @@ class TrainConfig:
         """Checks of the description alone (no model is built: `prepare` checks the model against the layout)."""
         if isinstance(self.data, str) and self.data != SYNTHETIC:
             object.__setattr__(self, "data", Path(self.data))
+        object.__setattr__(self, "pack", pack_mode(self.pack))
         check_precision(self.precision)
         workload = self.task()
         workload.check_preset(self.preset)

@@ -120,9 +120,9 @@ class Workload(ABC):
         if seq_len is not None and not self.windows:
             raise _no_window(self.name)
 
-    def with_model(self, folder: str | Path, *, pack: bool = True) -> Workload:
-        """This workload on the pretrained model of a local folder (`--model DIR`); `pack`: whether text is
-        packed into windows. Only a workload of pretrained models has one (`hf`)."""
+    def with_model(self, folder: str | Path, *, pack: str | bool = "windows") -> Workload:
+        """This workload on the pretrained model of a local folder (`--model DIR`); `pack`: how text fills the
+        windows (`pipetrain.data.packing.PACK_MODES`). Only a workload of pretrained models has one (`hf`)."""
         raise ConfigError(f"workload {self.name!r} does not train a pretrained model folder: --model does not apply",
                           hint=f"pass --workload hf --model {folder}, or drop --model")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.data.packing import PackedDocuments
 from pipetrain.data.rows import TokenRows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
@@ -120,16 +121,21 @@ def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vo
     return split(train, "train"), split(test, "held-out")
 
 
-def window_batches(data: TokenWindows | TokenRows, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int = 0,
-                   replicas: int = 1, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def window_batches(data: TokenWindows | TokenRows | PackedDocuments, batch_size: int, *, shuffle: bool, seed: int,
+                   epoch: int, replica: int = 0, replicas: int = 1, start: int = 0) -> Iterator[tuple[Any, torch.Tensor]]:
     """One epoch of `(input ids, next-token targets)` `[share, seq_len]` for replica `replica` of `replicas`:
     global batches of `batch_size` rows cut into equal contiguous shares (as `corpus.token_batches`), from global
     sample `start` of the epoch's order on; targets past a row's end, and of tokens that do not train (a prompt, a
     user turn), are `IGNORE_INDEX` (by position: a pad id may be a real token). `data`: rows in memory
-    (`TokenWindows`) or read per batch from memory-mapped files (`pipetrain.data.rows.TokenRows`)."""
+    (`TokenWindows`) or read per batch from memory-mapped files (`pipetrain.data.rows.TokenRows`); documents packed
+    by `pipetrain.data.packing` give `((input ids, positions), targets)`."""
     order = batch_order(data.lengths, batch_size, shuffle=shuffle, bucket=False, seed=seed,
                         stream=f"hf-epoch-{epoch}", bucket_stream=f"hf-buckets-{epoch}")
     for _, part in replica_shares(order, batch_size, replica=replica, replicas=replicas, start=start):
+        if isinstance(data, PackedDocuments):  # the positions travel with the ids: the model masks by document
+            ids, positions, targets = data.take(part)
+            yield (ids, positions), targets
+            continue
         tokens, trained = data.take(part)
         targets = tokens[:, 1:].clone()
         targets[torch.arange(1, tokens.shape[1])[None, :] >= data.lengths[part][:, None]] = IGNORE_INDEX

@@ -20,6 +20,7 @@ from typing import Any
 
 from pipetrain.data.cache import tokenize_cached, tokenizer_digest
 from pipetrain.data.formats import rows_format
+from pipetrain.data.packing import PackedDocuments, pack_documents, pack_mode
 from pipetrain.data.rows import TokenRows, token_rows
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY, check_text_only, load_gutenberg, load_text, synthetic_corpus, text_documents
@@ -79,10 +80,11 @@ class HFWorkload(LanguageModelWorkload):
     windows = True
     data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
 
-    def __init__(self, folder: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, *, pack: bool = True) -> None:
-        self.folder, self.seq_len, self.pack = (None if folder is None else Path(folder)), seq_len, pack
+    def __init__(self, folder: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, *,
+                 pack: str | bool = "windows") -> None:
+        self.folder, self.seq_len, self.pack = (None if folder is None else Path(folder)), seq_len, pack_mode(pack)
 
-    def with_model(self, folder: str | Path, *, pack: bool = True) -> HFWorkload:
+    def with_model(self, folder: str | Path, *, pack: str | bool = "windows") -> HFWorkload:
         """This workload on the pretrained model of `folder` (`--model DIR`), checked now: one ConfigError for a
         missing folder, a GGUF file, a folder without config.json or tokenizer, an unsupported model family."""
         path = check_model_folder(Path(folder))
@@ -105,13 +107,25 @@ class HFWorkload(LanguageModelWorkload):
         return min(self.seq_len, longest)
 
     def model(self, preset: str, *, seq_len: int | None = None) -> HFCausalLM:
+        documents = self.pack == "documents"  # the input is (ids, positions): attention by document
         if self.folder is not None:
-            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self._folder_window())
+            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self._folder_window(), documents=documents)
         self.check_preset(preset)
         spec = HF_PRESETS[preset]
-        return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len)
+        return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len, documents=documents)
 
     def load_data(self, request: DataRequest) -> tuple[Dataset, Dataset]:
+        train, test = self._splits(request)
+        if self.pack != "documents":
+            return train, test
+        if not isinstance(train, (TokenWindows, TokenRows)):
+            raise ConfigError("--pack documents packs the documents of a model folder's own text or rows, not the "
+                              f"{'synthetic corpus' if request.synthetic else 'word-tokenised text'}",
+                              hint="pass --model DIR with --data FILE|DIR (or no --data: the Gutenberg books)")
+        seq_len = self.model(request.preset, seq_len=request.seq_len).seq_len
+        return pack_documents(train, seq_len=seq_len), pack_documents(test, seq_len=seq_len)
+
+    def _splits(self, request: DataRequest) -> tuple[Dataset, Dataset]:
         model = self.model(request.preset, seq_len=request.seq_len)
         vocab, seq_len = model.config.vocab_size, model.seq_len
         if request.synthetic:
@@ -130,7 +144,7 @@ class HFWorkload(LanguageModelWorkload):
         else:
             documents, source = [text for _, text in gutenberg_books()], GUTENBERG.partition(" (")[0]
         return tokenize_documents(documents, load_tokenizer(self.folder), seq_len=seq_len, vocab_size=vocab,
-                                  pack=self.pack, source=f"{source}, tokenized by {self.folder.name}")
+                                  pack=self.pack == "windows", source=f"{source}, tokenized by {self.folder.name}")
 
     def _rows(self, request: DataRequest, fmt: str, seq_len: int, vocab: int) -> tuple[TokenRows, TokenRows]:
         """JSON lines, Parquet or a datasets folder: tokenized once (cached), read from memory-mapped files."""
@@ -145,19 +159,22 @@ class HFWorkload(LanguageModelWorkload):
                                                                                              "tokenizer_config.json")
         source = (f"{fmt} at {request.path} ({done.kind} rows, {len(done.rows):,}), tokenized by {self.folder.name}"
                   f"{' (cached)' if done.cached else ''}")
-        return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack,
+        return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack == "windows",
                           truncate=request.row_format.truncate, pad_id=pad, eos_id=eos, source=source,
                           hold_out_every=HOLD_OUT_EVERY)
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
                 replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
-        if isinstance(dataset, (TokenWindows, TokenRows)):
+        if isinstance(dataset, (TokenWindows, TokenRows, PackedDocuments)):
             return window_batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
                                   replicas=replicas, start=start)
         return super().batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
                                replicas=replicas, bucket=bucket, start=start)
 
     def describe_data(self, dataset: Any) -> str:
+        if isinstance(dataset, PackedDocuments):
+            what = "answers of rows" if dataset.supervised else "text"
+            return f"{what} packed by document, {self.folder.name if self.folder else ''} tokenizer"
         if isinstance(dataset, TokenRows) and dataset.supervised:
             return f"answers of {self.folder.name if self.folder else ''}-tokenized rows"
         if isinstance(dataset, (TokenWindows, TokenRows)):
