@@ -52,7 +52,8 @@ WRONG = "dp2xpp2-1f1b-mask-of-the-first-micro-batch"
 
 def config() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    initializer_range=0.1)  # attention far from uniform: a wrong mask shows
 
 
 def windows():
@@ -177,3 +178,4 @@ def test_a_mask_built_before_the_micro_batch_split_does_not_match(runs):
     losses = torch.tensor(per_rank[0][WRONG]["losses"])
     print("mask of the first micro-batch:", losses.tolist(), "reference:", ref["losses"])
     assert not torch.allclose(losses[:1], torch.tensor(ref["losses"][:1]), rtol=RTOL, atol=ATOL)
+    assert abs(losses[0].item() - ref["losses"][0]) > 1e-3 * ref["losses"][0]  # 100 times the tolerance or more

@@ -13,7 +13,8 @@ positions from 0, every target ignored.
 
 The per-token positions travel with the token ids as a second input (`PackedDocuments.take`): the model derives
 the block-diagonal causal mask from them inside each decoder layer, per micro-batch, after the schedule has split
-the batch (`pipetrain.workloads.hf.blocks`). Packing efficiency: the tokens with a target over the window tokens.
+the batch (`pipetrain.workloads.hf.blocks`). Packing efficiency: the trained tokens over the window tokens (for
+instruction and chat rows, the document tokens: only their answers train).
 """
 
 from __future__ import annotations
@@ -98,12 +99,13 @@ class PackedDocuments:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens with a target in this split (with answers only, fewer train)."""
+        """Document tokens that predict the next one in this split (all train, but for instruction and chat rows:
+        only their answers)."""
         return int(self.lengths.sum())
 
     @property
     def efficiency(self) -> float:
-        """Tokens with a target over the window tokens."""
+        """`num_tokens` over the window tokens: the trained share of the windows (of plain text)."""
         return self.num_tokens / max(len(self) * self.seq_len, 1)
 
     def take(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,8 +145,9 @@ def pack_documents(documents: Any, *, seq_len: int) -> PackedDocuments:
     bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
     filled = torch.tensor([sum(sizes[i] for i in members) for members in bins], dtype=torch.long)
     packed = PackedDocuments(documents, members, bounds, filled, seq_len, documents.pad_id, "")
+    what = ("document tokens / window tokens, of which the answers train" if packed.supervised
+            else "trained tokens / window tokens")
     source = (f"{documents.source}; packed by document into {len(bins):,} windows of {seq_len} tokens (packing "
-              f"efficiency {packed.efficiency:.1%}: tokens with a target / window tokens; attention and positions "
-              f"per document)")
+              f"efficiency {packed.efficiency:.1%}: {what}; attention and positions per document)")
     return PackedDocuments(documents, members, bounds, filled, seq_len, documents.pad_id, source,
                            synthetic=bool(getattr(documents, "synthetic", False)))
