@@ -152,3 +152,15 @@ def test_the_lm_workload_reads_the_text_field_of_rows_with_its_word_tokeniser(tm
     chats = write_rows(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}] * 20, "jsonl")
     with pytest.raises(ConfigError, match="holds instruction rows"):
         load_data(TrainConfig(workload="lm", preset="tiny", data=chats, batch_size=4))
+
+
+def test_data_show_prints_packed_windows_with_every_token_but_the_first_trained(folder, tmp_path, capsys):
+    from pipetrain.cli.main import main
+
+    data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in DOCS], "jsonl")
+    capsys.readouterr()
+    assert main(["data", "show", "--data", str(data), "--model", str(folder), "--rows", "2", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "packed into windows of 16 tokens" in out and "--- window 1: 17 tokens, 16 trained ---" in out
+    first = out.split("--- window 0: 17 tokens, 16 trained ---\n")[1].splitlines()[0]
+    assert first == "D[[ocument 0: the cat sat on the mat]]"  # one window: the first token is read, not trained
