@@ -89,10 +89,14 @@ def test_no_pack_gives_one_padded_document_per_row_and_text_field_picks_the_fiel
     assert trained is None and torch.equal(tokens, expected.tokens) and torch.equal(train.lengths, expected.lengths)
 
 
-def test_the_second_load_reads_the_cache_and_a_changed_file_is_tokenized_again(folder, tmp_path, monkeypatch):
+def test_the_second_load_reads_the_cache_and_a_changed_file_is_tokenized_again(folder, tmp_path, monkeypatch,
+                                                                             cache_root):
     data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in DOCS], "jsonl")
     first, _ = load(folder, data)
     assert "(cached)" not in first.source
+    kept = sorted(p.name for p in cache_root.iterdir() if not p.name.endswith(".lock"))
+    assert len(kept) == 1 and kept[0].startswith("tokens-")  # the tokens alone: no JSON conversion, no partial
+    assert sorted(p.name for p in (cache_root / kept[0]).iterdir()) == ["meta.json", "rows"]
 
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized again")
