@@ -89,10 +89,14 @@ def test_no_pack_gives_one_padded_document_per_row_and_text_field_picks_the_fiel
     assert trained is None and torch.equal(tokens, expected.tokens) and torch.equal(train.lengths, expected.lengths)
 
 
-def test_the_second_load_reads_the_cache_and_a_changed_file_is_tokenized_again(folder, tmp_path, monkeypatch):
+def test_the_second_load_reads_the_cache_and_a_changed_file_is_tokenized_again(folder, tmp_path, monkeypatch,
+                                                                             cache_root):
     data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in DOCS], "jsonl")
     first, _ = load(folder, data)
     assert "(cached)" not in first.source
+    kept = sorted(p.name for p in cache_root.iterdir() if not p.name.endswith(".lock"))
+    assert len(kept) == 1 and kept[0].startswith("tokens-")  # the tokens alone: no JSON conversion, no partial
+    assert sorted(p.name for p in (cache_root / kept[0]).iterdir()) == ["meta.json", "rows"]
 
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized again")
@@ -152,3 +156,15 @@ def test_the_lm_workload_reads_the_text_field_of_rows_with_its_word_tokeniser(tm
     chats = write_rows(tmp_path / "chat.jsonl", [{"prompt": "a", "completion": "b"}] * 20, "jsonl")
     with pytest.raises(ConfigError, match="holds instruction rows"):
         load_data(TrainConfig(workload="lm", preset="tiny", data=chats, batch_size=4))
+
+
+def test_data_show_prints_packed_windows_with_every_token_but_the_first_trained(folder, tmp_path, capsys):
+    from pipetrain.cli.main import main
+
+    data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in DOCS], "jsonl")
+    capsys.readouterr()
+    assert main(["data", "show", "--data", str(data), "--model", str(folder), "--rows", "2", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "packed into windows of 16 tokens" in out and "--- window 1: 17 tokens, 16 trained ---" in out
+    first = out.split("--- window 0: 17 tokens, 16 trained ---\n")[1].splitlines()[0]
+    assert first == "D[[ocument 0: the cat sat on the mat]]"  # one window: the first token is read, not trained

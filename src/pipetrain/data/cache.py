@@ -5,7 +5,8 @@ reads the cached Arrow files instead of tokenizing again, and a changed file or 
 The cache is a folder per key, `tokens-<key>/` under `default_cache_root()` (`~/.cache/pipetrain/data`), holding
 the tokenized rows (`datasets.Dataset.save_to_disk`) and `meta.json`; it is written under a temporary name and
 renamed when complete, so two processes building it at once never read half of it. JSON and Parquet files are
-converted into Arrow under `arrow/` of the same root on the first run.
+converted into Arrow files first (memory-mapped while they are tokenized, deleted afterwards: the cache holds
+the tokens alone).
 """
 
 from __future__ import annotations
@@ -112,38 +113,46 @@ def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_nam
 
 def _tokenize(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
               files: list[Path], root: Path, key: str, procs: int | None) -> Tokenized:
-    """Tokenize the rows now into `root/tokens-<key>` (see `tokenize_cached`)."""
-    final = root / f"tokens-{key}"
-    with _bars(datasets, False):
-        rows = read_rows(data_format, files, cache_dir=root / "arrow")
-    source = f"--data {str(path)!r}"
-    kind, fields = row_kind(rows.column_names, fmt, source)
-    if kind == "chat":
-        check_chat_template(tokenizer, tokenizer_name)
-    ids = datasets.List(datasets.Value("int32"))
-    features = {"input_ids": ids, "length": datasets.Value("int32")}
-    if kind != "text":
-        features.update(trained=datasets.List(datasets.Value("int8")), first=datasets.Value("int32"))
+    """Tokenize the rows now into `root/tokens-<key>` (see `tokenize_cached`): built in a folder of this process,
+    renamed when complete; a failure leaves nothing behind."""
     building = root / f".tokens-{key}.{os.getpid()}.partial"
     shutil.rmtree(building, ignore_errors=True)
     try:
-        with _bars(datasets, sys.stderr.isatty()):
-            mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
-                              batched=True, with_indices=True, remove_columns=rows.column_names,
-                              num_proc=_processes(len(rows), procs), features=datasets.Features(features),
-                              desc=f"tokenizing {path.name}", cache_file_name=str(building / "map" / "tokens.arrow"),
-                              load_from_cache_file=False, new_fingerprint=key)
-        with _bars(datasets, False):
-            mapped.save_to_disk(str(building / "rows"))
-        del mapped
-        shutil.rmtree(building / "map")
-        (building / "meta.json").write_text(json.dumps({"kind": kind, "format": data_format, "source": str(path),
-                                                        "rows": len(rows)}))
+        kind = _build(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, building, key, procs)
         try:
-            building.rename(final)
+            building.rename(root / f"tokens-{key}")
         except OSError:  # another node's process (a shared cache folder) finished the same key first
             shutil.rmtree(building, ignore_errors=True)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    return Tokenized(datasets.load_from_disk(str(final / "rows")), kind, data_format, cached=False)
+    return Tokenized(datasets.load_from_disk(str(root / f"tokens-{key}" / "rows")), kind, data_format, cached=False)
+
+
+def _build(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
+           files: list[Path], building: Path, key: str, procs: int | None) -> str:
+    """Read, tokenize and store the rows in `building`; returns their kind."""
+    with _bars(datasets, False):  # JSON and Parquet as Arrow files, deleted once tokenized
+        rows = read_rows(data_format, files, cache_dir=building / "arrow")
+    source = f"--data {str(path)!r}"
+    kind, fields = row_kind(rows.column_names, fmt, source)
+    if kind == "chat":
+        check_chat_template(tokenizer, tokenizer_name)
+    features = {"input_ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32")}
+    if kind != "text":
+        features.update(trained=datasets.List(datasets.Value("int8")), first=datasets.Value("int32"))
+    with _bars(datasets, sys.stderr.isatty()):
+        mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
+                          batched=True, with_indices=True, remove_columns=rows.column_names,
+                          num_proc=_processes(len(rows), procs), features=datasets.Features(features),
+                          desc=f"tokenizing {path.name}", cache_file_name=str(building / "map" / "tokens.arrow"),
+                          load_from_cache_file=False, new_fingerprint=key)
+    with _bars(datasets, False):
+        mapped.save_to_disk(str(building / "rows"))
+    count = len(rows)
+    del mapped, rows
+    for scratch in ("map", "arrow"):
+        shutil.rmtree(building / scratch, ignore_errors=True)
+    (building / "meta.json").write_text(json.dumps({"kind": kind, "format": data_format, "source": str(path),
+                                                    "rows": count}))
+    return kind

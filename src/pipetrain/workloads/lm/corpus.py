@@ -16,13 +16,13 @@ book cut into windows of `seq_len + 1` words, every tenth window held out.
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipetrain.data.cache import default_cache_root
 from pipetrain.data.fields import RowFormat
 from pipetrain.data.formats import read_texts, rows_format
 from pipetrain.errors import ConfigError, DataError
@@ -148,7 +148,8 @@ def load_text(path: Path | str, *, seq_len: int, vocab_size: int, row_format: Ro
     path = Path(path)
     fmt = rows_format(path)
     if fmt is not None:
-        documents = read_texts(path, fmt, row_format, cache_dir=default_cache_root() / "arrow")
+        with tempfile.TemporaryDirectory(prefix="pipetrain-rows-") as scratch:  # Arrow files, read into memory
+            documents = read_texts(path, fmt, row_format, cache_dir=Path(scratch))
         return load_documents(documents, seq_len=seq_len, vocab_size=vocab_size, source=f"{fmt} at {path}")
     check_text_only(row_format, path)
     return load_documents(text_documents(path), seq_len=seq_len, vocab_size=vocab_size, source=f"text at {path}")
