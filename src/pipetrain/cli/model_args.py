@@ -48,7 +48,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 class _NoPack(argparse.Action):
     """`--no-pack`, the old spelling of `--pack none`: still works, with a DeprecationWarning."""
 
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         warnings.warn("--no-pack is deprecated: pass --pack none", DeprecationWarning, stacklevel=2)
         namespace.pack = "none"
 

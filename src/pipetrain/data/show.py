@@ -27,8 +27,8 @@ def _marked(tokenizer: Any, ids: list[int], trains: list[bool]) -> str:
 
 
 def show_samples(split: Any, tokenizer: Any, count: int) -> str:
-    """The first `count` samples of `split` (a `TokenRows`, `TokenWindows` or `PackedDocuments`), decoded, the tokens that train (are
-    the target of the token before them) marked, each under a line with its token counts."""
+    """The first `count` samples of `split` (a `TokenRows`, `TokenWindows` or `PackedDocuments`), decoded, the
+    tokens that train (are the target of the token before them) marked, each under a line with its token counts."""
     count = min(count, len(split))
     if isinstance(split, PackedDocuments):
         return _show_packed(split, tokenizer, count)

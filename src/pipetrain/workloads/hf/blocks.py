@@ -4,7 +4,8 @@ Three kinds: the embedding (token embedding, plus the position embedding where t
 decoder layer, and the head (final norm + LM head). Only the hidden states cross a stage boundary: each layer
 block rebuilds the attention mask (and the rotary tables) from the sequence length, as the unsplit model builds
 them once. With packed documents (`--pack documents`) the per-token positions cross with them, a second tensor,
-and each layer block builds the block-diagonal causal mask from them (`document_mask`). A block's parameters keep the names of the transformers model through `prefixes` (local -> checkpoint).
+and each layer block builds the block-diagonal causal mask from them (`document_mask`). A block's parameters keep
+the names of the transformers model through `prefixes` (local -> checkpoint).
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vo
 
 
 def window_batches(data: TokenWindows | TokenRows | PackedDocuments, batch_size: int, *, shuffle: bool, seed: int,
-                   epoch: int, replica: int = 0, replicas: int = 1, start: int = 0) -> Iterator[tuple[Any, torch.Tensor]]:
+                   epoch: int, replica: int = 0, replicas: int = 1,
+                   start: int = 0) -> Iterator[tuple[Any, torch.Tensor]]:
     """One epoch of `(input ids, next-token targets)` `[share, seq_len]` for replica `replica` of `replicas`:
     global batches of `batch_size` rows cut into equal contiguous shares (as `corpus.token_batches`), from global
     sample `start` of the epoch's order on; targets past a row's end, and of tokens that do not train (a prompt, a
