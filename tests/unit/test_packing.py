@@ -209,3 +209,26 @@ def test_another_familys_mask_and_the_documents_give_transformers_packed_mask(at
     allowed = expected if expected.dtype == torch.bool else expected == 0
     assert allowed[0, 0, 4].tolist() == [False] * 3 + [True] * 2 + [False] * 5  # its own document's earlier tokens
     assert allowed[1, 0].equal(torch.ones(10, 10, dtype=torch.bool).tril())  # one document: causal
+
+
+def test_packed_windows_keep_the_data_position_under_any_replica_count():
+    """The windows are a function of the lengths, so a resumed run under another dp seeks to the same windows."""
+    from pipetrain.workloads.hf.text import window_batches
+
+    packed = pack_documents(make_documents(60, seed=2), seq_len=SEQ)
+    batch = 4
+    again = pack_documents(make_documents(60, seed=2), seq_len=SEQ)
+    assert len(packed) % batch == 0 and again.members.equal(packed.members) and again.bounds.equal(packed.bounds)
+
+    def joined(replicas: int, start: int) -> list[torch.Tensor]:
+        shares = [list(window_batches(packed, batch, shuffle=True, seed=5, epoch=2, replica=r, replicas=replicas,
+                                      start=start)) for r in range(replicas)]
+        return [torch.cat([torch.stack([s[i][0][0], s[i][0][1], s[i][1]]) for s in shares], dim=1)
+                for i in range(len(shares[0]))]
+
+    whole = joined(1, 0)
+    for replicas in (2, 4):
+        for start in (0, 2 * batch):
+            got = joined(replicas, start)
+            assert len(got) == len(whole) - start // batch
+            assert all(g.equal(w) for g, w in zip(got, whole[start // batch :]))
