@@ -232,3 +232,16 @@ def test_packed_windows_keep_the_data_position_under_any_replica_count():
             got = joined(replicas, start)
             assert len(got) == len(whole) - start // batch
             assert all(g.equal(w) for g, w in zip(got, whole[start // batch :]))
+
+
+@pytest.mark.parametrize("written, pack", [("true", "windows"), ("false", "none"), ('"documents"', "documents")])
+def test_a_config_file_of_the_switch_and_of_the_mode_gives_the_packing(written, pack, tmp_path):
+    """`pack = true/false`, as --print-config wrote it when --pack was a switch, still means windows / none."""
+    from pipetrain.cli.config_file import apply_config_file
+    from pipetrain.cli.main import build_parser
+
+    path = tmp_path / "run.toml"
+    path.write_text(f"pack = {written}\n")
+    argv = ["train", "--config", str(path)]
+    parser = build_parser(argv)
+    assert apply_config_file(parser, argv, parser.parse_args(argv)).pack == pack

@@ -56,12 +56,13 @@ class _NoPack(argparse.Action):
 
 def add_pack_arguments(group: argparse._ArgumentGroup) -> None:
     """`--pack none|windows|documents` (a bare `--pack` is windows) and the deprecated `--no-pack` in `group`."""
-    group.add_argument("--pack", nargs="?", choices=PACK_MODES, const="windows", default="windows",
+    pack = group.add_argument("--pack", nargs="?", choices=PACK_MODES, const="windows", default="windows",
                        help="with --model, how documents fill windows of --seq-len tokens: windows (joined with EOS "
                             "and cut, no padding, attention across documents: the pretraining convention; default), "
                             "documents (whole documents side by side, positions restarting and attention only "
                             "within each document; the start-up line gives the packing efficiency), none (one "
                             "document per row, padded)")
+    pack.off = "none"  # a config file's `pack = false`, written when --pack was a switch: --no-pack
     group.add_argument("--no-pack", nargs=0, action=_NoPack, help=argparse.SUPPRESS)
 
 
