@@ -3,7 +3,7 @@ at a time (`TokenRows.take`): only the lengths of the rows are held in memory.
 
 - plain text, packed (`--pack`, the pretraining convention): the documents joined with EOS into one stream, cut
   into windows of `width` tokens that overlap by one; every token trains.
-- plain text, one document per row (`--no-pack`): its first `width` tokens; every token trains.
+- plain text, one document per row (`--pack none`): its first `width` tokens; every token trains.
 - instruction and chat rows: one example per row, its `trained` tokens (the answers) train, all others are
   ignored. A row longer than `width` is dropped (`--truncate drop`), or its prompt is cut from the left
   (`--truncate left`) when that leaves every trained token and one token before them; else it is dropped.

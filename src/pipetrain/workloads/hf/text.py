@@ -3,10 +3,11 @@
 Packing (the pretraining convention, the default): every document is tokenized with the model folder's
 tokenizer (`AutoTokenizer`, no special tokens added), followed by the EOS token, and the documents are joined
 into one stream, cut into windows of `seq_len + 1` tokens that overlap by one (so every token is predicted
-once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--no-pack`), each
+once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--pack none`), each
 document is one row: its first `seq_len + 1` tokens, right-padded with the pad token (EOS where the
 tokenizer has none), padding ignored by the loss; every tenth document is held out. The documents are those
-of `--data` (one per .txt file of a folder, one per paragraph of a file) or the Gutenberg books.
+of `--data` (one per .txt file of a folder, one per paragraph of a file) or the Gutenberg books. `--pack documents`
+packs the rows of `--pack none` whole into windows (`pipetrain.data.packing`).
 """
 
 from __future__ import annotations

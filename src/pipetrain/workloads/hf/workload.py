@@ -2,8 +2,9 @@
 
 `pipetrain train --workload hf --model DIR` trains the pretrained model of a local folder (config.json,
 safetensors weights, tokenizer files; each rank reads only its own tensors) on text tokenized with the
-folder's own tokenizer, packed into windows of `--seq-len` tokens (`--no-pack`: one document per row,
-padded), every tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is
+folder's own tokenizer, packed into windows of `--seq-len` tokens (`--pack none`: one document per row,
+padded; `--pack documents`: whole documents per window, attention by document, `pipetrain.data.packing`), every
+tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is
 the Gutenberg books. `pipetrain train --workload hf --preset llama-tiny` (or `gpt2-tiny`, `llama-cpu`,
 `gpt2-cpu`) builds a small model from a `transformers` config instead, trained on the `lm` workload's data.
 The targets are the next tokens (padding -100), so the loss is the token cross-entropy of the logits as they
