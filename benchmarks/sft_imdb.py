@@ -8,7 +8,7 @@ folder on the held-out rows: the model reads the conversation up to the assistan
 generation prompt) and its greedy first token must begin the right word ("pos..." / "neg...", any case).
 
     python benchmarks/sft_imdb.py data OUT [--train 800] [--heldout 200] [--chars 400]
-    python benchmarks/sft_imdb.py accuracy MODEL_DIR OUT/heldout.jsonl
+    python benchmarks/sft_imdb.py accuracy MODEL_DIR OUT/heldout.jsonl [--limit N] [--threads 2]
     pipetrain train --workload hf --model $DIR --data OUT/train.jsonl --pp 2 ...   # then export --hf, accuracy again
 """
 
@@ -51,10 +51,10 @@ def make_data(out: Path, *, train: int, heldout: int, chars: int, seed: int) -> 
 
 
 @torch.no_grad()
-def accuracy(folder: Path, data: Path, limit: int | None) -> None:
+def accuracy(folder: Path, data: Path, limit: int | None, threads: int) -> None:
     import transformers
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
@@ -63,7 +63,7 @@ def accuracy(folder: Path, data: Path, limit: int | None) -> None:
         *prompt, answer = row["messages"]
         text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-        first = tok.decode([int(model(input_ids=ids).logits[0, -1].argmax())]).strip().lower()
+        first = tok.decode([int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())]).strip().lower()
         answers[first] = answers.get(first, 0) + 1
         right += bool(first) and answer["content"].startswith(first)
     seconds = time.perf_counter() - start
@@ -84,12 +84,13 @@ def main() -> None:
     score = sub.add_parser("accuracy", help="held-out accuracy of a model folder")
     score.add_argument("model", type=Path)
     score.add_argument("data", type=Path)
-    score.add_argument("--limit", type=int, default=None)
+    score.add_argument("--limit", type=int, default=None, help="score the first N rows only")
+    score.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.verb == "data":
         make_data(args.out, train=args.train, heldout=args.heldout, chars=args.chars, seed=args.seed)
     else:
-        accuracy(args.model, args.data, args.limit)
+        accuracy(args.model, args.data, args.limit, args.threads)
 
 
 if __name__ == "__main__":
