@@ -70,3 +70,14 @@ def test_bad_rows_are_one_message(case, cli, folders, tmp_path, capsys):  # noqa
     capsys.readouterr()
     code, out, err, _ = cli(argv)
     assert_one_error(code, out, err, *expected)
+
+
+def test_rows_without_the_data_extra_say_how_to_install_it(monkeypatch):
+    import sys
+
+    from pipetrain.data.formats import require_datasets
+    from pipetrain.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: `import datasets` raises ImportError
+    with pytest.raises(ConfigError, match=r"needs the `datasets` and `pyarrow` packages.*pip install 'pipetrain\[data\]'"):
+        require_datasets()

@@ -4,10 +4,11 @@
 safetensors weights, tokenizer files; each rank reads only its own tensors) on text tokenized with the
 folder's own tokenizer, packed into windows of `--seq-len` tokens (`--pack none`: one document per row,
 padded; `--pack documents`: whole documents per window, attention by document, `pipetrain.data.packing`), every
-tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is
-the Gutenberg books. `pipetrain train --workload hf --preset llama-tiny` (or `gpt2-tiny`, `llama-cpu`,
-`gpt2-cpu`) builds a small model from a `transformers` config instead, trained on the `lm` workload's data.
-The targets are the next tokens (padding -100), so the loss is the token cross-entropy of the logits as they
+tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is the Gutenberg books.
+JSON lines, Parquet and `datasets` folders (plain text, prompt/answer or chat rows trained on their answers) are
+read, tokenized once and cached by `pipetrain.data` (docs/data.md). `pipetrain train --workload hf --preset
+llama-tiny` (or `gpt2-tiny`, `llama-cpu`, `gpt2-cpu`) builds a small model from a `transformers` config instead,
+trained on the `lm` workload's data. The targets are the next tokens (padding -100), so the loss is the token cross-entropy of the logits as they
 are. Needs the optional extra: `pip install 'pipetrain[hf]'`.
 """
 
@@ -24,7 +25,8 @@ from pipetrain.data.formats import rows_format
 from pipetrain.data.packing import PackedDocuments, pack_documents, pack_mode
 from pipetrain.data.rows import TokenRows, token_rows
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY, check_text_only, load_gutenberg, load_text, synthetic_corpus, text_documents
+from pipetrain.workloads.lm.corpus import (HOLD_OUT_EVERY, check_text_only, load_gutenberg, load_text, synthetic_corpus,
+                                           text_documents)
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
 from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
@@ -79,7 +81,8 @@ class HFWorkload(LanguageModelWorkload):
     summary = "a Hugging Face causal LM (Llama, GPT-2): a preset's small config, or --model DIR; needs pipetrain[hf]"
     presets = HF_PRESETS
     windows = True
-    data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
+    data_help = ("plain-text file (paragraphs split by blank lines) or folder of .txt files; with --model also JSON "
+                 "lines, Parquet or a datasets folder (text, prompt/answer or chat rows)")
 
     def __init__(self, folder: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, *,
                  pack: str | bool = "windows") -> None:

@@ -29,7 +29,8 @@ class LanguageModelWorkload(Workload):
     summary = "GPT-style causal decoder, next-token loss (default: the Gutenberg books)"
     presets = GPT_PRESETS
     metrics = ("accuracy", "perplexity")
-    data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
+    data_help = ("plain-text file (paragraphs split by blank lines) or folder of .txt files, or the text field of JSON "
+                 "lines, Parquet or datasets rows")
     buckets = True
     default_data = GUTENBERG
 
