@@ -10,6 +10,9 @@ TEXT = ["The capital of France is Paris. The cat sat on the mat; the dog sat on 
         "It was the best of times, it was the worst of times, it was the age of wisdom.",
         "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'\"-()"]
 EOS = "<|endoftext|>"
+#: a ChatML chat template (as SmolLM2's, without its default system prompt) for `chat_tokenizer`
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def tiny_tokenizer(vocab_size: int = 300):
@@ -25,12 +28,21 @@ def tiny_tokenizer(vocab_size: int = 300):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
 
 
+def chat_tokenizer():
+    """`tiny_tokenizer` with the ChatML tokens `<|im_start|>`, `<|im_end|>` and the chat template `CHATML`."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
 def tiny_model_folder(folder: Path, family: str = "llama", *, tied: bool = True, tokenizer: bool = True,
-                      layers: int = 2, seed: int = 0) -> Path:
-    """A saved tiny Llama or GPT-2 (tied embeddings by default) with its tokenizer: a `--model DIR` folder."""
+                      layers: int = 2, seed: int = 0, chat: bool = False) -> Path:
+    """A saved tiny Llama or GPT-2 (tied embeddings by default) with its tokenizer (`chat`: `chat_tokenizer`): a
+    `--model DIR` folder."""
     import transformers
 
-    tok = tiny_tokenizer()
+    tok = chat_tokenizer() if chat else tiny_tokenizer()
     common = {"vocab_size": len(tok), "tie_word_embeddings": tied, "eos_token_id": tok.eos_token_id,
               "bos_token_id": tok.bos_token_id}
     if family == "llama":

@@ -72,7 +72,7 @@ TRAIN_HF = ["train", "--workload", "hf", "--seq-len", "16", "--max-steps", "1", 
 
 
 @pytest.mark.parametrize("case", ["no-tokenizer", "unsupported-family", "gguf-file", "gguf-folder", "missing",
-                                  "model-on-lm", "no-pack-without-model"])
+                                  "model-on-lm", "no-pack-without-model", "pack-documents-without-model"])
 def test_bad_model_folders_are_one_message(case, cli, tmp_path, capsys):  # noqa: F811
     expected = {
         "no-tokenizer": ["has no tokenizer", "tokenizer.json", "save_pretrained"],
@@ -81,7 +81,8 @@ def test_bad_model_folders_are_one_message(case, cli, tmp_path, capsys):  # noqa
         "gguf-folder": ["holds a GGUF file (model.Q4.gguf) but no config.json", "convert it once"],
         "missing": ["is not a folder"],
         "model-on-lm": ["workload 'lm' does not train a pretrained model folder", "--workload hf"],
-        "no-pack-without-model": ["--no-pack applies to a pretrained model's text"],
+        "no-pack-without-model": ["--pack none applies to a pretrained model's text"],
+        "pack-documents-without-model": ["--pack documents applies to a pretrained model's text", "--model DIR"],
     }[case]
     argv = list(TRAIN_HF)
     if case == "no-tokenizer":
@@ -98,8 +99,14 @@ def test_bad_model_folders_are_one_message(case, cli, tmp_path, capsys):  # noqa
         argv += ["--model", str(tmp_path / "nowhere")]
     elif case == "model-on-lm":
         argv = ["train", "--workload", "lm", "--model", str(tmp_path), "--no-progress"]
+    elif case == "pack-documents-without-model":
+        argv += ["--pack", "documents"]
     else:
-        argv += ["--no-pack"]
+        argv += ["--no-pack"]  # the old spelling of --pack none (deprecated)
     capsys.readouterr()  # transformers' progress bar of save_pretrained
-    code, out, err, _ = cli(argv)
+    if case == "no-pack-without-model":
+        with pytest.warns(DeprecationWarning, match="--no-pack is deprecated: pass --pack none"):
+            code, out, err, _ = cli(argv)
+    else:
+        code, out, err, _ = cli(argv)
     assert_one_error(code, out, err, *expected)

@@ -23,6 +23,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("logs", "trace"),
     ("checkpoint",),
+    ("data",),
     ("workloads",),
     ("recipe",),
     ("session",),

@@ -170,8 +170,8 @@ def _convert(action: argparse.Action, value: Any, where: str, source: str) -> An
         if isinstance(action, argparse.BooleanOptionalAction) or action.const is True:
             return value
         return action.default if not value else action.const  # store_false / store_const
-    if action.nargs == "?" and isinstance(value, bool):  # the flag alone (its const), or not given
-        return action.const if value else action.default
+    if action.nargs == "?" and isinstance(value, bool):  # the flag alone (its const), or not given (or its `off`)
+        return action.const if value else getattr(action, "off", action.default)
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{source}: {where} = {value!r} is not one of {list(action.choices)}",
                           hint=f"choose one of: {', '.join(map(str, action.choices))}")

@@ -17,7 +17,7 @@ from pipetrain.launch.forkserver import warm_up
 __all__ = ["main"]
 
 #: verb -> module under pipetrain.cli providing add_parser(subparsers) and run(args) -> int
-VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export")
+VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export", "data")
 #: the verbs that start local ranks when no launcher (torchrun, srun) started this process
 SPAWNING_VERBS = ("train", "check", "bench")
 #: what `pipetrain --help` says above the verbs
@@ -37,6 +37,7 @@ VERB_HELP = {
     "plan": "rank layouts for your GPUs before you queue a job",
     "tune": "plan, then time the best few layouts on this machine",
     "export": "write a checkpoint as one unsplit model (or HF folder)",
+    "data": "show your data as the model sees it, trained tokens marked",
 }
 
 

@@ -1,17 +1,22 @@
 """The model and data flags of the verbs that describe a job (`train`, `check`): `--workload`, `--preset`, `--data`,
-and the pretrained-model ones (`--model DIR`, `--no-pack`), with the TrainConfig fields they set."""
+the pretrained-model ones (`--model DIR`, `--pack`) and the fields of data rows (`--text-field`, `--prompt-field`,
+`--answer-field`, `--truncate`), with the TrainConfig fields they set."""
 
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
+from pipetrain.data.fields import TRUNCATE, RowFormat
+from pipetrain.data.packing import PACK_MODES, pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import SYNTHETIC
 from pipetrain.workloads.registry import workload_names
 
-__all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "model_fields"]
+__all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "add_pack_arguments", "add_row_arguments",
+           "row_format", "model_fields"]
 
 
 def data_path(text: str) -> Path | str:
@@ -29,21 +34,64 @@ def add_workload_arguments(group: argparse._ArgumentGroup, *, data_default: Path
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model DIR` (a local Hugging Face folder, with --workload hf) and `--pack/--no-pack`."""
+    """`--model DIR` (a local Hugging Face folder, with --workload hf) and `--pack`."""
     group = parser.add_argument_group("pretrained model (--workload hf)")
     group.add_argument("--model", type=Path, default=None, metavar="DIR",
                        help="a local Hugging Face model folder (config.json, model.safetensors, tokenizer files) "
                             "to fine-tune; its own tokenizer reads the text (--data, default: the Gutenberg books); "
                             "--seq-len sets the window (default: 128)")
-    group.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                       help="with --model: join the documents with EOS and cut them into windows of --seq-len tokens "
-                            "(no padding, the pretraining convention; default); --no-pack: one document per row, "
-                            "padded to --seq-len")
+    add_pack_arguments(group)
+    rows = parser.add_argument_group("data rows")
+    add_row_arguments(rows)
+
+
+class _NoPack(argparse.Action):
+    """`--no-pack`, the old spelling of `--pack none`: still works, with a DeprecationWarning."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        warnings.warn("--no-pack is deprecated: pass --pack none", DeprecationWarning, stacklevel=2)
+        namespace.pack = "none"
+
+
+def add_pack_arguments(group: argparse._ArgumentGroup) -> None:
+    """`--pack none|windows|documents` (a bare `--pack` is windows) and the deprecated `--no-pack` in `group`."""
+    pack = group.add_argument("--pack", nargs="?", choices=PACK_MODES, const="windows", default="windows",
+                       help="with --model, how documents fill windows of --seq-len tokens: windows (joined with EOS "
+                            "and cut, no padding, attention across documents: the pretraining convention; default), "
+                            "documents (whole documents side by side, positions restarting and attention only "
+                            "within each document; the start-up line gives the packing efficiency), none (one "
+                            "document per row, padded)")
+    pack.off = "none"  # a config file's `pack = false`, written when --pack was a switch: --no-pack
+    group.add_argument("--no-pack", nargs=0, action=_NoPack, help=argparse.SUPPRESS)
+
+
+def add_row_arguments(group: argparse._ArgumentGroup) -> None:
+    """`--text-field`, `--prompt-field`, `--answer-field` and `--truncate` in `group`."""
+    group.add_argument("--text-field", default=None, metavar="NAME",
+                       help="the field of plain text to train on (default: 'text'; every token trains)")
+    group.add_argument("--prompt-field", default=None, metavar="NAME",
+                       help="the field of the prompt of prompt/answer rows (default: 'prompt'; it does not train)")
+    group.add_argument("--answer-field", default=None, metavar="NAME",
+                       help="the field of the answer of prompt/answer rows (default: 'completion'; it trains). "
+                            "Rows with 'messages' (role/content) are chats, rendered with the tokenizer's chat "
+                            "template, the assistant turns trained")
+    group.add_argument("--truncate", choices=TRUNCATE, default="drop",
+                       help="a prompt/answer or chat row longer than --seq-len: drop it, or cut its prompt from the "
+                            "left (kept whole when its answer alone is longer: then dropped); the start-up line "
+                            "says how many rows it touched (default: drop)")
+
+
+def row_format(args: argparse.Namespace) -> RowFormat:
+    """The `RowFormat` of the parsed row flags."""
+    return RowFormat(text_field=getattr(args, "text_field", None), prompt_field=getattr(args, "prompt_field", None),
+                     answer_field=getattr(args, "answer_field", None), truncate=getattr(args, "truncate", "drop"))
 
 
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The `TrainConfig` fields of the parsed flags (`model_dir`, `pack`)."""
-    model, pack = getattr(args, "model", None), getattr(args, "pack", True)
-    if model is None and not pack:
-        raise ConfigError("--no-pack applies to a pretrained model's text", hint="pass --workload hf --model DIR, or drop --no-pack")
-    return {"model_dir": model, "pack": pack}
+    """The `TrainConfig` fields of the parsed flags (`model_dir`, `pack`, `row_format`)."""
+    model, pack = getattr(args, "model", None), pack_mode(getattr(args, "pack", "windows"))
+    if model is None and pack != "windows":
+        raise ConfigError(f"--pack {pack} applies to a pretrained model's text", hint="pass --workload hf --model DIR, "
+                                                                                      f"or drop --pack {pack}")
+    return {"model_dir": model, "pack": pack, "row_format": row_format(args)}

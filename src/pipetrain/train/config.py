@@ -14,6 +14,8 @@ from typing import Any
 from pipetrain.blocks import BlockModel
 from pipetrain.checkpoint.durable import DurableConfig
 from pipetrain.config import ParallelConfig
+from pipetrain.data.fields import RowFormat
+from pipetrain.data.packing import pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.pipeline.compiled import dynamic_shapes
@@ -53,9 +55,13 @@ class TrainConfig:
     layout: LayoutRequest = field(default_factory=LayoutRequest)
     workload: str = "classifier"
     preset: str = "cpu"
-    #: a pretrained model folder (`--model DIR`, `Workload.with_model`) and whether its text is packed (`--no-pack`)
+    #: a pretrained model folder (`--model DIR`, `Workload.with_model`) and how its text fills windows (`--pack`:
+    #: none | windows | documents; True and False, the old spelling, are windows and none)
     model_dir: Path | None = None
-    pack: bool = True
+    pack: str | bool = "windows"
+    #: the fields of JSON lines, Parquet or datasets rows (`--text-field`, `--prompt-field`, `--answer-field`) and
+    #: what a row longer than the window does (`--truncate`)
+    row_format: RowFormat = field(default_factory=RowFormat)
     #: None: the workload's default data (`Workload.default_data`, else its synthetic corpus); SYNTHETIC: the
     #: synthetic corpus; else a folder/file
     data: Path | str | None = None
@@ -86,6 +92,7 @@ class TrainConfig:
         """Checks of the description alone (no model is built: `prepare` checks the model against the layout)."""
         if isinstance(self.data, str) and self.data != SYNTHETIC:
             object.__setattr__(self, "data", Path(self.data))
+        object.__setattr__(self, "pack", pack_mode(self.pack))
         check_precision(self.precision)
         workload = self.task()
         workload.check_preset(self.preset)
@@ -205,5 +212,6 @@ def load_data(config: TrainConfig) -> tuple[Dataset, Dataset]:
     synthetic = config.synthetic
     request = DataRequest(preset=config.preset, path=None if synthetic else config.data, synthetic=synthetic,
                           train_samples=config.train_samples or SYNTHETIC_TRAIN,
-                          test_samples=config.test_samples or SYNTHETIC_TEST, seed=config.seed, seq_len=config.window)
+                          test_samples=config.test_samples or SYNTHETIC_TEST, seed=config.seed, seq_len=config.window,
+                          row_format=config.row_format)
     return config.task().load_data(request)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from pipetrain.blocks import BlockModel
+from pipetrain.data.fields import RowFormat
 from pipetrain.errors import ConfigError
 
 __all__ = ["Batch", "Dataset", "DataRequest", "Workload"]
@@ -38,7 +39,8 @@ class DataRequest:
     """Which data the trainer wants: the synthetic corpus of `train_samples` / `test_samples` samples when
     `synthetic`, else the folder/file `path`, else (`path` None) the workload's default data (its
     `default_data`; the synthetic corpus for a workload without one). `seq_len`, when set, is the window (tokens
-    per sample) of a workload that `windows`, instead of its default."""
+    per sample) of a workload that `windows`, instead of its default. `row_format`: which fields of JSON lines,
+    Parquet or datasets rows hold the text, and what a row longer than the window does (`pipetrain.data`)."""
 
     preset: str
     path: Path | None
@@ -47,6 +49,7 @@ class DataRequest:
     test_samples: int
     seed: int
     seq_len: int | None = None
+    row_format: RowFormat = RowFormat()
 
     def __post_init__(self) -> None:
         if self.synthetic and self.path is not None:
@@ -117,9 +120,9 @@ class Workload(ABC):
         if seq_len is not None and not self.windows:
             raise _no_window(self.name)
 
-    def with_model(self, folder: str | Path, *, pack: bool = True) -> Workload:
-        """This workload on the pretrained model of a local folder (`--model DIR`); `pack`: whether text is
-        packed into windows. Only a workload of pretrained models has one (`hf`)."""
+    def with_model(self, folder: str | Path, *, pack: str | bool = "windows") -> Workload:
+        """This workload on the pretrained model of a local folder (`--model DIR`); `pack`: how text fills the
+        windows (`pipetrain.data.packing.PACK_MODES`). Only a workload of pretrained models has one (`hf`)."""
         raise ConfigError(f"workload {self.name!r} does not train a pretrained model folder: --model does not apply",
                           hint=f"pass --workload hf --model {folder}, or drop --model")
 

@@ -3,7 +3,9 @@
 Three kinds: the embedding (token embedding, plus the position embedding where the family has one), one block per
 decoder layer, and the head (final norm + LM head). Only the hidden states cross a stage boundary: each layer
 block rebuilds the attention mask (and the rotary tables) from the sequence length, as the unsplit model builds
-them once. A block's parameters keep the names of the transformers model through `prefixes` (local -> checkpoint).
+them once. With packed documents (`--pack documents`) the per-token positions cross with them, a second tensor,
+and each layer block builds the block-diagonal causal mask from them (`document_mask`). A block's parameters keep
+the names of the transformers model through `prefixes` (local -> checkpoint).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.workloads.hf.families import Family, require_transformers
+from pipetrain.errors import ConfigError
+from pipetrain.workloads.hf.families import Family, causal_mask, require_transformers
 
-__all__ = ["HFBlock", "Embedding", "DecoderLayer", "Head", "init_like_transformers"]
+__all__ = ["HFBlock", "Embedding", "DecoderLayer", "Head", "document_mask", "init_like_transformers"]
 
 
 class HFBlock(nn.Module):
@@ -51,14 +54,15 @@ class Embedding(HFBlock):
         self.drop = nn.Dropout(getattr(config, family.embed_dropout)) if family.embed_dropout else nn.Identity()
         self.scale = math.sqrt(config.hidden_size) if family.embed_scale else None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
+        """The hidden states; with per-token `positions` (packed documents), `(hidden states, positions)`."""
         hidden = self.get_submodule(self.tokens)(input_ids)
         if self.scale is not None:  # in the embedding's dtype, as transformers does
             hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
         if self.positions:
-            hidden = hidden + self.get_submodule(self.positions)(torch.arange(input_ids.shape[1],
-                                                                              device=input_ids.device))[None]
-        return self.drop(hidden)
+            at = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if positions is None else positions
+            hidden = hidden + self.get_submodule(self.positions)(at)
+        return self.drop(hidden) if positions is None else (self.drop(hidden), positions)
 
 
 class DecoderLayer(HFBlock):
@@ -71,14 +75,23 @@ class DecoderLayer(HFBlock):
         self.rotary = None if family.rotary_class is None else family.resolve(family.rotary_class)(config)
         self.prefixes = {"layer.": f"{family.layers}.{index}."}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        inputs: dict[str, Any] = {"attention_mask": self.mask(self.config, hidden, self.index)}
-        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
+        """The layer's output; with per-token `positions` (packed documents: they restart at each document),
+        `(output, positions)`, the mask then block-diagonal by document (`document_mask`), built here per
+        micro-batch from the positions that crossed the stage boundary with the hidden states."""
+        packed = positions is not None
+        if packed:
+            mask = document_mask(self.mask, self.config, hidden, positions, self.index)
+        else:
+            mask = self.mask(self.config, hidden, self.index)
+            positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        inputs: dict[str, Any] = {"attention_mask": mask}
         if self.position_ids:
             inputs["position_ids"] = positions
         if self.rotary is not None:
             inputs["position_embeddings"] = self.rotary(hidden, position_ids=positions)
-        return self.layer(hidden, **inputs)
+        out = self.layer(hidden, **inputs)
+        return (out, positions) if packed else out
 
 
 class Head(HFBlock):
@@ -90,8 +103,36 @@ class Head(HFBlock):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.prefixes = {"norm.": f"{family.norm}.", "lm_head.": f"{family.head}."}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # the positions (packed documents) end here: the loss reads logits
+
+
+def document_mask(family_mask: Any, config: Any, hidden: torch.Tensor, positions: torch.Tensor, index: int) -> Any:
+    """The attention mask of packed documents: a token attends to the earlier tokens of its own document only (a
+    document starts where the positions do not go up by one). For the causal families, transformers' own
+    packed-sequence path (`create_causal_mask` with `position_ids`: `find_packed_sequence_indices`); for another
+    mask (sliding windows), the family's mask of the window and-ed with the same-document blocks. On the meta
+    device (shape inference) the family's mask: the documents need the positions' values, which meta has not."""
+    if hidden.device.type == "meta":
+        return family_mask(config, hidden, index)
+    masks = require_transformers().masking_utils
+    if family_mask is causal_mask:
+        return masks.create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                        position_ids=positions)
+    mask = family_mask(config, hidden, index)
+    documents = masks.find_packed_sequence_indices(positions)
+    if documents is None:
+        return mask
+    same = documents[:, None, :, None] == documents[:, None, None, :]
+    if mask is None:  # the family's mask is plain causal (sdpa's is_causal)
+        length = hidden.shape[1]
+        return same & torch.ones(length, length, dtype=torch.bool, device=hidden.device).tril()
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return mask & same
+    if isinstance(mask, torch.Tensor):  # an additive float mask (eager attention)
+        return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+    raise ConfigError(f"--pack documents cannot combine the {config._attn_implementation} attention's "
+                      f"{type(mask).__name__} mask with documents", hint="use attn_implementation 'sdpa' or 'eager'")
 
 
 def init_like_transformers(block: nn.Module, config: Any, family: Family) -> None:

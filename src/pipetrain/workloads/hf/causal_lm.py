@@ -118,12 +118,14 @@ class HFCausalLM:
 
     `config` is a transformers config (e.g. `LlamaConfig(...)`, `GPT2Config(...)`), `checkpoint` a local
     folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
-    every sample (pipeline stages need static shapes). Attention runs as `config._attn_implementation`
+    every sample (pipeline stages need static shapes); `documents`: the input is `(token ids, positions)` of packed
+    documents (`pipetrain.data.packing`), attention masked by document. Attention runs as `config._attn_implementation`
     says, "sdpa" when unset (as transformers chooses on CPU and CUDA). Use `causal_lm_loss` as the engine's loss, with
     the input ids (padding set to -100) as targets. `from_folder` reads the config from the folder too.
     """
 
-    def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64) -> None:
+    def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64,
+                 documents: bool = False) -> None:
         family = family_of(config)
         if not 1 <= seq_len <= config.max_position_embeddings:
             raise ConfigError(f"seq_len {seq_len} is outside 1..{config.max_position_embeddings} for this model",
@@ -131,20 +133,20 @@ class HFCausalLM:
         config = copy.deepcopy(config)
         if config._attn_implementation is None:  # what transformers picks when it builds the whole model
             config._attn_implementation = "sdpa"
-        self.config, self.family, self.seq_len = config, family, seq_len
+        self.config, self.family, self.seq_len, self.documents = config, family, seq_len, documents
         self.checkpoint = None if checkpoint is None else _Checkpoint(Path(checkpoint))
         if self.checkpoint is not None:
             self._check_folder_config(Path(checkpoint))
             self._check_weights()
 
     @classmethod
-    def from_folder(cls, folder: str | Path, *, seq_len: int = 64) -> HFCausalLM:
+    def from_folder(cls, folder: str | Path, *, seq_len: int = 64, documents: bool = False) -> HFCausalLM:
         """The model of a local folder written by `save_pretrained`: its config.json and its weights."""
         path = Path(folder)
         if not (path / "config.json").is_file():
             raise ConfigError(f"{str(path)!r} has no config.json", hint="pass a folder written by save_pretrained")
         config = require_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
-        return cls(config, checkpoint=path, seq_len=seq_len)
+        return cls(config, checkpoint=path, seq_len=seq_len, documents=documents)
 
     def _check_folder_config(self, folder: Path) -> None:
         config_file = folder / "config.json"
@@ -210,8 +212,10 @@ class HFCausalLM:
             self._load(block)
         return block
 
-    def example_input(self, batch_size: int) -> torch.Tensor:
-        return torch.zeros(batch_size, self.seq_len, dtype=torch.long)
+    def example_input(self, batch_size: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids `[batch, seq_len]`; with `documents` (packed documents), also their positions (same shape)."""
+        ids = torch.zeros(batch_size, self.seq_len, dtype=torch.long)
+        return (ids, torch.arange(self.seq_len).expand(batch_size, -1).contiguous()) if self.documents else ids
 
     @property
     def tied(self) -> bool:

@@ -3,10 +3,11 @@
 Packing (the pretraining convention, the default): every document is tokenized with the model folder's
 tokenizer (`AutoTokenizer`, no special tokens added), followed by the EOS token, and the documents are joined
 into one stream, cut into windows of `seq_len + 1` tokens that overlap by one (so every token is predicted
-once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--no-pack`), each
+once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--pack none`), each
 document is one row: its first `seq_len + 1` tokens, right-padded with the pad token (EOS where the
 tokenizer has none), padding ignored by the loss; every tenth document is held out. The documents are those
-of `--data` (one per .txt file of a folder, one per paragraph of a file) or the Gutenberg books.
+of `--data` (one per .txt file of a folder, one per paragraph of a file) or the Gutenberg books. `--pack documents`
+packs the rows of `--pack none` whole into windows (`pipetrain.data.packing`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any
 
 import torch
 
+from pipetrain.data.packing import PackedDocuments
+from pipetrain.data.rows import TokenRows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.text.batching import batch_order
 from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
 from pipetrain.workloads.position import replica_shares
 
-__all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "load_tokenizer", "tokenize_documents", "window_batches"]
+__all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "check_vocabulary", "load_tokenizer", "tokenize_documents", "window_batches"]
 
 #: files of which a folder needs one for `AutoTokenizer` to load a tokenizer from it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -43,6 +46,10 @@ class TokenWindows:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def take(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows `part` `[n, seq_len + 1]`, and None: every token within a row's length trains (as `TokenRows.take`)."""
+        return self.tokens[part], None
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +77,13 @@ def load_tokenizer(folder: Path) -> Any:
                           hint="save a complete tokenizer with tokenizer.save_pretrained(DIR)") from None
 
 
+def check_vocabulary(tokenizer: Any, vocab_size: int) -> None:
+    """One ConfigError when the tokenizer has more tokens than the model's vocabulary."""
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab_size}",
+                          hint="pass the model folder whose tokenizer this is")
+
+
 def _ids(tokenizer: Any, documents: list[str]) -> list[list[int]]:
     return tokenizer(documents, add_special_tokens=False)["input_ids"]
 
@@ -81,9 +95,7 @@ def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vo
     if eos is None:
         raise ConfigError(f"the tokenizer of {source} has no EOS token to join documents with",
                           hint="set eos_token in its tokenizer_config.json")
-    if len(tokenizer) > vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab_size}",
-                          hint="pass the model folder whose tokenizer this is")
+    check_vocabulary(tokenizer, vocab_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     width = seq_len + 1
     if pack:
@@ -110,17 +122,25 @@ def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vo
     return split(train, "train"), split(test, "held-out")
 
 
-def window_batches(data: TokenWindows, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int = 0,
-                   replicas: int = 1, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def window_batches(data: TokenWindows | TokenRows | PackedDocuments, batch_size: int, *, shuffle: bool, seed: int,
+                   epoch: int, replica: int = 0, replicas: int = 1,
+                   start: int = 0) -> Iterator[tuple[Any, torch.Tensor]]:
     """One epoch of `(input ids, next-token targets)` `[share, seq_len]` for replica `replica` of `replicas`:
     global batches of `batch_size` rows cut into equal contiguous shares (as `corpus.token_batches`), from global
-    sample `start` of the epoch's order on; targets past a row's end are `IGNORE_INDEX` (by position: a pad id
-    may be a real token)."""
+    sample `start` of the epoch's order on; targets past a row's end, and of tokens that do not train (a prompt, a
+    user turn), are `IGNORE_INDEX` (by position: a pad id may be a real token). `data`: rows in memory
+    (`TokenWindows`) or read per batch from memory-mapped files (`pipetrain.data.rows.TokenRows`); documents packed
+    by `pipetrain.data.packing` give `((input ids, positions), targets)`."""
     order = batch_order(data.lengths, batch_size, shuffle=shuffle, bucket=False, seed=seed,
                         stream=f"hf-epoch-{epoch}", bucket_stream=f"hf-buckets-{epoch}")
-    positions = torch.arange(1, data.tokens.shape[1])
     for _, part in replica_shares(order, batch_size, replica=replica, replicas=replicas, start=start):
-        tokens = data.tokens[part]
+        if isinstance(data, PackedDocuments):  # the positions travel with the ids: the model masks by document
+            ids, positions, targets = data.take(part)
+            yield (ids, positions), targets
+            continue
+        tokens, trained = data.take(part)
         targets = tokens[:, 1:].clone()
-        targets[positions[None, :] >= data.lengths[part][:, None]] = IGNORE_INDEX
+        targets[torch.arange(1, tokens.shape[1])[None, :] >= data.lengths[part][:, None]] = IGNORE_INDEX
+        if trained is not None:
+            targets[~trained[:, 1:]] = IGNORE_INDEX
         yield tokens[:, :-1], targets

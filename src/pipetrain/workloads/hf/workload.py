@@ -2,11 +2,13 @@
 
 `pipetrain train --workload hf --model DIR` trains the pretrained model of a local folder (config.json,
 safetensors weights, tokenizer files; each rank reads only its own tensors) on text tokenized with the
-folder's own tokenizer, packed into windows of `--seq-len` tokens (`--no-pack`: one document per row,
-padded), every tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is
-the Gutenberg books. `pipetrain train --workload hf --preset llama-tiny` (or `gpt2-tiny`, `llama-cpu`,
-`gpt2-cpu`) builds a small model from a `transformers` config instead, trained on the `lm` workload's data.
-The targets are the next tokens (padding -100), so the loss is the token cross-entropy of the logits as they
+folder's own tokenizer, packed into windows of `--seq-len` tokens (`--pack none`: one document per row,
+padded; `--pack documents`: whole documents per window, attention by document, `pipetrain.data.packing`), every
+tenth window held out, perplexity reported (see `hf_text`). Without `--data`, the text is the Gutenberg books.
+JSON lines, Parquet and `datasets` folders (plain text, prompt/answer or chat rows trained on their answers) are
+read, tokenized once and cached by `pipetrain.data` (docs/data.md). `pipetrain train --workload hf --preset
+llama-tiny` (or `gpt2-tiny`, `llama-cpu`, `gpt2-cpu`) builds a small model from a `transformers` config instead,
+trained on the `lm` workload's data. The targets are the next tokens (padding -100), so the loss is the token cross-entropy of the logits as they
 are. Needs the optional extra: `pip install 'pipetrain[hf]'`.
 """
 
@@ -18,12 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipetrain.data.cache import tokenize_cached, tokenizer_digest
+from pipetrain.data.formats import rows_format
+from pipetrain.data.packing import PackedDocuments, pack_documents, pack_mode
+from pipetrain.data.rows import TokenRows, token_rows
 from pipetrain.errors import ConfigError
-from pipetrain.workloads.lm.corpus import load_gutenberg, load_text, synthetic_corpus, text_documents
+from pipetrain.workloads.lm.corpus import (HOLD_OUT_EVERY, check_text_only, load_gutenberg, load_text, synthetic_corpus,
+                                           text_documents)
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
 from pipetrain.workloads.hf.families import family_of
-from pipetrain.workloads.hf.text import TokenWindows, check_tokenizer, load_tokenizer, tokenize_documents, window_batches
+from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
+                                         tokenize_documents, window_batches)
 from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
@@ -74,12 +82,14 @@ class HFWorkload(LanguageModelWorkload):
     summary = "a Hugging Face causal LM (Llama, GPT-2): a preset's small config, or --model DIR; needs pipetrain[hf]"
     presets = HF_PRESETS
     windows = True
-    data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
+    data_help = ("plain-text file (paragraphs split by blank lines) or folder of .txt files; with --model also JSON "
+                 "lines, Parquet or a datasets folder (text, prompt/answer or chat rows)")
 
-    def __init__(self, folder: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, *, pack: bool = True) -> None:
-        self.folder, self.seq_len, self.pack = (None if folder is None else Path(folder)), seq_len, pack
+    def __init__(self, folder: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, *,
+                 pack: str | bool = "windows") -> None:
+        self.folder, self.seq_len, self.pack = (None if folder is None else Path(folder)), seq_len, pack_mode(pack)
 
-    def with_model(self, folder: str | Path, *, pack: bool = True) -> HFWorkload:
+    def with_model(self, folder: str | Path, *, pack: str | bool = "windows") -> HFWorkload:
         """This workload on the pretrained model of `folder` (`--model DIR`), checked now: one ConfigError for a
         missing folder, a GGUF file, a folder without config.json or tokenizer, an unsupported model family."""
         path = check_model_folder(Path(folder))
@@ -102,13 +112,25 @@ class HFWorkload(LanguageModelWorkload):
         return min(self.seq_len, longest)
 
     def model(self, preset: str, *, seq_len: int | None = None) -> HFCausalLM:
+        documents = self.pack == "documents"  # the input is (ids, positions): attention by document
         if self.folder is not None:
-            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self._folder_window())
+            return HFCausalLM.from_folder(self.folder, seq_len=seq_len or self._folder_window(), documents=documents)
         self.check_preset(preset)
         spec = HF_PRESETS[preset]
-        return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len)
+        return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len, documents=documents)
 
     def load_data(self, request: DataRequest) -> tuple[Dataset, Dataset]:
+        train, test = self._splits(request)
+        if self.pack != "documents":
+            return train, test
+        if not isinstance(train, (TokenWindows, TokenRows)):
+            raise ConfigError("--pack documents packs the documents of a model folder's own text or rows, not the "
+                              f"{'synthetic corpus' if request.synthetic else 'word-tokenised text'}",
+                              hint="pass --model DIR with --data FILE|DIR (or no --data: the Gutenberg books)")
+        seq_len = self.model(request.preset, seq_len=request.seq_len).seq_len
+        return pack_documents(train, seq_len=seq_len), pack_documents(test, seq_len=seq_len)
+
+    def _splits(self, request: DataRequest) -> tuple[Dataset, Dataset]:
         model = self.model(request.preset, seq_len=request.seq_len)
         vocab, seq_len = model.config.vocab_size, model.seq_len
         if request.synthetic:
@@ -116,25 +138,51 @@ class HFWorkload(LanguageModelWorkload):
                                     seq_len=seq_len, vocab_size=vocab, seed=request.seed)
         if self.folder is None:  # a preset's model: the lm workload's word tokeniser
             if request.path is not None:
-                return load_text(request.path, seq_len=seq_len, vocab_size=vocab)
+                return load_text(request.path, seq_len=seq_len, vocab_size=vocab, row_format=request.row_format)
             return load_gutenberg(seq_len=seq_len, vocab_size=vocab)
         if request.path is not None:
+            fmt = rows_format(Path(request.path))
+            if fmt is not None:
+                return self._rows(request, fmt, seq_len, vocab)
+            check_text_only(request.row_format, request.path)
             documents, source = text_documents(Path(request.path)), f"text at {request.path}"
         else:
             documents, source = [text for _, text in gutenberg_books()], GUTENBERG.partition(" (")[0]
         return tokenize_documents(documents, load_tokenizer(self.folder), seq_len=seq_len, vocab_size=vocab,
-                                  pack=self.pack, source=f"{source}, tokenized by {self.folder.name}")
+                                  pack=self.pack == "windows", source=f"{source}, tokenized by {self.folder.name}")
+
+    def _rows(self, request: DataRequest, fmt: str, seq_len: int, vocab: int) -> tuple[TokenRows, TokenRows]:
+        """JSON lines, Parquet or a datasets folder: tokenized once (cached), read from memory-mapped files."""
+        tokenizer = load_tokenizer(self.folder)
+        check_vocabulary(tokenizer, vocab)
+        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
+                               tokenizer_key=tokenizer_digest(self.folder))
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        if eos is None:
+            raise ConfigError(f"the tokenizer of {self.folder.name} has no EOS token", hint="set eos_token in its "
+                                                                                             "tokenizer_config.json")
+        source = (f"{fmt} at {request.path} ({done.kind} rows, {len(done.rows):,}), tokenized by {self.folder.name}"
+                  f"{' (cached)' if done.cached else ''}")
+        return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack == "windows",
+                          truncate=request.row_format.truncate, pad_id=pad, eos_id=eos, source=source,
+                          hold_out_every=HOLD_OUT_EVERY)
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
                 replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
-        if isinstance(dataset, TokenWindows):
+        if isinstance(dataset, (TokenWindows, TokenRows, PackedDocuments)):
             return window_batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
                                   replicas=replicas, start=start)
         return super().batches(dataset, batch_size, shuffle=shuffle, seed=seed, epoch=epoch, replica=replica,
                                replicas=replicas, bucket=bucket, start=start)
 
     def describe_data(self, dataset: Any) -> str:
-        if isinstance(dataset, TokenWindows):
+        if isinstance(dataset, PackedDocuments):
+            what = "answers of rows" if dataset.supervised else "text"
+            return f"{what} packed by document, {self.folder.name if self.folder else ''} tokenizer"
+        if isinstance(dataset, TokenRows) and dataset.supervised:
+            return f"answers of {self.folder.name if self.folder else ''}-tokenized rows"
+        if isinstance(dataset, (TokenWindows, TokenRows)):
             return f"{'packed' if dataset.packed else 'padded'} text, {self.folder.name if self.folder else ''} tokenizer"
         return super().describe_data(dataset)
 

@@ -16,12 +16,15 @@ book cut into windows of `seq_len + 1` words, every tenth window held out.
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pipetrain.data.fields import RowFormat
+from pipetrain.data.formats import read_texts, rows_format
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.position import replica_shares
@@ -38,7 +41,7 @@ from pipetrain.workloads.classifier.imdb import (
     tokenize,
 )
 
-__all__ = ["TokenCorpus", "synthetic_corpus", "load_text", "load_documents", "load_gutenberg", "text_documents",
+__all__ = ["TokenCorpus", "synthetic_corpus", "load_text", "check_text_only", "load_documents", "load_gutenberg", "text_documents",
            "token_batches", "LENGTH_STEP", "MIN_VOCAB", "HOLD_OUT_EVERY"]
 
 #: Smallest vocabulary the synthetic corpus accepts (padding, unknown and some words).
@@ -138,10 +141,26 @@ def _encode(texts: list[str], vocab: Vocabulary, max_len: int, source: str) -> T
     return TokenCorpus(tokens, lengths, False, f"{source} ({len(encoded)} documents)")
 
 
-def load_text(path: Path | str, *, seq_len: int, vocab_size: int) -> tuple[TokenCorpus, TokenCorpus]:
-    """Train and test corpora of a plain-text file or folder (see the module docstring for the rules)."""
+def load_text(path: Path | str, *, seq_len: int, vocab_size: int, row_format: RowFormat = RowFormat()
+              ) -> tuple[TokenCorpus, TokenCorpus]:
+    """Train and test corpora of a plain-text file or folder (see the module docstring for the rules), or of the
+    text field of JSON lines, Parquet or datasets rows (`row_format.text_field`, default `text`: one document a row)."""
     path = Path(path)
+    fmt = rows_format(path)
+    if fmt is not None:
+        with tempfile.TemporaryDirectory(prefix="pipetrain-rows-") as scratch:  # Arrow files, read into memory
+            documents = read_texts(path, fmt, row_format, cache_dir=Path(scratch))
+        return load_documents(documents, seq_len=seq_len, vocab_size=vocab_size, source=f"{fmt} at {path}")
+    check_text_only(row_format, path)
     return load_documents(text_documents(path), seq_len=seq_len, vocab_size=vocab_size, source=f"text at {path}")
+
+
+def check_text_only(row_format: RowFormat, path: Path) -> None:
+    """One ConfigError when field flags are given for plain-text data, which has no fields."""
+    given = [f"--{name.replace('_', '-')}" for name, value in row_format.fields().items() if value is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)} names fields of JSON lines, Parquet or datasets rows, but --data "
+                          f"{str(path)!r} is plain text", hint=f"drop {', '.join(given)}, or pass data with fields")
 
 
 def load_gutenberg(*, seq_len: int, vocab_size: int) -> tuple[TokenCorpus, TokenCorpus]:

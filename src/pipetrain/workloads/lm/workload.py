@@ -29,7 +29,8 @@ class LanguageModelWorkload(Workload):
     summary = "GPT-style causal decoder, next-token loss (default: the Gutenberg books)"
     presets = GPT_PRESETS
     metrics = ("accuracy", "perplexity")
-    data_help = "plain-text file (paragraphs split by blank lines) or folder of .txt files"
+    data_help = ("plain-text file (paragraphs split by blank lines) or folder of .txt files, or the text field of JSON "
+                 "lines, Parquet or datasets rows")
     buckets = True
     default_data = GUTENBERG
 
@@ -41,7 +42,8 @@ class LanguageModelWorkload(Workload):
     def load_data(self, request: DataRequest) -> tuple[TokenCorpus, TokenCorpus]:
         config = GPT_PRESETS[request.preset]
         if request.path is not None:
-            return load_text(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size)
+            return load_text(request.path, seq_len=config.seq_len, vocab_size=config.vocab_size,
+                             row_format=request.row_format)
         if not request.synthetic:
             return load_gutenberg(seq_len=config.seq_len, vocab_size=config.vocab_size)
         return synthetic_corpus(num_train=request.train_samples, num_test=request.test_samples,

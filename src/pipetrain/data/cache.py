@@ -1,0 +1,158 @@
+"""Tokenization run once, in parallel over the node's cores with a progress bar, and cached on disk keyed by the
+tokenizer's files, the data files' content and the fields read: the second run (and every rank of a launched job)
+reads the cached Arrow files instead of tokenizing again, and a changed file or tokenizer is tokenized anew.
+
+The cache is a folder per key, `tokens-<key>/` under `default_cache_root()` (`~/.cache/pipetrain/data`), holding
+the tokenized rows (`datasets.Dataset.save_to_disk`) and `meta.json`; it is written under a temporary name and
+renamed when complete, so two processes building it at once never read half of it. JSON and Parquet files are
+converted into Arrow files first (memory-mapped while they are tokenized, deleted afterwards: the cache holds
+the tokens alone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pipetrain.data.fields import RowFormat, row_kind
+from pipetrain.data.formats import detect_format, read_rows, require_datasets
+from pipetrain.data.render import check_chat_template, tokenize_rows
+
+__all__ = ["Tokenized", "default_cache_root", "files_digest", "tokenizer_digest", "tokenize_cached", "ROWS_PER_PROC"]
+
+#: rows per tokenizing process below which fewer processes are started (a process costs more than it saves)
+ROWS_PER_PROC = 2000
+#: the files of a model folder that make its tokenizer (hashed into the cache key)
+_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "added_tokens.json",
+                    "chat_template*", "spiece.model")
+_VERSION = 1
+
+
+def default_cache_root() -> Path:
+    """`~/.cache/pipetrain/data`: where tokenized data is kept."""
+    return Path.home() / ".cache" / "pipetrain" / "data"
+
+
+def files_digest(paths: list[Path]) -> str:
+    """A content hash of `paths` (files, or folders: every file under them, by relative name and content)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for file in files:
+            digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{file.stat().st_size}\0".encode())
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_digest(folder: Path) -> str:
+    """A content hash of the tokenizer files of a model folder."""
+    return files_digest(sorted({p for glob in _TOKENIZER_GLOBS for p in folder.glob(glob) if p.is_file()}))
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """Tokenized rows (`input_ids`, `length`; `trained`, `first` for instruction and chat rows), memory-mapped."""
+
+    rows: Any
+    kind: str
+    format: str
+    cached: bool
+
+
+@contextmanager
+def _bars(datasets: Any, on: bool) -> Iterator[None]:
+    """`datasets`' progress bars on (`on`) or off inside the block, as they were after it."""
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.enable_progress_bars() if on else datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.disable_progress_bars() if was_off else datasets.enable_progress_bars()
+
+
+def _processes(rows: int, procs: int | None) -> int | None:
+    """The tokenizing processes for `rows` rows: the cores (or `procs`), fewer for few rows; None: this one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    count = min(procs or cores, rows // ROWS_PER_PROC)
+    return count if count > 1 else None
+
+
+def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_name: str, tokenizer_key: str,
+                    cache_root: Path | None = None, procs: int | None = None) -> Tokenized:
+    """The rows of `--data path` (JSON lines, Parquet, datasets folder) tokenized by `tokenizer` as `fmt` says, from
+    the cache when it holds them, else tokenized now (over `procs` processes, default the cores) and stored. The
+    tokenization shows a progress bar on a terminal; reading and storing show none."""
+    datasets = require_datasets()
+    root = cache_root or default_cache_root()
+    data_format, files = detect_format(path)
+    key = hashlib.blake2b(json.dumps({"version": _VERSION, "format": data_format, "fields": fmt.fields(),
+                                      "tokenizer": tokenizer_key, "data": files_digest(files)},
+                                     sort_keys=True).encode(), digest_size=16).hexdigest()
+    final = root / f"tokens-{key}"
+    if not (final / "meta.json").is_file():
+        import filelock  # a dependency of datasets
+
+        root.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(str(root / f".tokens-{key}.lock")):  # the ranks of a node: one tokenizes
+            if not (final / "meta.json").is_file():
+                return _tokenize(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, root, key, procs)
+    meta = json.loads((final / "meta.json").read_text())
+    return Tokenized(datasets.load_from_disk(str(final / "rows")), meta["kind"], data_format, cached=True)
+
+
+def _tokenize(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
+              files: list[Path], root: Path, key: str, procs: int | None) -> Tokenized:
+    """Tokenize the rows now into `root/tokens-<key>` (see `tokenize_cached`): built in a folder of this process,
+    renamed when complete; a failure leaves nothing behind."""
+    building = root / f".tokens-{key}.{os.getpid()}.partial"
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        kind = _build(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, building, key, procs)
+        try:
+            building.rename(root / f"tokens-{key}")
+        except OSError:  # another node's process (a shared cache folder) finished the same key first
+            shutil.rmtree(building, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return Tokenized(datasets.load_from_disk(str(root / f"tokens-{key}" / "rows")), kind, data_format, cached=False)
+
+
+def _build(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
+           files: list[Path], building: Path, key: str, procs: int | None) -> str:
+    """Read, tokenize and store the rows in `building`; returns their kind."""
+    with _bars(datasets, False):  # JSON and Parquet as Arrow files, deleted once tokenized
+        rows = read_rows(data_format, files, cache_dir=building / "arrow")
+    source = f"--data {str(path)!r}"
+    kind, fields = row_kind(rows.column_names, fmt, source)
+    if kind == "chat":
+        check_chat_template(tokenizer, tokenizer_name)
+    features = {"input_ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32")}
+    if kind != "text":
+        features.update(trained=datasets.List(datasets.Value("int8")), first=datasets.Value("int32"))
+    with _bars(datasets, sys.stderr.isatty()):
+        mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
+                          batched=True, with_indices=True, remove_columns=rows.column_names,
+                          num_proc=_processes(len(rows), procs), features=datasets.Features(features),
+                          desc=f"tokenizing {path.name}", cache_file_name=str(building / "map" / "tokens.arrow"),
+                          load_from_cache_file=False, new_fingerprint=key)
+    with _bars(datasets, False):
+        mapped.save_to_disk(str(building / "rows"))
+    count = len(rows)
+    del mapped, rows
+    for scratch in ("map", "arrow"):
+        shutil.rmtree(building / scratch, ignore_errors=True)
+    (building / "meta.json").write_text(json.dumps({"kind": kind, "format": data_format, "source": str(path),
+                                                    "rows": count}))
+    return kind

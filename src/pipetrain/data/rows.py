@@ -1,0 +1,127 @@
+"""Tokenized rows as training samples of `width` tokens (`seq_len + 1`), read from the memory-mapped rows a batch
+at a time (`TokenRows.take`): only the lengths of the rows are held in memory.
+
+- plain text, packed (`--pack`, the pretraining convention): the documents joined with EOS into one stream, cut
+  into windows of `width` tokens that overlap by one; every token trains.
+- plain text, one document per row (`--pack none`): its first `width` tokens; every token trains.
+- instruction and chat rows: one example per row, its `trained` tokens (the answers) train, all others are
+  ignored. A row longer than `width` is dropped (`--truncate drop`), or its prompt is cut from the left
+  (`--truncate left`) when that leaves every trained token and one token before them; else it is dropped.
+
+Every `hold_out_every`-th sample (window or row) is held out, as the text workloads do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipetrain.errors import DataError
+
+__all__ = ["TokenRows", "token_rows"]
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """One split of tokenized rows: sample `i` is row `index[i]` from token `offsets[i]` on, `lengths[i]` tokens
+    (packed: window `index[i]` of the stream of documents that start at `starts`)."""
+
+    rows: Any
+    index: torch.Tensor
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    width: int
+    pad_id: int
+    eos_id: int
+    packed: bool
+    supervised: bool
+    source: str
+    starts: torch.Tensor | None = None
+    synthetic: bool = False
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens predicted in this split (each sample's length minus one; with answers only, fewer train)."""
+        return int((self.lengths - 1).clamp(min=0).sum())
+
+    def take(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Samples `part` as token ids `[n, width]` (padded with `pad_id` after their lengths) and, for instruction
+        and chat rows, which tokens train `[n, width]` (bool; None: every token within the length does)."""
+        tokens = torch.full((len(part), self.width), self.pad_id, dtype=torch.long)
+        trained = torch.zeros((len(part), self.width), dtype=torch.bool) if self.supervised else None
+        if self.packed:
+            for j, window in enumerate(self.index[part].tolist()):
+                tokens[j] = self._window(window)
+            return tokens, trained
+        picked = self.rows[self.index[part].tolist()]
+        for j, (offset, length) in enumerate(zip(self.offsets[part].tolist(), self.lengths[part].tolist())):
+            tokens[j, :length] = torch.tensor(picked["input_ids"][j][offset : offset + length])
+            if trained is not None:
+                trained[j, :length] = torch.tensor(picked["trained"][j][offset : offset + length], dtype=torch.bool)
+        return tokens, trained
+
+    def _window(self, window: int) -> torch.Tensor:
+        begin = window * (self.width - 1)
+        first = int(torch.searchsorted(self.starts, begin, right=True)) - 1
+        last = int(torch.searchsorted(self.starts, begin + self.width, right=False))
+        docs = self.rows[first:last]["input_ids"]
+        stream = torch.tensor([t for ids in docs for t in (*ids, self.eos_id)], dtype=torch.long)
+        at = begin - int(self.starts[first])
+        return stream[at : at + self.width]
+
+
+def _column(rows: Any, name: str) -> torch.Tensor:
+    return torch.as_tensor(rows.with_format("numpy")[name], dtype=torch.long)
+
+
+def token_rows(rows: Any, *, kind: str, seq_len: int, pack: bool, truncate: str, pad_id: int, eos_id: int,
+               source: str, hold_out_every: int = 10) -> tuple[TokenRows, TokenRows]:
+    """Train and held-out splits of the tokenized `rows` of `kind` (see the module docstring); `source` names the
+    data in the start-up line, followed by how the rows became samples and how many the truncation touched."""
+    width = seq_len + 1
+    lengths = _column(rows, "length")
+    supervised = kind != "text"
+    starts = None
+    if kind == "text" and pack:
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths + 1, 0)])
+        count = max(int(starts[-1]) - 1, 0) // seq_len
+        index, kept, offsets = torch.arange(count), torch.full((count,), width), torch.zeros(count, dtype=torch.long)
+        how, unit = f"packed into windows of {seq_len} tokens", "window"
+    elif kind == "text":
+        index = torch.nonzero(lengths >= 2).flatten()
+        kept, offsets = lengths[index].clamp(max=width), torch.zeros(len(index), dtype=torch.long)
+        how, unit = f"one document per row, cut to {seq_len} tokens", "document"
+    else:
+        first = _column(rows, "first")
+        cut = (lengths - width).clamp(min=0)
+        fits = cut == 0
+        cuttable = (cut > 0) & (cut <= first - 1) if truncate == "left" else torch.zeros_like(fits)
+        keep = fits | cuttable
+        index = torch.nonzero(keep).flatten()
+        kept, offsets = (lengths - cut)[index], cut[index]
+        dropped, touched = int((~keep).sum()), int(cuttable.sum())
+        if not len(index):
+            raise DataError(f"{source}: no example is left: all {len(rows)} rows are longer than --seq-len {seq_len} "
+                            f"(+1) tokens{' and their answers too' if truncate == 'left' else ''}",
+                            hint="pass a longer --seq-len" + ("" if truncate == "left" else
+                                                               ", or --truncate left to cut prompts from the left"))
+        cut_text = f", {touched} cut from the left" if truncate == "left" else ""
+        how = (f"one example per row, {'assistant turns' if kind == 'chat' else 'answers'} trained; rows longer "
+               f"than {width} tokens: {dropped} dropped{cut_text} (--truncate {truncate})")
+        unit = "example"
+    every = torch.arange(len(index))
+    test, train = every[every % hold_out_every == hold_out_every - 1], every[every % hold_out_every != hold_out_every - 1]
+    if not len(train) or not len(test):
+        raise DataError(f"{source} gives {len(index)} {unit}(s) of {seq_len} tokens; a train and a held-out split "
+                        f"need {hold_out_every}", hint="give more data, or a shorter --seq-len")
+
+    def split(part: torch.Tensor, name: str) -> TokenRows:
+        return TokenRows(rows, index[part], kept[part], offsets[part], width, pad_id, eos_id, kind == "text" and pack,
+                         supervised, f"{source}, {how}, {name} split ({len(part):,} {unit}s)", starts)
+
+    return split(train, "train"), split(test, "held-out")

@@ -1,0 +1,83 @@
+"""Bad data rows: one message each naming the value and the fix, exit 2, no rank started: a missing field (naming
+the fields found), a chat row without an assistant turn, a tokenizer without a chat template for `messages` rows,
+a `.parquet` file that is not Parquet, a dataset left empty by the truncation, field flags on plain text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from pipetrain.data import cache as data_cache  # noqa: E402
+from tests.hf_folders import tiny_model_folder  # noqa: E402
+from tests.unit.test_cli_errors import assert_one_error, cli  # noqa: E402,F401
+
+TRAIN = ["train", "--workload", "hf", "--seq-len", "32", "--max-steps", "1", "--no-progress"]
+CHAT = {"messages": [{"role": "user", "content": "Is it good?"}, {"role": "assistant", "content": "yes"}]}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"chat": tiny_model_folder(root / "chat", chat=True), "plain": tiny_model_folder(root / "plain")}
+
+
+@pytest.fixture(autouse=True)
+def cache_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_cache, "default_cache_root", lambda: tmp_path / "cache")
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+CASES = {
+    "missing-field": (["--text-field", "body"], "rows.jsonl", [{"text": "a b", "id": 1}] * 20,
+                      ["--text-field 'body' is not a field of", "the fields found are 'text', 'id'"]),
+    "no-known-field": ([], "rows.jsonl", [{"review": "a b", "label": 1}] * 20,
+                       ["has no field pipetrain knows how to train on", "the fields found are 'review', 'label'",
+                        "--text-field NAME"]),
+    "no-answer-field": (["--answer-field", "reply"], "rows.jsonl", [{"prompt": "a", "completion": "b"}] * 20,
+                        ["--answer-field 'reply' is not a field of", "'prompt', 'completion'"]),
+    "no-assistant": ([], "chat.jsonl", [CHAT] * 3 + [{"messages": [{"role": "user", "content": "Hi?"}]}] + [CHAT] * 16,
+                     ["row 3 of", "is a chat without an assistant turn (roles: user)", "add its answer"]),
+    "no-template": (["--model-plain"], "chat.jsonl", [CHAT] * 20,
+                    ["the tokenizer of plain has no chat template", "prompt/completion"]),
+    "not-parquet": ([], "rows.parquet", None, ["rows.parquet' is not a Parquet file", "Parquet magic bytes",
+                                               "to_parquet"]),
+    "empty-after-truncation": (["--seq-len", "8"], "rows.jsonl",
+                               [{"prompt": "a long prompt " * 5, "completion": " yes"}] * 20,
+                               ["no example is left: all 20 rows are longer than --seq-len 8", "--truncate left"]),
+    "field-on-text": (["--prompt-field", "q"], "notes.txt", None, ["--prompt-field names fields of JSON lines",
+                                                                  "is plain text"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_rows_are_one_message(case, cli, folders, tmp_path, capsys):  # noqa: F811
+    flags, name, rows, expected = CASES[case]
+    data = tmp_path / name
+    if rows is not None:
+        jsonl(data, rows)
+    else:
+        data.write_text("not a parquet file, only text\n\nand a second paragraph\n")
+    model = folders["plain" if "--model-plain" in flags else "chat"]
+    argv = [*TRAIN, "--model", str(model), "--data", str(data), *[f for f in flags if f != "--model-plain"]]
+    capsys.readouterr()
+    code, out, err, _ = cli(argv)
+    assert_one_error(code, out, err, *expected)
+
+
+def test_rows_without_the_data_extra_say_how_to_install_it(monkeypatch):
+    import sys
+
+    from pipetrain.data.formats import require_datasets
+    from pipetrain.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: `import datasets` raises ImportError
+    with pytest.raises(ConfigError, match=r"needs the `datasets` and `pyarrow` packages.*pip install 'pipetrain\[data\]'"):
+        require_datasets()
