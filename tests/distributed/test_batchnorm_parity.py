@@ -8,7 +8,7 @@ once per micro-batch, or, deferred, once per step as the unsplit forward of the 
 dp=2 every replica holds the first replica's statistics after each step (DDP's `broadcast_buffers`; FSDP2 alike).
 
 The reference of each case is computed here, in the test process; the ranks compare their own share with it and
-send back only what differed (ResNet-18's gradients are 90 MB a step). Everything runs in float64: in float32 the
+send back only what differed. Everything runs in float64: in float32 the
 pipelined run's last-bit differences (a loss summed in another order) grow, through ResNet-18's ReLUs and max-pooling,
 into gradients that differ by far more than torch's pipelining tolerance (rtol 1e-5, atol 4e-5) after 2 steps:
 a relative perturbation of 1e-6 of the first step's gradients moves the third step's by 0.2 at lr 0.05 (7.6e-5 at
@@ -19,6 +19,7 @@ by the running statistics). The float32 path runs in tests/distributed/test_batc
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,13 @@ def _batches(batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS + 1)]  # the last one is evaluated
 
 
+#: ResNet-18 at a quarter of its width: its depth, strides, downsamples and 20 BatchNorms, 1/16 of its 11 M
+#: parameters (the ranks compare 2 steps of float64 gradients with the reference's)
+CONFIG = replace(RESNET_PRESETS["resnet18"], widths=(16, 32, 64, 128))
+
+
 def _model() -> ResNetModel:
-    return ResNetModel(RESNET_PRESETS["resnet18"])
+    return ResNetModel(CONFIG)
 
 
 def _case(pp: int, schedule: str, chunks: int, policy: str = "never", *, deferred: bool = False, dp: int = 1,
@@ -71,29 +77,27 @@ CASES = {
 
 
 def reference(parallel: ParallelConfig) -> dict:
-    """One process: the unsplit ResNet-18 over the batch cut into dp x chunks micro-batches (each normalised by its
-    own statistics; one micro-batch: the plain run), loss the mean over the batch; the running statistics move
-    over the first replica's micro-batches only, one update per micro-batch, or, deferred, one per step from the
-    first replica's whole share."""
+    """One process: the unsplit ResNet over the batch cut into dp x chunks micro-batches (each normalised by its
+    own statistics; one micro-batch: the plain run), loss the mean over the batch. The running statistics move over
+    the first replica's micro-batches only: once per micro-batch, or, deferred, once per step: each BatchNorm then
+    runs, as torch's `BatchNorm2d`, on the whole mini-batch of the inputs it saw (a deeper one's inputs were
+    normalised per micro-batch upstream, so only the stem's statistics are those of an unsplit forward)."""
     pipeline = parallel.pipeline
     parts, counted = parallel.dp * pipeline.n_microbatches, pipeline.n_microbatches
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPE)  # built as the ranks build it (float64 draws differ from float32 ones)
-    try:
-        net = build_sequential(_model(), seed=SEED)
-    finally:
-        torch.set_default_dtype(before)
+    net = _reference_net()
+    norms = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    seen: dict[torch.nn.Module, list[torch.Tensor]] = {}
+    for norm in norms:
+        norm.register_forward_pre_hook(lambda module, args: seen.setdefault(module, []).append(args[0].detach()))
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     *train, (eval_x, eval_y) = _batches()
     losses, grads = [], []
     for x, y in train:
         opt.zero_grad()
-        if pipeline.deferred_batchnorm:
-            with torch.no_grad():
-                net(x[: x.shape[0] * counted // parts])  # the statistics of the first replica's share, once
-        total = 0.0
+        total, inputs = 0.0, {norm: [] for norm in norms}  # what each norm saw of the first replica's share
         for index, (xp, yp) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
             kept = {n: b.clone() for n, b in net.named_buffers()}
+            seen.clear()
             loss = F.cross_entropy(net(xp), yp, reduction="sum") / x.shape[0] if parts > 1 else F.cross_entropy(
                 net(xp), yp)
             loss.backward()
@@ -102,6 +106,15 @@ def reference(parallel: ParallelConfig) -> dict:
                 with torch.no_grad():
                     for name, buffer in net.named_buffers():
                         buffer.copy_(kept[name])
+            if index < counted:
+                for norm in norms:
+                    inputs[norm].extend(seen[norm])
+        if pipeline.deferred_batchnorm:
+            with torch.no_grad():
+                for norm in norms:
+                    torch.nn.functional.batch_norm(torch.cat(inputs[norm]), norm.running_mean, norm.running_var,
+                                                   training=True, momentum=norm.momentum, eps=norm.eps)
+                    norm.num_batches_tracked.add_(1)
         losses.append(total)
         grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
         opt.step()
@@ -111,6 +124,15 @@ def reference(parallel: ParallelConfig) -> dict:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in net.named_parameters()},
             "buffers": {n: b.clone() for n, b in net.named_buffers()},
             "eval": (F.cross_entropy(logits, eval_y).item(), logits)}
+
+
+def _reference_net() -> torch.nn.Module:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)  # built as the ranks build it (float64 draws differ from float32 ones)
+    try:
+        return build_sequential(_model(), seed=SEED)
+    finally:
+        torch.set_default_dtype(before)
 
 
 _REFERENCES: dict[tuple[int, int, bool], dict] = {}
