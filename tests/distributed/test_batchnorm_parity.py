@@ -72,6 +72,7 @@ CASES = {
     4: {
         "pp4-gpipe-chunks1-always": _case(4, "gpipe", 1, "always"),
         "dp2xpp2-1f1b-chunks2-deferred-fsdp": _case(2, "1f1b", 2, deferred=True, dp=2, dp_mode="fsdp"),
+        "dp2xpp2-gpipe-chunks2-ddp": _case(2, "gpipe", 2, dp=2),
     },
 }
 

@@ -33,8 +33,10 @@ class ResNetConfig:
     image_size: int = 32
 
 
-#: ResNet-18 itself (torchvision's widths), and a narrow one for quick runs on a CPU.
+#: ResNet-18 itself (torchvision's widths; `cpu`, the default preset of `pipetrain train`, is it too), ResNet-34, and a
+#: narrow ResNet-18 for quick runs.
 RESNET_PRESETS: dict[str, ResNetConfig] = {
+    "cpu": ResNetConfig(),
     "resnet18": ResNetConfig(),
     "resnet34": ResNetConfig(layers=(3, 4, 6, 3)),
     "tiny": ResNetConfig(widths=(8, 16, 32, 64)),
