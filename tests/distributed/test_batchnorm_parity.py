@@ -67,6 +67,8 @@ CASES = {
     2: {
         "pp2-gpipe-chunks1-always": _case(2, "gpipe", 1, "always"),
         "pp2-1f1b-chunks4": _case(2, "1f1b", 4),
+        # split backward: a recomputed forward per half, 2 virtual stages per rank
+        "pp2-zero-bubble-chunks4-always": _case(2, "zero-bubble", 4, "always"),
         "pp2-1f1b-chunks4-deferred-except_last": _case(2, "1f1b", 4, "except_last", deferred=True),
     },
     4: {

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,24 +29,12 @@ class StageNorms:
                       and m.running_mean is not None]
         self.deferred = [DeferredStatistics(norm) for norm in self.norms] if deferred else []
 
-    @contextmanager
-    def recomputing(self) -> Iterator[None]:
-        """Inside: training forwards leave the running statistics as they found them (and record nothing deferred).
-
-        The recomputed forward must save the tensors the first one saved (`torch.utils.checkpoint` checks it), so
-        the batch norms run unchanged and their running statistics are put back afterwards."""
-        kept = [t.clone() for t in self.statistics()]
-        for stats in self.deferred:
-            stats.paused = True
-        try:
-            yield
-        finally:
-            for stats in self.deferred:
-                stats.paused = False
-            for tensor, value in zip(self.statistics(), kept):
-                # written as the batch norm kernel writes them: without a new autograd version (`.data`), since the
-                # recomputed graph saved these tensors and checks their version in the backward that follows
-                tensor.data.copy_(value)
+    def recomputing(self) -> _Recomputing:
+        """The context of a recomputed forward: inside, training forwards leave the running statistics as they found
+        them (and record nothing deferred). The recomputed forward must save the tensors the first one saved
+        (`torch.utils.checkpoint` checks it), so the batch norms run unchanged and their running statistics are put
+        back afterwards. Reusable: a split backward (zero-bubble schedules) recomputes once per half."""
+        return _Recomputing(self)
 
     def commit(self) -> None:
         """Deferred: apply this step's update to every running statistic (else nothing to do)."""
@@ -58,6 +45,28 @@ class StageNorms:
         """The running statistics' tensors (mean, variance, `num_batches_tracked`) of every batch norm."""
         return [t for norm in self.norms for t in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
                 if t is not None]
+
+
+class _Recomputing:
+    """`StageNorms.recomputing()`: a context manager that can be entered again after it exits."""
+
+    def __init__(self, norms: StageNorms) -> None:
+        self._norms = norms
+        self._kept: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self._kept = [t.clone() for t in self._norms.statistics()]
+        for stats in self._norms.deferred:
+            stats.paused = True
+
+    def __exit__(self, *exc: object) -> None:
+        for stats in self._norms.deferred:
+            stats.paused = False
+        for tensor, value in zip(self._norms.statistics(), self._kept):
+            # written as the batch norm kernel writes them: without a new autograd version (`.data`), since the
+            # recomputed graph saved these tensors and checks their version in the backward that follows
+            tensor.data.copy_(value)
+        self._kept = []
 
 
 def share_statistics(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
