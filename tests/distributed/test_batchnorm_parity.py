@@ -119,13 +119,15 @@ def reference(parallel: ParallelConfig) -> dict:
                                                    training=True, momentum=norm.momentum, eps=norm.eps)
                     norm.num_batches_tracked.add_(1)
         losses.append(total)
+        if not grads:  # the stem's statistics after the first step (before any update, every run starts alike)
+            stem = {n: b.clone() for n, b in net.named_buffers() if n.startswith("0.")}
         grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
         opt.step()
     net.eval()
     with torch.no_grad():
         logits = net(eval_x)
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in net.named_parameters()},
-            "buffers": {n: b.clone() for n, b in net.named_buffers()},
+            "buffers": {n: b.clone() for n, b in net.named_buffers()}, "stem": stem,
             "eval": (F.cross_entropy(logits, eval_y).item(), logits)}
 
 
@@ -184,6 +186,8 @@ def _run(parallel: ParallelConfig, device: torch.device, ref: dict) -> dict:
         share = slice(mesh.dp_rank * BATCH // parallel.dp, (mesh.dp_rank + 1) * BATCH // parallel.dp)
         opt.zero_grad()
         losses.append(engine.step(x[share], y[share]).loss)
+        if not grads:
+            stem = {n: b.clone() for n, b in engine.named_buffers() if n.startswith("0.")}
         grads.append({n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
                       for n, p in engine.named_parameters()})
         opt.step()
@@ -194,7 +198,7 @@ def _run(parallel: ParallelConfig, device: torch.device, ref: dict) -> dict:
     got = {"losses": losses, "grads": grads, "params": params, "buffers": buffers,
            "eval": (result.loss, result.outputs)}
     return {"differences": _differences(ref, got), "held": sorted(params) + sorted(buffers),
-            "buffers": len(buffers)}
+            "buffers": len(buffers), "stem": stem}
 
 
 def _worker(spec: RankSpec, cases: dict[str, ParallelConfig], references: str, out: str) -> None:
@@ -230,6 +234,17 @@ def test_resnet18_matches_the_unsplit_model(name, results):
     held = {key for record in records for key in record["held"]}
     assert held == set(ref["params"]) | set(ref["buffers"])  # every parameter and running statistic, somewhere
     assert sum(record["buffers"] for record in records) >= 3 * 20  # ResNet-18's 20 BatchNorms, 3 buffers each
+
+
+@pytest.mark.parametrize("name", ["pp2-1f1b-chunks4-deferred-except_last", "pp2-1f1b-chunks4"])
+def test_deferred_statistics_are_the_unsplit_model_s(name, results):
+    """The stem's BatchNorm (its input is the images, whatever the micro-batches) after the first step of 4 micro-batches:
+    deferred, the unsplit model's statistics of the whole batch; per micro-batch, not (4 updates, each from 4 images)."""
+    unsplit = _reference(_case(2, "gpipe", 1))["stem"]
+    (stem,) = [record["stem"] for record in results[name][1] if record["stem"]]
+    assert set(stem) == {"0.bn1.running_mean", "0.bn1.running_var", "0.bn1.num_batches_tracked"}
+    same = all(torch.allclose(stem[n], unsplit[n], rtol=RTOL, atol=ATOL) for n in stem)
+    assert same == ("deferred" in name), {n: (stem[n] - unsplit[n]).abs().max().item() for n in stem}
 
 
 def test_micro_batches_change_the_statistics():

@@ -101,3 +101,12 @@ def test_resnet18_equals_torchvision_s():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(net(x), reference(x))
+
+
+def test_deferred_statistics_are_refused_with_compile():
+    from pipetrain.config import PipelineConfig
+
+    assert PipelineConfig(pp=2, n_microbatches=4, deferred_batchnorm=True).deferred_batchnorm
+    with pytest.raises(ConfigError, match="--deferred-batchnorm with --compile") as err:
+        PipelineConfig(pp=2, n_microbatches=4, deferred_batchnorm=True, compile=True)
+    assert "drop --compile" in err.value.hint
