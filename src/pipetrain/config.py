@@ -62,6 +62,8 @@ class PipelineConfig:
     `shape_cache` bounds the schedules kept, one per micro-batch shape (e.g. sequence length); the least
     recently used is rebuilt when needed again.
     `compile` compiles each block with `torch.compile` (not with the split-backward schedules).
+    `deferred_batchnorm` updates the running statistics of BatchNorm layers once per step, from the whole
+    mini-batch, instead of once per micro-batch (torchgpipe's `deferred_batch_norm`; see docs/batchnorm.md).
     """
 
     pp: int = 1
@@ -77,6 +79,8 @@ class PipelineConfig:
     #: symbolic, for lengths that vary per batch: `TrainConfig` sets it when batches are bucketed)
     compile: bool = False
     compile_dynamic: bool | None = None
+    #: BatchNorm running statistics accumulated over a step's micro-batches, committed once (`--deferred-batchnorm`)
+    deferred_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)
@@ -113,6 +117,12 @@ class PipelineConfig:
                 f"--compile with schedule {self.schedule!r}: torch 2.13 cannot split the backward of compiled "
                 "blocks into input and weight parts, which this schedule needs (pytorch/pytorch#161904)",
                 hint="drop --compile, or use --schedule 1f1b, gpipe or interleaved-1f1b",
+            )
+        if self.compile and self.deferred_batchnorm:
+            raise ConfigError(
+                "--deferred-batchnorm with --compile: the deferred statistics are recorded by a Python hook on each "
+                "BatchNorm layer, which a compiled block would trace into its graph",
+                hint="drop --compile, or drop --deferred-batchnorm (running statistics then follow each micro-batch)",
             )
         if self.schedule == "1f1b" and self.n_microbatches < self.pp:
             raise ConfigError(

@@ -124,7 +124,7 @@ CASES = {
     "precision-fp8": (TRAIN + ["--precision", "fp8"], ["precision 'fp8' is not supported", "hint: pass --precision fp32, fp32-strict or bf16"]),
     "precision-fp16": (TRAIN + ["--precision", "fp16"], ["'fp16'", "loss scaling", "hint: pass --precision fp32, fp32-strict or bf16"]),
     "unknown-preset": (TRAIN + ["--preset", "huge"], ["'huge'", "hint: choose one of:"]),
-    "unknown-workload": (TRAIN + ["--workload", "vision"], ["unknown workload 'vision'", "hint: choose one of: classifier, lm"]),
+    "unknown-workload": (TRAIN + ["--workload", "speech"], ["unknown workload 'speech'", "hint: choose one of: classifier, lm"]),
     "lm-unknown-preset": (TRAIN + ["--workload", "lm", "--preset", "gpu"], ["'gpu' for workload 'lm'", "tiny, cpu"]),
     "shape-cache-zero": (TRAIN + ["--shape-cache", "0"], ["shape_cache (--shape-cache) must be a positive integer, got 0"]),
     "lm-missing-text": (REAL + ["--workload", "lm", "--data", "{tmp}/none.txt"], ["{tmp}/none.txt does not exist",

@@ -15,7 +15,7 @@ PACKAGE = SRC / "pipetrain"
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("compat",),
-    ("blocks", "config"),
+    ("blocks", "config", "batchnorm"),
     ("partition",),
     ("plan",),
     ("launch",),

@@ -100,8 +100,10 @@ def static_hazards(net: BlockSequential, switched: dict[int, list[str]], ref: di
     for index, block in enumerate(net):
         norms = [n for n, m in block.named_modules() if is_batch_norm(m)]
         if norms:
-            found.append(Hazard("batch statistics", index, f"BatchNorm layer(s) {', '.join(norms)}: normalised "
-                                                           "over each micro-batch, not the batch"))
+            found.append(Hazard("batch statistics", index, f"BatchNorm layer(s) {', '.join(norms)}: each "
+                                "micro-batch is normalised by its own statistics (at --chunks 1, the batch's); the "
+                                "running statistics move once per micro-batch, or once per step from the whole batch "
+                                "with --deferred-batchnorm (docs/batchnorm.md)"))
         saved = set(block.state_dict())
         hidden = [n for n, _ in block.named_buffers() if n not in saved]
         if hidden:

@@ -57,6 +57,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile", action="store_true",
                        help="torch.compile each block of each stage (regional; dynamic shapes with --bucket); the "
                             "first steps compile (on CPU with the C++ compiler); not with zero-bubble, zbv, dualpipev")
+    group.add_argument("--deferred-batchnorm", action="store_true",
+                       help="update BatchNorm running statistics once per step from the whole batch, not once per "
+                            "micro-batch (torchgpipe's deferred batch norm)")
 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -71,6 +74,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
         shape_cache=args.shape_cache,
         compile=getattr(args, "compile", False),
+        deferred_batchnorm=getattr(args, "deferred_batchnorm", False),
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
                           sequence_parallel=getattr(args, "sequence_parallel", False),

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pipetrain.batchnorm import StageNorms, share_statistics
 from pipetrain.blocks import BlockModel, BlockSequential, Tensors, as_tuple, build_blocks
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
@@ -65,6 +66,11 @@ class PipelineEngine:
     most `config.shape_cache` of them (least recently used dropped). `split_block(index, block)` (tensor
     parallelism, see `pipetrain.parallel.tensor`) is applied to each block as it is built, before `wrap`; a rank
     with `counts_metrics=False` (a tensor-parallel peer of one that counts) adds nothing to the step's metrics.
+
+    BatchNorm layers (docs/batchnorm.md): each micro-batch is normalised by its own statistics; the running
+    statistics move once per micro-batch forward (never in a recomputed forward), or once per step with
+    `config.deferred_batchnorm`; after each step every data-parallel replica takes those of the first replica
+    of `dp_group`, as DDP's `broadcast_buffers` makes them, under DDP and FSDP2 alike.
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class PipelineEngine:
         self._bounds = balance_bounds(self.balance)
         self.stage_ids = config.stage_ids(self.pp_rank)
         self._recompute: list[RecomputeWrapper] = []
+        self._norms: list[StageNorms] = []
         self.modules: list[nn.Module] = []
         for stage_id in self.stage_ids:
             start, stop = self._bounds[stage_id]
@@ -113,7 +120,10 @@ class PipelineEngine:
                 blocks = [split_block(start + i, block) for i, block in enumerate(blocks)]
             if config.compile:
                 compile_blocks(blocks, dynamic=config.compile_dynamic)
-            wrapper = RecomputeWrapper(BlockSequential(*blocks), config.checkpoint)
+            stage = BlockSequential(*blocks)
+            norms = StageNorms(stage, deferred=config.deferred_batchnorm)
+            wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing)
+            self._norms.append(norms)
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
         # tensor parallelism (`BlockSplit`): the sequence shards between stages, vocabulary-sharded logits
@@ -157,6 +167,14 @@ class PipelineEngine:
                 index, _, rest = name.partition(".")
                 yield f"{first_block + int(index)}.{rest}", param
 
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers (BatchNorm running statistics...) named as `named_parameters` names parameters."""
+        for stage_id, wrapper in zip(self.stage_ids, self._recompute):
+            first_block = self._bounds[stage_id][0]
+            for name, buffer in wrapper.module.named_buffers():
+                index, _, rest = name.partition(".")
+                yield f"{first_block + int(index)}.{rest}", buffer
+
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)
@@ -181,7 +199,16 @@ class PipelineEngine:
         kept = self.tied.take_grads()
         result = self._run(inputs, targets, train=True, global_count=global_count)
         self.tied.reduce_grads(kept)  # tied copies: this step's gradients summed over every copy
+        self._settle_statistics()
         return result
+
+    def _settle_statistics(self) -> None:
+        """After a step: commit deferred BatchNorm statistics, then give every replica the first replica's."""
+        for norms in self._norms:
+            norms.commit()
+        statistics = [t for norms in self._norms for t in norms.statistics()]
+        if statistics and self.dp > 1 and self.dp_group is not None:
+            share_statistics(statistics, self.dp_group)
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensors | None, targets: torch.Tensor | None) -> StepResult:

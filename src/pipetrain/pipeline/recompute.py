@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
@@ -27,13 +29,17 @@ class RecomputeWrapper(nn.Module):
     """Runs the wrapped stage module under `checkpoint` for the micro-batches the policy selects.
 
     The engine calls `start_step(count)` before each step; forwards then arrive in micro-batch order
-    (true of every pipeline schedule: a stage runs its forwards in order).
+    (true of every pipeline schedule: a stage runs its forwards in order). `recompute_context` (e.g.
+    `pipetrain.batchnorm.StageNorms.recomputing`) makes the context the recomputed forward runs in (the first forward
+    runs as without it): there, BatchNorm layers must not update their running statistics a second time.
     """
 
-    def __init__(self, module: nn.Module, policy: str) -> None:
+    def __init__(self, module: nn.Module, policy: str,
+                 recompute_context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         super().__init__()
         self.module = module
         self.policy = policy
+        self._recompute_context = recompute_context or nullcontext
         self._count = 1
         self._calls = 0
 
@@ -46,5 +52,9 @@ class RecomputeWrapper(nn.Module):
         index = self._calls
         self._calls += 1
         if self.training and recomputes(self.policy, index, self._count):
-            return checkpoint(self.module, *args, use_reentrant=False)
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._contexts)
         return self.module(*args)
+
+    def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+        """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
+        return nullcontext(), self._recompute_context()

@@ -80,8 +80,12 @@ def boundary_tensors(
     parameters (integer and boolean tensors never do). Giving `PipelineStage` these tensors up front avoids
     its hidden shape-inference forward on garbage inputs (which would move BatchNorm statistics and the
     dropout RNG). `sequence_shards` (tp under sequence parallelism) cuts the tensors between stages as
-    `sequence_shard` does; the first input and the last output stay whole.
+    `sequence_shard` does; the first input and the last output stay whole. The blocks run in training mode only
+    with `train` (a forward-only pass, or the check of the outputs, runs them as `evaluate` does, in eval mode:
+    BatchNorm refuses a training batch of one sample); being meta copies, they move no real running statistics.
     """
+    for block in blocks:
+        block.train(train)
     values = tuple(torch.empty_like(t, device="meta") for t in as_tuple(inputs))
     if sequence_shards > 1 and values[0].dim() >= 2:  # the first input's dimension 1 is the sequence
         check_sequence_length(values[0].shape[1], sequence_shards)
@@ -90,10 +94,26 @@ def boundary_tensors(
         for start, stop in bounds:
             values = tuple(t.detach().requires_grad_(t.requires_grad) for t in values)
             for index in range(start, stop):
-                values = crossing_tensors(blocks[index](*values), index, blocks[index])
+                values = crossing_tensors(_shape_run(blocks[index], index, values, train), index, blocks[index])
             boundaries.append(tuple(t.detach().requires_grad_(t.requires_grad) for t in values))
     inner = [sequence_shard(b, sequence_shards) for b in boundaries[1:-1]]
     return [boundaries[0], *inner, boundaries[-1]]
+
+
+def _shape_run(block: nn.Module, index: int, values: tuple[torch.Tensor, ...], train: bool) -> object:
+    """`block(*values)` on meta tensors; a training micro-batch the block cannot take (BatchNorm over one value per
+    channel) is one ConfigError naming the block and the micro-batch size, before any step."""
+    try:
+        return block(*values)
+    except ValueError as err:
+        if not train:
+            raise
+        size = values[0].shape[0] if values and values[0].dim() else "?"
+        raise ConfigError(
+            f"block {index} ({type(block).__name__}) cannot train on a micro-batch of {size} sample(s): {err}",
+            hint="make every micro-batch hold at least 2 samples: a batch size that is a multiple of --chunks "
+                 "with batch size / chunks >= 2 (a short last batch too, e.g. drop it), or fewer --chunks",
+        ) from None
 
 
 def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors) -> None:

@@ -23,6 +23,7 @@ _BUILTIN: dict[str, str] = {
     "classifier": "pipetrain.workloads.classifier.workload:ClassifierWorkload",
     "lm": "pipetrain.workloads.lm.workload:LanguageModelWorkload",
     "hf": "pipetrain.workloads.hf.workload:HFWorkload",
+    "vision": "pipetrain.workloads.vision.workload:VisionWorkload",
 }
 _REGISTERED: dict[str, Callable[[], Workload]] = {}
 
