@@ -1,11 +1,15 @@
-"""The README's quick-start example runs as written and learns its toy task."""
+"""The README's quick-start example, and the Lightning example (with the `lightning` extra), run as written and learn
+their toy task."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
@@ -15,4 +19,15 @@ def test_quickstart_trains():
     assert run.returncode == 0, run.stderr
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", run.stdout)]
     assert len(losses) == 4, run.stdout  # printed once, by one rank
+    assert losses[-1] < 0.3
+
+
+def test_lightning_example_trains():
+    pytest.importorskip("lightning")
+    example = EXAMPLE.with_name("lightning_pipeline.py")
+    run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-5000:]
+    losses = [float(m) for m in re.findall(r"epoch \d: loss (\d+\.\d+)", run.stdout)]
+    assert len(losses) == 4, run.stdout  # printed by rank 0 alone
     assert losses[-1] < 0.3
