@@ -28,10 +28,16 @@ STEP = re.compile(r"^step (\d+)/\d+ \| loss (\d+\.\d+) \| acc ([\d.]+)", re.MULT
 TRAIN = [sys.executable, "-m", "pipetrain", "train"]
 
 
+def passed_on(env: dict[str, str]) -> list[str]:
+    """Open MPI's `-x NAME` for each variable the ranks need that `env` sets (a remote rank gets only these)."""
+    names = ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+    return [arg for name in names if name in env for arg in ("-x", name)]
+
+
 def mpirun(np: int, *argv: str) -> list[str]:
-    """`mpirun -np N` with this process's environment passed on (Open MPI's `-x`) to every rank."""
+    """`mpirun -np N` with environ()'s variables passed on to every rank."""
     return [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np),
-            "-x", "PATH", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED", *argv]
+            *passed_on(environ()), *argv]
 
 
 def test_mpirun_trains_like_torchrun(tmp_path):
