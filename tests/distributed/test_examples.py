@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.ports import quiet_port
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
 
@@ -26,7 +28,7 @@ def test_lightning_example_trains():
     pytest.importorskip("lightning")
     example = EXAMPLE.with_name("lightning_pipeline.py")
     run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(quiet_port())})
     assert run.returncode == 0, run.stderr[-5000:]
     losses = [float(m) for m in re.findall(r"epoch \d: loss (\d+\.\d+)", run.stdout)]
     assert len(losses) == 4, run.stdout  # printed by rank 0 alone

@@ -27,6 +27,7 @@ from pipetrain.checkpoint.export import read_weights  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.lightning import PipelineStrategy, pipeline  # noqa: E402
 from tests.distributed import lightning_job as job  # noqa: E402
+from tests.distributed.ports import quiet_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL, ATOL = 1e-5, 4e-5
@@ -36,7 +37,8 @@ STEPS = EPOCHS * job.SAMPLES // job.BATCH
 
 def _run_job(out: Path, pp: int, dp: int, resume: Path | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+           "MASTER_PORT": str(quiet_port())}  # read by Lightning's launcher
     argv = [sys.executable, str(ROOT / "tests" / "distributed" / "lightning_job.py"), str(out), str(pp), str(dp),
             str(EPOCHS), *([str(resume)] if resume else [])]
     run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=280, check=False)
