@@ -42,10 +42,12 @@ def mpirun(np: int, *argv: str) -> list[str]:
 
 def test_mpirun_trains_like_torchrun(tmp_path):
     job = [*JOB, "--log-every", "1"]
-    [(code, mpi)] = run_together([(mpirun(4, *TRAIN, *job), environ())], tmp_path, JOB_TIMEOUT_S)
+    [(code, mpi)] = run_together([(mpirun(4, *TRAIN, *job, "--run-dir", str(tmp_path / "mpirun")), environ())],
+                                 tmp_path, JOB_TIMEOUT_S)
     assert code == 0, mpi
-    [(code, elastic)] = run_together([(torchrun("--nproc-per-node", "4", "-m", "pipetrain", "train", *job),
-                                       environ())], tmp_path, JOB_TIMEOUT_S)
+    [(code, elastic)] = run_together([(torchrun("--nproc-per-node", "4", "-m", "pipetrain", "train", *job,
+                                                "--run-dir", str(tmp_path / "torchrun")), environ())],
+                                     tmp_path, JOB_TIMEOUT_S)
     assert code == 0, elastic
     assert "dp=2 (ddp) x pp=2" in mpi
     steps = STEP.findall(mpi)
@@ -77,7 +79,8 @@ def test_a_rank_killed_under_mpirun_ends_the_job_with_one_message(tmp_path):
     long_job = [*JOB, "--train-samples", "6400", "--log-every", "1"]  # 400 steps: far longer than the test waits
     log = tmp_path / "mpirun.log"
     with log.open("w") as out:
-        process = subprocess.Popen(mpirun(4, *TRAIN, *long_job), env=environ(), stdout=out,
+        process = subprocess.Popen(mpirun(4, *TRAIN, *long_job, "--run-dir", str(tmp_path / "run")), env=environ(),
+                                   stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S

@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.optim import Optimizer
 
 from pipetrain.blocks import BlockModel
@@ -123,7 +124,7 @@ class PipelineStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # as Lightning's own strategies do
 
     def build_pipeline(self, blocks: BlockModel, *, seed: int = 0) -> PipelinedModel:
         """This rank's stages of `blocks` (what `pipetrain.lightning.pipeline` returns under this strategy)."""
@@ -139,8 +140,8 @@ class PipelineStrategy(ParallelStrategy):
             raise ConfigError(f"{type(self.lightning_module).__name__} built no pipeline for PipelineStrategy",
                               hint="in its configure_model, set self.model = pipetrain.lightning.pipeline(self, "
                                    "YourBlockModel()) (see docs/lightning.md)")
-        outside = [name for name, param in self.lightning_module.named_parameters()
-                   if not any(param is own for own in self.pipelined.parameters())]
+        own = {id(param) for param in self.pipelined.parameters()}
+        outside = [name for name, param in self.lightning_module.named_parameters() if id(param) not in own]
         if outside:
             raise ConfigError(f"{type(self.lightning_module).__name__} has parameters outside its pipeline: "
                               f"{', '.join(outside[:3])}", hint="make them blocks of the BlockModel")
