@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ports import quiet_port
+from tests.distributed.lightning_runs import quiet_port, run_script
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
@@ -24,12 +24,13 @@ def test_quickstart_trains():
     assert losses[-1] < 0.3
 
 
-def test_lightning_example_trains():
+def test_lightning_example_trains(tmp_path):
     pytest.importorskip("lightning")
     example = EXAMPLE.with_name("lightning_pipeline.py")
-    run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(quiet_port())})
-    assert run.returncode == 0, run.stderr[-5000:]
-    losses = [float(m) for m in re.findall(r"epoch \d: loss (\d+\.\d+)", run.stdout)]
-    assert len(losses) == 4, run.stdout  # printed by rank 0 alone
+    code, output = run_script([sys.executable, str(example)], {**os.environ, "OMP_NUM_THREADS": "1",
+                                                                "MASTER_PORT": str(quiet_port())},
+                              tmp_path / "example.log", timeout_s=240)
+    assert code == 0, output[-6000:]
+    losses = [float(m) for m in re.findall(r"epoch \d: loss (\d+\.\d+)", output)]
+    assert len(losses) == 4, output  # printed by rank 0 alone
     assert losses[-1] < 0.3

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from pipetrain.checkpoint.export import read_weights  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.lightning import PipelineStrategy, pipeline  # noqa: E402
 from tests.distributed import lightning_job as job  # noqa: E402
-from tests.distributed.ports import quiet_port  # noqa: E402
+from tests.distributed.lightning_runs import quiet_port, run_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL, ATOL = 1e-5, 4e-5
@@ -41,8 +40,8 @@ def _run_job(out: Path, pp: int, dp: int, resume: Path | None = None) -> list[di
            "MASTER_PORT": str(quiet_port())}  # read by Lightning's launcher
     argv = [sys.executable, str(ROOT / "tests" / "distributed" / "lightning_job.py"), str(out), str(pp), str(dp),
             str(EPOCHS), *([str(resume)] if resume else [])]
-    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=280, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    code, output = run_script(argv, env, out / "job.log", timeout_s=240)
+    assert code == 0, output[-6000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(pp * dp)]
 
 
