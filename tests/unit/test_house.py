@@ -29,7 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("session",),
     ("train",),
     ("pipe", "check"),
-    ("bench",),
+    ("bench", "lightning"),
     ("cli",),
 )
 _FLOOR = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}

@@ -182,3 +182,24 @@ def test_requeue_on_the_warning_signal_resumes_the_requeued_run() -> None:
     assert directives(script)["--signal"] == "USR1@300" and "--requeue" in directives(script)
     assert directives(script)["--open-mode"] == "append"  # the requeued run's log follows the first run's
     assert 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in script
+
+
+def test_mpirun_launcher_exports_the_rendezvous_and_forwards_the_warning_signal() -> None:
+    script = render_sbatch(SbatchRequest(command=TRAIN, nodes=2, tasks_per_node=2, dp=2, pp=2, launcher="mpirun"))
+    assert directives(script)["--signal"] == "B:USR1@120"  # to the batch shell, which hands it to mpirun
+    assert not [line for line in script.splitlines() if line.startswith("srun ")]
+    (line,) = [line for line in script.splitlines() if line.startswith("mpirun ")]
+    assert line.startswith("mpirun -np $(( SLURM_JOB_NUM_NODES * 2 )) --map-by ppr:2:node --bind-to none -x ")
+    argv = shlex.split(line)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "PIPETRAIN_DEVICE", "OMP_NUM_THREADS"):
+        assert argv[argv.index(name) - 1] == "-x"
+    assert argv[argv.index(TRAIN[0]):] == [*TRAIN, "--dp", "2", "--pp", "2", "${RESUME[@]}", "&"]
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in script
+    assert "trap 'kill -USR1 \"$MPIRUN_PID\" 2>/dev/null || true' USR1" in script
+    with pytest.raises(ConfigError, match="launcher 'horovodrun'"):
+        SbatchRequest(command=TRAIN, launcher="horovodrun")
+
+
+def test_cli_launcher_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(parse(["sbatch", "--pp", "2", "--launcher", "mpirun", "--", "--preset", "tiny"])) == 0
+    assert "\nmpirun -np $(( SLURM_JOB_NUM_NODES * 2 )) " in capsys.readouterr().out

@@ -13,7 +13,8 @@ from pipetrain.errors import ConfigError
 from pipetrain.launch.env import DEVICES
 from pipetrain.cli.flag_fields import from_flags
 from pipetrain.cli.layout_args import mark_defaults
-from pipetrain.launch.sbatch import DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, SbatchRequest, render_sbatch
+from pipetrain.launch.sbatch import (DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, LAUNCHERS, SbatchRequest,
+                                     render_sbatch)
 
 __all__ = ["add_parser", "run"]
 
@@ -65,6 +66,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     job.add_argument("--device", choices=DEVICES, default=None,
                      help="pin every rank to this device type: the script exports PIPETRAIN_DEVICE (default: cuda "
                           "with --gpus-per-node, else cpu)")
+    job.add_argument("--launcher", choices=LAUNCHERS, default="srun",
+                     help="what starts the tasks: srun (default) or Open MPI's mpirun (the Horovod way)")
     mesh = parser.add_argument_group("training layout (appended to the training command)")
     mesh.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     mesh.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")

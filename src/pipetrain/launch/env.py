@@ -1,8 +1,9 @@
-"""Cluster environment: where this process's rank comes from (torchrun or Slurm variables), read in one place.
+"""Cluster environment: where this process's rank comes from (torchrun, mpirun or Slurm variables), read in one place.
 
-This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_*, PIPETRAIN_DEVICE,
-PIPETRAIN_START_METHOD and the socket-interface variables (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME). It never creates processes; launchers use what
-`detect` reports, or spawn the ranks themselves when it reports None.
+This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_*, OMPI_* and PMI_* (handed to
+launch/mpi.py), PIPETRAIN_DEVICE, PIPETRAIN_START_METHOD and the socket-interface variables (GLOO_SOCKET_IFNAME,
+NCCL_SOCKET_IFNAME). It never creates processes; launchers use what `detect` reports, or spawn the ranks themselves
+when it reports None.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from dataclasses import replace
 from pipetrain.errors import LaunchError
 from pipetrain.launch import netif
 from pipetrain.launch.nodelist import expand_nodelist, expand_tasks_per_node
+from pipetrain.launch.mpi import OPEN_MPI_RANK, PMI_RANK, from_open_mpi, from_pmi
 from pipetrain.launch.ranks import ClusterEnv
+from pipetrain.launch.variables import agreed_port
+from pipetrain.launch.variables import below as _below
+from pipetrain.launch.variables import integer as _int
+from pipetrain.launch.variables import port as _port
 
 __all__ = [
     "ClusterEnv",
@@ -42,8 +48,6 @@ __all__ = [
     "slurm_job_id",
 ]
 
-_PORT_BASE = 20000
-_PORT_SPAN = 20000
 #: The variable a launcher (a job script, a test tier) sets to choose the device of every rank.
 DEVICE_VARIABLE = "PIPETRAIN_DEVICE"
 #: The device types a run can be pinned to.
@@ -60,16 +64,27 @@ SOCKET_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 
 def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
-    """Read the rank layout from torchrun's variables, else from a Slurm step's, else return None.
+    """Read the rank layout from torchrun's variables, else from mpirun's (Open MPI, or a PMI launcher such as
+    MPICH's Hydra), else from a Slurm step's, else return None.
 
     None means no launcher placed this process: pipetrain spawns its ranks itself.
     """
     env = os.environ if environ is None else environ
     if "RANK" in env or "WORLD_SIZE" in env:
         return _from_torchrun(env)
+    if OPEN_MPI_RANK in env:  # before Slurm: mpirun in an allocation starts its daemons with srun
+        return from_open_mpi(env)
+    if PMI_RANK in env and not _slurm_task(env):
+        return from_pmi(env)
     if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         return _from_slurm(env)
     return None
+
+
+def _slurm_task(env: Mapping[str, str]) -> bool:
+    """True when srun started this process as a task of its own (its PMI rank, if any, is its Slurm rank); False
+    for a process that a PMI launcher started under a daemon srun placed (Hydra in an allocation)."""
+    return ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and env.get("SLURM_PROCID") == env.get(PMI_RANK)
 
 
 def device_override(environ: Mapping[str, str] | None = None) -> str | None:
@@ -162,7 +177,8 @@ def without_launcher_variables() -> Iterator[None]:
     TORCHELASTIC_*): a rank of a multi-node job that spawns a job of its own node (`plan --calibrate`) would else
     pass TORCHELASTIC_USE_AGENT_STORE on, and its spawned rank 0 would wait for torchrun's store instead of
     starting its own (a hang). Restored after the block."""
-    names = [n for n in os.environ if n in _LAUNCHER_VARIABLES or n.startswith(("TORCHELASTIC_", "SLURM_"))]
+    names = [n for n in os.environ
+             if n in _LAUNCHER_VARIABLES or n.startswith(("TORCHELASTIC_", "SLURM_", "OMPI_COMM_WORLD_", "PMI_"))]
     saved = {name: os.environ.pop(name) for name in names}
     try:
         yield
@@ -216,30 +232,7 @@ def free_port() -> int:
 
 def slurm_port(job_id: int) -> int:
     """The rendezvous port every task of Slurm job `job_id` agrees on without talking: in [20000, 40000)."""
-    return _PORT_BASE + job_id % _PORT_SPAN
-
-
-def _int(env: Mapping[str, str], name: str, default: int | None = None, *, minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None:
-        if default is None:
-            raise LaunchError(f"{name} is not set", hint=f"the launcher should export {name}; check the job script")
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise LaunchError(f"{name}={raw!r} is not an integer", hint=f"unset {name} or give it a whole number") from None
-    if value < minimum:
-        raise LaunchError(f"{name}={value} is below {minimum}", hint=f"unset {name} or give it a value >= {minimum}")
-    return value
-
-
-def _below(small: str, small_value: int, big: str, big_value: int) -> None:
-    if small_value >= big_value:
-        raise LaunchError(
-            f"{small}={small_value} is not below {big}={big_value}",
-            hint=f"{small} counts from 0 to {big}-1; unset stale variables or fix the launcher",
-        )
+    return agreed_port(job_id)
 
 
 def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
@@ -329,10 +322,3 @@ def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
         master_port = slurm_port(_int(env, "SLURM_JOB_ID"))
     return ClusterEnv(rank, world_size, local_rank, local_world_size, node_rank, num_nodes, master_addr, master_port,
                       "slurm")
-
-
-def _port(env: Mapping[str, str], name: str, default: int) -> int:
-    port = _int(env, name, default, minimum=1)
-    if port > 65535:
-        raise LaunchError(f"{name}={port} is not a TCP port", hint=f"pick {name} between 1024 and 65535")
-    return port

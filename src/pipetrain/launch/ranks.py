@@ -23,7 +23,7 @@ class ClusterEnv:
     num_nodes: int
     master_addr: str
     master_port: int
-    source: Literal["torchrun", "slurm"]
+    source: Literal["torchrun", "slurm", "mpi"]
 
     @property
     def one_task_per_node(self) -> bool:

@@ -11,7 +11,10 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import DEVICE_VARIABLE, DEVICES
 
-__all__ = ["SbatchRequest", "render_sbatch", "DEFAULT_CPUS_PER_GPU", "DEFAULT_WARN_SECONDS"]
+__all__ = ["SbatchRequest", "render_sbatch", "DEFAULT_CPUS_PER_GPU", "DEFAULT_WARN_SECONDS", "LAUNCHERS"]
+
+#: What starts the tasks in the script: Slurm's srun, or Open MPI's mpirun (which reads the allocation itself).
+LAUNCHERS = ("srun", "mpirun")
 
 #: CPU cores asked per GPU when --cpus-per-task is not given (clusters such as Jean Zay give ~10 per GPU).
 DEFAULT_CPUS_PER_GPU = 10
@@ -56,10 +59,15 @@ class SbatchRequest:
     ranks_per_node: int | None = None
     #: the device every rank is pinned to (PIPETRAIN_DEVICE in the script); default: cuda with GPUs, else cpu
     device: str | None = None
+    #: what starts the tasks: "srun" (default) or "mpirun" (Open MPI, `tasks_per_node` processes on each node)
+    launcher: str = "srun"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(str(a) for a in self.command))
         _check_device(self)
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}",
+                              hint="pass --launcher srun (Slurm's) or --launcher mpirun (Open MPI's)")
         for name in ("nodes", "tasks_per_node", "dp", "pp", "tp", "cpus_per_gpu", "warn_seconds"):
             _count(name, getattr(self, name), minimum=1)
         if self.cpus_per_task is not None:
@@ -189,7 +197,7 @@ def render_sbatch(req: SbatchRequest) -> str:
         f"--cpus-per-task={req.cpus}",
         "--hint=nomultithread",
         f"--time={req.time}",
-        f"--signal=USR1@{req.warn_seconds}",
+        f"--signal={'B:' if req.launcher == 'mpirun' else ''}USR1@{req.warn_seconds}",
         "--requeue",
         "--open-mode=append",
         f"--output={req.output}",
@@ -233,10 +241,33 @@ def render_sbatch(req: SbatchRequest) -> str:
         "RESUME=()",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi',
         "",
-        "srun --kill-on-bad-exit=1 " + shlex.join(req.train_argv()) + ' "${RESUME[@]}"',
+        *_launch_lines(req),
         "",
     ]
     return "\n".join(lines)
+
+
+def _launch_lines(req: SbatchRequest) -> list[str]:
+    """The line that starts the tasks: srun, or Open MPI's mpirun with the rendezvous exported to every rank."""
+    command = shlex.join(req.train_argv()) + ' "${RESUME[@]}"'
+    if req.launcher == "srun":
+        return ["srun --kill-on-bad-exit=1 " + command]
+    exported = " ".join(f"-x {name}" for name in ("OMP_NUM_THREADS", DEVICE_VARIABLE, "MASTER_ADDR", "MASTER_PORT"))
+    return [
+        "# mpirun (Open MPI) reads the nodes of the allocation; rank 0 runs on the first node, where every rank",
+        "# meets it (MASTER_ADDR), on a port derived from the job id. A rank that fails ends the whole job.",
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        f"mpirun -np $(( SLURM_JOB_NUM_NODES * {req.tasks_per_node} )) --map-by ppr:{req.tasks_per_node}:node "
+        f"--bind-to none {exported} " + command + " &",
+        "# Slurm's warning signal reaches this shell (B:), which hands it to mpirun; mpirun passes SIGUSR1 on to",
+        "# every rank. `wait` returns early when the trap runs: wait again until mpirun has ended.",
+        "MPIRUN_PID=$!",
+        'trap \'kill -USR1 "$MPIRUN_PID" 2>/dev/null || true\' USR1',
+        'status=0; wait "$MPIRUN_PID" || status=$?',
+        'while kill -0 "$MPIRUN_PID" 2>/dev/null; do status=0; wait "$MPIRUN_PID" || status=$?; done',
+        'exit "$status"',
+    ]
 
 
 def _interface_comment(req: SbatchRequest) -> list[str]:
