@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +12,8 @@ from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
+
+from pipetrain.launch.hangs import DUMP_SIGNAL, HangReport, decode, encode, hang_message
 
 __all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "StepWatchdog", "beat_period", "bounded", "stuck_message"]
 
@@ -53,11 +57,12 @@ class StepWatchdog:
     """
 
     def __init__(self, *, timeout_s: float, rank: int, world_size: int, master_addr: str, master_port: int,
-                 on_stuck: Callable[[str], None]) -> None:
+                 on_stuck: Callable[[str], None], hang: HangReport | None = None) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
         self.world_size = world_size
         self._on_stuck = on_stuck
+        self._hang = hang
         self._store = dist.TCPStore(master_addr, master_port, is_master=False,
                                     timeout=timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
         self._step = 0
@@ -67,6 +72,9 @@ class StepWatchdog:
 
     def start(self) -> None:
         self._last = time.monotonic()
+        if self._hang is not None:
+            self._hang.install()
+            self._set(f"{_PREFIX}pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._beat()  # at once: a rank stopped before its thread's first period must still count as silent
         self._thread.start()
 
@@ -84,6 +92,11 @@ class StepWatchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * _STORE_TIMEOUT_S)
+        if self._hang is not None:
+            self._hang.close()
+
+    def _set(self, key: str, value: str) -> None:
+        bounded(lambda: self._store.set(key, value), 2 * _STORE_TIMEOUT_S)
 
     @property
     def _period(self) -> float:
@@ -107,7 +120,9 @@ class StepWatchdog:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
-        answer = bounded(self._survey, 3 * self._period + 2 * _STORE_TIMEOUT_S)
+        if self._hang is not None:  # first, while every rank still runs: its stacks, and where it waits
+            self._set(f"{_PREFIX}where/{self.rank}", encode(self._hang.dump()))
+        answer = bounded(self._survey, 10 * self._period + 3 * _STORE_TIMEOUT_S)
         if answer is None:  # the store's host is frozen, gone, or cut off (a blackholed link blocks reads for good)
             winner = True
             message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen, or the link "
@@ -131,8 +146,33 @@ class StepWatchdog:
         silent = {r: now - float(after[r]) if r in after else math.inf
                   for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)}
         steps = {r: int(value) for r, value in self._read("step").items()}
-        return winner, stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps,
-                                     silent=silent)
+        message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, silent=silent)
+        if not winner or self._hang is None:
+            return winner, message
+        live = set(range(self.world_size)) - set(silent)
+        for _ in range(5):  # the live ranks fire within a period or two of this one: wait for their answers
+            wheres = {r: decode(text) for r, text in self._read("where").items()}
+            if live <= set(wheres):
+                break
+            time.sleep(self._period)
+        self._signal_mute(live - set(wheres))
+        said = hang_message(wheres)
+        folder = self._hang.folder
+        files = f"; stacks of every rank that answered in {folder}" if folder is not None else ""
+        return winner, f"{message}{'; ' + said if said else ''}{files}"
+
+    def _signal_mute(self, ranks: set[int]) -> None:
+        """Ask the ranks of this host that did not answer (their watchdog thread cannot run) to dump their stacks."""
+        here = socket.gethostname()
+        for r, text in self._read("pid").items():
+            host, _, pid = text.rpartition(" ")
+            if r in ranks and host == here:
+                try:
+                    os.kill(int(pid), DUMP_SIGNAL)
+                except OSError:
+                    pass
+        if ranks:
+            time.sleep(self._period)
 
 
 def bounded(ask: Callable[[], T], seconds: float) -> T | None:
