@@ -1,14 +1,15 @@
-"""Stragglers: once per `--log-every` window, the compute time of one step on every rank, compared across the
+"""Stragglers: once per `--log-every` window, the compute time of a step on every rank, compared across the
 ranks of the same stage position (one pipeline stage, one tensor-parallel rank, all data-parallel replicas).
 
 A rank whose compute time exceeds the median of the others of its position by `--straggler-factor` (default 1.3) is
 named, with its host, in the console and in that step's `steps.jsonl` record. A difference under `MIN_EXCESS_S`
 is scheduling noise, never named. The rank's time is the median over the last `SAMPLES` steps of the window (one
-late wake-up of a fast rank is not a straggler); each is timed the way a trace times it (`pipeline.timeline.Recorder`: each stage's forward and backward
-chunks, not the P2P waits). The backward of a stage's last micro-batch is left out: under DDP it holds the
-gradient all-reduce, in which a fast replica waits for the slow one (FSDP's reductions run in their own action,
-left out too; its parameter all-gathers in forward are counted). Traced steps (`--trace`) are not measured
-(one recorder at a time); a window without a measured step is not compared. A job without data parallelism has nothing to compare.
+late wake-up of a fast rank is not a straggler); each is timed the way a trace times it
+(`pipeline.timeline.Recorder`: each stage's forward and backward chunks, not the P2P waits). The backward of a
+stage's last micro-batch is left out: under DDP it holds the gradient all-reduce, in which a fast replica waits
+for the slow one (FSDP's reductions run in their own action, left out too; its parameter all-gathers in forward
+are counted). Traced steps (`--trace`) are not measured (one recorder at a time); a window without a measured
+step is not compared. A job without data parallelism has nothing to compare.
 """
 
 from __future__ import annotations
