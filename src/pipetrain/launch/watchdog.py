@@ -109,6 +109,10 @@ class StepWatchdog:
                 self._fire()
                 return
 
+    def _beat_on(self) -> None:
+        while not self._stop.wait(self._period):
+            self._beat()
+
     def _beat(self) -> None:
         try:
             self._store.set(f"{HEARTBEAT_PREFIX}{self.rank}", repr(time.time()))
@@ -120,6 +124,9 @@ class StepWatchdog:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
+        # this rank is alive: it keeps beating while it reports (or waits to be ended), lest a rank that fired a
+        # moment earlier be taken for a stopped one by the reporting rank's survey
+        threading.Thread(target=self._beat_on, name="pipetrain-watchdog-beat", daemon=True).start()
         if self._hang is not None:  # first, while every rank still runs: its stacks, and where it waits
             self._set(f"{_PREFIX}where/{self.rank}", encode(self._hang.dump()))
         answer = bounded(self._survey, 10 * self._period + 3 * _STORE_TIMEOUT_S)
@@ -157,9 +164,14 @@ class StepWatchdog:
             time.sleep(self._period)
         self._signal_mute(live - set(wheres))
         said = hang_message(wheres)
+        if said and not silent and not all(waiting for waiting, _ in wheres.values()):  # one rank is elsewhere
+            message = (f"{said}; rank {self.rank} waited {self.timeout_s:g} s (--step-timeout) for step "
+                       f"{self._step + 1} to finish")
+        elif said:
+            message = f"{message}; {said}"
         folder = self._hang.folder
         files = f"; stacks of every rank that answered in {folder}" if folder is not None else ""
-        return winner, f"{message}{'; ' + said if said else ''}{files}"
+        return winner, message + files
 
     def _signal_mute(self, ranks: set[int]) -> None:
         """Ask the ranks of this host that did not answer (their watchdog thread cannot run) to dump their stacks."""
