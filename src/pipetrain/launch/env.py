@@ -353,4 +353,3 @@ def _port(env: Mapping[str, str], name: str, default: int) -> int:
     if port > 65535:
         raise LaunchError(f"{name}={port} is not a TCP port", hint=f"pick {name} between 1024 and 65535")
     return port
-
