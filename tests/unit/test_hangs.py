@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+from pipetrain.compat.modules import flight_record
+from pipetrain.launch.env import enable_flight_recorder
 from pipetrain.launch.hangs import DUMP_SIGNAL, HangReport, decode, encode, hang_message, where
 
 
@@ -57,3 +59,13 @@ def test_the_signal_dumps_a_rank_whose_watchdog_cannot(tmp_path):
         report.close()
     text = (tmp_path / "rank-0.txt").read_text()
     assert "Current thread" in text and "in test_the_signal_dumps_a_rank_whose_watchdog_cannot" in text, text
+
+
+def test_the_flight_recorder_is_turned_on_and_a_user_setting_kept(monkeypatch):
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
+    assert enable_flight_recorder("/runs/x/hang/nccl-timeout-rank-") == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "/runs/x/hang/nccl-timeout-rank-"}
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
+    assert flight_record("gloo") is None  # NCCL's only

@@ -8,7 +8,8 @@ import pytest
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.logs.records import StepRecord, record_dict
-from pipetrain.logs.stragglers import RankTime, Straggler, compute_seconds, straggler_line, stragglers
+from pipetrain.logs.stragglers import (RankTime, Straggler, StragglerWatch, compute_seconds, straggler_line,
+                                      stragglers)
 
 
 def _times(seconds: dict[int, float], pp: int = 2) -> list[RankTime]:
@@ -61,3 +62,11 @@ def test_the_record_and_the_line_name_the_rank_and_its_host():
 def test_a_factor_of_one_or_less_is_refused(factor):
     with pytest.raises(ConfigError, match="--straggler-factor must be above 1"):
         LogConfig(straggler_factor=factor)
+
+
+def test_without_a_process_group_or_replicas_nothing_is_measured():
+    watch = StragglerWatch(None, every=2, factor=1.3, dp=2, dp_rank=0, pp_rank=0)
+    assert not watch.on and not watch.due(2)
+    with watch.measure(2):
+        pass
+    assert watch.compare(2) == []
