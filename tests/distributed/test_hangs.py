@@ -21,13 +21,14 @@ ARGS = ["--preset", "tiny", "--chunks", "2", "--train-samples", "160", "--test-s
 def test_a_rank_asleep_in_a_block_is_named_with_every_rank_stack(tmp_path, capfd):
     run = tmp_path / "run"
     code = main(["train", "--workload", f"{FILE}:hang", *ARGS, "--pp", "2", "--batch-size", "8",
-                 "--step-timeout", "2", "--run-dir", str(run)])
+                 "--step-timeout", "3", "--run-dir", str(run)])
     err = capfd.readouterr().err
     assert code != 0
     assert err.count("pipetrain: error:") == 1, err
     # rank 1 sleeps in block 2's forward; rank 0 waits for it in the pipeline's receive
     assert "rank 1 did not arrive: it runs forward (slow_block_workload.py:" in err, err
     assert "rank 0 waits in torch.distributed" in err, err
+    assert "stopped responding" not in err, err  # both ranks are alive: neither is taken for a stopped one
     assert str(run / "hang") in err, err
     stacks = {path.name: path.read_text() for path in (run / "hang").glob("rank-*.txt")}
     assert sorted(stacks) == ["rank-0.txt", "rank-1.txt"], stacks
@@ -36,10 +37,13 @@ def test_a_rank_asleep_in_a_block_is_named_with_every_rank_stack(tmp_path, capfd
     assert "torch/distributed" in stacks["rank-0.txt"], stacks["rank-0.txt"]
 
 
+@pytest.mark.timeout(120)
 def test_a_job_without_a_hang_leaves_no_hang_files_and_names_the_slow_replica(tmp_path, capfd):
+    # a factor well above the default: on a loaded 2-core machine a fast rank's few ms may double, never triple
+    # in two of the three steps measured
     run = tmp_path / "run"
     code = main(["train", "--workload", f"{FILE}:straggler", *ARGS, "--pp", "2", "--dp", "2", "--batch-size", "16",
-                 "--log-every", "5", "--max-steps", "5", "--run-dir", str(run)])
+                 "--log-every", "5", "--max-steps", "5", "--straggler-factor", "3", "--run-dir", str(run)])
     captured = capfd.readouterr()
     assert code == 0, captured.err
     assert not (run / "hang").exists()
@@ -49,4 +53,4 @@ def test_a_job_without_a_hang_leaves_no_hang_files_and_names_the_slow_replica(tm
     assert "straggler at step 5: rank 3 on " in named[0] and "stage 1, replica 1" in named[0], logged
     (record,) = [r for r in read_records(run / "steps.jsonl", "step") if "stragglers" in r]
     assert record["step"] == 5 and [s["rank"] for s in record["stragglers"]] == [3]
-    assert record["stragglers"][0]["ratio"] > 1.3
+    assert record["stragglers"][0]["ratio"] > 3  # 0.2 s of sleep per step against a few ms of compute

@@ -109,10 +109,6 @@ class StepWatchdog:
                 self._fire()
                 return
 
-    def _beat_on(self) -> None:
-        while not self._stop.wait(self._period):
-            self._beat()
-
     def _beat(self) -> None:
         try:
             self._store.set(f"{HEARTBEAT_PREFIX}{self.rank}", repr(time.time()))
@@ -124,12 +120,18 @@ class StepWatchdog:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
-        # this rank is alive: it keeps beating while it reports (or waits to be ended), lest a rank that fired a
-        # moment earlier be taken for a stopped one by the reporting rank's survey
-        threading.Thread(target=self._beat_on, name="pipetrain-watchdog-beat", daemon=True).start()
-        if self._hang is not None:  # first, while every rank still runs: its stacks, and where it waits
-            self._set(f"{_PREFIX}where/{self.rank}", encode(self._hang.dump()))
-        answer = bounded(self._survey, 10 * self._period + 3 * _STORE_TIMEOUT_S)
+        # say "alive" (a rank whose watchdog fires has stopped beating, but is no stopped process), then claim
+        def claim_report() -> list[str]:
+            self._store.set(f"{_PREFIX}alive/{self.rank}", "1")
+            return [self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode()]
+
+        claim = bounded(claim_report, 2 * _STORE_TIMEOUT_S)
+        answer = None
+        if claim is not None and claim[0] != str(self.rank):  # another rank reports: say where this one is, and go
+            self._answer()
+            answer = (False, "")
+        elif claim is not None:
+            answer = bounded(self._survey, 10 * self._period + 3 * _STORE_TIMEOUT_S)
         if answer is None:  # the store's host is frozen, gone, or cut off (a blackholed link blocks reads for good)
             winner = True
             message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen, or the link "
@@ -143,19 +145,26 @@ class StepWatchdog:
             time.sleep(30.0)  # the winner reports and the launcher ends this rank; leave quietly if it does not
             self._on_stuck("")
 
+    def _answer(self) -> None:
+        """Write this rank's stacks, and where it is to the store (for the reporting rank)."""
+        if self._hang is not None:
+            self._set(f"{_PREFIX}where/{self.rank}", encode(self._hang.dump()))
+
     def _survey(self) -> tuple[bool, str]:
-        """Claim the report, then tell the silent ranks from the live ones: (this rank reports?, message)."""
-        winner = self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode() == str(self.rank)
+        """This rank reports: tell the silent ranks from the live ones, gather where each is: (True, message)."""
         before = self._read("beat")
-        time.sleep(3 * self._period)  # a live rank beats meanwhile; a stopped or frozen one does not
+        start = time.monotonic()
+        self._answer()
+        time.sleep(max(0.0, 3 * self._period - (time.monotonic() - start)))  # live ranks beat; stopped ones do not
         after = self._read("beat")
         now = time.time()
-        silent = {r: now - float(after[r]) if r in after else math.inf
-                  for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)}
+        fired = set(self._read("alive"))
+        silent = {r: now - float(after[r]) if r in after else math.inf for r in range(self.world_size)
+                  if r != self.rank and before.get(r) == after.get(r) and r not in fired}
         steps = {r: int(value) for r, value in self._read("step").items()}
         message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, silent=silent)
-        if not winner or self._hang is None:
-            return winner, message
+        if self._hang is None:
+            return True, message
         live = set(range(self.world_size)) - set(silent)
         for _ in range(5):  # the live ranks fire within a period or two of this one: wait for their answers
             wheres = {r: decode(text) for r, text in self._read("where").items()}
@@ -171,7 +180,7 @@ class StepWatchdog:
             message = f"{message}; {said}"
         folder = self._hang.folder
         files = f"; stacks of every rank that answered in {folder}" if folder is not None else ""
-        return winner, message + files
+        return True, message + files
 
     def _signal_mute(self, ranks: set[int]) -> None:
         """Ask the ranks of this host that did not answer (their watchdog thread cannot run) to dump their stacks."""
