@@ -3,8 +3,8 @@ ranks of the same stage position (one pipeline stage, one tensor-parallel rank, 
 
 A rank whose compute time exceeds the median of the others of its position by `--straggler-factor` (default 1.3) is
 named, with its host, in the console and in that step's `steps.jsonl` record. A difference under `MIN_EXCESS_S`
-is scheduling noise, never named. The rank's time is the median over the last `SAMPLES` steps of the window (one
-late wake-up of a fast rank is not a straggler); each is timed the way a trace times it
+is scheduling noise, never named. The rank's time is the least over the last `SAMPLES` steps of the window (a late
+wake-up only adds time, to one step; a straggler is slow in each); each is timed the way a trace times it
 (`pipeline.timeline.Recorder`: each stage's forward and backward chunks, not the P2P waits). The backward of a
 stage's last micro-batch is left out: under DDP it holds the gradient all-reduce, in which a fast replica waits
 for the slow one (FSDP's reductions run in their own action, left out too; its parameter all-gathers in forward
@@ -31,7 +31,7 @@ __all__ = ["DEFAULT_STRAGGLER_FACTOR", "RankTime", "Straggler", "stragglers", "s
 DEFAULT_STRAGGLER_FACTOR = 1.3
 #: Seconds by which a rank must exceed its peers' median to be named (below: the OS's scheduling, not the rank).
 MIN_EXCESS_S = 0.01
-#: Steps measured at the end of each window (their median is the rank's time).
+#: Steps measured at the end of each window (the least of their times is the rank's).
 SAMPLES = 3
 _COMPUTE = ("F", "B", "I", "W")
 
@@ -141,7 +141,7 @@ class StragglerWatch:
         if not self.due(step):
             return []
         mine = (socket.gethostname(), self._place, self._dp_rank,
-                statistics.median(self._measured) if self._measured else None)
+                min(self._measured) if self._measured else None)
         self._measured = []
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
