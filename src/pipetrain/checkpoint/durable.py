@@ -21,6 +21,7 @@ from pipetrain.checkpoint.state import check_compatible, find_checkpoint, load_c
 from pipetrain.checkpoint.stop import StopRequest
 from pipetrain.errors import ConfigError
 from pipetrain.launch.spawn import RankSpec, fail_now
+from pipetrain.launch.hangs import HangReport
 from pipetrain.launch.watchdog import StepWatchdog
 from pipetrain.pipeline import PipelineEngine
 
@@ -140,7 +141,8 @@ class DurableRun:
     """
 
     def __init__(self, config: DurableConfig, engine: PipelineEngine, optimizer: torch.optim.Optimizer, *,
-                 model_name: str, job_config: Mapping[str, Any], device: torch.device, spec: RankSpec) -> None:
+                 model_name: str, job_config: Mapping[str, Any], device: torch.device, spec: RankSpec,
+                 hang_dir: Path | None = None) -> None:
         self.config = config
         self.engine = engine
         self.optimizer = optimizer
@@ -151,7 +153,8 @@ class DurableRun:
         self._watchdog = None
         if config.step_timeout_s:
             self._watchdog = StepWatchdog(timeout_s=config.step_timeout_s, rank=spec.rank, world_size=spec.world_size,
-                                          master_addr=spec.master_addr, master_port=spec.master_port, on_stuck=fail_now)
+                                          master_addr=spec.master_addr, master_port=spec.master_port, on_stuck=fail_now,
+                                          hang=HangReport(hang_dir, spec.rank))
         self._step = 0
         self._saved: dict[str, Any] | None = None
         self._saver = BackgroundSaver() if config.async_save and config.save_dir is not None else None

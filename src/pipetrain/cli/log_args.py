@@ -1,5 +1,5 @@
 """The logging and validation flags of `pipetrain train` (`--run-dir`, `--log-every`, `--tensorboard`,
-`--eval-every`, `--eval-batches`, `--peak-tflops`) and the `LogConfig` they make."""
+`--eval-every`, `--eval-batches`, `--peak-tflops`, `--straggler-factor`) and the `LogConfig` they make."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --eval-every: read at most K held-out batches per evaluation (default: all)")
     group.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                        help="peak TFLOP/s of one device, for MFU (default: from the GPU's name; no MFU on CPU)")
+    group.add_argument("--straggler-factor", type=float, default=1.3, metavar="F",
+                       help="every --log-every steps, name a rank whose step computes F times longer than the "
+                            "median of the other replicas of its stage (default: 1.3)")
 
 
 def log_config(args: argparse.Namespace) -> LogConfig:
@@ -37,4 +40,4 @@ def log_config(args: argparse.Namespace) -> LogConfig:
     return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(workload_label(args.workload)),
                      log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, peak_tflops=args.peak_tflops, metrics=args.metrics,
-                     predicted=args.layout_prediction)
+                     predicted=args.layout_prediction, straggler_factor=args.straggler_factor)

@@ -51,4 +51,5 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules.dropout", "_DropoutNd"),
     ("torch", "_foreach_mul_"),
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
+    ("torch._C._distributed_c10d", "_dump_fr_trace"),  # the flight recorder's dump (CUDA builds: _dump_nccl_trace)
 )

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group"]
+__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group", "flight_record"]
 
 
 def is_dropout(module: nn.Module) -> bool:
@@ -33,3 +33,18 @@ def abort_process_group() -> None:
     from torch.distributed import distributed_c10d  # only when aborting: torch.distributed may be absent
 
     distributed_c10d._abort_process_group()
+
+
+def flight_record(backend: str) -> bytes | None:
+    """torch's flight recorder of this process's NCCL collectives (a pickle, as `TORCH_FR_DUMP_TEMP_FILE` files are),
+    or None: another backend, or a torch without it. Recorded only when `TORCH_FR_BUFFER_SIZE` was set before the
+    process group started (`launch.env.flight_recorder_variables`)."""
+    if backend != "nccl":
+        return None
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, "_dump_nccl_trace", None) or getattr(_distributed_c10d, "_dump_fr_trace", None)
+    try:
+        return None if dump is None else dump()
+    except RuntimeError:
+        return None

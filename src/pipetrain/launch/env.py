@@ -201,6 +201,23 @@ def restore_environ() -> Iterator[None]:
                 os.environ[name] = value
 
 
+# --- hang reports (issue 29, part 3): torch's NCCL flight recorder, on for jobs watched by --step-timeout ---
+#: The variables that turn torch's flight recorder on (entries kept per process group) and dump it on NCCL's own
+#: timeout; set before the process group starts, unless the user set them.
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def enable_flight_recorder(dump_prefix: str | None) -> dict[str, str]:
+    """Turn torch's flight recorder on in this process (a CUDA job; before its process group starts): the variables
+    set, those the user set left alone. `dump_prefix`: where NCCL's own timeout dumps (torch appends the rank)."""
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if dump_prefix is not None:
+        wanted["TORCH_FR_DUMP_TEMP_FILE"] = dump_prefix
+    set_now = {name: value for name, value in wanted.items() if name not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
+
 def join_timeout(environ: Mapping[str, str] | None = None) -> float:
     """Seconds to wait for rank 0's host before joining a multi-node job (PIPETRAIN_JOIN_TIMEOUT, default 120)."""
     env = os.environ if environ is None else environ

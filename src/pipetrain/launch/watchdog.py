@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +12,8 @@ from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
+
+from pipetrain.launch.hangs import DUMP_SIGNAL, HangReport, decode, encode, hang_message
 
 __all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "StepWatchdog", "beat_period", "bounded", "stuck_message"]
 
@@ -53,11 +57,12 @@ class StepWatchdog:
     """
 
     def __init__(self, *, timeout_s: float, rank: int, world_size: int, master_addr: str, master_port: int,
-                 on_stuck: Callable[[str], None]) -> None:
+                 on_stuck: Callable[[str], None], hang: HangReport | None = None) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
         self.world_size = world_size
         self._on_stuck = on_stuck
+        self._hang = hang
         self._store = dist.TCPStore(master_addr, master_port, is_master=False,
                                     timeout=timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
         self._step = 0
@@ -67,6 +72,9 @@ class StepWatchdog:
 
     def start(self) -> None:
         self._last = time.monotonic()
+        if self._hang is not None:
+            self._hang.install()
+            self._set(f"{_PREFIX}pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._beat()  # at once: a rank stopped before its thread's first period must still count as silent
         self._thread.start()
 
@@ -84,6 +92,11 @@ class StepWatchdog:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * _STORE_TIMEOUT_S)
+        if self._hang is not None:
+            self._hang.close()
+
+    def _set(self, key: str, value: str) -> None:
+        bounded(lambda: self._store.set(key, value), 2 * _STORE_TIMEOUT_S)
 
     @property
     def _period(self) -> float:
@@ -107,7 +120,18 @@ class StepWatchdog:
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
-        answer = bounded(self._survey, 3 * self._period + 2 * _STORE_TIMEOUT_S)
+        # say "alive" (a rank whose watchdog fires has stopped beating, but is no stopped process), then claim
+        def claim_report() -> list[str]:
+            self._store.set(f"{_PREFIX}alive/{self.rank}", "1")
+            return [self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode()]
+
+        claim = bounded(claim_report, 2 * _STORE_TIMEOUT_S)
+        answer = None
+        if claim is not None and claim[0] != str(self.rank):  # another rank reports: say where this one is, and go
+            self._answer()
+            answer = (False, "")
+        elif claim is not None:
+            answer = bounded(self._survey, 10 * self._period + 3 * _STORE_TIMEOUT_S)
         if answer is None:  # the store's host is frozen, gone, or cut off (a blackholed link blocks reads for good)
             winner = True
             message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen, or the link "
@@ -121,18 +145,55 @@ class StepWatchdog:
             time.sleep(30.0)  # the winner reports and the launcher ends this rank; leave quietly if it does not
             self._on_stuck("")
 
+    def _answer(self) -> None:
+        """Write this rank's stacks, and where it is to the store (for the reporting rank)."""
+        if self._hang is not None:
+            self._set(f"{_PREFIX}where/{self.rank}", encode(self._hang.dump()))
+
     def _survey(self) -> tuple[bool, str]:
-        """Claim the report, then tell the silent ranks from the live ones: (this rank reports?, message)."""
-        winner = self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode() == str(self.rank)
+        """This rank reports: tell the silent ranks from the live ones, gather where each is: (True, message)."""
         before = self._read("beat")
-        time.sleep(3 * self._period)  # a live rank beats meanwhile; a stopped or frozen one does not
+        start = time.monotonic()
+        self._answer()
+        time.sleep(max(0.0, 3 * self._period - (time.monotonic() - start)))  # live ranks beat; stopped ones do not
         after = self._read("beat")
         now = time.time()
-        silent = {r: now - float(after[r]) if r in after else math.inf
-                  for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)}
+        fired = set(self._read("alive"))
+        silent = {r: now - float(after[r]) if r in after else math.inf for r in range(self.world_size)
+                  if r != self.rank and before.get(r) == after.get(r) and r not in fired}
         steps = {r: int(value) for r, value in self._read("step").items()}
-        return winner, stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps,
-                                     silent=silent)
+        message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, silent=silent)
+        if self._hang is None:
+            return True, message
+        live = set(range(self.world_size)) - set(silent)
+        for _ in range(5):  # the live ranks fire within a period or two of this one: wait for their answers
+            wheres = {r: decode(text) for r, text in self._read("where").items()}
+            if live <= set(wheres):
+                break
+            time.sleep(self._period)
+        self._signal_mute(live - set(wheres))
+        said = hang_message(wheres)
+        if said and not silent and not all(waiting for waiting, _ in wheres.values()):  # one rank is elsewhere
+            message = (f"{said}; rank {self.rank} waited {self.timeout_s:g} s (--step-timeout) for step "
+                       f"{self._step + 1} to finish")
+        elif said:
+            message = f"{message}; {said}"
+        folder = self._hang.folder
+        files = f"; stacks of every rank that answered in {folder}" if folder is not None else ""
+        return True, message + files
+
+    def _signal_mute(self, ranks: set[int]) -> None:
+        """Ask the ranks of this host that did not answer (their watchdog thread cannot run) to dump their stacks."""
+        here = socket.gethostname()
+        for r, text in self._read("pid").items():
+            host, _, pid = text.rpartition(" ")
+            if r in ranks and host == here:
+                try:
+                    os.kill(int(pid), DUMP_SIGNAL)
+                except OSError:
+                    pass
+        if ranks:
+            time.sleep(self._period)
 
 
 def bounded(ask: Callable[[], T], seconds: float) -> T | None:

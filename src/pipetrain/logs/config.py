@@ -40,6 +40,8 @@ class LogConfig:
     #: (step seconds, rank-0 MB) a planner predicted (`--layout auto`): logged beside the measured ones
     predicted: tuple[float, float] | None = None
     metrics: Path | None = None
+    #: a rank slower than the median of its stage position's others by this factor is named (logs/stragglers.py)
+    straggler_factor: float = 1.3
 
     def __post_init__(self) -> None:
         for name, value in (("log_every", self.log_every), ("eval_every", self.eval_every),
@@ -53,6 +55,10 @@ class LogConfig:
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"--peak-tflops must be positive, got {self.peak_tflops:g}",
                               hint="pass the dense peak TFLOP/s of one device, e.g. --peak-tflops 989")
+        if not self.straggler_factor > 1:
+            raise ConfigError(f"--straggler-factor must be above 1, got {self.straggler_factor:g}",
+                              hint="pass how many times slower than its peers a rank may be, e.g. "
+                                   "--straggler-factor 1.3")
         if self.tensorboard is not None:
             check_tensorboard()
 

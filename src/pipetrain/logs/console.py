@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from pipetrain.logs.records import EvalRecord, StepRecord
+from pipetrain.logs.stragglers import DEFAULT_STRAGGLER_FACTOR, straggler_line
 
 __all__ = ["ConsoleSink", "step_line", "eval_line"]
 
@@ -46,16 +47,20 @@ def eval_line(record: EvalRecord) -> str:
 
 class ConsoleSink:
     """Logs every evaluation and, with `steps`, `step_line` every `every` steps and at the last step, to the
-    `pipetrain` logger."""
+    `pipetrain` logger; the stragglers a record names, always (a warning)."""
 
-    def __init__(self, *, every: int, total_steps: int | None = None, steps: bool = True) -> None:
+    def __init__(self, *, every: int, total_steps: int | None = None, steps: bool = True,
+                 straggler_factor: float = DEFAULT_STRAGGLER_FACTOR) -> None:
         self.every = every
         self.total_steps = total_steps
         self.steps = steps
+        self.straggler_factor = straggler_factor
 
     def step(self, record: StepRecord) -> None:
         if self.steps and (record.step % self.every == 0 or record.step == self.total_steps):
             log.info(step_line(record, self.total_steps))
+        for straggler in record.stragglers:  # under a progress bar too
+            log.warning("pipetrain: %s", straggler_line(straggler, record.step, self.straggler_factor))
 
     def eval(self, record: EvalRecord) -> None:
         log.info(eval_line(record))

@@ -27,6 +27,8 @@ class StepRecord:
     `peak_mem_mb` rank 0's peak memory so far (CUDA: allocated by torch; CPU: the process's peak RSS);
     `mfu` the model FLOPs utilisation (None unless a peak FLOP/s is known, see `pipetrain.logs.mfu`).
     `skipped` is True for a step whose update was not applied (e.g. a non-finite gradient).
+    `stragglers`: at the end of a `--log-every` window, the ranks named slow (`logs.stragglers.Straggler` as
+    dicts; left out of the JSON line when there are none).
     """
 
     step: int
@@ -44,6 +46,7 @@ class StepRecord:
     peak_mem_mb: float | None = None
     mfu: float | None = None
     skipped: bool = False
+    stragglers: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +67,10 @@ class EvalRecord:
 def record_dict(record: StepRecord | EvalRecord) -> dict[str, Any]:
     """`record` as JSON data with a leading `"kind"`: "step" or "eval"."""
     kind = "step" if isinstance(record, StepRecord) else "eval"
-    return {"kind": kind, **asdict(record)}
+    data = {"kind": kind, **asdict(record)}
+    if not data.get("stragglers", True):
+        del data["stragglers"]
+    return data
 
 
 def perplexity(loss: float, metrics: tuple[str, ...]) -> float | None:

@@ -5,6 +5,8 @@ best held-out result on every rank."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -16,6 +18,7 @@ from pipetrain.logs.meter import StepMeter, model_flops
 from pipetrain.logs.predicted import PredictionSink
 from pipetrain.logs.progress import ProgressSink
 from pipetrain.logs.records import EvalRecord, StepRecord
+from pipetrain.logs.stragglers import Straggler
 from pipetrain.logs.tensorboard import TensorBoardSink
 from pipetrain.pipeline.engine import PipelineEngine, StepResult
 from pipetrain.pipeline.loss import SampleMeanLoss
@@ -68,7 +71,8 @@ class RunLog:
             self.sinks.append(JsonLinesSink(folder / STEPS_FILE))
         if config.tensorboard is not None:
             self.sinks.append(TensorBoardSink(Path(config.tensorboard)))
-        self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps, steps=console))
+        self.sinks.append(ConsoleSink(every=config.log_every, total_steps=total_steps, steps=console,
+                                      straggler_factor=config.straggler_factor))
         if config.predicted is not None:
             self.sinks.append(PredictionSink(*config.predicted, total_steps=total_steps))
         self.sinks.append(self.progress)
@@ -101,12 +105,16 @@ class RunLog:
             self.meter.start()
 
     def step(self, result: StepResult, *, step: int, epoch: int, lr: float, inputs: Tensors | None = None,
-             grad_norm: float | None = None, skipped: bool = False) -> StepRecord | None:
-        """Record optimizer step `step` (its `result` from the engine); returns the record on the main rank."""
+             grad_norm: float | None = None, skipped: bool = False,
+             stragglers: Sequence[Straggler] = ()) -> StepRecord | None:
+        """Record optimizer step `step` (its `result` from the engine, the `stragglers` named after it); returns the
+        record on the main rank."""
         if not self.main:
             return None
         record = self.meter.record(result, step=step, epoch=epoch, lr=lr, inputs=inputs, grad_norm=grad_norm,
                                    skipped=skipped)
+        if stragglers:
+            record = replace(record, stragglers=tuple(s.as_dict() for s in stragglers))
         for sink in self.sinks:
             sink.step(record)
         return record

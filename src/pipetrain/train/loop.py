@@ -8,13 +8,17 @@ import logging
 import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
 from pipetrain.checkpoint.durable import DurableRun, Position
+from pipetrain.launch.env import enable_flight_recorder
+from pipetrain.launch.hangs import HANG_FOLDER
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.records import EpochReport, EvalRecord, MetricTotals, perplexity, report_dicts
 from pipetrain.logs.runlog import RunLog, open_run_log
+from pipetrain.logs.stragglers import StragglerWatch
 from pipetrain.logs.startup import StartupSink
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.pipeline import PipelineEngine
@@ -90,6 +94,9 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
     """Train on this rank (one of dp × pp); every rank returns the same epoch reports."""
     workload = config.task()
     train, test = data if data is not None else load_data(config)
+    hang_dir = None if config.logs.run_dir is None else Path(config.logs.run_dir) / HANG_FOLDER
+    if config.durable.step_timeout_s and torch.cuda.is_available():  # NCCL's flight recorder, for hang reports
+        enable_flight_recorder(None if hang_dir is None else str(hang_dir / "nccl-timeout-rank-"))
     session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=workload.loss(),
                            precision=config.precision, timeout_s=config.durable.process_group_timeout_s)
     try:
@@ -101,7 +108,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
                   if config.trace is not None else None)
         durable = DurableRun(config.durable, engine, optimizer, model_name=config.model_name(),
-                             job_config=config.as_json(), device=session.device, spec=spec)
+                             job_config=config.as_json(), device=session.device, spec=spec, hang_dir=hang_dir)
         run_log = open_run_log(config.logs, model=config.model(), engine=engine, world_size=spec.world_size,
                                precision=config.precision, main=session.is_main, console=not config.progress,
                                bar=config.progress, total_steps=config.total_steps(train),
@@ -109,7 +116,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         if session.is_main:  # one line after the first step: the start-up's seconds by phase
             run_log.sinks.append(StartupSink(session.startup))
         try:
-            reports = _train_epochs(config, workload, engine, recipe, train, test, session.mesh.dp_rank, durable,
+            reports = _train_epochs(config, workload, engine, recipe, train, test, session.mesh, durable,
                                     tracer, run_log)
             durable.finish()
         finally:
@@ -124,13 +131,16 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
 
 
 def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe, train: Dataset,
-                  test: Dataset, dp_rank: int, durable: DurableRun, tracer: Tracer | None,
+                  test: Dataset, mesh: Mesh, durable: DurableRun, tracer: Tracer | None,
                   run_log: RunLog) -> list[EpochReport]:
     """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
+    dp_rank = mesh.dp_rank
     per_epoch = workload.num_batches(train, config.batch_size, replicas=config.parallel.dp)
     epochs, size = config.epochs_of(train), len(train)
     at = durable.start()
     recipe.load_state_dict(at.recipe)
+    watch = StragglerWatch(engine, every=config.logs.log_every, factor=config.logs.straggler_factor,
+                           dp=config.parallel.dp, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
     reports = [EpochReport(**report) for report in at.reports]
     run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
     for epoch in range(at.epoch, epochs + 1):
@@ -146,9 +156,10 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         run_log.begin_epoch(epoch, total=total, done=at.in_epoch)
         for x, y in itertools.islice(stream, max(0, total - at.in_epoch)):
             run_log.begin_step()
-            with tracer.step() if tracer is not None else nullcontext():
+            with tracer.step() if tracer is not None else nullcontext(False) as traced:
                 recipe.optimizer.zero_grad(set_to_none=True)
-                result = engine.step(x, y)
+                with watch.measure(at.step + 1, busy=bool(traced)):
+                    result = engine.step(x, y)
                 with span("optimizer"):
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
             if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
@@ -158,7 +169,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
             at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict(),
                           sample=here + read, samples=at.samples + read)
             run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
-                         skipped=outcome.skipped)
+                         skipped=outcome.skipped, stragglers=watch.compare(at.step))
             if run_log.due(at.step, epoch_end=at.in_epoch == total):
                 run_log.eval(_held_out(engine, workload, test, config, dp_rank, durable, at, "every",
                                        config.logs.eval_batches)[1])

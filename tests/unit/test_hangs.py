@@ -1,0 +1,71 @@
+"""Hang reports, without processes: where a thread is (waiting in torch.distributed, or computing, with the
+pipeline action), the message naming who did not arrive, and the rank's file (written on a dump, removed empty)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pipetrain.compat.modules import flight_record
+from pipetrain.launch.env import enable_flight_recorder
+from pipetrain.launch.hangs import DUMP_SIGNAL, HangReport, decode, encode, hang_message, where
+
+
+def test_a_thread_computing_outside_torch_distributed_runs_there():
+    waiting, text = where(sys._getframe())
+    assert not waiting and text.startswith("runs test_a_thread_computing_outside_torch_distributed_runs_there "
+                                           "(test_hangs.py:")
+
+
+def test_a_frame_of_torch_distributed_waits_there_during_the_pipeline_action():
+    namespace: dict = {}
+    code = "def _wait_batch_p2p(action):\n    import sys\n    return sys._getframe()\n"
+    exec(compile(code, os.path.join(os.sep, "venv", "torch", "distributed", "pipelining", "schedules.py"), "exec"),
+         namespace)
+    waiting, text = where(namespace["_wait_batch_p2p"]("1F3"))
+    assert waiting and text == "waits in torch.distributed _wait_batch_p2p (schedules.py:3) during pipeline action 1F3"
+    assert decode(encode((waiting, text))) == (waiting, text)
+
+
+def test_the_message_names_the_rank_that_did_not_arrive_and_groups_the_waiting_ones():
+    recv, wait = "waits in torch.distributed recv (x.py:1)", "waits in torch.distributed wait (y.py:2)"
+    wheres = {0: (True, recv), 1: (False, "runs forward (model.py:12)"), 2: (True, recv), 3: (True, wait)}
+    assert hang_message(wheres) == ("rank 1 did not arrive: it runs forward (model.py:12); ranks 0, 2 waits in "
+                                    "torch.distributed recv (x.py:1); rank 3 waits in torch.distributed wait (y.py:2)")
+    assert hang_message({}) == ""
+
+
+def test_the_file_holds_every_thread_stack_after_a_dump_and_is_gone_without_one(tmp_path):
+    report = HangReport(tmp_path / "hang", rank=2)
+    report.install()
+    waiting, _ = report.dump()
+    report.close()
+    text = (tmp_path / "hang" / "rank-2.txt").read_text()
+    assert not waiting and text.startswith(f"rank 2 on {report.host} (pid {os.getpid()}) runs ")
+    assert "in test_the_file_holds_every_thread_stack_after_a_dump_and_is_gone_without_one" in text
+
+    quiet = HangReport(tmp_path / "quiet", rank=0)
+    quiet.install()
+    quiet.close()
+    assert not (tmp_path / "quiet").exists()
+
+
+def test_the_signal_dumps_a_rank_whose_watchdog_cannot(tmp_path):
+    report = HangReport(tmp_path, rank=0)
+    report.install()
+    try:  # what `kill -USR2 PID` (or the reporting rank) does; a signal sent to oneself arrives before kill returns
+        os.kill(os.getpid(), DUMP_SIGNAL)
+    finally:
+        report.close()
+    text = (tmp_path / "rank-0.txt").read_text()
+    assert "Current thread" in text and "in test_the_signal_dumps_a_rank_whose_watchdog_cannot" in text, text
+
+
+def test_the_flight_recorder_is_turned_on_and_a_user_setting_kept(monkeypatch):
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")
+    assert enable_flight_recorder("/runs/x/hang/nccl-timeout-rank-") == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "/runs/x/hang/nccl-timeout-rank-"}
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
+    assert flight_record("gloo") is None  # NCCL's only
