@@ -105,6 +105,8 @@ def test_answer_only_rows_show_the_tokens_processed_and_the_trained_ones_beside(
     assert line == "step 3 | loss 1.5000 | acc 0.500 | lr 1.0e-03 | 512 tokens/s (16 trained) | 0.500 s/step"
     every = step_line(replace(record, step_time_s=0.5, tokens_per_s=512.0, window_tokens_per_s=512.0, peak_mem_mb=None))
     assert "| 512 tokens/s |" in every  # every processed token trains: one figure
+    slow = step_line(replace(record, step_time_s=50.0, tokens_per_s=0.16, window_tokens_per_s=20.5, peak_mem_mb=None))
+    assert "| 20 tokens/s (0.16 trained) |" in slow
 
 
 def test_eval_is_due_every_n_steps_but_not_twice_at_an_epoch_end():
