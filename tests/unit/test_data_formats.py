@@ -89,6 +89,21 @@ def test_no_pack_gives_one_padded_document_per_row_and_text_field_picks_the_fiel
     assert trained is None and torch.equal(tokens, expected.tokens) and torch.equal(train.lengths, expected.lengths)
 
 
+@pytest.mark.parametrize("pack", ["windows", "none"])
+def test_a_batch_of_samples_in_any_order_is_those_samples(folder, tmp_path, pack):
+    """`take` reads a batch's rows at once and gathers them as tensors: shuffled and repeated samples (and an empty
+    document in the packed stream: its EOS alone) come out as the samples taken one by one, in the order asked."""
+    docs = [*DOCS[:10], "", *DOCS[10:]]
+    data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in docs], "jsonl")
+    train, _ = load(folder, data, pack=pack, seq_len=16)
+    expected, _ = tokenize_documents(docs, tiny_tokenizer(), seq_len=16, vocab_size=400, pack=pack == "windows",
+                                     source="")
+    part = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:9].repeat(2)
+    tokens, _ = train.take(part)
+    assert torch.equal(tokens, torch.cat([train.take(part[i : i + 1])[0] for i in range(len(part))]))
+    assert torch.equal(all_samples(train)[0], expected.tokens)
+
+
 def test_the_second_load_reads_the_cache_and_a_changed_file_is_tokenized_again(folder, tmp_path, monkeypatch,
                                                                              cache_root):
     data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in DOCS], "jsonl")

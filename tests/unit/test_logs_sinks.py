@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,8 +86,27 @@ def test_tokens_and_mfu_with_a_peak():
     record = meter.record(StepResult(loss=2.0, accuracy=None, samples=3, count=40, perplexity=math.exp(2.0)),
                           step=1, epoch=1, lr=0.1, inputs=(torch.zeros(3, 16, dtype=torch.long), torch.ones(3, 16)))
     assert record.tokens == 40 and record.tokens_per_s == pytest.approx(40 / record.step_time_s)
+    assert record.window_tokens == 3 * 16 and record.window_tokens_per_s == pytest.approx(48 / record.step_time_s)
     expected = (6 * 100 + 12 * 1 * 1 * 4 * 16) * 3 * 16 / record.step_time_s / (2 * 1e-9 * 1e12)
     assert record.mfu == pytest.approx(expected)
+
+
+def test_answer_only_rows_show_the_tokens_processed_and_the_trained_ones_beside():
+    """Instruction rows train their answers only: 4 rows of a 64-token window, 2 answer tokens each. The step line's
+    throughput is the tokens the model processed (256 a step, what MFU counts), the trained ones (8) beside it."""
+    meter = StepMeter(device=torch.device("cpu"), devices=2, per_token=True, precision="fp32")
+    meter.start()
+    ids = torch.zeros(4, 64, dtype=torch.long)
+    record = meter.record(StepResult(loss=1.5, accuracy=0.5, samples=4, count=8), step=3, epoch=1, lr=1e-3,
+                          inputs=(ids, torch.arange(64).expand(4, 64)))
+    assert (record.tokens, record.window_tokens) == (8, 256)
+    assert record.window_tokens_per_s / record.tokens_per_s == pytest.approx(32.0)
+    line = step_line(replace(record, step_time_s=0.5, tokens_per_s=16.0, window_tokens_per_s=512.0, peak_mem_mb=None))
+    assert line == "step 3 | loss 1.5000 | acc 0.500 | lr 1.0e-03 | 512 tokens/s (16 trained) | 0.500 s/step"
+    every = step_line(replace(record, step_time_s=0.5, tokens_per_s=512.0, window_tokens_per_s=512.0, peak_mem_mb=None))
+    assert "| 512 tokens/s |" in every  # every processed token trains: one figure
+    slow = step_line(replace(record, step_time_s=50.0, tokens_per_s=0.16, window_tokens_per_s=20.5, peak_mem_mb=None))
+    assert "| 20 tokens/s (0.16 trained) |" in slow
 
 
 def test_eval_is_due_every_n_steps_but_not_twice_at_an_epoch_end():

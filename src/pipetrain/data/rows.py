@@ -14,6 +14,7 @@ Every `hold_out_every`-th sample (window or row) is held out, as the text worklo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -49,30 +50,53 @@ class TokenRows:
         """Tokens predicted in this split (each sample's length minus one; with answers only, fewer train)."""
         return int((self.lengths - 1).clamp(min=0).sum())
 
+    @cached_property
+    def arrow(self) -> Any:
+        """The rows read as Arrow tables (made once: `with_format` copies the dataset's description each call)."""
+        return self.rows.with_format("arrow")
+
     def take(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Samples `part` as token ids `[n, width]` (padded with `pad_id` after their lengths) and, for instruction
-        and chat rows, which tokens train `[n, width]` (bool; None: every token within the length does)."""
-        tokens = torch.full((len(part), self.width), self.pad_id, dtype=torch.long)
-        trained = torch.zeros((len(part), self.width), dtype=torch.bool) if self.supervised else None
+        and chat rows, which tokens train `[n, width]` (bool; None: every token within the length does). One read
+        of the mapped Arrow rows a batch, gathered as tensors (no Python loop over rows or tokens)."""
         if self.packed:
-            for j, window in enumerate(self.index[part].tolist()):
-                tokens[j] = self._window(window)
-            return tokens, trained
-        picked = self.rows[self.index[part].tolist()]
-        for j, (offset, length) in enumerate(zip(self.offsets[part].tolist(), self.lengths[part].tolist())):
-            tokens[j, :length] = torch.tensor(picked["input_ids"][j][offset : offset + length])
-            if trained is not None:
-                trained[j, :length] = torch.tensor(picked["trained"][j][offset : offset + length], dtype=torch.bool)
+            return self._windows(self.index[part]), None
+        rows = self.index[part]
+        at = torch.arange(self.width)[None, :]
+        inside = at < self.lengths[part][:, None]
+        where = (self.offsets[part][:, None] + at)[inside]  # the token of each kept position within its row
+        table = self.arrow[rows.tolist()]
+        ids, row_starts = _flat(table, "input_ids")
+        local = torch.arange(len(rows))[:, None].expand(-1, self.width)[inside]
+        tokens = torch.full((len(part), self.width), self.pad_id, dtype=torch.long)
+        tokens[inside] = ids[row_starts[local] + where]
+        trained = None
+        if self.supervised:
+            flags, _ = _flat(table, "trained")
+            trained = torch.zeros((len(part), self.width), dtype=torch.bool)
+            trained[inside] = flags[row_starts[local] + where].bool()
         return tokens, trained
 
-    def _window(self, window: int) -> torch.Tensor:
-        begin = window * (self.width - 1)
-        first = int(torch.searchsorted(self.starts, begin, right=True)) - 1
-        last = int(torch.searchsorted(self.starts, begin + self.width, right=False))
-        docs = self.rows[first:last]["input_ids"]
-        stream = torch.tensor([t for ids in docs for t in (*ids, self.eos_id)], dtype=torch.long)
-        at = begin - int(self.starts[first])
-        return stream[at : at + self.width]
+    def _windows(self, windows: torch.Tensor) -> torch.Tensor:
+        """Windows `windows` of the stream of documents joined by EOS: position `p` of the stream is token
+        `p - starts[d]` of document `d` (the last `starts[d] <= p`), or its EOS where that is its length."""
+        at = windows[:, None] * (self.width - 1) + torch.arange(self.width)[None, :]
+        doc = torch.searchsorted(self.starts, at, right=True) - 1
+        offset = at - self.starts[doc]
+        docs, local = torch.unique(doc, return_inverse=True)
+        ids, doc_starts = _flat(self.arrow[docs.tolist()], "input_ids")
+        ends = offset >= (self.starts[doc + 1] - self.starts[doc] - 1)  # the EOS after the document
+        picked = (doc_starts[local] + offset).clamp(max=max(len(ids) - 1, 0))
+        return torch.where(ends, torch.tensor(self.eos_id), ids[picked] if len(ids) else torch.tensor(self.eos_id))
+
+
+def _flat(table: Any, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists of column `name` of the Arrow `table` (a batch's rows, read at once), concatenated (int64), and
+    where each row's list starts in them."""
+    column = table[name].combine_chunks()
+    values = torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False).astype("int64", copy=False))
+    counts = torch.from_numpy(column.value_lengths().to_numpy(zero_copy_only=False).astype("int64", copy=False))
+    return values, torch.cumsum(counts, 0) - counts
 
 
 def _column(rows: Any, name: str) -> torch.Tensor:

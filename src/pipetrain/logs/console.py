@@ -17,14 +17,25 @@ def _metrics(accuracy: float | None, perplexity: float | None) -> list[str]:
         [f"ppl {perplexity:.2f}"] if perplexity is not None else [])
 
 
+def _rate(per_s: float) -> str:
+    """A rate as a whole number, or with two significant digits under 10 (0.21, not 0)."""
+    return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2g}"
+
+
 def step_line(record: StepRecord, total_steps: int | None = None) -> str:
     """e.g. ``step 120/940 | loss 0.4123 | acc 0.812 | lr 9.1e-04 | gnorm 1.32 | 412 samples/s | 0.155 s/step |
-    mem 512 MB``: fields in this fixed order; absent ones (accuracy, grad norm, memory, MFU) left out."""
+    mem 512 MB``: fields in this fixed order; absent ones (accuracy, grad norm, memory, MFU) left out. A token
+    loss shows the tokens the model processed per second instead of samples/s, and the trained ones beside them
+    when fewer (``8192 tokens/s (37 trained)``: instruction rows train their answers only)."""
     parts = [f"step {record.step}" + (f"/{total_steps}" if total_steps else ""), f"loss {record.loss:.4f}",
              *_metrics(record.accuracy, record.perplexity), f"lr {record.lr:.1e}"]
     if record.grad_norm is not None:
         parts.append(f"gnorm {record.grad_norm:.2f}")
-    if record.tokens_per_s is not None:
+    if record.window_tokens_per_s is not None:  # what the model processed; then what trained, when fewer
+        trained = record.tokens_per_s
+        parts.append(f"{record.window_tokens_per_s:.0f} tokens/s" + (
+            f" ({_rate(trained)} trained)" if trained is not None and trained < record.window_tokens_per_s else ""))
+    elif record.tokens_per_s is not None:
         parts.append(f"{record.tokens_per_s:.0f} tokens/s")
     else:
         parts.append(f"{record.samples_per_s:.0f} samples/s")

@@ -40,7 +40,7 @@ def seq_len_of(inputs: Tensors | None) -> int | None:
 
 class StepMeter:
     """Call `start()` before a step and `record(...)` after it. `per_token`: the loss counts tokens (then the
-    record has tokens and tokens/s). MFU needs `flops` and a peak: `peak_tflops` (per device) when given, else
+    record has the trained tokens and the window tokens the model processed, and both per second). MFU needs `flops` and a peak: `peak_tflops` (per device) when given, else
     the GPU's from `pipetrain.logs.mfu.PEAK_TFLOPS`; on CPU without `peak_tflops`, none."""
 
     def __init__(self, *, device: torch.device, devices: int, per_token: bool, precision: str,
@@ -64,11 +64,13 @@ class StepMeter:
         tokens = result.count if self.per_token else None
         utilisation = None
         seq_len = seq_len_of(inputs)
+        window = result.samples * seq_len if self.per_token and seq_len is not None else None
         if self.flops is not None and self.peak and seq_len is not None:
             utilisation = mfu(self.flops.per_step(result.samples, seq_len), seconds, devices=self.devices,
                               peak_tflops_per_device=self.peak)
         return StepRecord(step=step, epoch=epoch, loss=result.loss, accuracy=result.accuracy,
                           perplexity=result.perplexity, lr=float(lr), grad_norm=grad_norm, samples=result.samples,
                           tokens=tokens, step_time_s=seconds, samples_per_s=result.samples / seconds,
-                          tokens_per_s=None if tokens is None else tokens / seconds,
+                          tokens_per_s=None if tokens is None else tokens / seconds, window_tokens=window,
+                          window_tokens_per_s=None if window is None else window / seconds,
                           peak_mem_mb=peak_memory_mb(self.device), mfu=utilisation, skipped=skipped)

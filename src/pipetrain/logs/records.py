@@ -19,8 +19,10 @@ class StepRecord:
     """One optimizer step.
 
     `loss` is the step's mean loss over the global batch, `accuracy` and `perplexity` the workload's metrics
-    (None when it has none). `samples` is the global batch; `tokens` is what a token loss counts (the
-    non-padding tokens of the global batch; None for a per-sample loss). `lr` is the first parameter group's
+    (None when it has none). `samples` is the global batch; `tokens` is what a token loss counts (the tokens
+    that train in the global batch: the non-padding targets, or for instruction and chat rows the answers alone;
+    None for a per-sample loss); `window_tokens` the positions the model processes for it (samples × the batch's
+    sequence length, padding included: what MFU counts; None for a per-sample loss). `lr` is the first parameter group's
     learning rate the step used; `grad_norm` the global gradient norm when the loop computes one (else None).
     `step_time_s` is the wall time of the step on rank 0 (zero_grad, forward, backward, optimizer; on CUDA the
     optimizer's last kernels may finish within the next step, which the mean over steps absorbs);
@@ -43,6 +45,8 @@ class StepRecord:
     grad_norm: float | None = None
     tokens: int | None = None
     tokens_per_s: float | None = None
+    window_tokens: int | None = None
+    window_tokens_per_s: float | None = None
     peak_mem_mb: float | None = None
     mfu: float | None = None
     skipped: bool = False

@@ -14,6 +14,7 @@ __all__ = ["TensorBoardSink", "check_tensorboard", "STEP_TAGS", "EVAL_TAGS"]
 STEP_TAGS = {
     "loss": "train/loss", "accuracy": "train/accuracy", "perplexity": "train/perplexity", "lr": "train/lr",
     "grad_norm": "train/grad_norm", "samples_per_s": "train/samples_per_s", "tokens_per_s": "train/tokens_per_s",
+    "window_tokens_per_s": "train/window_tokens_per_s",
     "step_time_s": "train/step_time_s", "peak_mem_mb": "train/peak_mem_mb", "mfu": "train/mfu",
 }
 #: EvalRecord field -> tag
