@@ -45,6 +45,16 @@ def _run_job(out: Path, pp: int, dp: int, resume: Path | None = None) -> list[di
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(pp * dp)]
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Lightning run in this process writes MASTER_ADDR/MASTER_PORT (and more) into os.environ; later tests (a Slurm
+    job submitted with the test process's environment) must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("lightning")
