@@ -8,14 +8,12 @@ parameter).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.workloads.registry import DataRequest, Workload
+from tests.fixtures.points import Points, PointsWorkload
 
 WIDTH, BLOCKS = 8, 6
 
@@ -73,21 +71,9 @@ class ToyModel:
         return torch.zeros(batch_size, WIDTH)
 
 
-@dataclass(frozen=True)
-class Points:
-    x: torch.Tensor
-    y: torch.Tensor
-    synthetic: bool = True
-    source: str = "random points"
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-
-class ToyWorkload(Workload):
+class ToyWorkload(PointsWorkload):
     name = "toy"
     summary = "6 small blocks; block 2 may be special"
-    presets = {"tiny": None}
 
     def __init__(self, special: Callable[[], nn.Module] | None = None) -> None:
         self.special = special
@@ -97,26 +83,9 @@ class ToyWorkload(Workload):
         self.check_window(seq_len)
         return ToyModel(self.special)
 
-    def load_data(self, request: DataRequest) -> tuple[Points, Points]:
-        gen = torch.Generator().manual_seed(request.seed)
-
-        def points(n: int) -> Points:
-            return Points(torch.randn(n, WIDTH, generator=gen), torch.randint(0, 3, (n,), generator=gen))
-
-        return points(request.train_samples), points(request.test_samples)
-
-    def batches(self, dataset: Points, batch_size: int, *, shuffle: bool, seed: int, epoch: int,
-                replica: int, replicas: int, bucket: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        share = batch_size // replicas
-        for start in range(0, len(dataset) - batch_size + 1, batch_size):
-            part = slice(start + replica * share, start + (replica + 1) * share)
-            yield dataset.x[part], dataset.y[part]
-
-    def num_batches(self, dataset: Points, batch_size: int, *, replicas: int) -> int:
-        return len(dataset) // batch_size
-
-    def loss(self):
-        return F.cross_entropy
+    def points(self, n: int, seed: int) -> Points:
+        gen = torch.Generator().manual_seed(seed)
+        return Points(torch.randn(n, WIDTH, generator=gen), torch.randint(0, 3, (n,), generator=gen))
 
 
 sound = ToyWorkload()

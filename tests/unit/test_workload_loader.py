@@ -36,6 +36,13 @@ def test_a_module_path_and_a_subclass_and_a_factory(tmp_path):
     assert isinstance(load_workload(f"{tmp_path / 'factory.py'}:make"), Workload)
 
 
+def test_a_file_imports_the_modules_beside_it(tmp_path):
+    (tmp_path / "helpers_beside.py").write_text(
+        "from pipetrain.workloads.lm.workload import LanguageModelWorkload\nBASE = LanguageModelWorkload\n")
+    (tmp_path / "uses_helpers.py").write_text("from helpers_beside import BASE\nworkload = BASE()\n")
+    assert isinstance(load_workload(f"{tmp_path / 'uses_helpers.py'}:workload"), Workload)
+
+
 def test_data_of_a_files_own_type_crosses_to_a_rank_pickled():
     workload = get_workload(EXAMPLE)
     train, _ = workload.load_data(_request())

@@ -62,6 +62,8 @@ def _load_file(spec: str, where: str) -> Any:
         raise ConfigError(f"--workload {spec!r}: {where!r} cannot be loaded as a Python module",
                           hint="pass a .py file")
     module = importlib.util.module_from_spec(module_spec)
+    if str(path.parent) not in sys.path:  # as `python FILE` does: the file may import the modules beside it
+        sys.path.append(str(path.parent))
     sys.modules[module_name] = module  # before running it: dataclasses and pickle look the module up by name
     try:
         module_spec.loader.exec_module(module)
