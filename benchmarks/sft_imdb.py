@@ -10,7 +10,7 @@ case); also printed: the right word (and not the other) among its first 8 greedy
 two words' first tokens (a zero-shot classifier's score).
 
     python benchmarks/sft_imdb.py data OUT [--train 800] [--heldout 200] [--chars 400]
-    python benchmarks/sft_imdb.py accuracy MODEL_DIR OUT/heldout.jsonl [--limit N] [--threads 2]
+    python benchmarks/sft_imdb.py accuracy MODEL_DIR OUT/heldout.jsonl [--limit N] [--threads 2] [--adapter DIR]
     pipetrain train --workload hf --model $DIR --data OUT/train.jsonl --pp 2 ...   # then export --hf, accuracy again
 """
 
@@ -53,14 +53,22 @@ def make_data(out: Path, *, train: int, heldout: int, chars: int, seed: int) -> 
 
 
 @torch.no_grad()
-def accuracy(folder: Path, data: Path, limit: int | None, threads: int, new_tokens: int) -> None:
+def accuracy(folder: Path, data: Path, limit: int | None, threads: int, new_tokens: int,
+             adapter: Path | None = None) -> None:
     """Three scores per held-out row: the greedy first token begins the right word; the right word (and not the
-    other) is in the first `new_tokens` greedy tokens; the right word's first token is likelier than the other's."""
+    other) is in the first `new_tokens` greedy tokens; the right word's first token is likelier than the other's.
+    With `adapter`, a PEFT adapter folder (`pipetrain export CK OUT --peft`) is loaded over the base `folder` with
+    `PeftModel.from_pretrained`, in this plain transformers process."""
     import transformers
 
     torch.set_num_threads(threads)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+        folder = adapter
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
     label_ids = [tok(word, add_special_tokens=False)["input_ids"][0] for word in LABELS]
     first_right = word_right = choice_right = 0
@@ -103,11 +111,13 @@ def main() -> None:
     score.add_argument("--limit", type=int, default=None, help="score the first N rows only")
     score.add_argument("--threads", type=int, default=2)
     score.add_argument("--new-tokens", type=int, default=8, help="greedy tokens generated per review (default: 8)")
+    score.add_argument("--adapter", type=Path, default=None,
+                       help="a PEFT adapter folder loaded over MODEL_DIR (pipetrain export CK OUT --peft)")
     args = parser.parse_args()
     if args.verb == "data":
         make_data(args.out, train=args.train, heldout=args.heldout, chars=args.chars, seed=args.seed)
     else:
-        accuracy(args.model, args.data, args.limit, args.threads, args.new_tokens)
+        accuracy(args.model, args.data, args.limit, args.threads, args.new_tokens, args.adapter)
 
 
 if __name__ == "__main__":
