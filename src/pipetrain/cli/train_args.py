@@ -11,7 +11,7 @@ from typing import Any
 from pipetrain.cli.config_file import effective_config
 from pipetrain.cli.durable_args import durable_config
 from pipetrain.cli.flag_fields import from_flags
-from pipetrain.cli.layout_args import explicit_layout, one_rank
+from pipetrain.cli.layout_args import explicit_layout, on_resize, one_rank
 from pipetrain.cli.log_args import log_config
 from pipetrain.cli.model_args import model_fields
 from pipetrain.cli.parallel_args import parallel_config
@@ -26,8 +26,9 @@ def describe(args: argparse.Namespace) -> TrainConfig:
     """The job description of `pipetrain train`'s parsed flags (after `--config FILE`), validated as far as it goes
     without the model, the data or the machine (`pipetrain.train.prepare` does the rest). Nothing is written into
     `args`; with `--layout auto` the layout is a one-rank placeholder until `prepare` chooses it."""
-    auto = args.layout == "auto"
-    request = LayoutRequest(auto=auto, fixed=explicit_layout(args) if auto else Fixed(), nproc=args.nproc,
+    auto, resize = args.layout == "auto", on_resize(args)
+    request = LayoutRequest(auto=auto, fixed=explicit_layout(args) if auto or resize == "auto" else Fixed(),
+                            on_resize=resize, nproc=args.nproc,
                             calibration=args.calibration, profile=args.profile, mem_cap=args.mem_cap)
     config = from_flags(TrainConfig, args, parallel=parallel_config(one_rank(args) if auto else args), layout=request,
                         recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
