@@ -22,6 +22,7 @@ from pipetrain.cli.durable_args import durable_config
 from pipetrain.cli.main import build_parser
 from pipetrain.cli.train_args import describe
 from pipetrain.errors import ConfigError
+from pipetrain.launch.env import shared_store_restarts
 from pipetrain.launch.ranks import ClusterEnv
 from pipetrain.partition.profile import load_profile
 from pipetrain.plan.auto import Fixed, choose_layout
@@ -212,3 +213,10 @@ def test_on_resize_auto_with_flags_that_fix_the_world_is_one_message(monkeypatch
     err = capsys.readouterr().err
     assert err.count("pipetrain: error:") == 1 and "Traceback" not in err, err
     assert "--on-resize auto with --dp 2 --pp 2: these flags fix the job at 4 ranks" in err, err
+
+
+def test_torchruns_shared_store_with_restarts_is_told():
+    assert shared_store_restarts({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "2"}) == 2
+    assert shared_store_restarts({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "2"}) == 0
+    assert shared_store_restarts({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}) == 0
+    assert shared_store_restarts({}) == 0
