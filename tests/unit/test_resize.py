@@ -220,3 +220,14 @@ def test_torchruns_shared_store_with_restarts_is_told():
     assert shared_store_restarts({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "2"}) == 0
     assert shared_store_restarts({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}) == 0
     assert shared_store_restarts({}) == 0
+
+
+def test_on_resize_auto_on_launched_ranks_needs_the_planners_files(tmp_path):
+    no_profile = [a for a in JOB if a not in ("--profile", str(PROFILE))]
+    with pytest.raises(ConfigError, match=r"--on-resize auto on ranks started by a launcher needs --profile FILE"):
+        prepare(describe(build_parser().parse_args([*no_profile, "--pp", "2", "--on-resize", "auto"])), device="cpu",
+                env=_restart(2))
+    with pytest.raises(ConfigError, match=r"--on-resize auto on ranks started by a launcher needs a calibration file; "
+                                          r"'.*missing.json' is missing"):
+        prepare(describe(_args("--pp", "2", "--on-resize", "auto", "--calibration", str(tmp_path / "missing.json"))),
+                device="cpu", env=_restart(2))
