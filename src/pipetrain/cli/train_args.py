@@ -44,12 +44,15 @@ def _settled(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
     flags: dict[str, Any] = {name: getattr(config, name) for name in ("epochs", "bucket", "seq_len")
                              if getattr(config, name) is not None}  # the defaults of the data
     flags.update({dest: getattr(config.recipe, dest) for dest in left_open(args)})  # the workload's recipe
-    if args.layout == "auto" and not config.layout.auto:  # chosen: the run's configuration is the layout it ran
+    relaid = (args.layout != "auto" and getattr(args, "on_resize", None) == "auto"
+              and config.parallel != parallel_config(args))  # --on-resize auto: the planner changed the flags' layout
+    planned = args.layout == "auto" or relaid
+    if planned and not config.layout.auto:  # chosen: the run's configuration is the layout it ran
         parallel, pipeline = config.parallel, config.parallel.pipeline
         flags.update(layout="manual", pp=pipeline.pp, dp=parallel.dp, dp_mode=parallel.dp_mode,
                      schedule=pipeline.schedule, chunks=pipeline.n_microbatches, checkpoint=pipeline.checkpoint,
                      stages_per_rank=pipeline.stages_per_rank, balance=pipeline.balance, partition=None, profile=None,
-                     mem_cap=None, layout_prediction=config.logs.predicted)
+                     mem_cap=None, layout_prediction=config.logs.predicted, on_resize=None)
     return flags
 
 
