@@ -6,11 +6,14 @@ import argparse
 from pathlib import Path
 
 from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
-from pipetrain.checkpoint.folders import META_FILE
+from pipetrain.checkpoint.folders import META_FILE, latest_checkpoint
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import slurm_job_id
 
-__all__ = ["add_durable_arguments", "durable_config"]
+__all__ = ["add_durable_arguments", "durable_config", "RESUME_IF_ANY"]
+
+#: `--resume auto`: go on from the latest complete checkpoint in --save-dir when there is one, else start afresh.
+RESUME_IF_ANY = "auto"
 
 
 def add_durable_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +25,9 @@ def add_durable_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resume", nargs="?", const=True, default=False, type=Path, metavar="CHECKPOINT",
                        help="go on from the latest complete checkpoint in --save-dir, or from CHECKPOINT (a "
                             "step-N folder, or a folder of them; --save-dir then defaults to its folder); "
-                            "any layout may resume it")
+                            "any layout may resume it; `--resume auto`: the latest in --save-dir when there is one, "
+                            "else start afresh (one command for the first start and every restart: torchrun "
+                            "elastic, Slurm requeue)")
     group.add_argument("--keep", type=_keep, default=None, metavar="K|all",
                        help=f"keep the K newest checkpoints, or all (default: {DEFAULT_KEEP})")
     group.add_argument("--async-save", action="store_true",
@@ -43,7 +48,13 @@ def _keep(text: str) -> int | str:
 
 def durable_config(args: argparse.Namespace) -> DurableConfig:
     """The validated checkpoint and failure-handling configuration of parsed arguments."""
-    resume_from = args.resume if isinstance(args.resume, Path) else None
+    resume = args.resume
+    if isinstance(resume, Path) and str(resume) == RESUME_IF_ANY:  # resume when the save folder holds a checkpoint
+        if args.save_dir is None:
+            raise ConfigError("--resume auto needs --save-dir (the folder whose latest checkpoint a restart resumes)",
+                              hint="pass --save-dir DIR")
+        resume = latest_checkpoint(args.save_dir) is not None
+    resume_from = resume if isinstance(resume, Path) else None
     if resume_from is not None and not resume_from.exists():  # before --save-dir creates anything
         raise ConfigError(f"--resume {str(resume_from)!r}: no such checkpoint or folder",
                           hint="pass a step-NNNNNNNN folder or the --save-dir holding them, or --resume alone "
@@ -54,7 +65,7 @@ def durable_config(args: argparse.Namespace) -> DurableConfig:
     if args.keep is not None and save_dir is None:
         raise ConfigError("--keep needs --save-dir", hint="pass --save-dir DIR")
     keep = DEFAULT_KEEP if args.keep is None else None if args.keep == "all" else args.keep
-    return DurableConfig(save_dir=save_dir, save_every=args.save_every, resume=bool(args.resume),
+    return DurableConfig(save_dir=save_dir, save_every=args.save_every, resume=bool(resume),
                          resume_from=resume_from, keep=keep, step_timeout_s=args.step_timeout or None,
                          async_save=args.async_save,
                          requeue_job=slurm_job_id())

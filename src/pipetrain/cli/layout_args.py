@@ -11,8 +11,10 @@ from pathlib import Path
 from pipetrain.errors import ConfigError
 from pipetrain.plan.auto import Fixed
 from pipetrain.plan.hardware import default_calibration_path
+from pipetrain.plan.resize import RESIZE_POLICIES, check_fixed_world
 
-__all__ = ["add_layout_arguments", "explicit_layout", "one_rank", "mark_defaults", "is_default", "LAYOUT_DESTS"]
+__all__ = ["add_layout_arguments", "explicit_layout", "on_resize", "one_rank", "mark_defaults", "is_default",
+           "LAYOUT_DESTS"]
 
 #: The flags --layout auto chooses (dest names); given on the command line (or in --config), they fix that choice.
 LAYOUT_DESTS = ("pp", "dp", "dp_mode", "schedule", "chunks", "checkpoint", "stages_per_rank", "balance", "partition")
@@ -54,6 +56,11 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                        help="auto: the planner chooses pp, dp, dp-mode, schedule, chunks, recomputation and balance "
                             "for the ranks, global batch and memory; layout flags given with it constrain the search "
                             "(default: manual, the flags as given)")
+    group.add_argument("--on-resize", choices=RESIZE_POLICIES, default=None,
+                       help="a job resumed (or started by a launcher) with another number of ranks than its checkpoint "
+                            "(or its layout flags) has: auto lets the planner lay out the ranks there are, the layout "
+                            "flags given staying constraints (needs --profile and --calibration); stop ends it with "
+                            "one message (default: auto with --layout auto, else stop; docs/long-jobs.md)")
     group.add_argument("--nproc", type=int, default=None, metavar="N",
                        help="with --layout auto, ranks to spawn here (default: --dp x --pp when given, else the GPUs "
                             "of this node, or 2 on the CPU); a launcher's world size otherwise")
@@ -82,6 +89,15 @@ def explicit_layout(args: argparse.Namespace) -> Fixed:
     return Fixed(pp=given("pp"), dp=given("dp"), dp_mode=given("dp_mode"), schedule=given("schedule"),
                  chunks=given("chunks"), checkpoint=given("checkpoint"), virtual=given("stages_per_rank"),
                  balance=partition)
+
+
+def on_resize(args: argparse.Namespace) -> str:
+    """`--on-resize`, defaulted (auto with --layout auto, else stop); an explicit `auto` whose layout flags fix the
+    world (both --dp and --pp) is refused: no other number of ranks could be laid out."""
+    given = getattr(args, "on_resize", None)
+    if given == "auto":
+        check_fixed_world(explicit_layout(args), tp=getattr(args, "tp", 1) or 1)
+    return given or ("auto" if getattr(args, "layout", "manual") == "auto" else "stop")
 
 
 def one_rank(args: argparse.Namespace) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments
 from pipetrain.cli.train_args import config_text, describe
 from pipetrain.errors import DataError, NonFiniteError, PipetrainError, RankFailedError
-from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port
+from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, shared_store_restarts
 from pipetrain.launch.failures import backend_failure
 from pipetrain.launch.lost import report_lost_connection
 from pipetrain.launch.spawn import RankSpec, spawn
@@ -172,6 +172,10 @@ def run(args: argparse.Namespace) -> int:
         _spawn(job, list(range(world)), world, master_addr="127.0.0.1", master_port=free_port(), device=device)
         return 0
     # launched once per rank (torchrun, srun) or once per node (--ranks-per-node): check before joining the job
+    if env.rank == 0 and (restarts := shared_store_restarts()):
+        log.warning("pipetrain: warning: torchrun may restart this job (--max-restarts %d) and shares its rendezvous "
+                    "store with the ranks: a restarted job can read the last round's addresses and fail to connect "
+                    "(pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", restarts)
     try:
         device, config = device_choice(args, env), describe(args)
         ranks = None if args.ranks_per_node is None else expand_for_local_ranks(env, args.ranks_per_node)

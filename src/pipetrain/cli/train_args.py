@@ -11,7 +11,7 @@ from typing import Any
 from pipetrain.cli.config_file import effective_config
 from pipetrain.cli.durable_args import durable_config
 from pipetrain.cli.flag_fields import from_flags
-from pipetrain.cli.layout_args import explicit_layout, one_rank
+from pipetrain.cli.layout_args import explicit_layout, on_resize, one_rank
 from pipetrain.cli.log_args import log_config
 from pipetrain.cli.model_args import model_fields
 from pipetrain.cli.parallel_args import parallel_config
@@ -26,8 +26,9 @@ def describe(args: argparse.Namespace) -> TrainConfig:
     """The job description of `pipetrain train`'s parsed flags (after `--config FILE`), validated as far as it goes
     without the model, the data or the machine (`pipetrain.train.prepare` does the rest). Nothing is written into
     `args`; with `--layout auto` the layout is a one-rank placeholder until `prepare` chooses it."""
-    auto = args.layout == "auto"
-    request = LayoutRequest(auto=auto, fixed=explicit_layout(args) if auto else Fixed(), nproc=args.nproc,
+    auto, resize = args.layout == "auto", on_resize(args)
+    request = LayoutRequest(auto=auto, fixed=explicit_layout(args) if auto or resize == "auto" else Fixed(),
+                            on_resize=resize, nproc=args.nproc,
                             calibration=args.calibration, profile=args.profile, mem_cap=args.mem_cap)
     config = from_flags(TrainConfig, args, parallel=parallel_config(one_rank(args) if auto else args), layout=request,
                         recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
@@ -43,12 +44,15 @@ def _settled(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
     flags: dict[str, Any] = {name: getattr(config, name) for name in ("epochs", "bucket", "seq_len")
                              if getattr(config, name) is not None}  # the defaults of the data
     flags.update({dest: getattr(config.recipe, dest) for dest in left_open(args)})  # the workload's recipe
-    if args.layout == "auto" and not config.layout.auto:  # chosen: the run's configuration is the layout it ran
+    relaid = (args.layout != "auto" and getattr(args, "on_resize", None) == "auto"
+              and config.parallel != parallel_config(args))  # --on-resize auto: the planner changed the flags' layout
+    planned = args.layout == "auto" or relaid
+    if planned and not config.layout.auto:  # chosen: the run's configuration is the layout it ran
         parallel, pipeline = config.parallel, config.parallel.pipeline
         flags.update(layout="manual", pp=pipeline.pp, dp=parallel.dp, dp_mode=parallel.dp_mode,
                      schedule=pipeline.schedule, chunks=pipeline.n_microbatches, checkpoint=pipeline.checkpoint,
                      stages_per_rank=pipeline.stages_per_rank, balance=pipeline.balance, partition=None, profile=None,
-                     mem_cap=None, layout_prediction=config.logs.predicted)
+                     mem_cap=None, layout_prediction=config.logs.predicted, on_resize=None)
     return flags
 
 

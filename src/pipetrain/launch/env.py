@@ -46,6 +46,7 @@ __all__ = [
     "free_port",
     "slurm_port",
     "slurm_job_id",
+    "shared_store_restarts",
 ]
 
 #: The variable a launcher (a job script, a test tier) sets to choose the device of every rank.
@@ -238,6 +239,16 @@ def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The id of the Slurm job this process runs in (SLURM_JOB_ID), or None outside Slurm."""
     env = os.environ if environ is None else environ
     return env.get("SLURM_JOB_ID") or None
+
+
+def shared_store_restarts(environ: Mapping[str, str] | None = None) -> int:
+    """The restarts torchrun may make of a job whose ranks use the agent's rendezvous store (its default since torch
+    2.5); 0 otherwise. Such a store outlives a restart: the ranks of the next round can read the addresses of the
+    last one and fail to connect (pytorch/pytorch#135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 avoids it."""
+    env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return 0
+    return _int(env, "TORCHELASTIC_MAX_RESTARTS", 0)
 
 
 def free_port() -> int:

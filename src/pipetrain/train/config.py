@@ -36,9 +36,12 @@ class LayoutRequest:
     """What the layout flags leave for `prepare` to choose before any rank starts: with `auto` (`--layout auto`) the
     whole layout, within the choices `fixed` by flags, for `nproc` ranks (None: the launcher's, else a default),
     from the device figures of `calibration`; and the split of `--partition time|memory` from the block costs of
-    `profile` (else measured), within `mem_cap` MB per rank. Empty once prepared: `parallel` then says it all."""
+    `profile` (else measured), within `mem_cap` MB per rank; `on_resize` (`--on-resize`) what a job resuming a
+    checkpoint of another number of ranks does (`pipetrain.plan.resize`). Empty once prepared: `parallel` then says
+    it all."""
 
     auto: bool = False
+    on_resize: str = "stop"
     fixed: Fixed = field(default_factory=Fixed)
     nproc: int | None = None
     calibration: Path | None = None

@@ -17,21 +17,23 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from pipetrain.blocks import BlockModel
+from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import cost_balance
 from pipetrain.partition.profile import load_profile
 from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.runs import plan_runs
-from pipetrain.plan.auto import choose_layout, layout_flags
+from pipetrain.plan.auto import AutoChoice, choose_layout, layout_flags
 from pipetrain.plan.hardware import Calibration, default_calibration_path, load_calibration, save_calibration
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.predict import Layout
+from pipetrain.plan.predict import Layout, predict
+from pipetrain.plan.resize import Saved, decide
 from pipetrain.plan.transformer import load_sizes
 from pipetrain.train.config import LayoutRequest, TrainConfig
 from pipetrain.workloads.classifier.presets import PRESETS, TransformerConfig
 
-__all__ = ["auto_layout", "balanced", "Calibrate"]
+__all__ = ["auto_layout", "balanced", "check_resize_files", "Calibrate"]
 
 log = logging.getLogger("pipetrain")
 _MB = 2**20
@@ -126,11 +128,12 @@ def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
 
 
 def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, launched: bool, say: bool,
-                calibrate: Calibrate | None = None) -> TrainConfig:
+                calibrate: Calibrate | None = None, saved: Saved | None = None) -> TrainConfig:
     """`config` with the layout `--layout auto` chooses for `world` ranks, `per_node` on each node (logged when
     `say`, with the prediction, which `logs.predicted` then carries to the run log); `config` itself without
     `--layout auto`. `launched`: ranks started by a launcher, which decide from the files alone; `calibrate`
-    measures this machine when the calibration file is missing."""
+    measures this machine when the calibration file is missing. `saved`: the checkpoint the job resumes; when it was
+    written by another number of ranks, `--on-resize` (`config.layout.on_resize`) decides (`plan.resize.decide`)."""
     request = config.layout
     if not request.auto:
         return config
@@ -138,16 +141,36 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
     blocks, blocks_source = _blocks(config, config.model(), launched, device, say)
     memory = request.mem_cap * _MB if request.mem_cap is not None else (
         calib.device.memory_bytes / max(1, per_node) if calib.device.cores else calib.device.memory_bytes)
-    choice = choose_layout(blocks, world=world, batch=config.batch_size, network=calib.network, fixed=request.fixed,
-                           device=replace(calib.device, memory_bytes=memory),
-                           gpus_per_node=per_node if per_node < world else 0, accepts=_accepts(len(blocks)),
-                           precision="bf16" if config.precision == "bf16" else "fp32")
+    budget = replace(calib.device, memory_bytes=memory)
+    precision = "bf16" if config.precision == "bf16" else "fp32"
+
+    def choose(ranks: int) -> AutoChoice:
+        return choose_layout(blocks, world=ranks, batch=config.batch_size, network=calib.network, fixed=request.fixed,
+                             device=budget, gpus_per_node=per_node if per_node < ranks else 0,
+                             accepts=_accepts(len(blocks)), precision=precision)
+
+    def price(layout: Layout) -> float | None:
+        try:
+            return predict(blocks, replace(layout, batch=config.batch_size, precision=precision,
+                                           gpus_per_node=per_node if per_node < layout.world_size else 0),
+                           budget, calib.network).step_s
+        except (ConfigError, ValueError, KeyError):  # a layout the planner does not price (e.g. tp): no ratio
+            return None
+
+    resize = None
+    if saved is not None:
+        resize = decide(saved, world=world, policy=request.on_resize, model=config.model_name(),
+                        fingerprint=fingerprint(config.model()), choose=lambda ranks: choose(ranks).prediction,
+                        price=price, fixed=request.fixed)
+    choice = choose(world)
     best = choice.prediction
     lay = best.layout
     pipeline = replace(config.parallel.pipeline, pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks,
                        checkpoint=lay.checkpoint, stages_per_rank=lay.virtual if lay.virtual > 1 else None,
                        balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform")
     if say:
+        if resize is not None:
+            log.info("pipetrain: --on-resize auto: %s (resuming %s)", resize.line(), saved.folder)
         log.info("pipetrain: --layout auto chose %s for %d ranks, global batch %d (%d layouts predicted)",
                  " ".join(layout_flags(best)), world, config.batch_size, choice.considered)
         log.info("pipetrain: predicted %.3f s/step, memory per rank %s MB (budget %.0f MB); block costs: %s; "
@@ -158,6 +181,23 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
                    logs=replace(config.logs, predicted=(best.step_s, best.memory_bytes[0] / _MB)))
 
 
+def check_resize_files(config: TrainConfig) -> None:
+    """`--on-resize auto` on launched ranks: the files a restart's re-layout needs are there before training starts
+    (a restart would else stop on them, hours later)."""
+    request = config.layout
+    if request.on_resize != "auto" or request.auto:
+        return
+    calibration = request.calibration or default_calibration_path()
+    if not calibration.exists():
+        raise ConfigError(f"--on-resize auto on ranks started by a launcher needs a calibration file; "
+                          f"{str(calibration)!r} is missing (a restart lays out its ranks from it)",
+                          hint="measure it first with `pipetrain plan --calibrate --gpus 2`, or pass --calibration")
+    if request.profile is None and config.model_dir is None:
+        raise ConfigError("--on-resize auto on ranks started by a launcher needs --profile FILE (a restart lays out "
+                          "its ranks from the block costs, the same on every rank)",
+                          hint="write one first with `pipetrain profile --output FILE` and pass --profile FILE")
+
+
 def balanced(config: TrainConfig, *, device: str, launched: bool, say: bool = True) -> TrainConfig:
     """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs.
 
@@ -166,7 +206,8 @@ def balanced(config: TrainConfig, *, device: str, launched: bool, say: bool = Tr
     """
     pipeline, request = config.parallel.pipeline, config.layout
     if pipeline.partition not in COST_METHODS:
-        for flag, value in (("--mem-cap", request.mem_cap), ("--profile", request.profile)):
+        profile = request.profile if request.on_resize != "auto" else None  # kept for a re-layout
+        for flag, value in (("--mem-cap", request.mem_cap), ("--profile", profile)):
             if value is not None:
                 raise ConfigError(f"{flag} is only used by --partition time|memory, not {pipeline.partition!r}",
                                   hint=f"add --partition time, or drop {flag}")

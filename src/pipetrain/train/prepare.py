@@ -4,20 +4,27 @@ and returns the final, frozen description with the loaded data."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pipetrain.checkpoint.folders import read_meta
+from pipetrain.checkpoint.keys import fingerprint
+from pipetrain.checkpoint.state import find_checkpoint
 from pipetrain.errors import ConfigError
 from pipetrain.launch.device import check_local_ranks
 from pipetrain.launch.env import ClusterEnv
 from pipetrain.logs.config import check_log_folders, check_metrics_file
 from pipetrain.parallel.tensor import check_tensor_parallel
+from pipetrain.plan.resize import Saved, decide
 from pipetrain.trace.files import check_trace_dir
 from pipetrain.train.config import LayoutRequest, TrainConfig, load_data
-from pipetrain.train.layout import Calibrate, auto_layout, balanced
+from pipetrain.train.layout import Calibrate, auto_layout, balanced, check_resize_files
 from pipetrain.workloads.registry import Dataset
 
-__all__ = ["Prepared", "prepare", "settled", "check_model", "check_trace"]
+__all__ = ["Prepared", "prepare", "resumed", "settled", "check_model", "check_trace"]
+
+log = logging.getLogger("pipetrain")
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,44 @@ def _auto_world(config: TrainConfig, env: ClusterEnv | None, job: ClusterEnv | N
     return world, world
 
 
+def resumed(config: TrainConfig) -> Saved | None:
+    """The checkpoint a `--resume` job goes on from, as `plan.resize` reads it; None without --resume."""
+    if not config.durable.resume:
+        return None
+    folder = find_checkpoint(config.durable.resume_path)
+    meta = read_meta(folder)
+    return Saved.from_meta(str(folder), step=meta.step, model=meta.model, fingerprint=meta.fingerprint,
+                           layout=meta.layout, config=meta.config, world_size=meta.world_size)
+
+
+def _laid_out(config: TrainConfig, env: ClusterEnv | None, job: ClusterEnv | None, device: str, main: bool,
+              calibrate: Calibrate | None) -> TrainConfig:
+    """`config` with its layout for the ranks there are: `--layout auto`'s choice; under `--on-resize auto`, the
+    planner's for launched ranks the layout flags do not make up (a torchrun elastic or Slurm restart with fewer or
+    more nodes); under `--on-resize stop`, one message when those ranks differ from the checkpoint's."""
+    request = config.layout
+    saved = resumed(config)
+    if request.auto:
+        world, per_node = _auto_world(config, env, job, device)
+        return auto_layout(config, world=world, per_node=per_node, device=device, launched=env is not None,
+                           say=main, calibrate=calibrate, saved=saved)
+    if env is not None:
+        check_resize_files(config)
+    if job is None or job.world_size == config.parallel.world_size:
+        return config  # the layout as given (a deliberate change of layout resumes as before)
+    if request.on_resize == "auto":
+        if main:
+            log.info("pipetrain: --on-resize auto: the job has %d ranks, the layout flags make %d: the planner lays "
+                     "them out", job.world_size, config.parallel.world_size)
+        return auto_layout(replace(config, layout=replace(request, auto=True)), world=job.world_size,
+                           per_node=job.local_world_size, device=device, launched=True, say=main, calibrate=calibrate,
+                           saved=saved)
+    if saved is not None:  # --on-resize stop: say what changed since the checkpoint (else check_world says it)
+        decide(saved, world=job.world_size, policy=request.on_resize, model=config.model_name(),
+               fingerprint=fingerprint(config.model()), choose=lambda ranks: None)
+    return config
+
+
 def prepare(config: TrainConfig, *, device: str, env: ClusterEnv | None = None, ranks: list[ClusterEnv] | None = None,
             calibrate: Calibrate | None = None, render: Callable[[TrainConfig], str] | None = None) -> Prepared:
     """Check the job `config` on `device` and settle it: the layout (`--layout auto`, then `--partition
@@ -91,10 +136,7 @@ def prepare(config: TrainConfig, *, device: str, env: ClusterEnv | None = None, 
     writes the final description as the run folder's config.toml."""
     job = ranks[0] if ranks else env
     main = env is None or env.rank == 0
-    if config.layout.auto:
-        world, per_node = _auto_world(config, env, job, device)
-        config = auto_layout(config, world=world, per_node=per_node, device=device, launched=env is not None,
-                             say=main, calibrate=calibrate)
+    config = _laid_out(config, env, job, device, main, calibrate)
     config = balanced(settled(config), device=device, launched=env is not None, say=main)
     if job is None:
         check_local_ranks(config.parallel.world_size, device)  # the ranks about to be spawned here
