@@ -27,6 +27,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("workloads",),
     ("recipe",),
     ("session",),
+    ("generate",),
     ("train",),
     ("pipe", "check"),
     ("bench", "lightning"),
