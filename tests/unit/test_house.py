@@ -29,7 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("session",),
     ("generate",),
     ("train",),
-    ("pipe", "check"),
+    ("pipe", "check", "evaluate"),
     ("bench", "lightning"),
     ("cli",),
 )

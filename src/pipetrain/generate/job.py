@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain.blocks import build_blocks
 from pipetrain.errors import ConfigError
-from pipetrain.generate.loop import Generated, Placement, generate_tokens, stage_blocks
+from pipetrain.generate.loop import Generated, Placement, Route, generate_tokens, stage_blocks
 from pipetrain.generate.prompts import PromptBatch, check_context, encode_prompts, left_pad
 from pipetrain.generate.sampling import Sampling, Stopping
 from pipetrain.generate.stage import GenerationStage
@@ -27,7 +27,7 @@ from pipetrain.session import close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM
 from pipetrain.workloads.hf.text import load_tokenizer
 
-__all__ = ["GenerateJob", "prepare_job", "build_stage", "generate_batch", "generate_rank", "eos_ids"]
+__all__ = ["GenerateJob", "prepare_job", "build_stage", "generate_batch", "generate_with", "generate_rank", "eos_ids"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,8 @@ def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, ch
     `checkpoint`), split over `tp_mesh` by the model's TP plan."""
     indices = stage_blocks(model.num_blocks, where.pp, where.stage)
     blocks = dict(zip(indices, build_blocks(model, indices, seed=0, device=device)))
+    for block in blocks.values():
+        block.eval()
     if checkpoint is not None:
         load_block_weights(checkpoint, model, blocks)
     if tp_mesh is not None:
@@ -91,13 +93,20 @@ def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, ch
 def generate_batch(job: GenerateJob, stage: GenerationStage, where: Placement, batch: PromptBatch, model: HFCausalLM,
                    group: dist.ProcessGroup | None = None) -> Generated:
     """Generate `job`'s new tokens for `batch` on this rank's `stage` (a collective call over the job's ranks)."""
-    tokenizer = load_tokenizer(job.source.folder)
-    eos = eos_ids(job.source.folder, model.config, tokenizer)
+    return generate_with({where.stage: stage}, where.route(group), batch, job.sampling, job.max_new_tokens,
+                         job.source.folder, model.config)
+
+
+def generate_with(stages: dict[int, GenerationStage], route: Route, batch: PromptBatch, sampling: Sampling,
+                  max_new_tokens: int, folder: Path, config: Any) -> Generated:
+    """Generate for `batch` on this rank's `stages` (by stage id) of the model of `folder` (its tokenizer's EOS and
+    pad), a collective call over the pipeline's ranks."""
+    tokenizer = load_tokenizer(folder)
+    eos = eos_ids(folder, config, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
-    stopping = Stopping(batch.ids.shape[0], eos=eos, pad=pad, max_new_tokens=job.max_new_tokens)
-    dtype = next(stage.blocks[0].parameters()).dtype
-    return generate_tokens(stage, where, batch, job.sampling, stopping, hidden_size=model.config.hidden_size,
-                           dtype=dtype, group=group)
+    stopping = Stopping(batch.ids.shape[0], eos=eos, pad=pad, max_new_tokens=max_new_tokens)
+    dtype = next(next(iter(stages.values())).blocks[0].parameters()).dtype
+    return generate_tokens(stages, route, batch, sampling, stopping, hidden_size=config.hidden_size, dtype=dtype)
 
 
 def report(job: GenerateJob, batch: PromptBatch, done: Generated) -> str:

@@ -38,8 +38,6 @@ class GenerationStage:
 
     def __init__(self, config: Any, blocks: list[nn.Module], first: int) -> None:
         self.config, self.blocks, self.first = config, blocks, first
-        for block in blocks:
-            block.eval()
         self.cache: Any = None
         self.reset()
 
