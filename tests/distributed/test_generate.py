@@ -13,6 +13,7 @@ The CLI runs `pipetrain generate --pp 2` once (the text and tokens/s printed, th
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,34 @@ def test_generate_command_prints_the_texts_and_speed(runs, tmp_path, capfd):
     for index, row in enumerate(references["gpt2-pp2"]):
         assert f"[{index + 1}] {PROMPTS[index]}\n--> {tokenizer.decode(row, skip_special_tokens=True)}" in printed
     assert f"{4 * NEW} tokens (4 prompts x {NEW} steps)" in printed and "tokens/s at pp=2 tp=1" in printed
+
+
+def test_train_samples_every_n_steps_through_its_stages(runs, tmp_path, capfd):
+    """`--sample-every 1` at pp2 (lr 1e-12: the weights stay the folder's to far below the logits' rounding): each
+    step's sample is transformers' greedy continuation of the prompt, in the console and in TensorBoard."""
+    _, _, folders = runs
+    folder = folders["llama"]
+    argv = ["train", "--workload", "hf", "--model", folder, "--data", "synthetic", "--seq-len", "16",
+            "--batch-size", "4", "--max-steps", "2", "--pp", "2", "--chunks", "2", "--lr", "1e-12",
+            "--sample-every", "1", "--sample-prompt", "The cat", "--sample-tokens", "8", "--no-progress",
+            "--run-dir", str(tmp_path / "run"), "--device", "cpu"]
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    if tensorboard:
+        argv += ["--tensorboard", str(tmp_path / "tb")]
+    capfd.readouterr()
+    assert cli_main.main(argv) == 0
+    printed = capfd.readouterr()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("The cat", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    for step in (1, 2):
+        assert f"sample at step {step}: The cat -> {text!r}" in printed.out + printed.err
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert "samples/text_summary" in events.Tags()["tensors"]
+        assert [e.step for e in events.Tensors("samples/text_summary")] == [1, 2]

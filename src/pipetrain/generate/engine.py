@@ -21,13 +21,14 @@ from torch.distributed.fsdp import FSDPModule
 from pipetrain.blocks import BlockSequential
 from pipetrain.generate.job import generate_with
 from pipetrain.generate.loop import Generated, Route
-from pipetrain.generate.prompts import PromptBatch
+from pipetrain.generate.prompts import PromptBatch, check_context, encode_prompts, left_pad
 from pipetrain.generate.sampling import Sampling
 from pipetrain.generate.stage import GenerationStage
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.pipeline import PipelineEngine
+from pipetrain.workloads.hf.text import load_tokenizer
 
-__all__ = ["EngineGenerator"]
+__all__ = ["EngineGenerator", "TrainingSamples"]
 
 
 def _blocks(module: nn.Module) -> BlockSequential:
@@ -73,3 +74,20 @@ class EngineGenerator:
         """New tokens for `batch` (a collective call over every rank of the engine's job)."""
         with self._gathered():
             return generate_with(self.stages, self.route, batch, sampling, max_new_tokens, self.folder, self.config)
+
+
+class TrainingSamples:
+    """`--sample-every`: the greedy continuation of `prompt` (`tokens` new tokens) through the engine's stages,
+    decoded by the model folder's tokenizer. Create it on every rank at once; `text()` is a collective call."""
+
+    def __init__(self, engine: PipelineEngine, mesh: Mesh, config: Any, folder: Path, prompt: str,
+                 tokens: int) -> None:
+        self.tokenizer = load_tokenizer(folder)
+        ids = encode_prompts(self.tokenizer, [prompt])
+        self.batch = left_pad(ids, self.tokenizer.pad_token_id or 0)
+        check_context(self.batch.lengths, tokens, config.max_position_embeddings)
+        self.generator, self.tokens = EngineGenerator(engine, mesh, config, folder), tokens
+
+    def text(self) -> str:
+        done = self.generator.generate(self.batch, Sampling(), self.tokens)
+        return self.tokenizer.decode(done.tokens[0].tolist(), skip_special_tokens=True)

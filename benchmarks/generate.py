@@ -1,0 +1,160 @@
+"""Generation through the pipeline beside transformers' `generate`, side by side: tokens/s and what the split costs.
+
+The same 4 prompts of different lengths (one left-padded batch), greedy, `--new` new tokens, on one model folder
+(default: SmolLM2-135M-Instruct, `make smollm2`). Layouts: transformers' `model.generate` on the unsplit model in
+this process; pipetrain's loop on the unsplit model in one process (`pp1`: the same blocks and cache, no split);
+pp=2 (2 ranks) and pp=2 × tp=2 (4 ranks), each in its own spawned job, one job at a time. Every layout runs one
+untimed generation, then `--repeats` timed ones (median). Printed per layout: whether its tokens equal
+transformers' (token for token), seconds, tokens/s and its ratio to transformers', and seconds per decoding step;
+then the split's cost per step over the unsplit pipetrain loop, divided by the boundary hops a step makes (pp - 1
+hidden-state sends and one token broadcast). One thread per rank and for transformers (`torch.set_num_threads(1)`),
+so a rank's compute is the same in every layout; on a machine with fewer cores than ranks the ranks share cores.
+
+    python benchmarks/generate.py [--model DIR] [--new 32] [--repeats 3] [--layouts pp1 pp2 pp2xtp2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pipetrain.generate.job import GenerateJob, build_stage, eos_ids, generate_batch, prepare_job
+from pipetrain.generate.loop import Placement
+from pipetrain.generate.weights import model_source
+from pipetrain.launch.env import free_port
+from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.parallel.mesh import build_mesh
+from pipetrain.session import close_session, join_job
+from pipetrain.workloads.hf.smollm2 import prepare
+from pipetrain.workloads.hf.text import load_tokenizer
+
+PROMPTS = ("The capital of France is",
+           "Write one sentence about the sea.",
+           "Once upon a time, in a small village at the edge of a great forest, there lived",
+           "List three colours:")
+#: layout -> (pp, tp)
+LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "pp2xtp2": (2, 2)}
+
+
+def _job(folder: str, new: int, pp: int, tp: int) -> GenerateJob:
+    return GenerateJob(model_source(folder, None), PROMPTS, pp=pp, tp=tp, max_new_tokens=new)
+
+
+def _timed(run, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    tokens, _ = run()  # untimed: first-call costs (allocations, mask creation's imports)
+    times = []
+    for _ in range(repeats):
+        tokens, seconds = run()
+        times.append(seconds)
+    return tokens, times
+
+
+def _rank(spec: RankSpec, folder: str, new: int, pp: int, tp: int, repeats: int, out: str) -> None:
+    device = join_job(spec)
+    try:
+        job = _job(folder, new, pp, tp)
+        model, batch = prepare_job(job)
+        mesh = build_mesh(1, pp, device, tp) if tp > 1 else None
+        where = Placement(spec.rank, pp, tp)
+        stage = build_stage(model, where, device, tp_mesh=None if mesh is None else mesh.tp_mesh)
+
+        def run():
+            done = generate_batch(job, stage, where, batch, model)
+            return done.tokens, done.seconds
+
+        tokens, times = _timed(run, repeats)
+        if spec.rank == 0:
+            Path(out).write_text(json.dumps({"tokens": tokens.tolist(), "times": times}))
+    finally:
+        close_session()
+
+
+def _transformers(folder: str, new: int, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pipetrain_model, batch = prepare_job(_job(folder, new, 1, 1))
+    tokenizer = load_tokenizer(Path(folder))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+        eos_ids(Path(folder), pipetrain_model.config, tokenizer)[0]
+
+    def run():
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(batch.ids, attention_mask=batch.mask, max_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)
+        return out[:, batch.ids.shape[1]:], time.perf_counter() - start
+
+    return _timed(run, repeats)
+
+
+def _pipetrain_unsplit(folder: str, new: int, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    job = _job(folder, new, 1, 1)
+    model, batch = prepare_job(job)
+    stage = build_stage(model, Placement(0, 1), torch.device("cpu"))
+
+    def run():
+        done = generate_batch(job, stage, Placement(0, 1), batch, model)
+        return done.tokens, done.seconds
+
+    return _timed(run, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--new", type=int, default=32, help="new tokens per prompt (default: 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per layout (default: 3)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    folder = args.model or str(prepare())
+    torch.set_num_threads(1)
+    reference, times = _transformers(folder, args.new, args.repeats)
+    steps = reference.shape[1]
+    rows = {"transformers": (reference, times)}
+    for layout in args.layouts:
+        pp, tp = LAYOUTS[layout]
+        if pp * tp == 1:
+            rows[layout] = _pipetrain_unsplit(folder, args.new, args.repeats)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rank0.json"
+            spawn(_rank, ranks=range(pp * tp), world_size=pp * tp, master_addr="127.0.0.1", master_port=free_port(),
+                  args=(folder, args.new, pp, tp, args.repeats, str(out)), device="cpu")
+            record = json.loads(out.read_text())
+        rows[layout] = (torch.tensor(record["tokens"]), record["times"])
+    base = statistics.median(times)
+    tokens = reference.numel()
+    print(f"{Path(folder).name}: {len(PROMPTS)} prompts x {args.new} new tokens, greedy, fp32, CPU, 1 thread per "
+          f"rank, median of {args.repeats}")
+    print(f"{'layout':<14}{'equal':>7}{'seconds':>10}{'tokens/s':>10}{'vs HF':>8}{'ms/step':>9}")
+    figures = {}
+    for name, (got, runs) in rows.items():
+        seconds = statistics.median(runs)
+        equal = torch.equal(got, reference)
+        figures[name] = {"equal": equal, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                         "ratio_to_transformers": base / seconds, "ms_per_step": 1000 * seconds / steps}
+        print(f"{name:<14}{str(equal):>7}{seconds:>10.3f}{tokens / seconds:>10.1f}{base / seconds:>8.2f}"
+              f"{1000 * seconds / steps:>9.2f}")
+    if "pp1" in figures:
+        for name in ("pp2", "pp2xtp2"):
+            if name in figures:
+                extra = figures[name]["ms_per_step"] - figures["pp1"]["ms_per_step"]
+                hops = LAYOUTS[name][0] - 1 + 1  # hidden-state sends + the token broadcast
+                print(f"{name}: {extra:+.2f} ms per step over pp1, {extra / hops:+.2f} ms per boundary hop "
+                      f"({hops} per step: {LAYOUTS[name][0] - 1} send/recv of [4, 1, hidden] + 1 broadcast)")
+    print(f"load average {os.getloadavg()[0]:.1f} (cores: {os.cpu_count()})")
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
