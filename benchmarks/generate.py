@@ -3,14 +3,14 @@
 The same 4 prompts of different lengths (one left-padded batch), greedy, `--new` new tokens, on one model folder
 (default: SmolLM2-135M-Instruct, `make smollm2`). Layouts: transformers' `model.generate` on the unsplit model in
 this process; pipetrain's loop on the unsplit model in one process (`pp1`: the same blocks and cache, no split);
-pp=2 (2 ranks) and pp=2 × tp=2 (4 ranks), each in its own spawned job, one job at a time. Every layout runs one
+pp=2 (2 ranks) and pp=2 × tp=3 (6 ranks; pp2xtp2 for a model whose heads 2 divides), each in its own spawned job, one job at a time. Every layout runs one
 untimed generation, then `--repeats` timed ones (median). Printed per layout: whether its tokens equal
 transformers' (token for token), seconds, tokens/s and its ratio to transformers', and seconds per decoding step;
 then the split's cost per step over the unsplit pipetrain loop, divided by the boundary hops a step makes (pp - 1
 hidden-state sends and one token broadcast). One thread per rank and for transformers (`torch.set_num_threads(1)`),
 so a rank's compute is the same in every layout; on a machine with fewer cores than ranks the ranks share cores.
 
-    python benchmarks/generate.py [--model DIR] [--new 32] [--repeats 3] [--layouts pp1 pp2 pp2xtp2] [--json F]
+    python benchmarks/generate.py [--model DIR] [--new 32] [--repeats 3] [--layouts pp1 pp2 pp2xtp3] [--json F]
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ PROMPTS = ("The capital of France is",
            "Once upon a time, in a small village at the edge of a great forest, there lived",
            "List three colours:")
 #: layout -> (pp, tp)
-LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "pp2xtp2": (2, 2)}
+#: (SmolLM2-135M's 9 query and 3 key/value heads split over 3 tensor-parallel ranks, not 2)
+LAYOUTS = {"pp1": (1, 1), "pp2": (2, 1), "pp2xtp2": (2, 2), "pp2xtp3": (2, 3)}
 
 
 def _job(folder: str, new: int, pp: int, tp: int) -> GenerateJob:
@@ -112,7 +113,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--new", type=int, default=32, help="new tokens per prompt (default: 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per layout (default: 3)")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=["pp1", "pp2", "pp2xtp3"], choices=list(LAYOUTS),
+                        help="default: pp1 pp2 pp2xtp3 (tp must divide the model's heads: SmolLM2's 9 and 3)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     folder = args.model or str(prepare())
@@ -131,6 +133,7 @@ def main() -> None:
                   args=(folder, args.new, pp, tp, args.repeats, str(out)), device="cpu")
             record = json.loads(out.read_text())
         rows[layout] = (torch.tensor(record["tokens"]), record["times"])
+        print(f"{layout}: medians {statistics.median(record['times']):.3f} s", flush=True)
     base = statistics.median(times)
     tokens = reference.numel()
     print(f"{Path(folder).name}: {len(PROMPTS)} prompts x {args.new} new tokens, greedy, fp32, CPU, 1 thread per "
@@ -145,7 +148,7 @@ def main() -> None:
         print(f"{name:<14}{str(equal):>7}{seconds:>10.3f}{tokens / seconds:>10.1f}{base / seconds:>8.2f}"
               f"{1000 * seconds / steps:>9.2f}")
     if "pp1" in figures:
-        for name in ("pp2", "pp2xtp2"):
+        for name in ("pp2", "pp2xtp2", "pp2xtp3"):
             if name in figures:
                 extra = figures[name]["ms_per_step"] - figures["pp1"]["ms_per_step"]
                 hops = LAYOUTS[name][0] - 1 + 1  # hidden-state sends + the token broadcast
