@@ -7,7 +7,7 @@ pp=2 (2 ranks) and pp=2 × tp=3 (6 ranks; pp2xtp2 for a model whose heads 2 divi
 untimed generation, then `--repeats` timed ones (median). Printed per layout: whether its tokens equal
 transformers' (token for token), seconds, tokens/s and its ratio to transformers', and seconds per decoding step;
 then the split's cost per step over the unsplit pipetrain loop, divided by the boundary hops a step makes (pp - 1
-hidden-state sends and one token broadcast). One thread per rank and for transformers (`torch.set_num_threads(1)`),
+hidden-state sends and one token broadcast), and a bare hop timed alone between 2 ranks (`--hops` round trips). One thread per rank and for transformers (`torch.set_num_threads(1)`),
 so a rank's compute is the same in every layout; on a machine with fewer cores than ranks the ranks share cores.
 
     python benchmarks/generate.py [--model DIR] [--new 32] [--repeats 3] [--layouts pp1 pp2 pp2xtp3] [--json F]
@@ -77,6 +77,36 @@ def _rank(spec: RankSpec, folder: str, new: int, pp: int, tp: int, repeats: int,
         close_session()
 
 
+def _hops(spec: RankSpec, hidden: int, batch: int, rounds: int, out: str) -> None:
+    """Rank 0 and 1: `rounds` round trips of a decoding step's hidden states `[batch, 1, hidden]` (fp32), then
+    `rounds` broadcasts of `batch` token ids from rank 1, as the loop makes them; rank 0 writes the medians."""
+    import torch.distributed as dist
+
+    join_job(spec)
+    try:
+        hidden_states, ids = torch.zeros(batch, 1, hidden), torch.zeros(batch, dtype=torch.long)
+        trips, casts = [], []
+        for _ in range(rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            if spec.rank == 0:
+                dist.send(hidden_states, dst=1)
+                dist.recv(hidden_states, src=1)
+            else:
+                dist.recv(hidden_states, src=0)
+                dist.send(hidden_states, dst=0)
+            trips.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.broadcast(ids, src=1)
+            casts.append(time.perf_counter() - start)
+        if spec.rank == 0:
+            Path(out).write_text(json.dumps({"hop_s": statistics.median(trips) / 2,
+                                             "broadcast_s": statistics.median(casts)}))
+    finally:
+        close_session()
+
+
 def _transformers(folder: str, new: int, repeats: int) -> tuple[torch.Tensor, list[float]]:
     import transformers
 
@@ -115,6 +145,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per layout (default: 3)")
     parser.add_argument("--layouts", nargs="+", default=["pp1", "pp2", "pp2xtp3"], choices=list(LAYOUTS),
                         help="default: pp1 pp2 pp2xtp3 (tp must divide the model's heads: SmolLM2's 9 and 3)")
+    parser.add_argument("--hops", type=int, default=200,
+                        help="also time this many bare boundary hops between 2 ranks (0: none; default: 200)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     folder = args.model or str(prepare())
@@ -154,6 +186,19 @@ def main() -> None:
                 hops = LAYOUTS[name][0] - 1 + 1  # hidden-state sends + the token broadcast
                 print(f"{name}: {extra:+.2f} ms per step over pp1, {extra / hops:+.2f} ms per boundary hop "
                       f"({hops} per step: {LAYOUTS[name][0] - 1} send/recv of [4, 1, hidden] + 1 broadcast)")
+    if args.hops:
+        import transformers
+
+        hidden = transformers.AutoConfig.from_pretrained(folder).hidden_size
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "hops.json"
+            spawn(_hops, ranks=range(2), world_size=2, master_addr="127.0.0.1", master_port=free_port(),
+                  args=(hidden, len(PROMPTS), args.hops, str(out)), device="cpu")
+            hops = json.loads(out.read_text())
+        figures["hops"] = hops
+        print(f"one boundary hop alone (send/recv of [{len(PROMPTS)}, 1, {hidden}] fp32, gloo, median of "
+              f"{args.hops} round trips / 2): {1000 * hops['hop_s']:.3f} ms; the token broadcast: "
+              f"{1000 * hops['broadcast_s']:.3f} ms")
     print(f"load average {os.getloadavg()[0]:.1f} (cores: {os.cpu_count()})")
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

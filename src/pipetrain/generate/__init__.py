@@ -2,9 +2,9 @@
 key/value cache of its own layers; greedy or seeded temperature / top-p decoding of batched, left-padded prompts
 (`pipetrain generate`, and samples during `pipetrain train --sample-every`). See docs/generate.md."""
 
-from pipetrain.generate.loop import Generated, Placement, generate_tokens
+from pipetrain.generate.loop import Generated, Placement, Route, generate_tokens
 from pipetrain.generate.prompts import PromptBatch, left_pad
 from pipetrain.generate.sampling import Sampling, Stopping, next_tokens
 
-__all__ = ["Generated", "Placement", "generate_tokens", "PromptBatch", "left_pad", "Sampling", "Stopping",
+__all__ = ["Generated", "Placement", "Route", "generate_tokens", "PromptBatch", "left_pad", "Sampling", "Stopping",
            "next_tokens"]
