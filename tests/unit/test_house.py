@@ -27,8 +27,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("workloads",),
     ("recipe",),
     ("session",),
+    ("generate",),
     ("train",),
-    ("pipe", "check"),
+    ("pipe", "check", "evaluate"),
     ("bench", "lightning"),
     ("cli",),
 )

@@ -1,5 +1,6 @@
 """The logging and validation flags of `pipetrain train` (`--run-dir`, `--log-every`, `--tensorboard`,
-`--eval-every`, `--eval-batches`, `--peak-tflops`, `--straggler-factor`) and the `LogConfig` they make."""
+`--eval-every`, `--eval-batches`, `--peak-tflops`, `--straggler-factor`, `--sample-every`,
+`--sample-prompt`, `--sample-tokens`) and the `LogConfig` they make."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--straggler-factor", type=float, default=1.3, metavar="F",
                        help="every --log-every steps, name a rank whose step computes F times longer than the "
                             "median of the other replicas of its stage (default: 1.3)")
+    group.add_argument("--sample-every", type=int, default=None, metavar="N",
+                       help="with --workload hf --model DIR: every N steps, generate from --sample-prompt through "
+                            "the training stages (greedy), shown in the console and in TensorBoard as text")
+    group.add_argument("--sample-prompt", default=None, metavar="TEXT", help="the prompt of --sample-every")
+    group.add_argument("--sample-tokens", type=int, default=32, metavar="N",
+                       help="new tokens of each --sample-every sample (default: 32)")
 
 
 def log_config(args: argparse.Namespace) -> LogConfig:
@@ -40,4 +47,6 @@ def log_config(args: argparse.Namespace) -> LogConfig:
     return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(workload_label(args.workload)),
                      log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, peak_tflops=args.peak_tflops, metrics=args.metrics,
-                     predicted=args.layout_prediction, straggler_factor=args.straggler_factor)
+                     predicted=args.layout_prediction, straggler_factor=args.straggler_factor,
+                     sample_every=getattr(args, "sample_every", None), sample_prompt=getattr(args, "sample_prompt", None),
+                     sample_tokens=getattr(args, "sample_tokens", 32))

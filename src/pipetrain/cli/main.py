@@ -17,9 +17,9 @@ from pipetrain.launch.forkserver import warm_up
 __all__ = ["main"]
 
 #: verb -> module under pipetrain.cli providing add_parser(subparsers) and run(args) -> int
-VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export", "data")
+VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export", "data", "generate", "eval")
 #: the verbs that start local ranks when no launcher (torchrun, srun) started this process
-SPAWNING_VERBS = ("train", "check", "bench")
+SPAWNING_VERBS = ("train", "check", "bench", "generate", "eval")
 #: what `pipetrain --help` says above the verbs
 DESCRIPTION = (
     "Train a PyTorch model over several devices with pipeline, data and tensor parallelism, on one machine or many: "
@@ -38,6 +38,8 @@ VERB_HELP = {
     "tune": "plan, then time the best few layouts on this machine",
     "export": "write a checkpoint as one unsplit model (or HF folder)",
     "data": "show your data as the model sees it, trained tokens marked",
+    "generate": "generate text from a model split over pipeline and tensor ranks",
+    "eval": "held-out loss, perplexity and answer accuracy of a model",
 }
 
 

@@ -42,16 +42,25 @@ class LogConfig:
     metrics: Path | None = None
     #: a rank slower than the median of its stage position's others by this factor is named (logs/stragglers.py)
     straggler_factor: float = 1.3
+    #: generate `sample_tokens` tokens (greedy) from `sample_prompt` every `sample_every` steps (`--sample-every`)
+    sample_every: int | None = None
+    sample_prompt: str | None = None
+    sample_tokens: int = 32
 
     def __post_init__(self) -> None:
         for name, value in (("log_every", self.log_every), ("eval_every", self.eval_every),
-                            ("eval_batches", self.eval_batches)):
+                            ("eval_batches", self.eval_batches), ("sample_every", self.sample_every),
+                            ("sample_tokens", self.sample_tokens)):
             if value is not None and (isinstance(value, bool) or value < 1):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be 1 or more, got {value}", hint=f"pass {flag} 1 or more")
         if self.eval_batches is not None and self.eval_every is None:
             raise ConfigError("--eval-batches bounds the evaluations of --eval-every, which is not given",
                               hint="add --eval-every N, or drop --eval-batches")
+        if (self.sample_every is None) != (self.sample_prompt is None):
+            given, missing = (("--sample-every", "--sample-prompt TEXT") if self.sample_prompt is None
+                              else ("--sample-prompt", "--sample-every N"))
+            raise ConfigError(f"{given} needs {missing}", hint="pass both --sample-every N and --sample-prompt TEXT")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"--peak-tflops must be positive, got {self.peak_tflops:g}",
                               hint="pass the dense peak TFLOP/s of one device, e.g. --peak-tflops 989")

@@ -130,6 +130,17 @@ class RunLog:
         for sink in self.sinks if self.main else ():
             sink.eval(record)
 
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        """A text generated from `prompt` after step `step` (`--sample-every`): a console line, and to every sink
+        that shows text (TensorBoard)."""
+        if not self.main:
+            return
+        log.info("sample at step %d: %s -> %r", step, prompt, text)
+        for sink in self.sinks:
+            show = getattr(sink, "sample", None)
+            if show is not None:
+                show(step, prompt, text)
+
     def best_line(self) -> str | None:
         """e.g. ``best held-out loss 0.4012 (acc 0.812) at step 300, epoch 2``; None before any evaluation."""
         best = self.best

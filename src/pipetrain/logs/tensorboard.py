@@ -49,5 +49,9 @@ class TensorBoardSink:
     def eval(self, record: EvalRecord) -> None:
         self._scalars(record, EVAL_TAGS)
 
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        """A text generated during training (`--sample-every`), under the tag `samples`."""
+        self._writer.add_text("samples", f"**{prompt}**{text}", step)
+
     def close(self) -> None:
         self._writer.close()

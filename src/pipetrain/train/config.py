@@ -118,6 +118,10 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
         self._check_trace()
         self.parallel.check_global_batch(self.batch_size)
+        if self.logs.sample_every is not None and (self.workload != "hf" or self.model_dir is None):
+            raise ConfigError(f"--sample-every generates text with a model folder's tokenizer; this job trains "
+                              f"workload {self.workload!r}{' without --model' if self.model_dir is None else ''}",
+                              hint="pass --workload hf --model DIR (a Hugging Face folder), or drop --sample-every")
 
     def _check_data(self, workload: Workload) -> None:
         if not self.synthetic:

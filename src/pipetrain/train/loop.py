@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pipetrain.checkpoint.durable import DurableRun, Position
+from pipetrain.generate.engine import TrainingSamples
 from pipetrain.launch.env import enable_flight_recorder
 from pipetrain.launch.hangs import HANG_FOLDER
 from pipetrain.launch.ranks import RankSpec
@@ -115,9 +116,12 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
                                banner=_banner(config, workload, session, train, test) if session.is_main else None)
         if session.is_main:  # one line after the first step: the start-up's seconds by phase
             run_log.sinks.append(StartupSink(session.startup))
+        samples = None if config.logs.sample_every is None else TrainingSamples(
+            engine, session.mesh, config.model().config, Path(config.model_dir), config.logs.sample_prompt,
+            config.logs.sample_tokens)
         try:
             reports = _train_epochs(config, workload, engine, recipe, train, test, session.mesh, durable,
-                                    tracer, run_log)
+                                    tracer, run_log, samples)
             durable.finish()
         finally:
             durable.close()
@@ -132,7 +136,7 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
 
 def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe, train: Dataset,
                   test: Dataset, mesh: Mesh, durable: DurableRun, tracer: Tracer | None,
-                  run_log: RunLog) -> list[EpochReport]:
+                  run_log: RunLog, samples: TrainingSamples | None = None) -> list[EpochReport]:
     """The epochs of the job from where `durable` resumes it; returns the reports of every epoch so far."""
     dp_rank = mesh.dp_rank
     per_epoch = workload.num_batches(train, config.batch_size, replicas=config.parallel.dp)
@@ -170,6 +174,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                           sample=here + read, samples=at.samples + read)
             run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
                          skipped=outcome.skipped, stragglers=watch.compare(at.step))
+            if samples is not None and at.step % config.logs.sample_every == 0:  # text through the same stages
+                run_log.sample(at.step, config.logs.sample_prompt, samples.text())
             if run_log.due(at.step, epoch_end=at.in_epoch == total):
                 run_log.eval(_held_out(engine, workload, test, config, dp_rank, durable, at, "every",
                                        config.logs.eval_batches)[1])

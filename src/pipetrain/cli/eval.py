@@ -1,0 +1,96 @@
+"""`pipetrain eval`: a Hugging Face causal LM's held-out loss and perplexity on --data (the split training holds
+out), and for prompt/answer or chat rows the exact-match accuracy of its generated answers: one number for a
+fine-tune's effect. The model runs split over dp × pp × tp ranks, as in training."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipetrain.checkpoint.folders import read_meta
+from pipetrain.cli.device_args import add_device_argument, device_choice
+from pipetrain.cli.model_args import add_pack_arguments, add_row_arguments, row_format
+from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.errors import ConfigError
+from pipetrain.evaluate.run import EvalJob, eval_rank
+from pipetrain.generate.weights import model_source
+from pipetrain.launch.env import detect, free_port
+from pipetrain.launch.ranks import RankSpec
+from pipetrain.launch.spawn import spawn
+from pipetrain.train.config import TrainConfig, load_data
+from pipetrain.workloads.loader import portable
+
+__all__ = ["add_parser", "run", "eval_job"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("eval", help=__doc__, description=__doc__ + " See docs/generate.md.")
+    model = parser.add_argument_group("model (one of)")
+    model.add_argument("--model", type=Path, default=None, metavar="DIR", help="a Hugging Face model folder")
+    model.add_argument("--checkpoint", type=Path, default=None, metavar="CK",
+                       help="a step-NNNNNNNN folder (or a --save-dir: its latest) of `pipetrain train --workload hf "
+                            "--model DIR`; its window, packing and row fields are the defaults")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", type=Path, required=True, metavar="FILE|DIR",
+                      help="text, JSON lines, Parquet or a datasets folder, as `pipetrain train --data` reads it; "
+                           "its held-out split (every 10th sample) is evaluated")
+    data.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the checkpoint's, "
+                                                                 "else 128 or the model's context when shorter)")
+    data.add_argument("--batch-size", type=int, default=8, help="samples (and prompts) per batch (default: 8)")
+    add_pack_arguments(data)
+    add_row_arguments(data)
+    answers = parser.add_argument_group("answers (prompt/answer and chat rows)")
+    answers.add_argument("--no-answers", action="store_true", help="loss and perplexity only, no generation")
+    answers.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                         help="longest generated answer (default: 32; greedy, stopped at EOS or end of turn)")
+    answers.add_argument("--max-answers", type=int, default=None, metavar="N",
+                         help="answer the first N held-out rows only (default: all)")
+    answers.add_argument("--out", type=Path, default=None, metavar="FILE", help="also write the figures as JSON")
+    layout = parser.add_argument_group("layout")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default: 1)")
+    layout.add_argument("--dp", type=int, default=1, help="replicas, each evaluating its share (default: 1)")
+    add_device_argument(layout)
+    return parser
+
+
+def eval_job(args: argparse.Namespace) -> EvalJob:
+    """The job the flags describe (a checkpoint's own window, packing and row fields unless given)."""
+    source = model_source(args.model, args.checkpoint)
+    saved = read_meta(source.checkpoint).config if source.checkpoint is not None else {}
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} is not positive", hint="pass a count such as 32")
+    rows = row_format(args)
+    if saved.get("row_format") and rows == type(rows)():
+        rows = type(rows)(**saved["row_format"])
+    pack = args.pack if args.pack != "windows" or "pack" not in saved else saved["pack"]
+    dp_mode = "fsdp" if args.tp > 1 and args.dp > 1 else "ddp"
+    parallel = ParallelConfig(dp=args.dp, dp_mode=dp_mode, tp=args.tp,
+                              pipeline=PipelineConfig(pp=args.pp, schedule="gpipe", n_microbatches=args.pp))
+    config = TrainConfig(workload="hf", preset=saved.get("preset", "cpu"), model_dir=source.folder, pack=pack,
+                         row_format=rows, data=args.data, seq_len=args.seq_len or saved.get("seq_len"),
+                         batch_size=args.batch_size, parallel=parallel, progress=False)
+    return EvalJob(config, source.checkpoint, answers=not args.no_answers, max_new_tokens=args.max_new_tokens,
+                   max_answers=args.max_answers, out=args.out)
+
+
+def _rank_main(spec: RankSpec, job: EvalJob, data) -> None:
+    eval_rank(spec, job, data)
+
+
+def run(args: argparse.Namespace) -> int:
+    job = eval_job(args)
+    world = job.config.parallel.world_size
+    env = detect()
+    if env is None:
+        data = load_data(job.config)
+        device = device_choice(args, local_ranks=world)
+        spawn(_rank_main, ranks=list(range(world)), world_size=world, args=(job, portable("hf", data)),
+              master_addr="127.0.0.1", master_port=free_port(), device=device)
+        return 0
+    if env.world_size != world:
+        raise ConfigError(f"the launcher started {env.world_size} ranks, --dp {args.dp} x --pp {args.pp} x --tp "
+                          f"{args.tp} needs {world}", hint=f"start {world} ranks, or pass --dp/--pp/--tp to match")
+    eval_rank(RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port,
+                       device_choice(args, env), env.num_nodes), job)
+    return 0
