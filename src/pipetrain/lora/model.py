@@ -21,6 +21,7 @@ from torch import nn
 from pipetrain.blocks import BlockModel, Tensors, tp_ability, tp_plan_hook
 from pipetrain.errors import ConfigError
 from pipetrain.lora.config import LoraSettings, require_peft
+from pipetrain.lora.identity import config_identity, folder_identity
 from pipetrain.lora.tp import lora_tp_plan
 from pipetrain.parallel.tensor import TPPlan
 
@@ -68,6 +69,7 @@ class LoraBlocks:
                                    "drop --lora-rank to train every parameter")
         self.inner, self.settings = model, settings
         self.targets: tuple[str, ...] = settings.targets or tuple(hook())
+        self._identity: dict[str, Any] | None = None
         self._check_targets()
 
     def _check_targets(self) -> None:
@@ -110,6 +112,20 @@ class LoraBlocks:
         return [name for name, module in block.named_modules() if hasattr(module, "lora_A") and
                 ADAPTER_NAME in getattr(module, "lora_A", {})]
 
+    def base_identity(self) -> dict[str, Any]:
+        """The base model's folder and a digest of its config and weights (`pipetrain.lora.identity`), recorded in
+        a checkpoint of the adapters and compared on resume and export; computed once."""
+        if self._identity is None:
+            source = getattr(self.inner, "checkpoint", None)
+            folder = getattr(source, "folder", None)
+            if folder is not None:
+                self._identity = folder_identity(folder)
+            else:
+                config = getattr(self.inner, "config", None)
+                text = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+                self._identity = config_identity(text)
+        return self._identity
+
     def tied_parameters(self) -> list:
         hook = getattr(self.inner, "tied_parameters", None)
         return hook() if hook is not None else []
@@ -132,6 +148,6 @@ class LoraBlocks:
         return dict(block.checkpoint_keys())
 
     def __getattr__(self, name: str) -> Any:  # config, family, seq_len, tied, attention_shape...
-        if name in ("inner", "settings", "targets"):
+        if name in ("inner", "settings", "targets", "_identity"):
             raise AttributeError(name)
         return getattr(self.inner, name)
