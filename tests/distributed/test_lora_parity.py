@@ -9,11 +9,16 @@ stage holds the frozen embedding alone, its last the frozen head alone), dp2 × 
 and pp2 × tp2 1F1B. Over three SGD steps with momentum (the optimizer from pipetrain's parameter groups): the loss on
 every rank, every adapter gradient at every step and every final adapter equal the reference's within rtol 1e-5,
 atol 4e-5; every base weight is bitwise the folder's after the steps; the optimizer holds a state for the adapters
-only, and the frozen base has no gradient.
+only, and the frozen base has no gradient. The pp4 run saves a checkpoint (adapters and momenta only, plus the base
+folder's identity; its frozen first and last ranks have empty optimizers), which the same job loads under dp2 x pp2
+(DDP) bit for bit; `pipetrain export --peft` of it loads with `PeftModel.from_pretrained(base, OUT)` and `--hf
+--merge` with `AutoModelForCausalLM.from_pretrained(OUT)`, both giving the pipeline's logits (same tolerance); the
+adapters are refused on a base folder of other weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,10 +28,16 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from pipetrain.blocks import build_sequential  # noqa: E402
+from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
+from pipetrain.checkpoint.export import read_weights  # noqa: E402
+from pipetrain.checkpoint.folders import read_meta  # noqa: E402
+from pipetrain.cli import main as cli_main  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
+from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.lora import LoraBlocks, LoraSettings  # noqa: E402
@@ -35,11 +46,14 @@ from pipetrain.recipe import param_groups  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.distributed.test_hf_parity import ATOL, RTOL, SEED, SEQ, make_batches, tiny_configs  # noqa: E402
-from tests.hf_folders import transformers_names  # noqa: E402
+from tests.hf_folders import tiny_tokenizer, transformers_names  # noqa: E402
 
 LR, MOMENTUM = 0.2, 0.9
 SETTINGS = LoraSettings(rank=4, init=False)
 PEFT_PREFIX = "base_model.model."
+#: the layout whose checkpoint is saved (first and last stages frozen: their optimizers are empty), then loaded
+#: under dp2 x pp2 DDP and exported
+SAVED = "pp4-1f1b-recompute"
 #: case -> (dp, dp mode, pp, tp, schedule, stages per rank, recomputation); "pp2" cases run on two pairs of ranks
 LAYOUTS = {
     "pp2-1f1b": (1, "ddp", 2, 1, "1f1b", None, "never"),
@@ -52,9 +66,12 @@ LAYOUTS = {
 
 
 def lora_configs() -> dict:
-    """test_hf_parity's tiny models, GPT-2 with its head tied to the embedding (frozen on two stages)."""
+    """test_hf_parity's tiny models with the tiny tokenizer's vocabulary (its folders are `--model DIR` folders),
+    GPT-2 with its head tied to the embedding (frozen on two stages)."""
     configs = tiny_configs()
     configs["gpt2"].tie_word_embeddings = True
+    for config in configs.values():
+        config.vocab_size = len(tiny_tokenizer())
     return configs
 
 
@@ -78,7 +95,7 @@ def _engine(model: LoraBlocks, layout: str, device: torch.device, pairs: list) -
     return session.engine, session.mesh.dp_rank
 
 
-def _train(folder: str, layout: str, device: torch.device, pairs: list) -> dict:
+def _train(folder: str, layout: str, device: torch.device, pairs: list, save: Path | None = None) -> dict:
     dp = LAYOUTS[layout][0]
     model = _model(folder)
     engine, replica = _engine(model, layout, device, pairs)
@@ -93,7 +110,12 @@ def _train(folder: str, layout: str, device: torch.device, pairs: list) -> dict:
         grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters() if p.requires_grad])
         opt.step()
     named = dict(engine.named_parameters())
-    return {"losses": losses, "grads": grads,
+    extra = {}
+    if save is not None:  # a checkpoint of the adapters, the pipeline's logits of the first batch, the momenta
+        save_checkpoint(save, engine, opt, step=len(losses), config={"lora": dataclasses.asdict(SETTINGS)})
+        logits = engine.evaluate(make_batches()[0][0], make_batches()[0][1]).outputs
+        extra = {"logits": None if logits is None else logits.clone(), "momenta": _momenta(engine, opt, keys)}
+    return {"losses": losses, "grads": grads, **extra,
             "params": [(keys[n], _full(p.detach()).clone()) for n, p in named.items() if p.requires_grad],
             "base_moved": max([(_full(named[n].detach()) - value).abs().max().item() for n, value in base.items()]
                               + [0.0]),
@@ -102,6 +124,22 @@ def _train(folder: str, layout: str, device: torch.device, pairs: list) -> dict:
             "trainable": sorted(keys[n] for n, p in named.items() if p.requires_grad),
             "frozen": len(base),
             "split": {keys[n]: tuple(p.to_local().shape) for n, p in named.items() if isinstance(p, DTensor)}}
+
+
+def _momenta(engine: PipelineEngine, opt: torch.optim.Optimizer, keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    return {keys[n]: _full(opt.state[p]["momentum_buffer"]).clone() for n, p in engine.named_parameters()
+            if p in opt.state}
+
+
+def _resumed(folder: str, save: Path, device: torch.device) -> dict:
+    """The pp4 checkpoint loaded under dp2 x pp2 (DDP, 1F1B): its adapters and momenta on this layout."""
+    model = _model(folder)
+    engine, _ = _engine(model, "dp2xpp2-ddp", device, [])
+    keys = transformers_names(model)
+    opt = torch.optim.SGD(param_groups(engine, 0.0), lr=LR, momentum=MOMENTUM)
+    load_checkpoint(save, engine, opt)
+    return {"params": {keys[n]: _full(p.detach()).clone() for n, p in engine.named_parameters() if p.requires_grad},
+            "momenta": _momenta(engine, opt, keys)}
 
 
 def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
@@ -113,7 +151,9 @@ def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
             pp2 = "pp2-1f1b" if spec.rank < 2 else "pp2-interleaved"  # the two pairs at once
             records[f"{family}-{pp2}"] = _train(folder, pp2, device, pairs)
             for layout in [name for name in LAYOUTS if not name.startswith("pp2-")]:
-                records[f"{family}-{layout}"] = _train(folder, layout, device, pairs)
+                save = Path(out) / "ckpt" / family if layout == SAVED else None
+                records[f"{family}-{layout}"] = _train(folder, layout, device, pairs, save)
+            records[f"{family}-resumed"] = _resumed(folder, Path(out) / "ckpt" / family, device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -159,17 +199,18 @@ def runs(tmp_path_factory):
         torch.manual_seed(SEED)
         folders[family] = str(root / family)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folders[family])
+        tiny_tokenizer().save_pretrained(folders[family])
         for dp in (1, 2):
             references[family, dp] = peft_reference(folders[family], dp)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, str(root)), timeout_s=600)
-    return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
+    return [torch.load(root / f"rank{r}.pt") for r in range(4)], references, folders, root
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_lora_on_every_layout_equals_the_unsplit_peft_model(family, layout, runs):
-    per_rank, references = runs
+    per_rank, references, _, _ = runs
     ref = references[family, LAYOUTS[layout][0]]
     records = [r[f"{family}-{layout}"] for r in per_rank if f"{family}-{layout}" in r]
     assert len(records) == (2 if layout.startswith("pp2-") else 4)
@@ -204,3 +245,82 @@ def test_lora_on_every_layout_equals_the_unsplit_peft_model(family, layout, runs
     assert first_a and all(ref["grads"][0][n].abs().max() > 0 for n in first_a), "A's first gradients are zero"
     moved = max((ref["params"][n] - ref["initial"][n]).abs().max().item() for n in ref["params"])
     assert moved > 100 * ATOL, f"the reference's adapters barely moved ({moved})"
+
+
+def _saved(per_rank: list[dict], family: str, what: str) -> dict:
+    return {name: value for records in per_rank for name, value in records[f"{family}-{SAVED}"][what].items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_checkpoint_holds_the_adapters_their_momenta_and_the_base_identity(family, runs):
+    per_rank, references, folders, root = runs
+    folder = root / "ckpt" / family / "step-00000003"
+    keys = set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("model.")}
+    adapters = {f"model.{n}" for n in transformers_names(_model(folders[family])) if ".lora_" in n}
+    assert model_keys == adapters, sorted(model_keys ^ adapters)[:4]
+    optimizer = {k.split(".", 2)[2].rpartition(".")[0] for k in keys if k.startswith("optim.state.")}
+    assert optimizer == {k[len("model."):] for k in adapters}
+    base = read_meta(folder).extras["base"]
+    assert base["folder"] == str(Path(folders[family]).resolve()) and len(base["digest"]) == 64
+    assert "model.safetensors" in base["files"] and "config.json" in base["files"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_checkpoint_resumes_under_another_layout(family, runs):
+    per_rank, _, _, _ = runs
+    saved = {n: v for records in per_rank for n, v in records[f"{family}-{SAVED}"]["params"]}
+    momenta = _saved(per_rank, family, "momenta")
+    assert set(momenta) == set(saved)  # pp4's ranks 1 and 2: every adapter's momentum (ranks 0 and 3 have none)
+    for records in per_rank:  # every rank of dp2 x pp2 holds its stage's adapters and momenta, bit for bit
+        resumed = records[f"{family}-resumed"]
+        assert resumed["params"] and set(resumed["params"]) == set(resumed["momenta"])
+        for name, value in resumed["params"].items():
+            assert torch.equal(value, saved[name]), name
+            assert torch.equal(resumed["momenta"][name], momenta[name]), name
+
+
+def _pipeline_logits(per_rank: list[dict], family: str) -> torch.Tensor:
+    return next(r[f"{family}-{SAVED}"]["logits"] for r in per_rank if r[f"{family}-{SAVED}"]["logits"] is not None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_peft_export_loads_in_peft_with_the_pipeline_logits(family, runs, tmp_path, capsys):
+    per_rank, _, folders, root = runs
+    out = tmp_path / "adapter"
+    code = cli_main.main(["export", str(root / "ckpt" / family), str(out), "--peft", "--workload", "hf",
+                          "--preset", "llama-tiny", "--model", folders[family]])
+    assert code == 0, capsys.readouterr()
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    base = transformers.AutoModelForCausalLM.from_pretrained(folders[family])
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=make_batches()[0][0]).logits
+    torch.testing.assert_close(logits, _pipeline_logits(per_rank, family), rtol=RTOL, atol=ATOL)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folders[family]).eval()
+    with torch.no_grad():
+        assert (plain(input_ids=make_batches()[0][0]).logits - logits).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_merged_export_is_a_transformers_folder_with_the_pipeline_logits(family, runs, tmp_path, capsys):
+    per_rank, _, folders, root = runs
+    out = tmp_path / "merged"
+    code = cli_main.main(["export", str(root / "ckpt" / family), str(out), "--hf", "--merge", "--workload", "hf",
+                          "--preset", "llama-tiny", "--model", folders[family]])
+    assert code == 0, capsys.readouterr()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any("lora" in name for name in merged.state_dict())
+    with torch.no_grad():
+        logits = merged(input_ids=make_batches()[0][0]).logits
+    torch.testing.assert_close(logits, _pipeline_logits(per_rank, family), rtol=RTOL, atol=ATOL)
+
+
+def test_adapters_of_another_base_folder_are_refused(runs, tmp_path):
+    _, _, folders, root = runs
+    torch.manual_seed(SEED + 1)  # the same architecture, other weights
+    transformers.AutoModelForCausalLM.from_config(lora_configs()["llama"]).save_pretrained(tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"holds LoRA adapters of the base model .*llama.* this job's base is "
+                                          r".*other.*: its config or weights differ") as err:
+        read_weights(root / "ckpt" / "llama", _model(str(tmp_path / "other")))
+    assert "--model" in err.value.hint and folders["llama"] in err.value.hint
