@@ -12,7 +12,8 @@ __all__ = ["add_lora_arguments", "lora_settings"]
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("LoRA adapters (--workload hf; needs pipetrain[lora]; docs/lora.md)")
+    group = parser.add_argument_group("LoRA adapters", "PEFT's LoRA layers on a frozen base (--workload hf; needs "
+                                                       "pipetrain[lora]; docs/lora.md)")
     group.add_argument("--lora-rank", type=int, default=None, metavar="R",
                        help="train PEFT's LoRA adapters of rank R on a frozen base instead of every parameter "
                             "(default: off)")
