@@ -324,3 +324,18 @@ def test_adapters_of_another_base_folder_are_refused(runs, tmp_path):
                                           r".*other.*: its config or weights differ") as err:
         read_weights(root / "ckpt" / "llama", _model(str(tmp_path / "other")))
     assert "--model" in err.value.hint and folders["llama"] in err.value.hint
+
+
+def test_resuming_lora_on_another_base_folder_is_one_message(runs, tmp_path, capsys):
+    _, _, folders, root = runs
+    other = tmp_path / "other"
+    torch.manual_seed(SEED + 1)
+    transformers.AutoModelForCausalLM.from_config(lora_configs()["llama"]).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    code = cli_main.main(["train", "--workload", "hf", "--model", str(other), "--lora-rank", "4", "--data", "synthetic",
+                          "--seq-len", str(SEQ), "--pp", "2", "--save-dir", str(root / "ckpt" / "llama"), "--resume",
+                          "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert f"holds LoRA adapters of the base model {Path(folders['llama']).resolve()}" in err
+    assert f"pass --model {Path(folders['llama']).resolve()}" in err
