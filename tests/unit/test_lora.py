@@ -148,3 +148,21 @@ def test_peft_export_of_a_full_fine_tune_is_refused(tmp_path: Path, capsys):
     assert code == 2 and "Traceback" not in err
     assert f"--peft: checkpoint {str(folder)!r} is a full fine-tune (every parameter trained)" in err
     assert "export it with --hf" in err and not (tmp_path / "out").exists()
+
+
+def test_parameter_groups_leave_frozen_parameters_out():
+    from torch import nn
+
+    from pipetrain.recipe import build_optimizer, no_decay_names, param_groups
+
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4))
+    net[0].weight.requires_grad_(False)
+    net[1].weight.requires_grad_(False)
+    groups = param_groups(net, 0.1)
+    held = {id(p) for g in groups for p in g["params"]}
+    assert held == {id(net[1].bias), id(net[2].weight), id(net[2].bias)}
+    assert no_decay_names(net) == {"1.bias", "2.weight", "2.bias"}
+    for p in net.parameters():
+        p.requires_grad_(False)
+    assert param_groups(net, 0.1) == [{"params": [], "weight_decay": 0.0}]  # a frozen stage: an empty optimizer
+    assert build_optimizer(net, 1e-3).param_groups[0]["params"] == []
