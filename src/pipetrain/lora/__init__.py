@@ -6,7 +6,7 @@ folder or a merged transformers folder (`export_peft`, `export_merged`). See doc
 from __future__ import annotations
 
 from pipetrain.lora.config import LoraSettings, require_peft
-from pipetrain.lora.model import LoraBlocks, adapter_names, is_adapter
+from pipetrain.lora.model import LoraBlocks, is_adapter
 from pipetrain.lora.tp import lora_tp_plan
 
-__all__ = ["LoraSettings", "LoraBlocks", "require_peft", "lora_tp_plan", "adapter_names", "is_adapter"]
+__all__ = ["LoraSettings", "LoraBlocks", "require_peft", "lora_tp_plan", "is_adapter"]

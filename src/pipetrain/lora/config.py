@@ -8,7 +8,10 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["LoraSettings", "require_peft"]
+__all__ = ["LoraSettings", "require_peft", "ADAPTER_NAME"]
+
+#: the name PEFT gives the one adapter (`lora_A.default`); a PEFT adapter folder's keys drop it
+ADAPTER_NAME = "default"
 
 
 def require_peft() -> Any:

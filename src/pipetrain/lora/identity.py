@@ -5,6 +5,7 @@ checkpoint and compared on resume and on export. The digest covers config.json w
 (`*.safetensors`, the shard index), its size, its safetensors header (every tensor's name, dtype, shape and
 offsets) and its first and last MiB: a retrained or re-saved model differs there, and reading it costs milliseconds
 even for a model of many shards (hashing every byte of a 70B model's files on every save would take minutes).
+`pipetrain.checkpoint.state.check_compatible` compares the digests (the folder may have moved).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["folder_identity", "config_identity", "same_base", "describe_base"]
+__all__ = ["folder_identity", "config_identity"]
 
 _EDGE = 1 << 20  # bytes hashed at each end of a weights file
 
@@ -48,13 +49,3 @@ def folder_identity(folder: str | Path) -> dict[str, Any]:
 def config_identity(config_json: str) -> dict[str, Any]:
     """A model built from a config alone (a preset, no folder): a digest of the config."""
     return {"folder": None, "digest": hashlib.sha256(config_json.encode()).hexdigest(), "files": []}
-
-
-def same_base(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> bool:
-    """Whether two identities are one base (their digests; the folder may have moved)."""
-    return saved is None or current is None or saved.get("digest") == current.get("digest")
-
-
-def describe_base(identity: dict[str, Any]) -> str:
-    where = identity.get("folder") or "a preset's config"
-    return f"{where} (digest {str(identity.get('digest'))[:12]})"

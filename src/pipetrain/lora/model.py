@@ -12,7 +12,6 @@ targets that name no module. The block seed (`build_blocks`) also seeds PEFT's i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,24 +19,17 @@ from torch import nn
 
 from pipetrain.blocks import BlockModel, Tensors, tp_ability, tp_plan_hook
 from pipetrain.errors import ConfigError
-from pipetrain.lora.config import LoraSettings, require_peft
+from pipetrain.lora.config import ADAPTER_NAME, LoraSettings, require_peft
 from pipetrain.lora.identity import config_identity, folder_identity
 from pipetrain.lora.tp import lora_tp_plan
 from pipetrain.parallel.tensor import TPPlan
 
-__all__ = ["LoraBlocks", "is_adapter", "adapter_names", "ADAPTER_NAME"]
-
-#: the name PEFT gives the one adapter (`lora_A.default`), dropped in a PEFT adapter folder's keys
-ADAPTER_NAME = "default"
+__all__ = ["LoraBlocks", "is_adapter", "ADAPTER_NAME"]
 
 
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` belongs to a LoRA adapter (PEFT's `lora_A` / `lora_B`)."""
     return ".lora_A." in name or ".lora_B." in name
-
-
-def adapter_names(named: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
-    return [name for name, _ in named if is_adapter(name)]
 
 
 def _projections(block: nn.Module) -> list[str]:

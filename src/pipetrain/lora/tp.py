@@ -18,12 +18,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from pipetrain.compat.tensor_styles import Conv1DParallel, FusedColwiseParallel
 from pipetrain.errors import ConfigError
+from pipetrain.lora.config import ADAPTER_NAME as ADAPTER
 from pipetrain.parallel.tensor import TPPlan
 
-__all__ = ["lora_tp_plan", "ADAPTER"]
-
-#: PEFT's adapter name in the module paths (`lora_A.default`)
-ADAPTER = "default"
+__all__ = ["lora_tp_plan"]
 
 
 def _whole_input() -> PrepareModuleInput:
