@@ -25,6 +25,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("checkpoint",),
     ("data",),
     ("workloads",),
+    ("lora",),
     ("recipe",),
     ("session",),
     ("generate",),

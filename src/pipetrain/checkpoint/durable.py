@@ -92,7 +92,7 @@ class DurableConfig:
         if self.resume:
             folder = find_checkpoint(self.resume_path)
             meta = read_meta(folder)
-            check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(model))
+            check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(model), model=model)
             if "position" not in meta.extras:
                 raise ConfigError(f"checkpoint {str(folder)!r} was saved from a Python loop, not by `pipetrain train`: "
                                   "it does not say where training stopped",

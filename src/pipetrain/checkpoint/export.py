@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from pipetrain.blocks import BlockModel, build_sequential
 from pipetrain.checkpoint.folders import read_meta
 from pipetrain.checkpoint.keys import fingerprint
-from pipetrain.checkpoint.state import check_compatible, find_checkpoint
+from pipetrain.checkpoint.state import check_compatible, find_checkpoint, frozen_model
 from pipetrain.errors import CheckpointError, ConfigError
 from pipetrain.pipeline.tied import tied_aliases
 
@@ -21,13 +21,18 @@ __all__ = ["export_checkpoint", "read_weights"]
 def read_weights(checkpoint: str | Path, model: BlockModel) -> dict[str, torch.Tensor]:
     """The model weights of `checkpoint` (a `step-N` folder or a --save-dir), read in this one process, as the
     state dict of `pipetrain.build_sequential(model)` (keys `<block>.<name in block>`; every copy of a tied
-    weight filled from the one stored)."""
+    weight filled from the one stored). For a LoRA model the checkpoint holds the adapters, the base comes from
+    the model's own folder (checked to be the one the adapters were trained on)."""
     folder = find_checkpoint(checkpoint)
     meta = read_meta(folder)
-    check_compatible(meta, folder, model_name=None, fingerprint_=fingerprint(model))
+    check_compatible(meta, folder, model_name=None, fingerprint_=fingerprint(model), model=model)
     sequential = build_sequential(model, seed=0)
     aliases = tied_aliases(model, model.num_blocks)  # copies of a tied weight: stored once, under the canonical key
     state = {f"model.{key}": value for key, value in sequential.state_dict().items() if key not in aliases}
+    if frozen_model(model):  # adapters only are stored: the frozen base is the one its folder holds
+        trained = {f"model.{name}" for name, param in sequential.named_parameters() if param.requires_grad}
+        base = {key[len("model."):]: value for key, value in state.items() if key not in trained}
+        state = {key: value for key, value in state.items() if key in trained}
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -36,6 +41,8 @@ def read_weights(checkpoint: str | Path, model: BlockModel) -> dict[str, torch.T
         raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {err}",
                               hint="the checkpoint is damaged; export an older one") from None
     weights = {key[len("model."):]: value.detach().clone() for key, value in state.items()}
+    if frozen_model(model):
+        weights = {**base, **weights}
     weights.update({alias: weights[canonical] for alias, canonical in aliases.items()})
     return weights
 

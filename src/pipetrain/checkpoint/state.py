@@ -63,15 +63,40 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def frozen_model(model: Any) -> bool:
+    """Whether `model`'s job trains adapters on a frozen base (a LoRA `BlockModel`: it has `base_identity`)."""
+    return callable(getattr(model, "base_identity", None))
+
+
+def _model_options(engine: PipelineEngine) -> StateDictOptions:
+    """A LoRA engine's model state is its adapters: the frozen base is the base folder's, neither saved nor loaded."""
+    frozen = frozen_model(engine.model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict]:
     """(container of the stage modules, its key renamer, this rank's layout-free state dict)."""
     container = nn.ModuleList(engine.modules)
     names = StageNames(engine.stage_ids, engine.balance, tied_aliases(engine.model, engine.model.num_blocks))
-    state: dict[str, Any] = {f"model.{k}": v for k, v in names.model_state(get_model_state_dict(container)).items()}
-    if optimizer is not None:
+    model = get_model_state_dict(container, options=_model_options(engine))
+    if frozen_model(engine.model):  # the base's buffers (rotary tables, masks) are rebuilt from the base folder
+        trained = {_clean(n) for n, p in container.named_parameters() if p.requires_grad}
+        model = {k: v for k, v in model.items() if _clean(k) in trained}
+    state: dict[str, Any] = {f"model.{k}": v for k, v in names.model_state(model).items()}
+    if _holds_parameters(optimizer):  # a LoRA stage of frozen blocks only has an empty optimizer: nothing to save
         optim = get_optimizer_state_dict(container, optimizer, options=_OPTIONS)
         state.update({f"optim.{k}": v for k, v in names.optimizer_state(optim).items()})
     return container, names, state
+
+
+def _holds_parameters(optimizer: torch.optim.Optimizer | None) -> bool:
+    return optimizer is not None and any(group["params"] for group in optimizer.param_groups)
+
+
+def _clean(key: str) -> str:
+    """A parameter name with the wrappers' prefixes (DDP's `module.`, recomputation's, compile's) removed, as the
+    state dict helpers name it."""
+    return ".".join(part for part in key.split(".") if part not in ("module", "_orig_mod", "_checkpoint_wrapped_module"))
 
 
 def _agree(error: str | None) -> None:
@@ -138,9 +163,12 @@ def checkpoint_meta(engine: PipelineEngine, step: int, model_name: str, config: 
                     extras: Mapping[str, Any] | None, *, fingerprint_: str | None = None) -> CheckpointMeta:
     """The metadata rank 0 writes beside the shards (`fingerprint_`: the model's, when already known)."""
     layout = engine_layout(engine)
+    extras = dict(extras or {})
+    if frozen_model(engine.model):  # adapters only: the base they adapt, checked on resume and export
+        extras["base"] = engine.model.base_identity()
     return CheckpointMeta(step=step, model=model_name, fingerprint=fingerprint_ or fingerprint(engine.model),
                           layout=layout, world_size=layout["world_size"], config=dict(config or {}),
-                          extras=dict(extras or {}))
+                          extras=extras)
 
 
 def commit_save(partial: Path, final: Path, meta: CheckpointMeta, keep: int | None) -> str | None:
@@ -215,7 +243,7 @@ def load_checkpoint(
     """
     folder = find_checkpoint(path)
     meta = read_meta(folder)
-    check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(engine.model))
+    check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(engine.model), model=engine.model)
     container, names, state = _states(engine, optimizer)
     state, split = full_targets(state)
     same_layout = meta.layout == engine_layout(engine)
@@ -228,8 +256,8 @@ def load_checkpoint(
                               hint=damaged_hint(folder)) from None
     state = split(state)
     model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-    set_model_state_dict(container, names.local_model_state(model_state))
-    if optimizer is not None:
+    set_model_state_dict(container, names.local_model_state(model_state), options=_model_options(engine))
+    if _holds_parameters(optimizer):
         optim = {k[len("optim."):]: v for k, v in state.items() if k.startswith("optim.")}
         set_optimizer_state_dict(container, optimizer, names.local_optimizer_state(optim), options=_OPTIONS)
     if same_layout:
@@ -246,8 +274,21 @@ def saved_keys(folder: Path) -> set[str]:
         return set()
 
 
-def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | None, fingerprint_: str) -> None:
-    """ConfigError when the checkpoint in `folder` was written for another model than this job's."""
+def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | None, fingerprint_: str,
+                     model: Any = None) -> None:
+    """ConfigError when the checkpoint in `folder` was written for another model than this job's (for adapters,
+    `model` a LoRA `BlockModel`: another base model than the one they were trained on)."""
+    saved = meta.extras.get("base")
+    if saved is not None and frozen_model(model):
+        current = model.base_identity()
+        if saved.get("digest") != current.get("digest"):
+            where = saved.get("folder") or "a preset's config"
+            now = current.get("folder") or "a preset's config"
+            raise ConfigError(f"checkpoint {str(folder)!r} holds LoRA adapters of the base model {where} (digest "
+                              f"{str(saved.get('digest'))[:12]}), but this job's base is {now} (digest "
+                              f"{str(current.get('digest'))[:12]}): its config or weights differ",
+                              hint=f"pass --model {where} (the base the adapters were trained on), or another "
+                                   "--save-dir to start afresh")
     if model_name is not None and meta.model != model_name:
         raise ConfigError(f"checkpoint {str(folder)!r} was written for model {meta.model!r}, this job trains {model_name!r}",
                           hint="resume with the same workload and preset, or pass another --save-dir")

@@ -27,6 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="write a Hugging Face folder (config.json, model.safetensors, the tokenizer of the "
                              "--model folder that trained it): AutoModelForCausalLM.from_pretrained(OUT) and "
                              "AutoTokenizer.from_pretrained(OUT) load it (--workload hf checkpoints)")
+    parser.add_argument("--peft", action="store_true",
+                        help="a LoRA checkpoint's adapters as a PEFT adapter folder (adapter_config.json, "
+                             "adapter_model.safetensors): PeftModel.from_pretrained(base, OUT) loads it")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --hf, a LoRA checkpoint's adapters merged into the base: a plain transformers folder")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
                         help="the pretrained model folder the checkpoint was fine-tuned from (default: the one "
                              "that wrote the checkpoint)")
@@ -47,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if model_dir:
         task = task.with_model(model_dir, pack=True)
     task.check_preset(preset)
+    lora = config.get("lora")
+    if args.peft or args.merge or lora:
+        return _export_lora(args, folder, task, preset, lora, model_dir)
     if args.hf:
         return _export_hf(folder, task.model(preset), args.file, model_dir, workload)
     weights = export_checkpoint(folder, task.model(preset), args.file)
@@ -66,4 +74,32 @@ def _export_hf(folder: Path, model, out: Path, model_dir: str | Path | None, wor
     export_hf(folder, model, out, tokenizer_from=model_dir)
     log.info("wrote %s: a Hugging Face %s model%s, from %s", out, model.config.model_type,
              " with its tokenizer" if model_dir else " (no tokenizer: the model was built from a preset)", folder)
+    return 0
+
+
+def _export_lora(args: argparse.Namespace, folder: Path, task, preset: str, lora: dict | None,
+                 model_dir: str | Path | None) -> int:
+    """`--peft` (the adapters as a PEFT folder) or `--hf --merge` (merged) of a LoRA checkpoint; one message for a
+    full fine-tune's checkpoint or for a LoRA checkpoint exported without either."""
+    if lora is None:
+        flag = "--peft" if args.peft else "--merge"
+        raise ConfigError(f"{flag}: checkpoint {str(folder)!r} is a full fine-tune (every parameter trained), it holds "
+                          "no LoRA adapters", hint="export it with --hf (the whole model), or train with --lora-rank R")
+    if args.merge and not args.hf:
+        raise ConfigError("--merge writes a transformers folder: it goes with --hf", hint="pass --hf --merge")
+    if not (args.peft or args.merge):
+        raise ConfigError(f"checkpoint {str(folder)!r} holds LoRA adapters only (no base weights)",
+                          hint="pass --peft (a PEFT adapter folder) or --hf --merge (the merged model)")
+    from pipetrain.lora import LoraBlocks, LoraSettings
+    from pipetrain.lora.export import export_merged, export_peft
+
+    model = LoraBlocks(task.model(preset), LoraSettings(**lora))
+    if args.peft:
+        export_peft(folder, model, args.file)
+        log.info("wrote %s: PEFT LoRA adapters (rank %d) of %s, from %s", args.file, model.settings.rank,
+                 model.base_identity().get("folder"), folder)
+    else:
+        export_merged(folder, model, args.file, tokenizer_from=model_dir)
+        log.info("wrote %s: a Hugging Face %s model, LoRA adapters merged, from %s", args.file,
+                 model.config.model_type, folder)
     return 0

@@ -38,7 +38,8 @@ def data_parallel_wrapper(
 ) -> Callable[[nn.Module], nn.Module] | None:
     """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
 
-    `ddp`: gradients all-reduced (averaged) after the last micro-batch. With several stages per rank the
+    `ddp`: gradients all-reduced (averaged) after the last micro-batch; DDP skips frozen parameters (LoRA's base),
+    and a stage with none to train is left unwrapped. With several stages per rank the
     stages' backward passes interleave, so DDP must not assume a static graph (torch 2.13 crashes at step 2
     with default flags and gives wrong gradients with `static_graph=True`); `find_unused_parameters=True`
     makes it correct. `fsdp`: FSDP2 `fully_shard` per block and per stage (parameters, gradients and
@@ -53,6 +54,8 @@ def data_parallel_wrapper(
         device = mesh.device_mesh.device_type
 
         def ddp(module: nn.Module) -> nn.Module:
+            if not any(p.requires_grad for p in module.parameters()):
+                return module  # a frozen stage (LoRA's first or last): no gradient to reduce, DDP refuses it
             return QuietDistributedDataParallel(
                 module,
                 device_ids=None if device == "cpu" else [next(module.parameters()).device],

@@ -131,6 +131,8 @@ class TiedWeights:
         A collective call over each tie's group: every rank holding a copy calls it after the backward."""
         kept = list(kept) if kept is not None else [[None] * len(t.local) for t in self._ties]
         for tie, before in zip(self._ties, kept):
+            if not tie.local[0].requires_grad:  # frozen on every rank (LoRA's base): no gradient to sum
+                continue
             grads = [p.grad for p in tie.local]
             template = next((g for g in grads if g is not None), None)
             if template is None:

@@ -81,6 +81,14 @@ class BlockCost:
     fixed_backward_s: float = 0.0
     #: parameters of the block's projection weights (what Float8 training converts; `predict`'s `float8`)
     matmul_params: int = 0
+    #: parameters of `params` that train no more (a LoRA run's frozen base): no gradient, no optimizer state, no
+    #: data-parallel reduction
+    frozen_params: int = 0
+
+    @property
+    def trained_share(self) -> float:
+        """The share of the parameters that get gradients and optimizer state (1.0 unless some are frozen)."""
+        return 1.0 if not self.frozen_params or not self.params else (self.params - self.frozen_params) / self.params
 
 
 def transformer_activation_bytes(s: int, b: int, h: int, a: int, *, ffn: int | None = None, element: int = 2,

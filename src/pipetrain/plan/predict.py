@@ -113,7 +113,7 @@ def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1, tp
     """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each; one of
     `tp` ranks: its share), plus DTensor's dispatch on every DTensor parameter: all of them under FSDP
     (`shards` > 1), the split blocks' under tensor parallelism."""
-    params = sum(tp_params(b, tp) for b in blocks) / shards
+    params = sum(tp_params(b, tp) * b.trained_share for b in blocks) / shards  # frozen parameters: no step
     tensors = sum(b.tensors for b in blocks)
     if shards > 1:
         dtensors = tensors
@@ -207,7 +207,8 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
             activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
-            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) for b in part), layout, network, groups=len(part) + 1),
+            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in part), layout, network,
+                              groups=len(part) + 1),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
             held_bytes=held, recompute_bytes=again,
         ))
@@ -222,17 +223,20 @@ def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
     until the last backward, the fp32 shards (weights, gradient, two moments) are split over dp. In fp32 that is
     2 + 4/dp copies of the parameter bytes; in bf16 the gathered weights take 2 bytes per parameter (1 for Float8
     projections, `float8`), the accumulated gradients 4 (FSDP2 accumulates in its fp32 reduce dtype), the shards
-    16 / dp."""
+    16 / dp. Frozen parameters (`BlockCost.frozen_params`, a LoRA run's base) hold their weights only: no gradient,
+    no moments, no DDP bucket."""
     param_bytes = sum(tp_param_bytes(b, layout.tp) for b in blocks)
+    trained_bytes = sum(tp_param_bytes(b, layout.tp) * b.trained_share for b in blocks)
     if layout.precision not in ("fp32", "bf16"):
         raise ConfigError(f"unknown precision {layout.precision!r} for memory", hint="use 'fp32' or 'bf16'")
     if layout.dp_mode != "fsdp" or layout.dp == 1:
-        return (5 if layout.dp > 1 else 4) * param_bytes
+        return param_bytes + (4 if layout.dp > 1 else 3) * trained_bytes
     if layout.precision == "fp32":
-        return 2 * param_bytes + 4 * param_bytes / layout.dp
+        return param_bytes + trained_bytes + (param_bytes + 3 * trained_bytes) / layout.dp
     params = sum(tp_params(b, layout.tp) for b in blocks)
+    trained = sum(tp_params(b, layout.tp) * b.trained_share for b in blocks)
     fp8 = sum(b.matmul_params / (layout.tp if b.tensor is not None else 1) for b in blocks) if layout.float8 else 0.0
-    return 2 * (params - fp8) + fp8 + 4 * params + 16 * params / layout.dp
+    return 2 * (params - fp8) + fp8 + 4 * trained + (4 * params + 12 * trained) / layout.dp
 
 
 def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> Prediction:

@@ -47,21 +47,25 @@ def decays(param: torch.Tensor, *, embedding: bool) -> bool:
 
 
 def no_decay_names(source: Source) -> set[str]:
-    """The names of the parameters that get no weight decay (engine: layout-free `<block>.<name>`)."""
+    """The names of the trained parameters that get no weight decay (engine: layout-free `<block>.<name>`)."""
     embeddings = _embedding_ids(source)
-    return {name for name, p in _named(source) if not decays(p, embedding=id(p) in embeddings)}
+    return {name for name, p in _named(source) if p.requires_grad and not decays(p, embedding=id(p) in embeddings)}
 
 
 def param_groups(source: Source, weight_decay: float) -> list[dict[str, Any]]:
     """The optimizer's parameter groups of an engine's (or a module's) parameters: the decaying ones with
-    `weight_decay`, the others with 0. An empty group is left out (a stage may hold no matrix)."""
+    `weight_decay`, the others with 0. An empty group is left out (a stage may hold no matrix); frozen parameters
+    (LoRA's base) are in none; a rank with nothing to train gets one empty group (an optimizer that does nothing)."""
     embeddings = _embedding_ids(source)
     decay: list[nn.Parameter] = []
     other: list[nn.Parameter] = []
     for _, param in _named(source):
+        if not param.requires_grad:  # frozen (LoRA's base): no gradient, no optimizer state
+            continue
         (decay if decays(param, embedding=id(param) in embeddings) else other).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+    kept = [group for group in groups if group["params"]]
+    return kept or [{"params": [], "weight_decay": 0.0}]  # a stage with nothing to train: an empty optimizer
 
 
 def build_optimizer(source: Source, lr: float, weight_decay: float = RecipeConfig.weight_decay,

@@ -18,6 +18,7 @@ from pipetrain.data.fields import RowFormat
 from pipetrain.data.packing import pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
+from pipetrain.lora import LoraBlocks, LoraSettings
 from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.plan.auto import Fixed
@@ -88,6 +89,8 @@ class TrainConfig:
     trace_steps: int = 3
     trace_warmup: int = 2
     precision: str = "fp32"
+    #: LoRA adapters through PEFT on a frozen base (`--lora-rank` ...; None: every parameter trains)
+    lora: LoraSettings | None = None
     durable: DurableConfig = field(default_factory=DurableConfig)
     logs: LogConfig = field(default_factory=LogConfig)
 
@@ -184,8 +187,10 @@ class TrainConfig:
         return workload if self.model_dir is None else workload.with_model(self.model_dir, pack=self.pack)
 
     def model(self) -> BlockModel:
-        """The workload's model for this preset and window (a `BlockModel`)."""
-        return self.task().model(self.preset, seq_len=self.window)
+        """The workload's model for this preset and window (a `BlockModel`); with `lora`, its blocks carry PEFT's
+        LoRA layers on a frozen base (`LoraBlocks`)."""
+        model = self.task().model(self.preset, seq_len=self.window)
+        return model if self.lora is None else LoraBlocks(model, self.lora, workload=self.workload)
 
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""

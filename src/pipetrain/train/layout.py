@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
+
 from pipetrain.blocks import BlockModel
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.config import ParallelConfig, PipelineConfig
@@ -113,6 +115,25 @@ def _analytic_blocks(config: TrainConfig, model: BlockModel) -> tuple[list[Block
     return blocks, f"{config.model_dir}/config.json priced at seq len {seq_len} ({sizes.summary()})"
 
 
+def frozen_costs(blocks: list[BlockCost], model: BlockModel) -> list[BlockCost]:
+    """`blocks` with each block's frozen parameters counted (`BlockCost.frozen_params`: a LoRA run's base gets no
+    gradient nor optimizer state), from the model's blocks built on the meta device. Priced from a config (the base
+    alone), a block's parameters gain its adapters'."""
+    out = []
+    for index, cost in enumerate(blocks):
+        with torch.device("meta"):
+            params = list(model.build_block(index).parameters())
+        total = sum(p.numel() for p in params)
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        if trained == total:
+            out.append(cost)
+            continue
+        count = cost.params + trained if cost.params < total else cost.params
+        scale = count / cost.params if cost.params else 1.0
+        out.append(replace(cost, params=count, param_bytes=cost.param_bytes * scale, frozen_params=count - trained))
+    return out
+
+
 def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
     def accepts(layout: Layout) -> bool:
         try:
@@ -138,7 +159,9 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
     if not request.auto:
         return config
     calib, calib_source = _calibration(config, launched, device, say, calibrate)
-    blocks, blocks_source = _blocks(config, config.model(), launched, device, say)
+    model = config.model()
+    blocks, blocks_source = _blocks(config, model, launched, device, say)
+    blocks = frozen_costs(blocks, model)
     memory = request.mem_cap * _MB if request.mem_cap is not None else (
         calib.device.memory_bytes / max(1, per_node) if calib.device.cores else calib.device.memory_bytes)
     budget = replace(calib.device, memory_bytes=memory)

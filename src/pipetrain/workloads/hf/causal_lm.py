@@ -229,6 +229,10 @@ class HFCausalLM:
         embedding = self.family.embed.rpartition(".")[2] + ".weight"  # the embedding block's name for it
         return [((0, embedding), (self.num_blocks - 1, "lm_head.weight"))]
 
+    def lora_targets(self) -> tuple[str, ...]:
+        """The attention and MLP projections' leaf names, LoRA's default targets (the family description's)."""
+        return self.family.lora_targets
+
     @tp_plan_hook(loss_parallel=False)  # the head stays whole: no vocabulary-parallel head
     def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False) -> TPPlan:
         """Block `index`'s tensor-parallel plan: the family's decoder-layer split (see `pipetrain.workloads.hf.tp`)."""

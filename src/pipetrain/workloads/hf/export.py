@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from pipetrain.checkpoint.export import read_weights
 from pipetrain.errors import CheckpointError, ConfigError
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, require_transformers
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "hf_state_dict", "write_folder", "check_new_folder"]
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], model: HFCausalLM) -> dict[str, torch.Tensor]:
@@ -34,15 +35,12 @@ def hf_state_dict(weights: dict[str, torch.Tensor], model: HFCausalLM) -> dict[s
     return state
 
 
-def export_hf(checkpoint: str | Path, model: HFCausalLM, out: str | Path, *,
+def export_hf(checkpoint: str | Path, model: Any, out: str | Path, *,
               tokenizer_from: str | Path | None = None) -> Path:
     """Write the weights of `checkpoint` as a Hugging Face folder `out` (config, safetensors, tokenizer of
     `tokenizer_from` when given). No process group is needed; the folder appears complete or not at all."""
     transformers = require_transformers()
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"export folder {str(out)!r} already exists and is not empty",
-                          hint="pass a new folder (or an empty one) for the Hugging Face model")
+    check_new_folder(Path(out))
     weights = read_weights(checkpoint, model)
     config = model.config
     with torch.device("meta"):
@@ -58,10 +56,26 @@ def export_hf(checkpoint: str | Path, model: HFCausalLM, out: str | Path, *,
     hf_model.load_state_dict(state, strict=not model.tied)
     if model.tied:
         hf_model.tie_weights()
+    return write_folder(hf_model, out, tokenizer_from=tokenizer_from)
+
+
+def check_new_folder(out: Path) -> None:
+    """Refuse an export folder that exists and is not empty."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"export folder {str(out)!r} already exists and is not empty",
+                          hint="pass a new folder (or an empty one) for the Hugging Face model")
+
+
+def write_folder(saved: Any, out: str | Path, *, tokenizer_from: str | Path | None = None) -> Path:
+    """`saved.save_pretrained` (a transformers or PEFT model) into `out`, with the tokenizer of `tokenizer_from`
+    when given; the folder appears complete or not at all."""
+    transformers = require_transformers()
+    out = Path(out)
+    check_new_folder(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        hf_model.save_pretrained(partial)
+        saved.save_pretrained(partial)
         if tokenizer_from is not None:
             transformers.AutoTokenizer.from_pretrained(str(tokenizer_from), local_files_only=True).save_pretrained(partial)
             generation = Path(tokenizer_from) / "generation_config.json"

@@ -118,6 +118,8 @@ class Family:
     fused_qkv: str | None = None  #: one projection holding [q | k | v] (Phi-3's "self_attn.qkv_proj"), or None
     fused_gate_up: str | None = None  #: one projection holding [gate | up] (Phi-3's "mlp.gate_up_proj"), or None
     post_norms: bool = False  #: norms after attention and MLP (OLMo-2) instead of before them
+    #: the leaf names of the attention and MLP projections (LoRA's default targets, `--lora-targets`)
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     # -- initialisation and tensor parallelism --
     norm_init: float = 1.0  #: every norm weight's initial value (Gemma's zero-centred `x * (1 + weight)`: 0.0)
     scaled_init: str | None = None  #: modules ending so get std / sqrt(2 * layers) (GPT-2's residual "c_proj")

@@ -32,5 +32,6 @@ GPT2 = Family(
     layer_class="GPT2Block", norm_class="torch.nn.LayerNorm", norm_eps="layer_norm_epsilon",
     embed_padding=False, embed_dropout="embd_pdrop", scaled_init="c_proj",
     fused_qkv="attn.c_attn", qkv_bias=True, o_bias=True, mlp_bias=True,
+    lora_targets=("c_attn", "c_proj", "c_fc"),
     tp_plan=gpt2_tp_plan,
 )

@@ -42,5 +42,6 @@ PHI3 = Family(
     layer_class="Phi3DecoderLayer", norm_class="Phi3RMSNorm", norm_eps="rms_norm_eps",
     rotary_class="Phi3RotaryEmbedding", position_ids=True, mask=sliding_window_mask,
     fused_qkv="self_attn.qkv_proj", fused_gate_up="mlp.gate_up_proj",
+    lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     tp_plan=phi3_tp_plan,
 )
