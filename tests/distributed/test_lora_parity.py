@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from pipetrain.blocks import build_sequential  # noqa: E402
-from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
+from pipetrain.checkpoint.state import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.checkpoint.export import read_weights  # noqa: E402
 from pipetrain.checkpoint.folders import read_meta  # noqa: E402
 from pipetrain.cli import main as cli_main  # noqa: E402
@@ -339,3 +339,28 @@ def test_resuming_lora_on_another_base_folder_is_one_message(runs, tmp_path, cap
     assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
     assert f"holds LoRA adapters of the base model {Path(folders['llama']).resolve()}" in err
     assert f"pass --model {Path(folders['llama']).resolve()}" in err
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generate_from_the_adapter_checkpoint_equals_peft_s_generate(family, runs, tmp_path, capsys):
+    """`pipetrain generate --checkpoint` of adapters: the base from its folder, PEFT's layers on, the adapters read
+    from the checkpoint; greedy tokens equal PEFT's `generate` over the exported adapter folder."""
+    from pipetrain.generate.job import GenerateJob, build_stage, generate_batch, prepare_job
+    from pipetrain.generate.loop import Placement
+    from pipetrain.generate.weights import ModelSource
+
+    _, _, folders, root = runs
+    out = tmp_path / "adapter"
+    assert cli_main.main(["export", str(root / "ckpt" / family), str(out), "--peft", "--workload", "hf",
+                          "--preset", "llama-tiny", "--model", folders[family]]) == 0, capsys.readouterr()
+    source = ModelSource(Path(folders[family]), find_checkpoint(root / "ckpt" / family), dataclasses.asdict(SETTINGS))
+    job = GenerateJob(source, ("The cat", "It was the best of times"), pp=1, max_new_tokens=6)
+    model, batch = prepare_job(job)
+    stage = build_stage(model, Placement(0, 1), torch.device("cpu"), checkpoint=source.checkpoint)
+    tokens = generate_batch(job, stage, Placement(0, 1), batch, model).tokens
+    base = transformers.AutoModelForCausalLM.from_pretrained(folders[family])
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        want = loaded.generate(input_ids=batch.ids, attention_mask=batch.mask, max_new_tokens=6, do_sample=False,
+                               pad_token_id=0)[:, batch.ids.shape[1]:]
+    assert tokens.shape == want.shape and torch.equal(tokens, want), (tokens, want)

@@ -17,6 +17,7 @@ from pipetrain.generate.weights import model_source
 from pipetrain.launch.env import detect, free_port
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
+from pipetrain.lora import LoraSettings
 from pipetrain.train.config import TrainConfig, load_data
 from pipetrain.workloads.loader import portable
 
@@ -69,7 +70,8 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
                               pipeline=PipelineConfig(pp=args.pp, schedule="gpipe", n_microbatches=args.pp))
     config = TrainConfig(workload="hf", preset=saved.get("preset", "cpu"), model_dir=source.folder, pack=pack,
                          row_format=rows, data=args.data, seq_len=args.seq_len or saved.get("seq_len"),
-                         batch_size=args.batch_size, parallel=parallel, progress=False)
+                         batch_size=args.batch_size, parallel=parallel, progress=False,
+                         lora=LoraSettings(**source.lora) if source.lora is not None else None)
     return EvalJob(config, source.checkpoint, answers=not args.no_answers, max_new_tokens=args.max_new_tokens,
                    max_answers=args.max_answers, out=args.out)
 
