@@ -13,15 +13,18 @@ elastic test's reference: checkpoints are layout-free, the data position exact).
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from scripts.netns_cluster import Cluster, environ, wait_for
-from tests.multihost.test_elastic import ATOL, EVERY, FIXTURES, JOB, STEPS, _records, reference  # noqa: F401
+from tests.multihost.test_elastic import ATOL, EVERY, FIXTURES, JOB, STEPS, _records
 from tests.multihost.test_slurm_two_nodes import PROBLEM, SCRIPT
 
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
@@ -38,8 +41,18 @@ def _slurm(cluster: Cluster, conf: Path, *argv: str) -> str:
     return done.stdout
 
 
+@pytest.fixture
+def job_dir() -> Iterator[Path]:
+    """A folder of its own for the Slurm state, the job's log and checkpoints (pytest's tmp folders of other sessions
+    on the machine may be cleaned meanwhile), removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="pipetrain-heal-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_lost_node_requeues_the_job_on_the_node_left_which_relays_itself_out(cluster: Cluster, reference,
-                                                                                tmp_path: Path):
+                                                                                job_dir: Path):
+    tmp_path = job_dir
     slurm_dir, run_dir = tmp_path / "slurm", tmp_path / "run"
     up = subprocess.run(["bash", str(SCRIPT), "up", cluster.name, str(slurm_dir)], capture_output=True, text=True,
                         timeout=90, check=False)
