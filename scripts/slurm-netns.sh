@@ -63,6 +63,15 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdParameters=config_overrides
+# Timers shortened for tests (Slurm's defaults in brackets), so that a lost node requeues its job within seconds:
+# a node whose slurmd stops answering is set DOWN after SlurmdTimeout (pinged every third of it) [300 s]; a requeued
+# batch job is held cred_expire + 1 s while the old job's credential is revoked (5 s is Slurm's minimum) [120 s];
+# the scheduler's passes start it once the hold ends [60 s and 30 s]; KillWait: SIGTERM to SIGKILL [30 s].
+SlurmdTimeout=10
+AuthInfo=cred_expire=10
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+KillWait=5
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool-%n
 SlurmctldPidFile=$DIR/slurmctld.pid

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.cli.main import main
-from scripts.netns_cluster import ADDRESSES, RDZV_PORT, Cluster, environ, losses, netns_problem, wait_all, wait_for
+from scripts.netns_cluster import ADDRESSES, RDZV_PORT, Cluster, environ, netns_problem, wait_all, wait_for
 
 PROBLEM = netns_problem()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
@@ -57,21 +56,6 @@ def elastic_torchrun(node: int, *args: str) -> list[str]:
             "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{ADDRESSES[0]}:{RDZV_PORT}",
             "--rdzv-id", "elastic", "--rdzv-conf", conf, "--local-addr", ADDRESSES[node],
             "-m", "pipetrain", "train", *args]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """Every step's loss of the job in one process (dp=1, pp=1), run in this process."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    with pytest.MonkeyPatch.context() as patch:
-        for name in set(os.environ) - set(environ()):
-            patch.delenv(name)
-        for name, value in environ(PIPETRAIN_DEVICE="cpu").items():
-            patch.setenv(name, value)
-        assert main(["train", *JOB, "--dp", "1", "--pp", "1", "--run-dir", str(run_dir)]) == 0
-    steps = losses(run_dir)
-    assert sorted(steps) == list(range(1, STEPS + 1)), steps
-    return steps
 
 
 def _records(run_dir: Path) -> list[dict]:

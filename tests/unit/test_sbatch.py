@@ -203,3 +203,59 @@ def test_mpirun_launcher_exports_the_rendezvous_and_forwards_the_warning_signal(
 def test_cli_launcher_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.run(parse(["sbatch", "--pp", "2", "--launcher", "mpirun", "--", "--preset", "tiny"])) == 0
     assert "\nmpirun -np $(( SLURM_JOB_NUM_NODES * 2 )) " in capsys.readouterr().out
+
+
+RANGE = [*TRAIN, "--save-dir", "ckpt", "--profile", "p.json", "--calibration", "c.json"]
+
+
+def test_node_range_renders_one_task_per_node_laid_out_at_each_start_and_resumed_after_a_requeue() -> None:
+    req = SbatchRequest(command=RANGE, nodes=2, min_nodes=1, one_task_per_node=True, ranks_per_node=2,
+                        cpus_per_task=2, dp=None, pp=2)
+    script = render_sbatch(req)
+    found = directives(script)
+    assert found["--nodes"] == "1-2" and "--requeue" in found
+    assert "--ntasks-per-node" not in found  # a requeued job would keep the first allocation's task count
+    argv = srun_argv(script)
+    assert argv[:4] == ["srun", "--kill-on-bad-exit=1", "--nodes=$SLURM_JOB_NUM_NODES", "--ntasks-per-node=1"]
+    assert argv[4:] == [*RANGE, "--layout", "auto", "--pp", "2", "--ranks-per-node", "2"]
+    assert 'then RESUME=(--resume auto --on-resize auto); fi' in script
+    assert "2-4 ranks on 1-2 node(s)" in script
+    fixed = SbatchRequest(command=TRAIN, nodes=2, min_nodes=2, tasks_per_node=1, dp=None, pp=2)  # 2-2: a count
+    assert fixed.min_nodes is None and fixed.dp == 1 and directives(render_sbatch(fixed))["--nodes"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_nodes": 3}, "the minimum is above the maximum"),
+        ({"one_task_per_node": False, "tasks_per_node": 2, "ranks_per_node": None}, "needs one task per node"),
+        ({"dp": 2, "pp": 2}, "these fix the job at 4 ranks, but it may run on 2"),
+        ({"pp": 4}, "--pp 4 does not divide the 2 ranks of 1 node(s)"),
+        ({"tp": 2}, "lays out dp x pp only"),
+        ({"command": TRAIN}, "no --save-dir"),
+        ({"command": [*TRAIN, "--save-dir", "c"]}, "no --profile"),
+        ({"command": [*RANGE, "--on-resize", "stop"]}, "already sets --on-resize"),
+        ({"command": [*RANGE, "--layout", "auto"]}, "already sets --layout"),
+    ],
+)
+def test_node_range_refusals(fields: dict[str, object], message: str) -> None:
+    base = {"command": RANGE, "nodes": 2, "min_nodes": 1, "one_task_per_node": True, "ranks_per_node": 2, "dp": None,
+            "pp": 2}
+    with pytest.raises(ConfigError) as info:
+        SbatchRequest(**{**base, **fields})
+    assert message in str(info.value) and info.value.hint
+
+
+def test_cli_node_range(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["sbatch", "--nodes", "1-2", "--ntasks-per-node", "2", "--pp", "2", "--", "--preset", "tiny", "--save-dir",
+            "c", "--profile", "p.json"]
+    assert cli.run(parse(argv)) == 0
+    script = capsys.readouterr().out
+    assert directives(script)["--nodes"] == "1-2" and "--ntasks-per-node" not in directives(script)
+    assert srun_argv(script)[-6:] == ["--layout", "auto", "--pp", "2", "--ranks-per-node", "2"]
+    with pytest.raises(ConfigError, match="neither a node count nor a range"):
+        cli.run(parse(["sbatch", "--nodes", "1-x"]))
+    with pytest.raises(ConfigError, match="1 <= MIN <= MAX"):
+        cli.run(parse(["sbatch", "--nodes", "2-1"]))
+    with pytest.raises(ConfigError, match="--nodes 1-2 on CPU nodes needs the ranks per node"):
+        cli.run(parse(["sbatch", "--nodes", "1-2", "--", "--save-dir", "c", "--profile", "p.json"]))

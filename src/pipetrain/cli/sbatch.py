@@ -12,7 +12,8 @@ from pipetrain.config import SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import DEVICES
 from pipetrain.cli.flag_fields import from_flags
-from pipetrain.cli.layout_args import mark_defaults
+from pipetrain.cli.layout_args import is_default, mark_defaults
+from pipetrain.launch.node_range import parse_nodes
 from pipetrain.launch.sbatch import (DEFAULT_CPUS_PER_GPU, DEFAULT_WARN_SECONDS, LAUNCHERS, SbatchRequest,
                                      render_sbatch)
 
@@ -37,7 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     job = parser.add_argument_group("resources")
-    job.add_argument("--nodes", type=int, default=1, help="nodes to allocate (default 1)")
+    job.add_argument("--nodes", default="1",
+                     help="nodes to allocate: N, or MIN-MAX (Slurm's syntax: a job that Slurm may start, and requeue "
+                          "after a node failure, on MIN to MAX nodes; one task per node, the ranks choose their "
+                          "layout at each start; needs --save-dir and --profile after --) (default 1)")
     job.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 renders a CPU job (default)")
     job.add_argument(
         "--ntasks-per-node",
@@ -98,14 +102,19 @@ def run(args: argparse.Namespace) -> int:
             f"unexpected arguments {' '.join(train_args)!r}",
             hint="put arguments meant for `pipetrain train` after `--`",
         )
-    layout = {}  # the layout --layout auto chose, else sbatch's own flags
-    if args.layout == "auto":
+    low, high = parse_nodes(args.nodes)
+    args = argparse.Namespace(**{**vars(args), "nodes": high})
+    layout: dict = {"min_nodes": low if low < high else None}  # the layout --layout auto chose, else sbatch's flags
+    if low < high:  # the ranks lay themselves out at each start; the layout flags given are its constraints
+        args = _one_task_per_node(args, low)
+        layout.update({name: None for name in ("dp", "pp") if is_default(getattr(args, name))})
+    elif args.layout == "auto":
         from pipetrain.cli.sbatch_auto import choose_for_script
 
         train_args, chosen = choose_for_script(args, train_args, ranks_per_node=_ranks_per_node(args))
         layout = dict(dp=chosen.dp, pp=chosen.pipeline.pp, schedule=chosen.pipeline.schedule,
                       chunks=chosen.pipeline.n_microbatches)
-    ranks = layout.get("dp", args.dp) * layout.get("pp", args.pp)
+    ranks = (layout.get("dp", args.dp) or 1) * (layout.get("pp", args.pp) or 1)
     request = from_flags(SbatchRequest, args, **layout, output=args.log, tasks_per_node=_tasks_per_node(args, ranks),
                          command=[str(Path(args.python).absolute()), "-m", "pipetrain", "train", *train_args])
     script = render_sbatch(request)
@@ -120,7 +129,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ranks_per_node(args: argparse.Namespace) -> int:
+def _one_task_per_node(args: argparse.Namespace, low: int) -> argparse.Namespace:
+    """`args` of a node range as one task per node spawning the node's ranks (--ntasks-per-node: its ranks)."""
+    if args.one_task_per_node:
+        return args
+    ranks = _ranks_per_node(args, f"--nodes {low}-{args.nodes}")
+    log.info("pipetrain: --nodes %d-%d: one task per node spawning %d ranks (a requeued job keeps its task count, "
+             "so one task per rank could not start on fewer nodes)", low, args.nodes, ranks)
+    return argparse.Namespace(**{**vars(args), "one_task_per_node": True, "ranks_per_node": ranks,
+                                 "ntasks_per_node": None})
+
+
+def _ranks_per_node(args: argparse.Namespace, what: str = "sbatch --layout auto") -> int:
     """The ranks on each node of the job (before --layout auto has chosen dp x pp)."""
     if args.ranks_per_node is not None:
         return int(args.ranks_per_node)
@@ -128,7 +148,7 @@ def _ranks_per_node(args: argparse.Namespace) -> int:
         return int(args.gpus_per_node)
     if args.ntasks_per_node is not None and not args.one_task_per_node:
         return int(args.ntasks_per_node)
-    raise ConfigError("sbatch --layout auto on CPU nodes needs the ranks per node",
+    raise ConfigError(f"{what} on CPU nodes needs the ranks per node",
                       hint="pass --ntasks-per-node N (or --gpus-per-node G for a GPU job)")
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import DEVICE_VARIABLE, DEVICES
+from pipetrain.launch.node_range import RANGE_OWNED, check_range, range_comment, range_flags
 
 __all__ = ["SbatchRequest", "render_sbatch", "DEFAULT_CPUS_PER_GPU", "DEFAULT_WARN_SECONDS", "LAUNCHERS"]
 
@@ -34,19 +35,23 @@ class SbatchRequest:
     One task per rank by default (`tasks_per_node` ranks per node, one GPU each when `gpus_per_node` > 0).
     With `one_task_per_node`, Slurm starts one task per node and pipetrain spawns `ranks_per_node` ranks in
     it (default: one per GPU). `gpus_per_node=0` renders the CPU variant (no ``--gres``).
+    With `min_nodes`, the job runs on `min_nodes` to `nodes` nodes (`--nodes=MIN-MAX`) and its ranks choose their
+    layout at each start (`pipetrain.launch.node_range`); `dp` and `pp` are then constraints, None when not given.
     """
 
     command: Sequence[str]
     job_name: str = "pipetrain"
     nodes: int = 1
+    #: the fewest nodes the job may run on (Slurm's `--nodes=MIN-MAX`, `nodes` the most); None: exactly `nodes`
+    min_nodes: int | None = None
     gpus_per_node: int = 0
     tasks_per_node: int = 1
     cpus_per_task: int | None = None
     cpus_per_gpu: int = DEFAULT_CPUS_PER_GPU
     warn_seconds: int = DEFAULT_WARN_SECONDS
     time: str = "01:00:00"
-    dp: int = 1
-    pp: int = 1
+    dp: int | None = 1
+    pp: int | None = 1
     tp: int = 1
     schedule: str | None = None
     chunks: int | None = None
@@ -68,8 +73,14 @@ class SbatchRequest:
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}",
                               hint="pass --launcher srun (Slurm's) or --launcher mpirun (Open MPI's)")
-        for name in ("nodes", "tasks_per_node", "dp", "pp", "tp", "cpus_per_gpu", "warn_seconds"):
-            _count(name, getattr(self, name), minimum=1)
+        if self.min_nodes == self.nodes:
+            object.__setattr__(self, "min_nodes", None)  # MIN-MAX with MIN = MAX: a node count
+        for name in ("dp", "pp"):
+            if getattr(self, name) is None and self.min_nodes is None:
+                object.__setattr__(self, name, 1)
+        for name in ("nodes", "min_nodes", "tasks_per_node", "dp", "pp", "tp", "cpus_per_gpu", "warn_seconds"):
+            if getattr(self, name) is not None:
+                _count(name, getattr(self, name), minimum=1)
         if self.cpus_per_task is not None:
             _count("cpus_per_task", self.cpus_per_task, minimum=1)
         _count("gpus_per_node", self.gpus_per_node, minimum=0)
@@ -90,7 +101,7 @@ class SbatchRequest:
             raise ConfigError("the setup line spans several lines", hint="pass one shell line, joined with '&&'")
         if not self.command:
             raise ConfigError("the training command is empty", hint="give the argv of `pipetrain train ...`")
-        appended = set(self._layout_flags()[::2])
+        appended = set(self._layout_flags()[::2]) | (set(RANGE_OWNED) if self.min_nodes is not None else set())
         owned = [a for a in self.command if a.split("=", 1)[0] in appended]
         if owned:
             raise ConfigError(
@@ -98,6 +109,9 @@ class SbatchRequest:
                 hint="pass these to `pipetrain sbatch` itself, not after `--`; they are appended for you",
             )
         self._check_layout()
+        if self.min_nodes is not None:
+            check_range(self)
+            return
         pipeline = PipelineConfig(
             pp=self.pp, schedule=self.schedule or "gpipe", n_microbatches=self.chunks or self.pp
         )
@@ -164,7 +178,7 @@ class SbatchRequest:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the whole job."""
+        """Ranks in the whole job (on `nodes` nodes: the most, for a node range)."""
         return self.nodes * self.local_world_size
 
     def train_argv(self) -> list[str]:
@@ -172,6 +186,8 @@ class SbatchRequest:
         return [*self.command, *self._layout_flags()]
 
     def _layout_flags(self) -> list[str]:
+        if self.min_nodes is not None:
+            return range_flags(self)
         flags = ["--dp", str(self.dp), "--pp", str(self.pp)]
         if self.tp > 1:
             flags += ["--tp", str(self.tp)]
@@ -186,11 +202,10 @@ class SbatchRequest:
 
 def render_sbatch(req: SbatchRequest) -> str:
     """A complete batch script for `req`, ready for ``sbatch``."""
-    directives = [
-        f"--job-name={req.job_name}",
-        f"--nodes={req.nodes}",
-        f"--ntasks-per-node={req.tasks_per_node}",
-    ]
+    ranged = req.min_nodes is not None
+    directives = [f"--job-name={req.job_name}", f"--nodes={f'{req.min_nodes}-' if ranged else ''}{req.nodes}"]
+    if not ranged:  # a node range: one task per node, Slurm's default (a requeue keeps an explicit task count)
+        directives.append(f"--ntasks-per-node={req.tasks_per_node}")
     if req.gpus_per_node:
         directives.append(f"--gres=gpu:{req.gpus_per_node}")
     directives += [
@@ -214,13 +229,22 @@ def render_sbatch(req: SbatchRequest) -> str:
         if req.one_task_per_node
         else f"one task per rank, {req.tasks_per_node} per node"
     )
+    resume = "--resume auto --on-resize auto" if ranged else "--resume"
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), ""]
+    if ranged:
+        lines += [
+            f"# Rendered by `pipetrain sbatch`: {req.min_nodes * req.local_world_size}-{req.world_size} ranks on "
+            f"{req.min_nodes}-{req.nodes} node(s), {layout}, {device}; the ranks choose",
+            "# their layout at each start (--layout auto; the layout flags given are its constraints).",
+        ]
+    else:
+        lines.append(f"# Rendered by `pipetrain sbatch`: dp={req.dp} x pp={req.pp}{f' x tp={req.tp}' if req.tp > 1 else ''} = "
+                     f"{req.world_size} ranks on {req.nodes} node(s), {layout}, {device}.")
     lines += [
-        f"# Rendered by `pipetrain sbatch`: dp={req.dp} x pp={req.pp}{f' x tp={req.tp}' if req.tp > 1 else ''} = {req.world_size} ranks on "
-        f"{req.nodes} node(s), {layout}, {device}.",
         req.cpus_comment(),
         f"# {req.warn_seconds} s before the time limit Slurm sends SIGUSR1: with --save-dir, every rank stops at the same",
-        "# step, saves, and the job requeues itself; a requeued run (SLURM_RESTART_COUNT > 0) adds --resume.",
+        f"# step, saves, and the job requeues itself; a requeued run (SLURM_RESTART_COUNT > 0) adds {resume}.",
+        *range_comment(req),
         "# Submit with: sbatch <this file>",
         "set -euo pipefail",
         "",
@@ -239,7 +263,7 @@ def render_sbatch(req: SbatchRequest) -> str:
         f"export {DEVICE_VARIABLE}={req.device}  # every rank on {req.device}; a --device of the command must agree",
         *_interface_comment(req),
         "RESUME=()",
-        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi',
+        f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then RESUME=({resume}); fi',
         "",
         *_launch_lines(req),
         "",
@@ -251,7 +275,8 @@ def _launch_lines(req: SbatchRequest) -> list[str]:
     """The line that starts the tasks: srun, or Open MPI's mpirun with the rendezvous exported to every rank."""
     command = shlex.join(req.train_argv()) + ' "${RESUME[@]}"'
     if req.launcher == "srun":
-        return ["srun --kill-on-bad-exit=1 " + command]
+        nodes = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 ' if req.min_nodes is not None else ""
+        return ["srun --kill-on-bad-exit=1 " + nodes + command]
     exported = " ".join(f"-x {name}" for name in ("OMP_NUM_THREADS", DEVICE_VARIABLE, "MASTER_ADDR", "MASTER_PORT"))
     return [
         "# mpirun (Open MPI) reads the nodes of the allocation; rank 0 runs on the first node, where every rank",
