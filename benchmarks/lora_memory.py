@@ -6,7 +6,9 @@ such as SmolLM2-135M; default: the `llama-cpu` preset, hidden 64, 4 layers), tra
 token batches of `--batch` x `--seq-len`, and saves one checkpoint. Per rank it reports: the peak memory of the steps
 (CUDA: max allocated; CPU: the process's peak RSS above what it held before building the model), the optimizer
 state's bytes (AdamW's two moments and step counters, counted tensor by tensor), and the parameters it trains; for
-the job, the checkpoint's size on disk. Then the ratios LoRA / full. Run:
+the job, the checkpoint's size on disk. Then the ratios LoRA / full, and, for a `--model DIR`, the planner's
+prediction of each rank's memory for the same layout (priced from the folder's config.json, frozen parameters
+holding their weights only: `plan.predict`), beside the measured peaks. Run:
 `.venv/bin/python benchmarks/lora_memory.py [--model DIR] [--rank 8] [--steps 3] [--batch 8] [--seq-len 128]`.
 """
 
@@ -25,8 +27,12 @@ from pipetrain.launch.env import free_port
 from pipetrain.launch.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.lora import LoraBlocks, LoraSettings, require_peft
+from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan.predict import Layout, predict
+from pipetrain.plan.transformer import load_sizes
 from pipetrain.recipe import build_optimizer
 from pipetrain.session import build_session, close_session, join_job
+from pipetrain.train.layout import frozen_costs
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
 from pipetrain.workloads.hf.workload import HF_PRESETS
 
@@ -81,6 +87,16 @@ def measure(folder: str | None, rank: int | None, steps: int, batch: int, seq_le
         return {"ranks": ranks, "checkpoint_bytes": _size(Path(out) / "ckpt")}
 
 
+def predicted_mb(folder: str, rank: int | None, batch: int, seq_len: int) -> tuple[float, ...]:
+    """The planner's memory per pipeline rank (MB) for this benchmark's layout: static bytes (weights, gradients and
+    AdamW moments of the trained parameters) plus the schedule's activations, from the folder's config.json."""
+    blocks = load_sizes(folder).blocks(seq_len, element=4)
+    if rank is not None:
+        blocks = frozen_costs(blocks, _model(folder, seq_len, rank))
+    layout = Layout(dp=1, pp=2, batch=batch, chunks=PARALLEL.pipeline.n_microbatches, schedule="1f1b")
+    return tuple(b / 2 ** 20 for b in predict(blocks, layout, default_device("fp32"), DEFAULT_NETWORK).memory_bytes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a local Hugging Face model folder (default: llama-cpu preset)")
@@ -104,6 +120,10 @@ def main() -> None:
               f"{lo['peak_mb'] / max(f['peak_mb'], 1e-9):>14.3f}")
     fc, lc = full["checkpoint_bytes"], lora["checkpoint_bytes"]
     print(f"checkpoint size MB          {fc / mb:>14.2f}{lc / mb:>14.2f}{lc / fc:>14.4f}")
+    if args.model:  # the planner prices a folder's config (a preset's model is measured only)
+        pf, pl = (predicted_mb(args.model, r, args.batch, args.seq_len) for r in (None, args.rank))
+        for r in range(2):
+            print(f"rank {r} planner's memory MB  {pf[r]:>14.1f}{pl[r]:>14.1f}{pl[r] / pf[r]:>14.3f}")
 
 
 if __name__ == "__main__":
