@@ -40,7 +40,7 @@ from pipetrain.session import build_session, close_session, join_job  # noqa: E4
 from pipetrain.train.loop import TrainConfig, load_data  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from pipetrain.workloads.hf.families import FAMILIES  # noqa: E402
-from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, make_batches,  # noqa: E402
+from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, compare_records, make_batches,  # noqa: E402
                                              reference)
 from tests.hf_folders import family_configs, tiny_tokenizer, transformers_names  # noqa: E402
 
@@ -129,27 +129,12 @@ def runs(tmp_path_factory):
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references, folders, root
 
 
-def _compare(records: list[dict], ref: dict) -> set[str]:
-    """Assert every rank's losses, gradients and final parameters equal the reference's; the names seen."""
-    seen = set()
-    for record in records:
-        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
-        for step, grads in enumerate(record["grads"]):
-            for name, grad in grads:
-                torch.testing.assert_close(grad, ref["grads"][step][name], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"step {step} gradient of {name}: {m}")
-        for name, value in record["params"]:
-            torch.testing.assert_close(value, ref["params"][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-            seen.add(name)
-    return seen
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", sorted(family_configs()))
 def test_pipelined_family_matches_the_unsplit_transformers_model(family, layout, runs):
     per_rank, references, _, _ = runs
     ref = references[family, LAYOUTS[layout][0]]
-    seen = _compare([records[f"{family}-{layout}"] for records in per_rank], ref)
+    seen = compare_records([records[f"{family}-{layout}"] for records in per_rank], ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
     moved = max((ref["params"][n] - ref["initial"][n]).abs().max().item() for n in ref["params"])
     assert moved > 100 * ATOL, f"the reference's parameters barely moved ({moved})"
@@ -170,7 +155,7 @@ def test_gemma_is_tied_across_stages(runs):
 def test_qwen3_without_its_q_k_norm_in_the_description_is_not_exact_under_tp(runs):
     per_rank, references, _, _ = runs
     with pytest.raises(AssertionError, match=r"gradient of model\.layers\.\d\.self_attn\.[qk]_norm\.weight"):
-        _compare([records[NO_QK_NORM] for records in per_rank], references["qwen3", 1])
+        compare_records([records[NO_QK_NORM] for records in per_rank], references["qwen3", 1])
 
 
 @pytest.mark.parametrize("family", sorted(family_configs()))

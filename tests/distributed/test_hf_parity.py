@@ -79,6 +79,22 @@ def reference(model: torch.nn.Module, dp: int) -> dict:
     return {"losses": losses, "grads": grads, "params": final, "initial": initial}
 
 
+def compare_records(records: list[dict], ref: dict) -> set[str]:
+    """Assert every rank's losses, gradients (per step) and final parameters equal the reference's within RTOL,
+    ATOL; the parameter names seen."""
+    seen = set()
+    for record in records:
+        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+        for step, grads in enumerate(record["grads"]):
+            for name, grad in grads:
+                torch.testing.assert_close(grad, ref["grads"][step][name], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"step {step} gradient of {name}: {m}")
+        for name, value in record["params"]:
+            torch.testing.assert_close(value, ref["params"][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+            seen.add(name)
+    return seen
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     job = parser.add_argument_group("resources")
-    job.add_argument("--nodes", default="1",
+    job.add_argument("--nodes", type=_node_count, default=1,
                      help="nodes to allocate: N, or MIN-MAX (Slurm's syntax: a job that Slurm may start, and requeue "
                           "after a node failure, on MIN to MAX nodes; one task per node, the ranks choose their "
                           "layout at each start; needs --save-dir and --profile after --) (default 1)")
@@ -138,6 +138,12 @@ def _one_task_per_node(args: argparse.Namespace, low: int) -> argparse.Namespace
              "so one task per rank could not start on fewer nodes)", low, args.nodes, ranks)
     return argparse.Namespace(**{**vars(args), "one_task_per_node": True, "ranks_per_node": ranks,
                                  "ntasks_per_node": None})
+
+
+def _node_count(text: str) -> int | str:
+    """`--nodes`: a count stays an int (as before ranges existed); a MIN-MAX range stays text, read by
+    `parse_nodes` (which names a bad value)."""
+    return int(text) if text.strip().isdigit() else text
 
 
 def _ranks_per_node(args: argparse.Namespace, what: str = "sbatch --layout auto") -> int:
