@@ -36,12 +36,12 @@ from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.pipeline import PipelineEngine  # noqa: E402
-from pipetrain.session import build_session, close_session, join_job  # noqa: E402
+from pipetrain.session import close_session, join_job  # noqa: E402
 from pipetrain.train.loop import TrainConfig, load_data  # noqa: E402
-from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
 from pipetrain.workloads.hf.families import FAMILIES  # noqa: E402
-from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, compare_records, make_batches,  # noqa: E402
-                                             reference)
+from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, compare_records,  # noqa: E402
+                                             layout_engine, make_batches, reference)
 from tests.hf_folders import family_configs, tiny_tokenizer, transformers_names  # noqa: E402
 
 #: case -> (dp, dp mode, pp, tp, schedule, stages per rank); "pp2" cases run two pipelines of 2 ranks
@@ -55,15 +55,7 @@ NO_QK_NORM = "qwen3-pp2xtp2-without-qk-norm"  # Qwen3's description without its 
 
 
 def _engine(model: HFCausalLM, layout: str, device: torch.device, pairs: list) -> tuple[PipelineEngine, int]:
-    dp, dp_mode, pp, tp, schedule, stages = LAYOUTS[layout]
-    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, stages_per_rank=stages)
-    if layout.startswith("pp2-"):
-        group = pairs[dist.get_rank() // 2]
-        return PipelineEngine(model, pipeline, device=device, pp_group=group, loss_fn=causal_lm_loss, seed=SEED,
-                              metrics_group=group), 0
-    session = build_session(model, ParallelConfig(dp=dp, dp_mode=dp_mode, tp=tp, pipeline=pipeline), device,
-                            seed=SEED, loss_fn=causal_lm_loss)
-    return session.engine, session.mesh.dp_rank
+    return layout_engine(model, LAYOUTS[layout], device, pairs)
 
 
 def _train(folder: str, layout: str, device: torch.device, pairs: list, save: Path | None) -> dict:

@@ -19,11 +19,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
+from pipetrain.pipeline import PipelineEngine  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
@@ -77,6 +79,22 @@ def reference(model: torch.nn.Module, dp: int) -> dict:
         opt.step()
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": final, "initial": initial}
+
+
+def layout_engine(model, layout: tuple, device: torch.device, pairs: list) -> tuple:
+    """(engine, replica) of `layout` = (dp, dp mode, pp, tp, schedule, stages per rank[, recomputation]) in a 4-rank
+    job: a `pp2-` layout runs as two pipelines of 2 ranks on `pairs` (its own process groups), the others as one
+    session over all ranks."""
+    dp, dp_mode, pp, tp, schedule, stages, *rest = layout
+    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, stages_per_rank=stages,
+                              checkpoint=rest[0] if rest else "never")
+    if pp == 2 and dp == 1 and tp == 1:
+        group = pairs[dist.get_rank() // 2]
+        return PipelineEngine(model, pipeline, device=device, pp_group=group, loss_fn=causal_lm_loss, seed=SEED,
+                              metrics_group=group), 0
+    session = build_session(model, ParallelConfig(dp=dp, dp_mode=dp_mode, tp=tp, pipeline=pipeline), device,
+                            seed=SEED, loss_fn=causal_lm_loss)
+    return session.engine, session.mesh.dp_rank
 
 
 def compare_records(records: list[dict], ref: dict) -> set[str]:

@@ -36,17 +36,16 @@ from pipetrain.checkpoint.state import find_checkpoint, load_checkpoint, save_ch
 from pipetrain.checkpoint.export import read_weights  # noqa: E402
 from pipetrain.checkpoint.folders import read_meta  # noqa: E402
 from pipetrain.cli import main as cli_main  # noqa: E402
-from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.lora import LoraBlocks, LoraSettings  # noqa: E402
 from pipetrain.pipeline import PipelineEngine  # noqa: E402
 from pipetrain.recipe import param_groups  # noqa: E402
-from pipetrain.session import build_session, close_session, join_job  # noqa: E402
-from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
-from tests.distributed.test_hf_parity import (ATOL, RTOL, SEED, SEQ, compare_records, make_batches,  # noqa: E402
-                                              tiny_configs)
+from pipetrain.session import close_session, join_job  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
+from tests.distributed.test_hf_parity import (ATOL, RTOL, SEED, SEQ, compare_records, layout_engine,  # noqa: E402
+                                              make_batches, tiny_configs)
 from tests.hf_folders import tiny_tokenizer, transformers_names  # noqa: E402
 
 LR, MOMENTUM = 0.2, 0.9
@@ -85,15 +84,7 @@ def _model(folder: str) -> LoraBlocks:
 
 
 def _engine(model: LoraBlocks, layout: str, device: torch.device, pairs: list) -> tuple[PipelineEngine, int]:
-    dp, dp_mode, pp, tp, schedule, stages, recompute = LAYOUTS[layout]
-    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, stages_per_rank=stages, checkpoint=recompute)
-    if layout.startswith("pp2-"):
-        group = pairs[dist.get_rank() // 2]
-        return PipelineEngine(model, pipeline, device=device, pp_group=group, loss_fn=causal_lm_loss, seed=SEED,
-                              metrics_group=group), 0
-    session = build_session(model, ParallelConfig(dp=dp, dp_mode=dp_mode, tp=tp, pipeline=pipeline), device,
-                            seed=SEED, loss_fn=causal_lm_loss)
-    return session.engine, session.mesh.dp_rank
+    return layout_engine(model, LAYOUTS[layout], device, pairs)
 
 
 def _train(folder: str, layout: str, device: torch.device, pairs: list, save: Path | None = None) -> dict:
