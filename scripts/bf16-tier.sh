@@ -23,8 +23,12 @@ for run in $runs; do
     [ "$run" != "$cap" ] && onednn=(ONEDNN_MAX_CPU_ISA=AVX2)
     label="ATEN_CPU_CAPABILITY=$cap${onednn[*]:+ ${onednn[*]}}"
     echo "== $label"
-    env ATEN_CPU_CAPABILITY="$cap" "${onednn[@]}" "$PY" -m pytest -q -m bf16 "$@" 2>&1 | tee "$log"
+    # each setting compiles into its own inductor cache: torch's cache key does not hold ATEN_CPU_CAPABILITY, and a
+    # kernel cached under avx512 fails to compile under default ("'at::vec' has not been declared")
+    cache=$(mktemp -d)
+    env ATEN_CPU_CAPABILITY="$cap" TORCHINDUCTOR_CACHE_DIR="$cache" "${onednn[@]}" "$PY" -m pytest -q -m bf16 "$@" 2>&1 | tee "$log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+    rm -rf "$cache"
     summary="$summary
 $label: $(tail -n 1 "$log")"
 done
