@@ -29,6 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("recipe",),
     ("session",),
     ("generate",),
+    ("objectives",),
     ("train",),
     ("pipe", "check", "evaluate"),
     ("bench", "lightning"),

@@ -101,6 +101,10 @@ def eval_rank(spec: RankSpec, job: EvalJob, data: tuple[Dataset, Dataset] | None
     session = open_session(spec, config.model(), config.parallel, seed=config.seed, loss_fn=config.task().loss(),
                            precision=config.precision)
     try:
+        before = getattr(config.task(), "before_training", None)  # DPO: the reference, by the initial weights
+        if before is not None:
+            before(session.engine, {"test": test}, batch_size=config.batch_size, dp_rank=session.mesh.dp_rank,
+                   dp=config.parallel.dp, store=None, main=dist.get_rank() == 0)
         if job.checkpoint is not None:
             load_checkpoint(job.checkpoint, session.engine, model_name=None)
         loss, token_accuracy, tokens = held_out_loss(session, config, test)

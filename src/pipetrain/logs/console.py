@@ -17,6 +17,11 @@ def _metrics(accuracy: float | None, perplexity: float | None) -> list[str]:
         [f"ppl {perplexity:.2f}"] if perplexity is not None else [])
 
 
+def _extras(extras: dict[str, float]) -> list[str]:
+    """A loss's own figures, e.g. ``rewards/margins 0.412`` (TRL's names)."""
+    return [f"{name} {value:.4g}" for name, value in extras.items()]
+
+
 def _rate(per_s: float) -> str:
     """A rate as a whole number, or with two significant digits under 10 (0.21, not 0)."""
     return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2g}"
@@ -28,7 +33,7 @@ def step_line(record: StepRecord, total_steps: int | None = None) -> str:
     loss shows the tokens the model processed per second instead of samples/s, and the trained ones beside them
     when fewer (``8192 tokens/s (37 trained)``: instruction rows train their answers only)."""
     parts = [f"step {record.step}" + (f"/{total_steps}" if total_steps else ""), f"loss {record.loss:.4f}",
-             *_metrics(record.accuracy, record.perplexity), f"lr {record.lr:.1e}"]
+             *_metrics(record.accuracy, record.perplexity), *_extras(record.extras), f"lr {record.lr:.1e}"]
     if record.grad_norm is not None:
         parts.append(f"gnorm {record.grad_norm:.2f}")
     if record.window_tokens_per_s is not None:  # what the model processed; then what trained, when fewer
@@ -52,7 +57,7 @@ def step_line(record: StepRecord, total_steps: int | None = None) -> str:
 def eval_line(record: EvalRecord) -> str:
     """e.g. ``eval at step 200 | loss 0.5012 | acc 0.771 | 32 batches in 1.2 s``."""
     return " | ".join([f"eval at step {record.step}", f"loss {record.loss:.4f}",
-                       *_metrics(record.accuracy, record.perplexity),
+                       *_metrics(record.accuracy, record.perplexity), *_extras(record.extras),
                        f"{record.batches} batches in {record.seconds:.1f} s"])
 
 

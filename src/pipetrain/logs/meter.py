@@ -73,4 +73,5 @@ class StepMeter:
                           tokens=tokens, step_time_s=seconds, samples_per_s=result.samples / seconds,
                           tokens_per_s=None if tokens is None else tokens / seconds, window_tokens=window,
                           window_tokens_per_s=None if window is None else window / seconds,
-                          peak_mem_mb=peak_memory_mb(self.device), mfu=utilisation, skipped=skipped)
+                          peak_mem_mb=peak_memory_mb(self.device), mfu=utilisation, skipped=skipped,
+                          extras=dict(result.extras))

@@ -5,7 +5,7 @@ sinks; `MetricTotals`, the running means of an epoch; one `EpochReport` per epoc
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # plain data: no torch at import
@@ -30,7 +30,8 @@ class StepRecord:
     `mfu` the model FLOPs utilisation (None unless a peak FLOP/s is known, see `pipetrain.logs.mfu`).
     `skipped` is True for a step whose update was not applied (e.g. a non-finite gradient).
     `stragglers`: at the end of a `--log-every` window, the ranks named slow (`logs.stragglers.Straggler` as
-    dicts; left out of the JSON line when there are none).
+    dicts; left out of the JSON line when there are none). `extras`: the loss's own figures (a preference
+    objective's `rewards/chosen`, ...; `StepResult.extras`), written as top-level fields of the JSON line.
     """
 
     step: int
@@ -51,12 +52,13 @@ class StepRecord:
     mfu: float | None = None
     skipped: bool = False
     stragglers: tuple[dict, ...] = ()
+    extras: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EvalRecord:
     """One evaluation on held-out data after optimizer step `step`: `trigger` is "every" (`--eval-every`) or
-    "epoch" (the end of an epoch, or of the run); `batches` is how many batches it read."""
+    "epoch" (the end of an epoch, or of the run); `batches` is how many batches it read; `extras` as a step's."""
 
     step: int
     epoch: int
@@ -66,6 +68,7 @@ class EvalRecord:
     trigger: str = "every"
     accuracy: float | None = None
     perplexity: float | None = None
+    extras: dict[str, float] = field(default_factory=dict)
 
 
 def record_dict(record: StepRecord | EvalRecord) -> dict[str, Any]:
@@ -74,6 +77,7 @@ def record_dict(record: StepRecord | EvalRecord) -> dict[str, Any]:
     data = {"kind": kind, **asdict(record)}
     if not data.get("stragglers", True):
         del data["stragglers"]
+    data.update(data.pop("extras", {}))  # TRL's names ("rewards/chosen") as fields of their own
     return data
 
 
@@ -85,13 +89,21 @@ def perplexity(loss: float, metrics: tuple[str, ...]) -> float | None:
 class MetricTotals:
     """Running means of loss and accuracy over steps, each step weighted by what its loss averages over."""
 
-    def __init__(self, loss: float = 0.0, correct: float = 0.0, count: float = 0.0) -> None:
+    def __init__(self, loss: float = 0.0, correct: float = 0.0, count: float = 0.0,
+                 extras: dict[str, float] | None = None) -> None:
         self.loss, self.correct, self.count = loss, correct, count
+        self.extras = dict(extras or {})  # sums of each extra figure, weighted as the loss
 
     def add(self, result: StepResult) -> None:
         self.loss += result.loss * result.count
         self.correct += (result.accuracy or 0.0) * result.count
         self.count += result.count
+        for name, value in result.extras.items():
+            self.extras[name] = self.extras.get(name, 0.0) + value * result.count
+
+    def extra_means(self) -> dict[str, float]:
+        """The means of the loss's own figures (`StepResult.extras`) over what it counts."""
+        return {name: value / max(self.count, 1.0) for name, value in self.extras.items()}
 
     def means(self) -> tuple[float, float]:
         count = max(self.count, 1.0)

@@ -43,11 +43,17 @@ class TensorBoardSink:
             if value is not None:
                 self._writer.add_scalar(tag, float(value), record.step)
 
+    def _extras(self, record: StepRecord | EvalRecord, prefix: str) -> None:
+        for name, value in record.extras.items():  # a loss's own figures: train/rewards/chosen, ...
+            self._writer.add_scalar(f"{prefix}/{name}", float(value), record.step)
+
     def step(self, record: StepRecord) -> None:
         self._scalars(record, STEP_TAGS)
+        self._extras(record, "train")
 
     def eval(self, record: EvalRecord) -> None:
         self._scalars(record, EVAL_TAGS)
+        self._extras(record, "eval")
 
     def sample(self, step: int, prompt: str, text: str) -> None:
         """A text generated during training (`--sample-every`), under the tag `samples`."""

@@ -6,7 +6,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,8 @@ class StepResult:
     integer targets); `perplexity` is exp(loss) for a token cross-entropy (else None). `outputs` holds the
     last stage's merged outputs on the rank(s) that own it (None elsewhere, and None when the engine's
     `keep_outputs` is False: a loop that never reads them, such as `pipetrain train`, need not hold the logits).
+    `extras`: the means over `count` of the figures a loss names in `extra_names` (e.g. a preference loss's
+    `rewards/chosen`), empty for a loss without them.
     """
 
     loss: float
@@ -50,6 +52,7 @@ class StepResult:
     outputs: torch.Tensor | None = None
     count: int = 0
     perplexity: float | None = None
+    extras: dict[str, float] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -287,7 +290,8 @@ class PipelineEngine:
                  refuse_empty: bool = False) -> StepResult:
         """The step's loss, counts and accuracy on every rank, from device-side sums: one host sync per step
         (`tolist`; the built-in losses count on the device)."""
-        totals = torch.zeros(5, dtype=torch.float64, device=self.device)
+        names = tuple(getattr(self.loss, "extra_names", ()))  # a loss's own figures (sums over what it counts)
+        totals = torch.zeros(5 + len(names), dtype=torch.float64, device=self.device)
         if outputs is not None and targets is not None and self.counts_metrics:
             outputs_ = outputs.detach()
             totals[0] = self.loss.total(outputs_, targets).double()
@@ -296,10 +300,14 @@ class PipelineEngine:
             correct = self.loss.correct(outputs_, targets)
             if correct is not None:
                 totals[3], totals[4] = correct, 1
+            if names:
+                sums = self.loss.extras(outputs_, targets)
+                totals[5:] = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64, device=self.device)
+                                          for n in names])
         if dist.is_initialized():
             with span("metrics"):
                 dist.all_reduce(totals, group=self.metrics_group)
-        loss_sum, count, samples, correct, classified = totals.tolist()
+        loss_sum, count, samples, correct, classified, *extra = totals.tolist()
         if refuse_empty and count == 0:  # every rank sees it: the same message everywhere, before the update
             raise ConfigError("every target of this batch is padding (ignore_index): nothing to learn from",
                               hint="drop batches without any non-padding target")
@@ -311,6 +319,7 @@ class PipelineEngine:
             outputs=outputs if self.keep_outputs else None,
             count=int(count),
             perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
+            extras={name: value / max(count, 1.0) for name, value in zip(names, extra)},
         )
 
     # ---- stages and schedules, one set per micro-batch shape ----------------------------------------

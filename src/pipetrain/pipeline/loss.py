@@ -46,6 +46,10 @@ class Loss(Protocol):
         for `count`)."""
         ...
 
+    # Optional: a loss with figures of its own sets `extra_names` (a tuple of names) and `extras(output, target)`,
+    # their sums over what `count` counts (a dict of 0-d tensors); the engine reports their means in
+    # `StepResult.extras` (a preference loss's `rewards/chosen`, ...).
+
 
 @dataclass(frozen=True)
 class SampleMeanLoss:

@@ -19,6 +19,8 @@ from pipetrain.data.packing import pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.lora import LoraBlocks, LoraSettings
+from pipetrain.objectives import DPOSettings, PreferenceWorkload
+from pipetrain.objectives.preference import check_pair_batches
 from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.plan.auto import Fixed
@@ -93,6 +95,8 @@ class TrainConfig:
     lora: LoraSettings | None = None
     durable: DurableConfig = field(default_factory=DurableConfig)
     logs: LogConfig = field(default_factory=LogConfig)
+    #: what a step optimises beyond next-token loss (`--objective dpo`: `DPOSettings`; None: the workload's loss)
+    objective: DPOSettings | None = None
 
     def __post_init__(self) -> None:
         """Checks of the description alone (no model is built: `prepare` checks the model against the layout)."""
@@ -121,6 +125,8 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
         self._check_trace()
         self.parallel.check_global_batch(self.batch_size)
+        if self.objective is not None:
+            check_pair_batches(self.batch_size, self.parallel.dp, self.parallel.pipeline.n_microbatches)
         if self.logs.sample_every is not None and (self.workload != "hf" or self.model_dir is None):
             raise ConfigError(f"--sample-every generates text with a model folder's tokenizer; this job trains "
                               f"workload {self.workload!r}{' without --model' if self.model_dir is None else ''}",
@@ -184,7 +190,13 @@ class TrainConfig:
     def task(self) -> Workload:
         """The registered workload this job trains (on `model_dir` when set)."""
         workload = get_workload(self.workload)
-        return workload if self.model_dir is None else workload.with_model(self.model_dir, pack=self.pack)
+        workload = workload if self.model_dir is None else workload.with_model(self.model_dir, pack=self.pack)
+        if isinstance(self.objective, DPOSettings):
+            if self.workload != "hf":
+                raise ConfigError(f"--objective dpo trains a Hugging Face model folder, not workload {self.workload!r}",
+                                  hint="pass --workload hf --model DIR --data pairs.jsonl")
+            return PreferenceWorkload(workload, self.objective)
+        return workload
 
     def model(self) -> BlockModel:
         """The workload's model for this preset and window (a `BlockModel`); with `lora`, its blocks carry PEFT's

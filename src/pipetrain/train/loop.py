@@ -59,7 +59,7 @@ def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config:
     return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=loss, trigger=trigger,
                               accuracy=accuracy if "accuracy" in workload.metrics else None,
                               perplexity=perplexity(loss, workload.metrics), batches=min(batches, limit or batches),
-                              seconds=time.perf_counter() - start)
+                              seconds=time.perf_counter() - start, extras=tested.extra_means())
 
 
 def _banner(config: TrainConfig, workload: Workload, session: Session, train: Dataset, test: Dataset) -> str:
@@ -104,6 +104,10 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         engine = session.engine
         seed_rank(config.seed, session.mesh)
         engine.keep_outputs = False  # the loop reads the metrics only: no full-batch logits held between steps
+        before = getattr(workload, "before_training", None)  # an objective's pass before any step (DPO's reference)
+        if before is not None:  # by the initial weights: before a checkpoint's are loaded
+            before(engine, {"train": train, "test": test}, batch_size=config.batch_size, dp_rank=session.mesh.dp_rank,
+                   dp=config.parallel.dp, store=config.durable.save_dir, main=session.is_main)
         optimizer = build_optimizer(engine, config.recipe.lr, config.recipe.weight_decay)
         recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
