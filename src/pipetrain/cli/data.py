@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from pipetrain.cli.model_args import add_pack_arguments, add_row_arguments, row_format
+from pipetrain.cli.objective_args import add_objective_arguments, objective_settings
 from pipetrain.data.show import show_samples
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import TrainConfig, load_data
@@ -27,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     show.add_argument("--rows", type=int, default=3, help="how many samples to print (default: 3)")
     add_pack_arguments(show)
     add_row_arguments(show.add_argument_group("data rows"))
+    add_objective_arguments(show)
     return parser
 
 
@@ -34,9 +36,11 @@ def run(args: argparse.Namespace) -> int:
     if args.rows < 1:
         raise ConfigError(f"--rows {args.rows} shows nothing", hint="pass --rows 1 or more")
     config = TrainConfig(workload="hf", model_dir=args.model, data=args.data, seq_len=args.seq_len, pack=args.pack,
-                         row_format=row_format(args), batch_size=1)
+                         row_format=row_format(args), batch_size=1, objective=objective_settings(args))
+    from pipetrain.objectives.show import show_pairs
     from pipetrain.workloads.hf.text import load_tokenizer
 
     train, _ = load_data(config)
-    print(show_samples(train, load_tokenizer(args.model), args.rows))
+    show = show_pairs if config.objective is not None else show_samples
+    print(show(train, load_tokenizer(args.model), args.rows))
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from pipetrain.checkpoint.folders import read_meta
 from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.cli.model_args import add_pack_arguments, add_row_arguments, row_format
+from pipetrain.cli.objective_args import add_objective_arguments, objective_settings
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.evaluate.run import EvalJob, eval_rank
@@ -18,6 +19,7 @@ from pipetrain.launch.env import detect, free_port
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
 from pipetrain.lora import LoraSettings
+from pipetrain.objectives import DPOSettings
 from pipetrain.train.config import TrainConfig, load_data
 from pipetrain.workloads.loader import portable
 
@@ -47,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     answers.add_argument("--max-answers", type=int, default=None, metavar="N",
                          help="answer the first N held-out rows only (default: all)")
     answers.add_argument("--out", type=Path, default=None, metavar="FILE", help="also write the figures as JSON")
+    add_objective_arguments(parser)
     layout = parser.add_argument_group("layout")
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default: 1)")
@@ -71,9 +74,18 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
     config = TrainConfig(workload="hf", preset=saved.get("preset", "cpu"), model_dir=source.folder, pack=pack,
                          row_format=rows, data=args.data, seq_len=args.seq_len or saved.get("seq_len"),
                          batch_size=args.batch_size, parallel=parallel, progress=False,
-                         lora=LoraSettings(**source.lora) if source.lora is not None else None)
+                         lora=LoraSettings(**source.lora) if source.lora is not None else None,
+                         objective=_objective(args, saved))
     return EvalJob(config, source.checkpoint, answers=not args.no_answers, max_new_tokens=args.max_new_tokens,
                    max_answers=args.max_answers, out=args.out)
+
+
+def _objective(args: argparse.Namespace, saved: dict) -> DPOSettings | None:
+    """The flags' objective, else the checkpoint's (a DPO checkpoint is evaluated on its pairs)."""
+    given = objective_settings(args)
+    if given is None and saved.get("objective"):
+        return DPOSettings(**saved["objective"])
+    return given
 
 
 def _rank_main(spec: RankSpec, job: EvalJob, data) -> None:

@@ -17,6 +17,7 @@ from pipetrain.cli.durable_args import add_durable_arguments, durable_config
 from pipetrain.cli.layout_args import add_layout_arguments
 from pipetrain.cli.log_args import add_log_arguments
 from pipetrain.cli.lora_args import add_lora_arguments
+from pipetrain.cli.objective_args import add_objective_arguments
 from pipetrain.cli.model_args import add_model_arguments, add_workload_arguments
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
@@ -102,6 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_recipe_arguments(parser)
     add_model_arguments(parser)
     add_lora_arguments(parser)
+    add_objective_arguments(parser)
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument("--trace", type=Path, default=None, metavar="DIR",
                          help="record a few steps on every rank after a warm-up: DIR/trace.json (Perfetto), "

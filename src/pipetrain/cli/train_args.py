@@ -15,6 +15,7 @@ from pipetrain.cli.layout_args import explicit_layout, on_resize, one_rank
 from pipetrain.cli.log_args import log_config
 from pipetrain.cli.lora_args import lora_settings
 from pipetrain.cli.model_args import model_fields
+from pipetrain.cli.objective_args import objective_settings
 from pipetrain.cli.parallel_args import parallel_config
 from pipetrain.cli.recipe_args import left_open, recipe_config
 from pipetrain.plan.auto import Fixed
@@ -34,6 +35,7 @@ def describe(args: argparse.Namespace) -> TrainConfig:
     config = from_flags(TrainConfig, args, parallel=parallel_config(one_rank(args) if auto else args), layout=request,
                         recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
                         durable=durable_config(args), logs=log_config(args), lora=lora_settings(args),
+                        objective=objective_settings(args),
                         **model_fields(args))
     defaults = config.task().recipe_defaults(synthetic=config.synthetic, max_steps=config.max_steps)
     if chosen := {dest: value for dest, value in defaults.items() if dest in left_open(args)}:  # the workload's

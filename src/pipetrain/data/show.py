@@ -9,13 +9,13 @@ import torch
 
 from pipetrain.data.packing import PackedDocuments
 
-__all__ = ["OPEN", "CLOSE", "show_samples"]
+__all__ = ["OPEN", "CLOSE", "marked", "show_samples"]
 
 #: around each run of tokens that train (a target of the loss)
 OPEN, CLOSE = "[[", "]]"
 
 
-def _marked(tokenizer: Any, ids: list[int], trains: list[bool]) -> str:
+def marked(tokenizer: Any, ids: list[int], trains: list[bool]) -> str:
     """`ids` decoded run by run, the runs that train between `OPEN` and `CLOSE`."""
     out, start = [], 0
     for end in range(1, len(ids) + 1):
@@ -39,7 +39,7 @@ def show_samples(split: Any, tokenizer: Any, count: int) -> str:
         ids = tokens[i, :length].tolist()
         trains = [False] + ([True] * (length - 1) if trained is None else trained[i, 1:length].tolist())
         where = f"window {int(split.index[i])}" if split.packed and hasattr(split, "index") else f"sample {i}"
-        lines += ["", f"--- {where}: {length} tokens, {sum(trains)} trained ---", _marked(tokenizer, ids, trains)]
+        lines += ["", f"--- {where}: {length} tokens, {sum(trains)} trained ---", marked(tokenizer, ids, trains)]
     return "\n".join(lines)
 
 
@@ -57,5 +57,5 @@ def _show_packed(split: PackedDocuments, tokenizer: Any, count: int) -> str:
         for j, length in enumerate(lengths):
             ids = tokens[j, :length].tolist()
             trains = [False] + ([True] * (length - 1) if trained is None else trained[j, 1:length].tolist())
-            lines.append(f"| {_marked(tokenizer, ids, trains)}")
+            lines.append(f"| {marked(tokenizer, ids, trains)}")
     return "\n".join(lines)

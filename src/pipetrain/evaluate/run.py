@@ -30,7 +30,7 @@ from pipetrain.train.config import TrainConfig, load_data
 from pipetrain.workloads.hf.text import load_tokenizer
 from pipetrain.workloads.registry import Dataset
 
-__all__ = ["EvalJob", "eval_rank", "held_out_loss"]
+__all__ = ["EvalJob", "eval_rank", "held_out_loss", "held_out_totals"]
 
 log = logging.getLogger("pipetrain")
 
@@ -49,13 +49,19 @@ class EvalJob:
     out: Path | None = None
 
 
-def held_out_loss(session: Session, config: TrainConfig, test: Dataset) -> tuple[float, float, int]:
-    """(loss, token accuracy, tokens) of `test` as the training loop evaluates it (every batch of the split)."""
+def held_out_totals(session: Session, config: TrainConfig, test: Dataset) -> MetricTotals:
+    """The figures of `test` added up as the training loop evaluates it (every batch of the split)."""
     workload, engine = config.task(), session.engine
     totals = MetricTotals()
     for x, y in workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
                                  replica=session.mesh.dp_rank, replicas=config.parallel.dp, bucket=config.bucket):
         totals.add(engine.evaluate(x, y))
+    return totals
+
+
+def held_out_loss(session: Session, config: TrainConfig, test: Dataset) -> tuple[float, float, int]:
+    """(loss, token accuracy, tokens) of `test` as the training loop evaluates it (every batch of the split)."""
+    totals = held_out_totals(session, config, test)
     loss, accuracy = totals.means()
     return loss, accuracy, int(totals.count)
 
@@ -107,6 +113,14 @@ def eval_rank(spec: RankSpec, job: EvalJob, data: tuple[Dataset, Dataset] | None
                    dp=config.parallel.dp, store=None, main=dist.get_rank() == 0)
         if job.checkpoint is not None:
             load_checkpoint(job.checkpoint, session.engine, model_name=None)
+        if config.objective is not None:  # preference pairs: the loss and the pairs ranked right, TRL's rewards
+            totals = held_out_totals(session, config, test)
+            loss, accuracy = totals.means()
+            figures = {"model": str(job.checkpoint or config.model_dir), "data": test.source, "loss": loss,
+                       "preference_accuracy": accuracy, "pairs": int(totals.count), **totals.extra_means()}
+            if dist.get_rank() == 0:
+                _say_pairs(figures, job)
+            return figures
         loss, token_accuracy, tokens = held_out_loss(session, config, test)
         figures: dict[str, Any] = {"model": str(job.checkpoint or config.model_dir), "data": test.source,
                                    "loss": loss, "perplexity": perplexity(loss, ("perplexity",)),
@@ -122,6 +136,14 @@ def eval_rank(spec: RankSpec, job: EvalJob, data: tuple[Dataset, Dataset] | None
         return figures
     finally:
         close_session(after_error=sys.exc_info()[1] is not None)
+
+
+def _say_pairs(figures: dict[str, Any], job: EvalJob) -> None:
+    rewards = ", ".join(f"{k} {v:.4f}" for k, v in figures.items() if k.startswith("rewards/"))
+    print(f"held-out preference accuracy {figures['preference_accuracy']:.4f} over {figures['pairs']:,} pairs, loss "
+          f"{figures['loss']:.4f} ({rewards}) ({figures['data']})", flush=True)
+    if job.out is not None:
+        job.out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def _say(figures: dict[str, Any], supervised: bool, job: EvalJob) -> None:

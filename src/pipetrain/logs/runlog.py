@@ -162,7 +162,7 @@ def open_run_log(config: LogConfig, *, model: BlockModel, engine: PipelineEngine
                  banner: str | None = None) -> RunLog:
     """The run log of a job training `model` on `engine` over `world_size` devices; MFU is measured when a peak
     FLOP/s is known (`config.peak_tflops`, or a GPU of `pipetrain.logs.mfu.PEAK_TFLOPS`)."""
-    meter = StepMeter(device=engine.device, devices=world_size, per_token=not isinstance(engine.loss, SampleMeanLoss),
+    meter = StepMeter(device=engine.device, devices=world_size, per_token=getattr(engine.loss, "per_token", not isinstance(engine.loss, SampleMeanLoss)),
                       precision=precision, peak_tflops_=config.peak_tflops)
     if main and meter.peak is not None:
         meter.flops = model_flops(model)

@@ -107,6 +107,7 @@ class PreferenceLoss:
     Targets: labels and one reference column (`columns.with_columns`), rows interleaved chosen, rejected."""
 
     perplexity = False
+    per_token = False  # it counts pairs (the step line shows samples/s)
     extra_names = REWARD_METRICS
 
     def __init__(self, settings: DPOSettings) -> None:
