@@ -22,7 +22,7 @@ from typing import Any
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.base import Workload
 
-__all__ = ["is_import_spec", "load_workload", "workload_label", "portable", "Portable"]
+__all__ = ["is_import_spec", "load_workload", "load_object", "workload_label", "portable", "Portable"]
 
 _FILE_MODULE_PREFIX = "pipetrain_user_workload_"
 
@@ -37,10 +37,10 @@ def workload_label(spec: str) -> str:
     return spec.rpartition(":")[2] if is_import_spec(spec) else spec
 
 
-def _split(spec: str) -> tuple[str, str]:
+def _split(spec: str, flag: str = "--workload") -> tuple[str, str]:
     where, _, name = spec.rpartition(":")
     if not where or not name or not name.isidentifier():
-        raise ConfigError(f"--workload {spec!r} is not MODULE:NAME or path/to/file.py:NAME",
+        raise ConfigError(f"{flag} {spec!r} is not MODULE:NAME or path/to/file.py:NAME",
                           hint="e.g. --workload examples/my_model.py:workload or --workload mypkg.models:workload")
     return where, name
 
@@ -49,17 +49,17 @@ def _is_file(where: str) -> bool:
     return where.endswith(".py") or "/" in where or "\\" in where
 
 
-def _load_file(spec: str, where: str) -> Any:
+def _load_file(spec: str, where: str, flag: str = "--workload") -> Any:
     path = Path(where).expanduser().resolve()
     if not path.is_file():
-        raise ConfigError(f"--workload {spec!r}: no such file {where!r}" + (" (a folder)" if path.is_dir() else ""),
+        raise ConfigError(f"{flag} {spec!r}: no such file {where!r}" + (" (a folder)" if path.is_dir() else ""),
                           hint="pass the path of a .py file (relative to the current folder, or absolute)")
     module_name = _FILE_MODULE_PREFIX + hashlib.sha1(str(path).encode()).hexdigest()[:16]
     if module_name in sys.modules:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"--workload {spec!r}: {where!r} cannot be loaded as a Python module",
+        raise ConfigError(f"{flag} {spec!r}: {where!r} cannot be loaded as a Python module",
                           hint="pass a .py file")
     module = importlib.util.module_from_spec(module_spec)
     if str(path.parent) not in sys.path:  # as `python FILE` does: the file may import the modules beside it
@@ -69,35 +69,45 @@ def _load_file(spec: str, where: str) -> Any:
         module_spec.loader.exec_module(module)
     except BaseException as err:
         del sys.modules[module_name]
-        raise _import_failed(spec, where, err) from err
+        raise _import_failed(spec, where, err, flag) from err
     return module
 
 
-def _import_failed(spec: str, where: str, err: BaseException) -> ConfigError:
+def _import_failed(spec: str, where: str, err: BaseException, flag: str = "--workload") -> ConfigError:
     line = ""
     tb = err.__traceback__
     while tb is not None:  # the innermost frame of the user's file says where it broke
         if tb.tb_frame.f_code.co_filename.endswith(Path(where).name):
             line = f" (line {tb.tb_lineno})"
         tb = tb.tb_next
-    return ConfigError(f"--workload {spec!r}: importing {where!r} failed{line}: {type(err).__name__}: {err}",
+    return ConfigError(f"{flag} {spec!r}: importing {where!r} failed{line}: {type(err).__name__}: {err}",
                        hint="fix the error above (run `python -c 'import ...'` or the file itself to see the "
                             "traceback)")
 
 
-def _load_module(spec: str, where: str) -> Any:
+def _load_module(spec: str, where: str, flag: str = "--workload") -> Any:
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as err:
         itself = err.name is not None and (where == err.name or where.startswith(err.name + "."))
         if itself:
-            raise ConfigError(f"--workload {spec!r}: cannot import {where!r}: no module named {err.name!r}",
+            raise ConfigError(f"{flag} {spec!r}: cannot import {where!r}: no module named {err.name!r}",
                               hint="check the name, put its folder on PYTHONPATH, or pass a file: "
                                    "path/to/file.py:NAME") from None
-        raise ConfigError(f"--workload {spec!r}: importing {where!r} failed: it needs the module {err.name!r}, "
+        raise ConfigError(f"{flag} {spec!r}: importing {where!r} failed: it needs the module {err.name!r}, "
                           "which is not installed", hint=f"install the package that provides {err.name!r}") from None
     except Exception as err:
-        raise _import_failed(spec, where, err) from err
+        raise _import_failed(spec, where, err, flag) from err
+
+
+def load_object(spec: str, flag: str) -> Any:
+    """The object that the import path `spec` (`MODULE:NAME` or `file.py:NAME`, given as `flag`) names, as it is;
+    every kind of bad input raises one ConfigError naming `flag`."""
+    where, name = _split(spec, flag)
+    module = _load_file(spec, where, flag) if _is_file(where) else _load_module(spec, where, flag)
+    if not hasattr(module, name):
+        raise ConfigError(f"{flag} {spec!r}: {where!r} has no {name!r}", hint=f"define {name} in {where}")
+    return getattr(module, name)
 
 
 def load_workload(spec: str):

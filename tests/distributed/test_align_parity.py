@@ -10,6 +10,13 @@ stages) and one step per loss type on the same batch, rows interleaved chosen/re
 interleaved 1F1B (two pipelines of 2 ranks at once), and dp2 x pp2 1F1B with DDP (each replica two of the pairs).
 The loss, the four reward metrics, the reference log-probs and every gradient equal TRL's within rtol 1e-5,
 atol 4e-5 (the fp32 parity tolerance).
+
+GRPO in the same job: TRL's `GRPOTrainer._compute_loss` on fixed completions of 4 prompts (prompts of one length,
+completions right-padded to unequal lengths), advantages, old per-token log-probs far enough from the policy's
+that some ratios are clipped, and reference log-probs (`loss_type` grpo with beta 0.04, temperature 0.7; dapo, TRL's
+default, without KL) gives the loss and every gradient; pipetrain's `SurrogateLoss` on the same rows (prompt and
+completion as one row, the numbers as float columns of the targets) gives them at the same three layouts, and the
+KL and clip share as TRL logs them (dapo: both are token means).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.objectives import DPOSettings, PreferenceLoss, PreferencePairs  # noqa: E402
+from pipetrain.objectives.columns import with_columns  # noqa: E402
+from pipetrain.objectives.grpo_loss import GRPOLossSettings, SurrogateLoss  # noqa: E402
 from pipetrain.objectives.reference import reference_logps  # noqa: E402
 from pipetrain.pipeline import PipelineEngine  # noqa: E402
 from pipetrain.pipeline.loss import as_loss  # noqa: E402
@@ -114,6 +123,67 @@ def references(folder: Path, out: Path) -> tuple[dict, dict]:
     return {k: v for k, v in batch.items()}, found
 
 
+#: GRPO case -> (pipetrain settings, TRL's GRPOConfig fields)
+GRPO = {
+    "grpo-kl": (GRPOLossSettings(loss="grpo", kl_beta=0.04, temperature=0.7),
+                {"loss_type": "grpo", "beta": 0.04, "temperature": 0.7}),
+    "dapo": (GRPOLossSettings(loss="dapo"), {"loss_type": "dapo", "beta": 0.0}),
+}
+P, C = 5, 6  # prompt and completion tokens
+
+
+def rollout_inputs() -> dict:
+    """Fixed completions of 4 prompts, their advantages, old and reference per-token log-probs (TRL's inputs)."""
+    g = torch.Generator().manual_seed(2)
+    completion_mask = torch.ones(4, C, dtype=torch.long)
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    return {"prompt_ids": torch.randint(1, 200, (4, P), generator=g), "prompt_mask": torch.ones(4, P, dtype=torch.long),
+            "completion_ids": torch.randint(1, 200, (4, C), generator=g), "completion_mask": completion_mask,
+            "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            "old_per_token_logps": torch.randn(4, C, generator=g) * 0.3 - 5.6,
+            "ref_per_token_logps": torch.randn(4, C, generator=g) * 0.3 - 5.6,
+            "num_items_in_batch": completion_mask.sum()}
+
+
+def grpo_references(folder: Path, out: Path) -> dict:
+    """Per GRPO case: TRL's loss, KL and clip-share metrics and every gradient on `rollout_inputs()`."""
+    import datasets
+
+    def reward(prompts, completions, **kwargs):
+        return [0.0] * len(prompts)
+
+    found = {}
+    for name, (_, fields) in GRPO.items():
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        args = trl.GRPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                              num_generations=2, max_completion_length=C, **fields)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
+                                  train_dataset=datasets.Dataset.from_list([{"prompt": "The cat"}] * 4))
+        trainer.current_gradient_accumulation_steps = 1  # (set by its training loop)
+        model.train()
+        loss = trainer._compute_loss(model, rollout_inputs())
+        loss.backward()
+        logged = trainer._metrics["train"]
+        metrics = {k: logged[k][-1] for k in ("kl", "clip_ratio/region_mean") if logged[k]}  # (no kl without beta)
+        found[name] = {"loss": loss.item(), "metrics": metrics,
+                       "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    return found
+
+
+def rollout_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """`rollout_inputs()` as pipetrain rows: (input ids, targets: completion labels, old and reference log-probs,
+    advantage); the log-probs sit under the labels they belong to, NaN elsewhere."""
+    inputs = rollout_inputs()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    labels = torch.full((4, P + C - 1), -100)
+    labels[:, P - 1:] = inputs["completion_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    old, ref = (torch.full((4, P + C - 1), float("nan"), dtype=torch.float64) for _ in range(2))
+    old[:, P - 1:], ref[:, P - 1:] = inputs["old_per_token_logps"], inputs["ref_per_token_logps"]
+    return ids[:, :-1], with_columns(labels, torch.cat([old, ref, inputs["advantages"][:, None].double()], dim=1))
+
+
 def pairs_of(batch: dict) -> PreferencePairs:
     """TRL's collated batch (chosen rows, then rejected rows) as pipetrain pairs."""
     n = batch["input_ids"].shape[0] // 2
@@ -163,6 +233,17 @@ def _records(spec: RankSpec, folder: str, batch: dict, out: str) -> None:
                     "loss": result.loss, "metrics": dict(result.extras), "reference": data.reference.clone(),
                     "grads": {keys[n]: _full(p.grad).clone() for n, p in engine.named_parameters()
                               if p.grad is not None}}
+            model, engine, replica, dp, group = _layout(folder, name, device, pairs, P + C - 1)
+            x, targets = rollout_rows()
+            share = slice(replica * 4 // dp, (replica + 1) * 4 // dp)
+            for case, (settings, _) in GRPO.items():
+                engine.loss = as_loss(SurrogateLoss(settings))
+                for p in engine.parameters():
+                    p.grad = None
+                result = engine.step(x[share], targets[share])
+                records[name, case] = {"loss": result.loss, "metrics": dict(result.extras),
+                                       "grads": {keys[n]: _full(p.grad).clone() for n, p in engine.named_parameters()
+                                                 if p.grad is not None}}
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -170,9 +251,10 @@ def _records(spec: RankSpec, folder: str, batch: dict, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo")
+    root = tmp_path_factory.mktemp("align")
     folder = tiny_model_folder(root / "llama", layers=2)
     batch, refs = references(folder, root / "trl")
+    refs.update(grpo_references(folder, root / "trl-grpo"))
     spawn(_records, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(str(folder), batch, str(root)), timeout_s=600)
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], refs
@@ -195,3 +277,23 @@ def test_dpo_loss_and_gradients_equal_trl(job, layout, case):
             torch.testing.assert_close(grad, ref["grads"][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
             seen.add(name)
     assert seen == set(ref["grads"])  # every parameter's gradient, on some rank
+
+
+@pytest.mark.parametrize("case", list(GRPO))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grpo_loss_and_gradients_equal_trl(job, layout, case):
+    per_rank, refs = job
+    ref = refs[case]
+    seen = set()
+    for records in per_rank:
+        got = records[layout, case]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=ATOL)
+        if case == "dapo":  # KL and clip share per token, as TRL logs them
+            for metric, value in ref["metrics"].items():
+                assert got["metrics"][metric] == pytest.approx(value, rel=RTOL, abs=ATOL), metric
+        for name, grad in got["grads"].items():
+            name = TIED.get(name, name)
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+            seen.add(name)
+    assert seen == set(ref["grads"])
+    assert 0 < refs["dapo"]["metrics"]["clip_ratio/region_mean"] < 1  # some ratios clipped, not all
