@@ -10,6 +10,7 @@ from pipetrain.cli.model_args import add_pack_arguments, add_row_arguments, row_
 from pipetrain.cli.objective_args import add_objective_arguments, objective_settings
 from pipetrain.data.show import show_samples
 from pipetrain.errors import ConfigError
+from pipetrain.objectives import DPOSettings
 from pipetrain.train.config import TrainConfig, load_data
 
 __all__ = ["add_parser", "run"]
@@ -41,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.workloads.hf.text import load_tokenizer
 
     train, _ = load_data(config)
+    if config.objective is not None and not isinstance(config.objective, DPOSettings):
+        raise ConfigError("data show prints training rows and preference pairs; GRPO's rows are prompts",
+                          hint="drop --objective grpo (data show --objective dpo shows pairs)")
     show = show_pairs if config.objective is not None else show_samples
     print(show(train, load_tokenizer(args.model), args.rows))
     return 0

@@ -83,8 +83,11 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
 def _objective(args: argparse.Namespace, saved: dict) -> DPOSettings | None:
     """The flags' objective, else the checkpoint's (a DPO checkpoint is evaluated on its pairs)."""
     given = objective_settings(args)
-    if given is None and saved.get("objective"):
+    if given is None and "beta" in (saved.get("objective") or {}):  # (a GRPO checkpoint: its answers are measured)
         return DPOSettings(**saved["objective"])
+    if given is not None and not isinstance(given, DPOSettings):
+        raise ConfigError("pipetrain eval measures a GRPO model by its answers: --objective grpo does not apply",
+                          hint="drop --objective grpo (eval rows with a prompt and its answer)")
     return given
 
 

@@ -109,11 +109,11 @@ def eval_rank(spec: RankSpec, job: EvalJob, data: tuple[Dataset, Dataset] | None
     try:
         before = getattr(config.task(), "before_training", None)  # DPO: the reference, by the initial weights
         if before is not None:
-            before(session.engine, {"test": test}, batch_size=config.batch_size, dp_rank=session.mesh.dp_rank,
-                   dp=config.parallel.dp, store=None, main=dist.get_rank() == 0)
+            before(session.engine, {"test": test}, mesh=session.mesh, batch_size=config.batch_size, store=None,
+                   main=dist.get_rank() == 0)
         if job.checkpoint is not None:
             load_checkpoint(job.checkpoint, session.engine, model_name=None)
-        if config.objective is not None:  # preference pairs: the loss and the pairs ranked right, TRL's rewards
+        if config.objective is not None:  # (eval takes DPO's alone) preference pairs: the loss and the pairs ranked right, TRL's rewards
             totals = held_out_totals(session, config, test)
             loss, accuracy = totals.means()
             figures = {"model": str(job.checkpoint or config.model_dir), "data": test.source, "loss": loss,

@@ -84,14 +84,14 @@ class PreferenceWorkload(Workload):
     def loss(self) -> PreferenceLoss:
         return PreferenceLoss(self.settings)
 
-    def before_training(self, engine: PipelineEngine, splits: dict[str, Dataset], *, batch_size: int,
-                        dp_rank: int, dp: int, store: Path | None, main: bool) -> None:
+    def before_training(self, engine: PipelineEngine, splits: dict[str, Dataset], *, mesh: Any, batch_size: int,
+                        store: Path | None, main: bool) -> None:
         """The reference log-probabilities of `splits` (name -> pairs), by the engine's weights as they are now
         (the initial ones: call it before a checkpoint is loaded) or from `store`; nothing for a reference-free
         loss. Collective: every rank calls it."""
         if not self.settings.reference_free:
-            attach_reference(engine, dict(splits), batch_size=batch_size, dp_rank=dp_rank, dp=dp, store=store,
-                             main=main)
+            attach_reference(engine, dict(splits), batch_size=batch_size, dp_rank=mesh.dp_rank, dp=mesh.dp,
+                             store=store, main=main)
 
     def describe_data(self, dataset: Any) -> str:
         return f"preference pairs, {self.inner.folder.name} tokenizer, {self.settings.loss} loss"

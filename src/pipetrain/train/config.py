@@ -19,8 +19,9 @@ from pipetrain.data.packing import pack_mode
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.lora import LoraBlocks, LoraSettings
-from pipetrain.objectives import DPOSettings, PreferenceWorkload
+from pipetrain.objectives import DPOSettings, GRPOSettings, GRPOWorkload, PreferenceWorkload
 from pipetrain.objectives.preference import check_pair_batches
+from pipetrain.objectives.rollout import check_generations
 from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.plan.auto import Fixed
@@ -95,8 +96,9 @@ class TrainConfig:
     lora: LoraSettings | None = None
     durable: DurableConfig = field(default_factory=DurableConfig)
     logs: LogConfig = field(default_factory=LogConfig)
-    #: what a step optimises beyond next-token loss (`--objective dpo`: `DPOSettings`; None: the workload's loss)
-    objective: DPOSettings | None = None
+    #: what a step optimises beyond next-token loss (`--objective dpo`: `DPOSettings`, `grpo`: `GRPOSettings`; None:
+    #: the workload's loss)
+    objective: DPOSettings | GRPOSettings | None = None
 
     def __post_init__(self) -> None:
         """Checks of the description alone (no model is built: `prepare` checks the model against the layout)."""
@@ -125,8 +127,15 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
         self._check_trace()
         self.parallel.check_global_batch(self.batch_size)
-        if self.objective is not None:
+        if isinstance(self.objective, DPOSettings):
             check_pair_batches(self.batch_size, self.parallel.dp, self.parallel.pipeline.n_microbatches)
+        if isinstance(self.objective, GRPOSettings):
+            check_generations(self.batch_size, self.objective.generations, self.parallel.dp)
+            if self.objective.loss.kl_beta and self.lora is None:
+                raise ConfigError(f"--kl-beta {self.objective.loss.kl_beta} needs a reference model: pipetrain keeps "
+                                  "no second copy of the weights", hint="train LoRA adapters (--lora-rank 8): the "
+                                                                       "reference is the base with them off; or drop "
+                                                                       "--kl-beta")
         if self.logs.sample_every is not None and (self.workload != "hf" or self.model_dir is None):
             raise ConfigError(f"--sample-every generates text with a model folder's tokenizer; this job trains "
                               f"workload {self.workload!r}{' without --model' if self.model_dir is None else ''}",
@@ -191,11 +200,14 @@ class TrainConfig:
         """The registered workload this job trains (on `model_dir` when set)."""
         workload = get_workload(self.workload)
         workload = workload if self.model_dir is None else workload.with_model(self.model_dir, pack=self.pack)
+        if self.objective is not None and self.workload != "hf":
+            raise ConfigError(f"--objective {'dpo' if isinstance(self.objective, DPOSettings) else 'grpo'} trains a "
+                              f"Hugging Face model folder, not workload {self.workload!r}",
+                              hint="pass --workload hf --model DIR --data ROWS.jsonl")
         if isinstance(self.objective, DPOSettings):
-            if self.workload != "hf":
-                raise ConfigError(f"--objective dpo trains a Hugging Face model folder, not workload {self.workload!r}",
-                                  hint="pass --workload hf --model DIR --data pairs.jsonl")
             return PreferenceWorkload(workload, self.objective)
+        if isinstance(self.objective, GRPOSettings):
+            return GRPOWorkload(workload, self.objective)
         return workload
 
     def model(self) -> BlockModel:

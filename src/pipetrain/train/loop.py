@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -106,8 +107,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         engine.keep_outputs = False  # the loop reads the metrics only: no full-batch logits held between steps
         before = getattr(workload, "before_training", None)  # an objective's pass before any step (DPO's reference)
         if before is not None:  # by the initial weights: before a checkpoint's are loaded
-            before(engine, {"train": train, "test": test}, batch_size=config.batch_size, dp_rank=session.mesh.dp_rank,
-                   dp=config.parallel.dp, store=config.durable.save_dir, main=session.is_main)
+            before(engine, {"train": train, "test": test}, mesh=session.mesh, batch_size=config.batch_size,
+                   store=config.durable.save_dir, main=session.is_main)
         optimizer = build_optimizer(engine, config.recipe.lr, config.recipe.weight_decay)
         recipe = Recipe(config.recipe, optimizer, engine, config.total_steps(train), save_dir=config.durable.save_dir)
         tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
@@ -150,6 +151,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
     watch = StragglerWatch(engine, every=config.logs.log_every, factor=config.logs.straggler_factor,
                            dp=config.parallel.dp, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
     reports = [EpochReport(**report) for report in at.reports]
+    rollouts, sampled = getattr(workload, "step_metrics", None), getattr(workload, "rollout_sample", None)
     run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
     for epoch in range(at.epoch, epochs + 1):
         if config.max_steps is not None and at.step >= config.max_steps:
@@ -170,6 +172,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                     result = engine.step(x, y)
                 with span("optimizer"):
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
+            if rollouts is not None:  # an objective's own figures of the step (GRPO: rewards, lengths)
+                result = replace(result, extras={**result.extras, **rollouts()})
             if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
                 totals.add(result)
             here = min(at.start(config.batch_size), size)  # (a checkpoint without `sample`: full batches before)
@@ -178,6 +182,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                           sample=here + read, samples=at.samples + read)
             run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
                          skipped=outcome.skipped, stragglers=watch.compare(at.step))
+            if sampled is not None and at.step % config.logs.log_every == 0 and sampled() is not None:
+                run_log.sample(at.step, *sampled())  # GRPO: a completion of this step and its reward
             if samples is not None and at.step % config.logs.sample_every == 0:  # text through the same stages
                 run_log.sample(at.step, config.logs.sample_prompt, samples.text())
             if run_log.due(at.step, epoch_end=at.in_epoch == total):

@@ -1,0 +1,308 @@
+"""`--objective grpo`: rollouts generated through the pipeline by the policy as it is, scored, trained on.
+
+`GRPOWorkload` wraps the `hf` workload of a model folder. Its data are prompt rows (`prompt`: text, or chat
+messages rendered with the model's template and its generation prompt; the other fields go to the reward
+functions). Each global batch of `--batch-size` completions is `batch_size / G` prompts: every replica takes its
+share, generates `G` completions of each through the training engine's own stages (`generate.EngineGenerator`: no
+second copy of the weights), sampled with a seed drawn from the job's seed, the epoch and the batch (a resumed job
+draws the same), scores them (`rewards.score`), normalises the rewards within each prompt's group (TRL's
+`scale_rewards="group"`: `(r - mean) / (std + 1e-4)`, Bessel's std) and yields the rows `iterations` times, one
+optimizer step each (TRL's `num_iterations`). With more than one iteration the old log-probs are computed once per
+generation batch before its first step, and with `--kl-beta` the reference's with the LoRA adapters off (a
+forward-only pass each). The step's rollout figures (reward mean and std, each function's mean, completion length)
+and a sample are read by the loop (`step_metrics`, `rollout_sample`). The held-out split is not rolled out during
+training (its evaluation has no batches); `pipetrain eval` measures answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.data.cache import default_cache_root
+from pipetrain.data.formats import detect_format, read_rows
+from pipetrain.errors import ConfigError, DataError
+from pipetrain.generate.engine import EngineGenerator
+from pipetrain.generate.job import eos_ids
+from pipetrain.generate.prompts import left_pad
+from pipetrain.generate.sampling import Sampling
+from pipetrain.lora import adapters_disabled
+from pipetrain.objectives.columns import with_columns
+from pipetrain.objectives.grpo_loss import GRPOLossSettings, SurrogateLoss
+from pipetrain.objectives.logps import token_logps
+from pipetrain.objectives.rewards import load_rewards, score
+from pipetrain.pipeline import PipelineEngine
+from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.workloads.hf.text import load_tokenizer
+from pipetrain.workloads.hf.workload import HFWorkload
+from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
+from pipetrain.workloads.position import replica_shares
+from pipetrain.workloads.registry import Batch, DataRequest, Workload
+from pipetrain.workloads.text.batching import batch_order
+
+__all__ = ["GRPOSettings", "PromptRows", "GRPOWorkload", "check_generations"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOSettings:
+    """`rewards` (import paths), `generations` G per prompt, `iterations` optimizer steps per generation batch,
+    `max_completion_length` new tokens, `top_p`, the loss (`GRPOLossSettings`, its temperature the sampling's)."""
+
+    rewards: tuple[str, ...] = ()
+    generations: int = 8
+    iterations: int = 1
+    max_completion_length: int = 64
+    top_p: float = 1.0
+    loss: GRPOLossSettings = field(default_factory=GRPOLossSettings)
+
+    def __post_init__(self) -> None:
+        if not self.rewards:
+            raise ConfigError("--objective grpo needs a reward function", hint="pass --reward MODULE:FUNCTION")
+        for name, value, least in (("--num-generations", self.generations, 2), ("--grpo-iterations", self.iterations, 1),
+                                   ("--max-completion-length", self.max_completion_length, 1)):
+            if value < least:
+                raise ConfigError(f"{name} {value} is below {least}", hint=f"pass {name} {least} or more")
+
+
+def check_generations(batch_size: int, generations: int, dp: int) -> None:
+    """One ConfigError unless `generations` G divides the batch of completions, and its prompts the replicas."""
+    if batch_size % generations:
+        raise ConfigError(f"--num-generations {generations} does not divide --batch-size {batch_size} (completions "
+                          "per step): a prompt's group of completions must be whole",
+                          hint=f"pass --batch-size {generations * max(1, batch_size // generations)}")
+    if (batch_size // generations) % dp:
+        raise ConfigError(f"--batch-size {batch_size} holds {batch_size // generations} prompt(s) of {generations} "
+                          f"completions, which {dp} replicas do not share evenly",
+                          hint=f"pass --batch-size {generations * dp * max(1, batch_size // generations // dp)}")
+
+
+@dataclass
+class PromptRows:
+    """One split of prompt rows: `prompts` as given, their token `ids`, each row's other `fields`, its data `rows`;
+    its length counts completion slots (prompts x G x iterations): what the loop's data position counts."""
+
+    prompts: list
+    ids: list[list[int]]
+    fields: list[dict]
+    rows: list[int]
+    slots: int
+    source: str
+    synthetic: bool = False
+
+    def __len__(self) -> int:
+        return len(self.ids) * self.slots
+
+
+def _encode(tokenizer: Any, prompt: Any, index: int, source: str) -> list[int]:
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"])
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DataError(f"row {index} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or chat "
+                        "messages", hint="give every row a prompt")
+    return list(tokenizer(text=prompt)["input_ids"])
+
+
+class GRPOWorkload(Workload):
+    """The `hf` workload of a model folder trained by GRPO (`settings`) on the prompts of its data."""
+
+    metrics = ()
+    windows = True
+
+    def __init__(self, inner: HFWorkload, settings: GRPOSettings) -> None:
+        if inner.folder is None:
+            raise ConfigError("--objective grpo trains a pretrained model folder on prompt rows",
+                              hint="pass --workload hf --model DIR --data prompts.jsonl")
+        self.inner, self.settings = inner, settings
+        self.name, self.summary, self.presets = inner.name, inner.summary, inner.presets
+        self._metrics: dict[str, float] = {}
+        self._sample: tuple[str, str] | None = None
+
+    def check_preset(self, preset: str) -> None:
+        self.inner.check_preset(preset)
+
+    def model(self, preset: str, *, seq_len: int | None = None) -> Any:
+        return self.inner.model(preset, seq_len=seq_len)
+
+    def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
+        return self.inner.window(preset, seq_len=seq_len, synthetic=synthetic)
+
+    def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
+        return self.inner.job_defaults(synthetic=synthetic)
+
+    def recipe_defaults(self, *, synthetic: bool, max_steps: int | None = None) -> dict[str, Any]:
+        return self.inner.recipe_defaults(synthetic=synthetic, max_steps=max_steps)
+
+    def load_data(self, request: DataRequest) -> tuple[PromptRows, PromptRows]:
+        if request.synthetic or request.path is None:
+            raise ConfigError("--objective grpo rolls out the prompts of --data: none was given",
+                              hint="pass --data prompts.jsonl (rows with a 'prompt' field)")
+        fmt, files = detect_format(Path(request.path))
+        source = f"--data {str(request.path)!r}"
+        if fmt == "text":
+            raise ConfigError(f"{source} is plain text; --objective grpo reads prompt rows",
+                              hint="pass JSON lines, Parquet or a datasets folder of rows with a 'prompt' field")
+        rows = read_rows(fmt, files, cache_dir=default_cache_root() / "rows")
+        if "prompt" not in rows.column_names:
+            raise ConfigError(f"{source} has no 'prompt' field: the fields found are "
+                              f"{', '.join(map(repr, rows.column_names))}", hint="give each row a 'prompt'")
+        tokenizer = load_tokenizer(self.inner.folder)
+        seq_len = request.seq_len or self.inner.window(request.preset, seq_len=None, synthetic=False)
+        room = seq_len + 1 - self.settings.max_completion_length
+        if room < 1:
+            raise ConfigError(f"--max-completion-length {self.settings.max_completion_length} leaves no room for a "
+                              f"prompt in the window of {seq_len} tokens",
+                              hint=f"pass --seq-len {self.settings.max_completion_length + 32} or more")
+        kept, dropped = [], 0
+        for index, row in enumerate(rows):
+            ids = _encode(tokenizer, row["prompt"], index, source)
+            if len(ids) > room:
+                dropped += 1
+                continue
+            kept.append((index, row["prompt"], ids, {k: v for k, v in row.items() if k != "prompt"}))
+        if len(kept) < HOLD_OUT_EVERY:
+            raise DataError(f"{source} gives {len(kept)} prompt(s) within {room} tokens ({dropped} longer dropped); a "
+                            f"train and a held-out split need {HOLD_OUT_EVERY}", hint="give more prompts")
+        slots = self.settings.generations * self.settings.iterations
+        how = f"prompts of {fmt} at {request.path} ({len(rows):,} rows, {dropped} longer than {room} tokens dropped)"
+
+        def split(part: list, name: str) -> PromptRows:
+            return PromptRows([p for _, p, _, _ in part], [i for _, _, i, _ in part], [f for *_, f in part],
+                              [r for r, *_ in part], slots, f"{how}, {name} split ({len(part):,} prompts)")
+
+        held = [k for n, k in enumerate(kept) if n % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+        return split([k for n, k in enumerate(kept) if n % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1], "train"), \
+            split(held, "held-out")
+
+    def before_training(self, engine: PipelineEngine, splits: dict, *, mesh: Any, batch_size: int,
+                        store: Path | None, main: bool) -> None:
+        """Bind the engine the rollouts generate with (every rank at once: it makes the generation's groups)."""
+        model = engine.model  # (LoRA blocks pass the wrapped model's config and window through)
+        self.engine, self.mesh, self.width = engine, mesh, model.seq_len + 1
+        self.generator = EngineGenerator(engine, mesh, model.config, self.inner.folder)
+        self.tokenizer = load_tokenizer(self.inner.folder)
+        self.stops = set(eos_ids(self.inner.folder, model.config, self.tokenizer)) | {self.tokenizer.eos_token_id}
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.functions = load_rewards(self.settings.rewards)
+
+    def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
+                replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
+        if not shuffle:  # evaluation: no rollouts of the held-out prompts during training
+            return iter(())
+        return self._rollouts(dataset, batch_size, seed=seed, epoch=epoch, replica=replica, replicas=replicas,
+                              start=start)
+
+    def _rollouts(self, data: PromptRows, batch_size: int, *, seed: int, epoch: int, replica: int, replicas: int,
+                  start: int) -> Iterator[Batch]:
+        per_step, iterations = batch_size // self.settings.generations, self.settings.iterations
+        done, first = divmod(start // batch_size, iterations)
+        order = batch_order(torch.tensor([len(i) for i in data.ids]), per_step, shuffle=True, bucket=False, seed=seed,
+                            stream=f"grpo-epoch-{epoch}", bucket_stream=f"grpo-buckets-{epoch}")
+        shares = replica_shares(order, per_step, replica=replica, replicas=replicas, start=done * per_step,
+                                drop_last=True)
+        for n, (_, share) in enumerate(shares):
+            draw = hashlib.blake2b(f"grpo:{seed}:{epoch}:{done + n}".encode(), digest_size=8).digest()
+            x, targets = self._rollout(data, share, int.from_bytes(draw, "little") >> 1)
+            for _ in range(first if n == 0 else 0, iterations):
+                yield x, targets
+
+    def _logps(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs of `labels` by the engine's weights now (NaN where no label, and off the last
+        stage, which alone reads the targets)."""
+        kept, self.engine.keep_outputs = self.engine.keep_outputs, True
+        try:
+            result = self.engine.evaluate(x, None)
+        finally:
+            self.engine.keep_outputs = kept
+        out = torch.full(labels.shape, math.nan, dtype=torch.float64)
+        if result.outputs is not None:
+            logps, mask = token_logps(result.outputs / self.settings.loss.temperature, labels.to(result.outputs.device))
+            out = torch.where(mask.bool(), logps.double(), math.nan).cpu()
+        return out
+
+    def _rollout(self, data: PromptRows, share: torch.Tensor, draw: int) -> Batch:
+        g, settings = self.settings.generations, self.settings
+        picks = [int(i) for i in share for _ in range(g)]
+        prompt_ids = [data.ids[i] for i in picks]
+        done = self.generator.generate(left_pad(prompt_ids, self.pad),
+                                       Sampling(temperature=settings.loss.temperature, top_p=settings.top_p, seed=draw),
+                                       settings.max_completion_length)
+        completions = []
+        for row in done.tokens.tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t in self.stops), len(row))
+            completions.append(row[:cut])
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        prompts = [data.prompts[i] for i in picks]
+        chat = isinstance(prompts[0], list)
+        given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        fields = {k: [data.fields[i][k] for i in picks] for k in data.fields[picks[0]]}
+        per, rewards = score(self.functions, prompts, given, completions, fields, [data.rows[i] for i in picks])
+        groups = rewards.view(-1, g)
+        mean = torch.nanmean(groups, dim=1, keepdim=True)
+        std = torch.sqrt(torch.nanmean((groups - mean) ** 2, dim=1, keepdim=True) * g / (g - 1))
+        advantages = torch.nan_to_num(((groups - mean) / (std + 1e-4)).flatten(), nan=0.0)
+        ids = torch.full((len(picks), self.width), self.pad, dtype=torch.long)
+        labels = torch.full((len(picks), self.width - 1), IGNORE_INDEX, dtype=torch.long)
+        for r, (p, c) in enumerate(zip(prompt_ids, completions)):
+            c = c[: self.width - len(p)]
+            ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[r, len(p) - 1: len(p) - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+        x = ids[:, :-1]
+        nan = torch.full(labels.shape, math.nan, dtype=torch.float64)
+        old = self._logps(x, labels) if settings.iterations > 1 else nan
+        reference = nan
+        if settings.loss.kl_beta:
+            with adapters_disabled(self.engine.modules):
+                reference = self._logps(x, labels)
+        self._record(per, rewards, completions, prompts, texts)
+        return x, with_columns(labels, torch.cat([old, reference, advantages[:, None].double()], dim=1))
+
+    def _record(self, per: torch.Tensor, rewards: torch.Tensor, completions: list, prompts: list,
+                texts: list[str]) -> None:
+        """The step's rollout figures over every replica (reward mean and std, each function's mean, completion
+        length) and this replica's first completion as the sample."""
+        finite = ~torch.isnan(rewards)
+        stats = torch.tensor([float(rewards[finite].sum()), float((rewards[finite] ** 2).sum()), float(finite.sum()),
+                              float(sum(len(c) for c in completions)), float(len(completions)),
+                              *torch.nan_to_num(per).sum(0).tolist()], dtype=torch.float64)
+        if self.mesh.dp > 1:
+            stats = stats.to(self.engine.device)
+            dist.all_reduce(stats, group=self.mesh.dp_group)
+            stats = stats.cpu()
+        total, squares, n, length, count = stats[:5].tolist()
+        mean = total / max(n, 1.0)
+        self._metrics = {"reward": mean, "reward_std": math.sqrt(max(squares / max(n, 1.0) - mean ** 2, 0.0)
+                                                                  * n / max(n - 1, 1.0)),
+                         "completions/mean_length": length / max(count, 1.0)}
+        for f, value in zip(self.functions, stats[5:].tolist()):
+            self._metrics[f"rewards/{f.name}/mean"] = value / max(count, 1.0)
+        prompt = prompts[0] if isinstance(prompts[0], str) else prompts[0][-1].get("content", "")
+        self._sample = (str(prompt), f"{texts[0]!r} (reward {float(rewards[0]):.3g})")
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last rollout's figures (the same on every rank)."""
+        return dict(self._metrics)
+
+    def rollout_sample(self) -> tuple[str, str] | None:
+        """(prompt, completion and its reward) of the last rollout, on this replica."""
+        return self._sample
+
+    def num_batches(self, dataset: Any, batch_size: int, *, replicas: int) -> int:
+        per_step = batch_size // self.settings.generations
+        return (len(dataset.ids) // per_step) * self.settings.iterations
+
+    def loss(self) -> SurrogateLoss:
+        return SurrogateLoss(self.settings.loss)
+
+    def describe_data(self, dataset: Any) -> str:
+        return f"prompts rolled out {self.settings.generations} times, {self.inner.folder.name} tokenizer"
+
+    def eval_split(self, dataset: Any) -> str:
+        return "held-out"
