@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     answers.add_argument("--max-answers", type=int, default=None, metavar="N",
                          help="answer the first N held-out rows only (default: all)")
     answers.add_argument("--out", type=Path, default=None, metavar="FILE", help="also write the figures as JSON")
-    add_objective_arguments(parser)
+    add_objective_arguments(parser, default=None)  # unset: a DPO checkpoint's own objective
     layout = parser.add_argument_group("layout")
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default: 1)")
@@ -83,7 +83,7 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
 def _objective(args: argparse.Namespace, saved: dict) -> DPOSettings | None:
     """The flags' objective, else the checkpoint's (a DPO checkpoint is evaluated on its pairs)."""
     given = objective_settings(args)
-    if given is None and "beta" in (saved.get("objective") or {}):  # (a GRPO checkpoint: its answers are measured)
+    if args.objective is None and "beta" in (saved.get("objective") or {}):  # (GRPO checkpoints: their answers)
         return DPOSettings(**saved["objective"])
     if given is not None and not isinstance(given, DPOSettings):
         raise ConfigError("pipetrain eval measures a GRPO model by its answers: --objective grpo does not apply",

@@ -23,9 +23,10 @@ _GRPO_FLAGS = (("--reward", "reward", None), ("--num-generations", "num_generati
                ("--top-p", "top_p", 1.0))
 
 
-def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+def add_objective_arguments(parser: argparse.ArgumentParser, *, default: str | None = "next-token") -> None:
+    """The objective flags; `default` None: `--objective` unset unless given (eval: the checkpoint's)."""
     group = parser.add_argument_group("objective", "what a step optimises (docs/alignment.md)")
-    group.add_argument("--objective", choices=OBJECTIVES, default="next-token",
+    group.add_argument("--objective", choices=OBJECTIVES, default=default,
                        help="next-token: the workload's loss; dpo: preference pairs (TRL's prompt/chosen/rejected "
                             "rows, --batch-size counts pairs) against the starting model (default: next-token)")
     group.add_argument("--dpo-loss", choices=DPO_LOSSES, default="sigmoid",
@@ -64,7 +65,7 @@ def _refuse(args: argparse.Namespace, flags: tuple, objective: str, what: str) -
 
 def objective_settings(args: argparse.Namespace) -> DPOSettings | GRPOSettings | None:
     """The objective of the parsed flags; a DPO or GRPO flag without its `--objective` is refused."""
-    objective = getattr(args, "objective", "next-token")
+    objective = getattr(args, "objective", None) or "next-token"
     if objective != "dpo":
         _refuse(args, _DPO_FLAGS, "dpo", "preference pairs")
     if objective != "grpo":

@@ -1,0 +1,46 @@
+"""Preference pairs from the IMDB reviews (the classifier's data): a short review, the question "positive or
+negative?", the true sentiment as the chosen answer and the other as the rejected one, as chat rows in TRL's
+preference format; held-out prompt/answer rows of other reviews for `pipetrain eval`'s answer accuracy.
+
+    python examples/imdb_pairs.py OUT_DIR [--pairs 480] [--answers 100]
+    pipetrain train --workload hf --model ~/.cache/pipetrain/smollm2-135m-instruct --data OUT_DIR/pairs.jsonl \
+        --objective dpo --lora-rank 8 --pp 2 --chunks 2 --batch-size 8 --seq-len 192 --max-steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipetrain.workloads.classifier.imdb_package import IMDB_SOURCE, package_csv, read_reviews
+
+QUESTION = "Is this movie review positive or negative? Answer with one word.\n\nReview: {review}"
+LABELS = ("negative", "positive")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--pairs", type=int, default=480)
+    parser.add_argument("--answers", type=int, default=100)
+    parser.add_argument("--chars", type=int, default=400, help="reviews up to this many characters")
+    args = parser.parse_args()
+    texts, labels = read_reviews(package_csv(), IMDB_SOURCE)
+    short = [(t.replace("<br />", " "), y) for t, y in zip(texts, labels) if len(t) <= args.chars]
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "pairs.jsonl", "w") as f:
+        for text, label in short[: args.pairs]:
+            prompt = [{"role": "user", "content": QUESTION.format(review=text)}]
+            f.write(json.dumps({"prompt": prompt, "chosen": [{"role": "assistant", "content": LABELS[label]}],
+                                "rejected": [{"role": "assistant", "content": LABELS[1 - label]}]}) + "\n")
+    with open(args.out / "answers.jsonl", "w") as f:
+        for text, label in short[args.pairs: args.pairs + args.answers]:
+            f.write(json.dumps({"messages": [{"role": "user", "content": QUESTION.format(review=text)},
+                                             {"role": "assistant", "content": LABELS[label]}]}) + "\n")
+    print(f"{min(args.pairs, len(short))} pairs, {len(short[args.pairs: args.pairs + args.answers])} answer rows "
+          f"in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
