@@ -14,7 +14,7 @@ from pipetrain.objectives import GRPOLossSettings, GRPOSettings, SurrogateLoss
 from pipetrain.objectives.columns import with_columns
 from pipetrain.objectives.grpo_loss import surrogate
 from pipetrain.objectives.rewards import load_rewards, score
-from pipetrain.objectives.rollout import check_generations
+from pipetrain.objectives.prompt_rows import check_generations
 
 REWARDS = '''
 def exact(prompts, completions, answer, **kwargs):

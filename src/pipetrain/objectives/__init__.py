@@ -1,8 +1,8 @@
 """What a step optimises beyond next-token loss, equal to TRL's definitions: preference pairs (DPO and its relatives,
-`--objective dpo`) and GRPO (`--objective grpo`). `dpo_loss`, `grpo_loss`: the losses; `pairs`: TRL's preference rows
-as token pairs; `reference`: the reference log-probabilities through the pipeline; `preference`, `rollout`: the
-workloads the trainer runs (GRPO's rollouts through the engine's own stages); `rewards`: the user's reward
-functions. See docs/alignment.md."""
+`--objective dpo`) and GRPO (`--objective grpo`). `dpo_loss`, `grpo_loss`: the losses; `pairs`: TRL's preference
+rows as token pairs; `prompt_rows`: GRPO's prompts; `reference`: the reference log-probabilities through the pipeline;
+`preference`, `rollout`: the workloads the trainer runs (GRPO's rollouts through the engine's own stages); `rewards`:
+the user's reward functions. See docs/alignment.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pipetrain.objectives.dpo_loss import DPO_LOSSES, DPOSettings, PreferenceLos
 from pipetrain.objectives.pairs import PreferencePairs, read_pairs
 from pipetrain.objectives.grpo_loss import GRPO_LOSSES, GRPOLossSettings, SurrogateLoss
 from pipetrain.objectives.preference import PreferenceWorkload
-from pipetrain.objectives.rollout import GRPOSettings, GRPOWorkload
+from pipetrain.objectives.prompt_rows import GRPOSettings
+from pipetrain.objectives.rollout import GRPOWorkload
 
 __all__ = ["DPO_LOSSES", "DPOSettings", "PreferenceLoss", "pair_terms", "PreferencePairs", "read_pairs",
            "PreferenceWorkload", "GRPO_LOSSES", "GRPOLossSettings", "SurrogateLoss", "GRPOSettings", "GRPOWorkload"]

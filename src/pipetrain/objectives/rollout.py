@@ -1,9 +1,7 @@
 """`--objective grpo`: rollouts generated through the pipeline by the policy as it is, scored, trained on.
 
-`GRPOWorkload` wraps the `hf` workload of a model folder. Its data are prompt rows (`prompt`: text, or chat
-messages rendered with the model's template and its generation prompt; the other fields go to the reward
-functions). Each global batch of `--batch-size` completions is `batch_size / G` prompts: every replica takes its
-share, generates `G` completions of each through the training engine's own stages (`generate.EngineGenerator`: no
+`GRPOWorkload` wraps the `hf` workload of a model folder. Its data are prompt rows (`prompt_rows`). Each global
+batch of `--batch-size` completions is `batch_size / G` prompts: every replica takes its share, generates `G` completions of each through the training engine's own stages (`generate.EngineGenerator`: no
 second copy of the weights), sampled with a seed drawn from the job's seed, the epoch and the batch (a resumed job
 draws the same), scores them (`rewards.score`), normalises the rewards within each prompt's group (TRL's
 `scale_rewards="group"`: `(r - mean) / (std + 1e-4)`, Bessel's std) and yields the rows `iterations` times, one
@@ -19,95 +17,32 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipetrain.data.cache import default_cache_root
-from pipetrain.data.formats import detect_format, read_rows
-from pipetrain.errors import ConfigError, DataError
+from pipetrain.errors import ConfigError
 from pipetrain.generate.engine import EngineGenerator
 from pipetrain.generate.job import eos_ids
 from pipetrain.generate.prompts import left_pad
 from pipetrain.generate.sampling import Sampling
 from pipetrain.lora import adapters_disabled
 from pipetrain.objectives.columns import with_columns
-from pipetrain.objectives.grpo_loss import GRPOLossSettings, SurrogateLoss
+from pipetrain.objectives.grpo_loss import SurrogateLoss
+from pipetrain.objectives.prompt_rows import GRPOSettings, PromptRows, check_generations, read_prompt_rows
 from pipetrain.objectives.logps import token_logps
 from pipetrain.objectives.rewards import load_rewards, score
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.hf.text import load_tokenizer
 from pipetrain.workloads.hf.workload import HFWorkload
-from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
 from pipetrain.workloads.position import replica_shares
 from pipetrain.workloads.registry import Batch, DataRequest, Workload
 from pipetrain.workloads.text.batching import batch_order
 
-__all__ = ["GRPOSettings", "PromptRows", "GRPOWorkload", "check_generations"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class GRPOSettings:
-    """`rewards` (import paths), `generations` G per prompt, `iterations` optimizer steps per generation batch,
-    `max_completion_length` new tokens, `top_p`, the loss (`GRPOLossSettings`, its temperature the sampling's)."""
-
-    rewards: tuple[str, ...] = ()
-    generations: int = 8
-    iterations: int = 1
-    max_completion_length: int = 64
-    top_p: float = 1.0
-    loss: GRPOLossSettings = field(default_factory=GRPOLossSettings)
-
-    def __post_init__(self) -> None:
-        if not self.rewards:
-            raise ConfigError("--objective grpo needs a reward function", hint="pass --reward MODULE:FUNCTION")
-        for name, value, least in (("--num-generations", self.generations, 2), ("--grpo-iterations", self.iterations, 1),
-                                   ("--max-completion-length", self.max_completion_length, 1)):
-            if value < least:
-                raise ConfigError(f"{name} {value} is below {least}", hint=f"pass {name} {least} or more")
-
-
-def check_generations(batch_size: int, generations: int, dp: int) -> None:
-    """One ConfigError unless `generations` G divides the batch of completions, and its prompts the replicas."""
-    if batch_size % generations:
-        raise ConfigError(f"--num-generations {generations} does not divide --batch-size {batch_size} (completions "
-                          "per step): a prompt's group of completions must be whole",
-                          hint=f"pass --batch-size {generations * max(1, batch_size // generations)}")
-    if (batch_size // generations) % dp:
-        raise ConfigError(f"--batch-size {batch_size} holds {batch_size // generations} prompt(s) of {generations} "
-                          f"completions, which {dp} replicas do not share evenly",
-                          hint=f"pass --batch-size {generations * dp * max(1, batch_size // generations // dp)}")
-
-
-@dataclass
-class PromptRows:
-    """One split of prompt rows: `prompts` as given, their token `ids`, each row's other `fields`, its data `rows`;
-    its length counts completion slots (prompts x G x iterations): what the loop's data position counts."""
-
-    prompts: list
-    ids: list[list[int]]
-    fields: list[dict]
-    rows: list[int]
-    slots: int
-    source: str
-    synthetic: bool = False
-
-    def __len__(self) -> int:
-        return len(self.ids) * self.slots
-
-
-def _encode(tokenizer: Any, prompt: Any, index: int, source: str) -> list[int]:
-    if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
-        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                                  return_dict=True)["input_ids"])
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise DataError(f"row {index} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or chat "
-                        "messages", hint="give every row a prompt")
-    return list(tokenizer(text=prompt)["input_ids"])
+__all__ = ["GRPOWorkload"]
 
 
 class GRPOWorkload(Workload):
@@ -144,42 +79,9 @@ class GRPOWorkload(Workload):
         if request.synthetic or request.path is None:
             raise ConfigError("--objective grpo rolls out the prompts of --data: none was given",
                               hint="pass --data prompts.jsonl (rows with a 'prompt' field)")
-        fmt, files = detect_format(Path(request.path))
-        source = f"--data {str(request.path)!r}"
-        if fmt == "text":
-            raise ConfigError(f"{source} is plain text; --objective grpo reads prompt rows",
-                              hint="pass JSON lines, Parquet or a datasets folder of rows with a 'prompt' field")
-        rows = read_rows(fmt, files, cache_dir=default_cache_root() / "rows")
-        if "prompt" not in rows.column_names:
-            raise ConfigError(f"{source} has no 'prompt' field: the fields found are "
-                              f"{', '.join(map(repr, rows.column_names))}", hint="give each row a 'prompt'")
-        tokenizer = load_tokenizer(self.inner.folder)
         seq_len = request.seq_len or self.inner.window(request.preset, seq_len=None, synthetic=False)
-        room = seq_len + 1 - self.settings.max_completion_length
-        if room < 1:
-            raise ConfigError(f"--max-completion-length {self.settings.max_completion_length} leaves no room for a "
-                              f"prompt in the window of {seq_len} tokens",
-                              hint=f"pass --seq-len {self.settings.max_completion_length + 32} or more")
-        kept, dropped = [], 0
-        for index, row in enumerate(rows):
-            ids = _encode(tokenizer, row["prompt"], index, source)
-            if len(ids) > room:
-                dropped += 1
-                continue
-            kept.append((index, row["prompt"], ids, {k: v for k, v in row.items() if k != "prompt"}))
-        if len(kept) < HOLD_OUT_EVERY:
-            raise DataError(f"{source} gives {len(kept)} prompt(s) within {room} tokens ({dropped} longer dropped); a "
-                            f"train and a held-out split need {HOLD_OUT_EVERY}", hint="give more prompts")
-        slots = self.settings.generations * self.settings.iterations
-        how = f"prompts of {fmt} at {request.path} ({len(rows):,} rows, {dropped} longer than {room} tokens dropped)"
-
-        def split(part: list, name: str) -> PromptRows:
-            return PromptRows([p for _, p, _, _ in part], [i for _, _, i, _ in part], [f for *_, f in part],
-                              [r for r, *_ in part], slots, f"{how}, {name} split ({len(part):,} prompts)")
-
-        held = [k for n, k in enumerate(kept) if n % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
-        return split([k for n, k in enumerate(kept) if n % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1], "train"), \
-            split(held, "held-out")
+        return read_prompt_rows(Path(request.path), load_tokenizer(self.inner.folder), seq_len=seq_len,
+                                settings=self.settings)
 
     def before_training(self, engine: PipelineEngine, splits: dict, *, mesh: Any, batch_size: int,
                         store: Path | None, main: bool) -> None:

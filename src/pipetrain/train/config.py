@@ -21,7 +21,7 @@ from pipetrain.logs.config import LogConfig
 from pipetrain.lora import LoraBlocks, LoraSettings
 from pipetrain.objectives import DPOSettings, GRPOSettings, GRPOWorkload, PreferenceWorkload
 from pipetrain.objectives.preference import check_pair_batches
-from pipetrain.objectives.rollout import check_generations
+from pipetrain.objectives.prompt_rows import check_generations
 from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.plan.auto import Fixed
