@@ -18,6 +18,7 @@ from pipetrain.launch.env import detect, without_launcher_variables
 from pipetrain.plan.gpus import ALIASES
 from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calibration_path, default_device,
                                      load_calibration, named_gpu, save_calibration)
+from pipetrain.plan.experts import ep_problem, moe_blocks
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
@@ -196,6 +197,26 @@ def tensor_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int, p
     return {"tps": (tp,), "sequence_parallel": with_sp}
 
 
+def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -> dict:
+    """The search's expert-parallel degrees: `--ep N`, else every power of 2 dividing the experts (a MoE model)."""
+    ep, imbalance = getattr(args, "ep", None), getattr(args, "moe_imbalance", 1.0)
+    moe = moe_blocks(blocks)
+    if not imbalance >= 1.0:
+        raise ConfigError(f"--moe-imbalance {imbalance} is below 1: the busiest expert has at least the mean load",
+                          hint="pass 1.0 (balanced) or more")
+    if ep is not None:
+        problem = ep_problem(blocks, ep)
+        if problem:
+            raise ConfigError(f"--ep {ep}: {problem}", hint="pass --ep 1 for a dense model, or an ep that divides "
+                                                            "the experts" if moe else "drop --ep: the model is dense")
+        return {"eps": (ep,), "moe_imbalance": imbalance}
+    if not moe:
+        return {}
+    experts = min(b.experts.experts for b in moe)
+    return {"eps": tuple(e for e in (1 << k for k in range(0, 16)) if e <= min(experts, gpus) and experts % e == 0),
+            "moe_imbalance": imbalance}
+
+
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
     """Run the search for parsed `plan`/`tune` arguments (`fixed`: SearchSpace fields forced by the caller)."""
     gpus, per_node = _devices(args)
@@ -217,6 +238,7 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
         chosen["virtual"] = (args.stages_per_rank,)
     if "tps" not in fixed:
         chosen.update(tensor_space(args, blocks, gpus, per_node))
+    chosen.update(expert_space(args, blocks, gpus))
     space = SearchSpace(**{**chosen, **fixed})
     start = time.perf_counter()
     result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,
@@ -230,7 +252,8 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
 def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     """`pipetrain train` flags for a predicted layout (layout flags included)."""
     lay = prediction.layout
-    out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else [])
+    out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else []) \
+        + (["--ep", str(lay.ep)] if lay.ep > 1 else [])
     out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
             "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
     if lay.sequence_parallel:
@@ -257,7 +280,7 @@ def _row(rank: int, p: Prediction) -> str:
     schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
     memory = "/".join(f"{m / _GB:.2f}" for m in p.memory_bytes) if len(p.memory_bytes) <= 4 else \
         f"max {max(p.memory_bytes) / _GB:.2f}"
-    tp = f"{lay.tp}{'sp' if lay.sequence_parallel else ''}"
+    tp = f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"
     return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
             f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
             f"{100 * p.bubble:>6.1f}% {memory}")
@@ -306,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = getattr(args, "model_sizes", None)
     if sizes is not None:
         for line in describe(sizes, args.model_seq_len, element=2 if args.precision == "bf16" else 4,
-                             tp=result.best[0].layout.tp):
+                             tp=result.best[0].layout.tp, ep=result.best[0].layout.ep):
             print(f"  {line}")
     what_if = [flag for flag, on in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") == "layer"),
                                      ("--vocab-parallel", getattr(args, "vocab_parallel", False)),

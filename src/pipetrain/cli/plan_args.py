@@ -76,6 +76,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "GPUs, when this pipetrain trains with --tp; else 1)")
     limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
                         help="tensor-parallel layouts with sequence parallelism, without, or both (default: both)")
+    limits.add_argument("--ep", type=int, default=None,
+                        help="a mixture-of-experts model: consider only this expert-parallel degree (default: every "
+                             "power of 2 that divides the experts and dp)")
+    limits.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                        help="a mixture-of-experts model: the busiest expert's tokens over the mean (default: 1.0, "
+                             "a balanced router; with an auxiliary loss 1.1-1.3 is common)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
     limits.add_argument("--chunks", type=int, default=None, help="consider only this many micro-batches per replica")
     limits.add_argument("--stages-per-rank", type=int, default=None,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["BlockCost", "TensorSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
+__all__ = ["BlockCost", "TensorSplit", "ExpertSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
            "ELEMENT_BYTES"]
 
 #: Bytes per element of each supported dtype name.
@@ -59,6 +59,22 @@ class TensorSplit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertSplit:
+    """The routed experts of one mixture-of-experts block, per sample of a micro-batch: what expert parallelism
+    divides (`params` of `experts` experts; tensor parallelism does not split them) and what it moves (each token's
+    hidden state to each of its `top_k` experts and back: `dispatch_bytes` per sample and direction). `flops` is the
+    experts' share of the block's forward FLOPs at an even load (the busiest expert's excess is `predict`'s
+    imbalance factor)."""
+
+    experts: int
+    top_k: int
+    params: int
+    flops: float
+    dispatch_bytes: float
+    tensors: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockCost:
     """One block's costs per sample (plus `fixed_*` per micro-batch). FLOPs and bytes are for the forward;
     `kernels` counts its forward kernel launches, `tensors` its parameter tensors (the optimizer's loop)."""
@@ -84,6 +100,8 @@ class BlockCost:
     #: parameters of `params` that train no more (a LoRA run's frozen base): no gradient, no optimizer state, no
     #: data-parallel reduction
     frozen_params: int = 0
+    #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
+    experts: ExpertSplit | None = None
 
     @property
     def trained_share(self) -> float:

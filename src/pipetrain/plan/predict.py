@@ -14,6 +14,10 @@ A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv
 With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
 parameters, activations and compute, plus the TP collectives, added to every forward and backward (on the
 critical path: a recomputed forward pays them again; zero-bubble's weight half W carries none).
+A mixture-of-experts block's routed experts are divided over `ep` ranks of the stage's data-parallel group
+(plan/experts.py): a rank holds the dense part of each block and its share of the experts, reduces the experts'
+gradients over the dp / ep ranks holding the same ones, and pays the dispatch and combine all-to-alls and the
+busiest expert's excess work in every forward and backward.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from functools import lru_cache
 
 from pipetrain.errors import ConfigError
 from pipetrain.partition.solver import solve_balance, uniform_balance
+from pipetrain.plan.experts import ep_extra_s, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
@@ -61,6 +66,10 @@ class Layout:
     #: what recomputation checkpoints: "stage" (pipetrain: the whole stage, keeping its input) or, what-if,
     #: "layer" (each block alone, keeping every block's input: torchtitan's and Megatron's full recomputation)
     recompute_unit: str = "stage"
+    #: expert parallelism: each MoE block's routed experts divided over `ep` ranks of its stage's dp group
+    ep: int = 1
+    #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
+    moe_imbalance: float = 1.0
 
     @property
     def world_size(self) -> int:
@@ -189,6 +198,9 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         part = blocks[start:stop]
         times = [(f * slowdown, b * slowdown) for f, b in (block_times(b, samples, device, tp, sp) for b in part)]
         comm = sum(tp_comm_s(b, samples, tp, network) for b in part)  # per forward, and as much per backward
+        moe = [ep_extra_s(b, samples, layout, network, device) for b in part]
+        moe_forward, moe_backward = sum(m[0] for m in moe), sum(m[1] for m in moe)
+        dense, shares = rank_parts(part, layout.ep)
         out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
         across = _crosses_node(stage, layout)
         latency = network.inter_latency_s if across else network.p2p_latency_s
@@ -202,13 +214,15 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         elif layout.recompute_unit != "stage":
             raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}", hint="use 'stage' or 'layer'")
         costs.append(StageCost(
-            forward_s=sum(t[0] for t in times) + comm,
-            backward_s=backward + comm,
+            forward_s=sum(t[0] for t in times) + comm + moe_forward,
+            backward_s=backward + comm + moe_backward,
             activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
-            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in part), layout, network,
-                              groups=len(part) + 1),
+            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in dense), layout, network,
+                              groups=len(part) + 1)
+            + (reduce_s(sum(b.param_bytes * b.trained_share for b in shares), expert_layout(layout), network,
+                        groups=len(shares)) if shares else 0.0),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
             held_bytes=held, recompute_bytes=again,
         ))
@@ -249,6 +263,9 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     problem = tp_problem(blocks, layout.tp, layout.sequence_parallel)
     if problem:
         raise ConfigError(problem, hint="choose a tp that divides the model's heads, hidden and feed-forward sizes")
+    problem = ep_problem(blocks, layout.ep, layout.dp)
+    if problem:
+        raise ConfigError(problem, hint="choose an ep that divides the experts and dp (ep 1 on a dense model)")
     if layout.gpus_per_node and layout.gpus_per_node % layout.tp:
         raise ConfigError(f"tp={layout.tp} would put a tensor-parallel group across nodes of {layout.gpus_per_node} "
                           "GPUs", hint=f"choose a tp that divides {layout.gpus_per_node}")
@@ -267,10 +284,14 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
         mine = [blocks[i] for s in held for i in range(*bounds[s])]
         sharded = layout.dp_mode == "fsdp" and layout.dp > 1
-        static = static_bytes(mine, layout)
+        dense, shares = rank_parts(mine, layout.ep)
+        experts = expert_layout(layout)
+        static = static_bytes(dense, layout) + (static_bytes(shares, experts) if shares else 0.0)
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
         memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
-        optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1, layout.tp))
+        expert_shards = experts.dp if layout.dp_mode == "fsdp" and experts.dp > 1 else 1
+        optimizer = max(optimizer, optimizer_s(dense, device, layout.dp if sharded else 1, layout.tp)
+                        + (optimizer_s(shares, device, expert_shards) if shares else 0.0))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
     step = timeline.span_s + optimizer + network.collective_latency_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))
