@@ -5,12 +5,14 @@ search over ep, and one message per bad --ep."""
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from pipetrain.cli.main import main
+from pipetrain.cli.main import build_parser, main
+from pipetrain.cli.plan import engine_has
 from pipetrain.errors import ConfigError
 from pipetrain.plan.experts import ep_problem, rank_parts
 from pipetrain.plan.hardware import named_gpu
@@ -121,7 +123,13 @@ def test_plan_of_a_moe_folder_prices_its_experts_and_chooses_ep(tmp_path, capsys
     assert main(["plan", "--model", str(folder), "--gpus", "4", "--gpu", "h100-sxm", "--seq-len", "32",
                  "--batch", "16", "--tp", "1", "--pp", "1", "--ep", "4"]) == 0
     out = capsys.readouterr().out
-    assert "1/ep4" in out and "--ep 4" in next(line for line in out.splitlines() if "pipetrain train" in line)
+    train = next(line for line in out.splitlines() if "pipetrain train" in line)
+    assert "1/ep4" in out
+    if engine_has("ep"):  # the train line carries --ep once train runs expert parallelism, and parses
+        assert "--ep 4" in train
+        build_parser().parse_args(shlex.split(train.strip())[1:])
+    else:
+        assert "--ep" not in train and "this pipetrain's train has no --ep" in out
 
 
 @pytest.mark.parametrize("flags,message", [

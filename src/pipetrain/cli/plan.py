@@ -253,7 +253,7 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     """`pipetrain train` flags for a predicted layout (layout flags included)."""
     lay = prediction.layout
     out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else []) \
-        + (["--ep", str(lay.ep)] if lay.ep > 1 else [])
+        + (["--ep", str(lay.ep)] if lay.ep > 1 and engine_has("ep") else [])
     out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
             "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
     if lay.sequence_parallel:
@@ -337,6 +337,9 @@ def run(args: argparse.Namespace) -> int:
     if what_if:
         print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "
               "layout it runs")
+    if result.best[0].layout.ep > 1 and not engine_has("ep"):
+        print(f"  expert parallelism planned (ep={result.best[0].layout.ep}), but this pipetrain's train has no --ep: "
+              "its line below holds every expert on every rank of a stage")
     if info["space"].tps == (1,) and getattr(args, "tp", None) is None:
         print("  tensor parallelism not considered: this pipetrain's train has no --tp (pass --tp N to plan it)")
     print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'tp':>4} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
