@@ -18,6 +18,7 @@ from pipetrain.launch.env import detect, without_launcher_variables
 from pipetrain.plan.gpus import ALIASES
 from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calibration_path, default_device,
                                      load_calibration, named_gpu, save_calibration)
+from pipetrain.plan.context import cp_problem
 from pipetrain.plan.experts import ep_problem, moe_blocks
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
@@ -217,6 +218,16 @@ def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -
             "moe_imbalance": imbalance}
 
 
+def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
+    """The search's context-parallel degree (`--cp N`, checked against the model) and attention."""
+    cp, attention = getattr(args, "cp", 1), getattr(args, "cp_attention", "ring")
+    problem = cp_problem(blocks, cp, attention)
+    if problem:
+        raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
+                                                        "by 2 x cp for ring attention), or --cp 1")
+    return {"cps": (cp,), "cp_attention": attention}
+
+
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
     """Run the search for parsed `plan`/`tune` arguments (`fixed`: SearchSpace fields forced by the caller)."""
     gpus, per_node = _devices(args)
@@ -239,6 +250,7 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
     if "tps" not in fixed:
         chosen.update(tensor_space(args, blocks, gpus, per_node))
     chosen.update(expert_space(args, blocks, gpus))
+    chosen.update(context_space(args, blocks))
     space = SearchSpace(**{**chosen, **fixed})
     start = time.perf_counter()
     result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,
@@ -253,7 +265,8 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     """`pipetrain train` flags for a predicted layout (layout flags included)."""
     lay = prediction.layout
     out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else []) \
-        + (["--ep", str(lay.ep)] if lay.ep > 1 and engine_has("ep") else [])
+        + (["--ep", str(lay.ep)] if lay.ep > 1 and engine_has("ep") else []) \
+        + (["--cp", str(lay.cp), "--cp-attention", lay.cp_attention] if lay.cp > 1 and engine_has("cp") else [])
     out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
             "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
     if lay.sequence_parallel:
@@ -280,7 +293,8 @@ def _row(rank: int, p: Prediction) -> str:
     schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
     memory = "/".join(f"{m / _GB:.2f}" for m in p.memory_bytes) if len(p.memory_bytes) <= 4 else \
         f"max {max(p.memory_bytes) / _GB:.2f}"
-    tp = f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"
+    tp = (f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"
+          f"{f'/cp{lay.cp}' if lay.cp > 1 else ''}")
     return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
             f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
             f"{100 * p.bubble:>6.1f}% {memory}")
@@ -329,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = getattr(args, "model_sizes", None)
     if sizes is not None:
         for line in describe(sizes, args.model_seq_len, element=2 if args.precision == "bf16" else 4,
-                             tp=result.best[0].layout.tp, ep=result.best[0].layout.ep):
+                             tp=result.best[0].layout.tp, ep=result.best[0].layout.ep,
+                             cp=result.best[0].layout.cp):
             print(f"  {line}")
     what_if = [flag for flag, on in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") == "layer"),
                                      ("--vocab-parallel", getattr(args, "vocab_parallel", False)),
@@ -337,6 +352,9 @@ def run(args: argparse.Namespace) -> int:
     if what_if:
         print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "
               "layout it runs")
+    if result.best[0].layout.cp > 1 and not engine_has("cp"):
+        print(f"  context parallelism planned (cp={result.best[0].layout.cp}), but this pipetrain's train has no "
+              "--cp: its line below keeps each sequence whole on a rank")
     if result.best[0].layout.ep > 1 and not engine_has("ep"):
         print(f"  expert parallelism planned (ep={result.best[0].layout.ep}), but this pipetrain's train has no --ep: "
               "its line below holds every expert on every rank of a stage")

@@ -82,6 +82,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                         help="a mixture-of-experts model: the busiest expert's tokens over the mean (default: 1.0, "
                              "a balanced router; with an auxiliary loss 1.1-1.3 is common)")
+    limits.add_argument("--cp", type=int, default=1,
+                        help="context parallelism: each sequence split over this many ranks of a stage (default: 1)")
+    limits.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring",
+                        help="the attention of a context-parallel split: ring (key/value passes overlapped with "
+                             "attention) or ulysses (all-to-all to whole heads) (default: ring)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
     limits.add_argument("--chunks", type=int, default=None, help="consider only this many micro-batches per replica")
     limits.add_argument("--stages-per-rank", type=int, default=None,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["BlockCost", "TensorSplit", "ExpertSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
+__all__ = ["BlockCost", "TensorSplit", "ExpertSplit", "ContextSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
            "ELEMENT_BYTES"]
 
 #: Bytes per element of each supported dtype name.
@@ -75,6 +75,20 @@ class ExpertSplit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ContextSplit:
+    """What context parallelism exchanges in one attention block, per sequence of `sequence` tokens (plan/context.py):
+    the keys and values (`kv_bytes`), the queries and the output (`qo_bytes`), the attention's score FLOPs in the
+    forward (`flops`), and the head counts all-to-all attention divides."""
+
+    sequence: int
+    heads: int
+    kv_heads: int
+    kv_bytes: float
+    qo_bytes: float
+    flops: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockCost:
     """One block's costs per sample (plus `fixed_*` per micro-batch). FLOPs and bytes are for the forward;
     `kernels` counts its forward kernel launches, `tensors` its parameter tensors (the optimizer's loop)."""
@@ -102,6 +116,8 @@ class BlockCost:
     frozen_params: int = 0
     #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
     experts: ExpertSplit | None = None
+    #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)
+    context: ContextSplit | None = None
 
     @property
     def trained_share(self) -> float:

@@ -14,7 +14,10 @@ collective volume in the same time and holds less (activations, receive buffers)
 traffic, stage-to-stage bytes), so it is never slower nor larger in this model.
 
 Expert parallelism: `SearchSpace.eps` lists the degrees to try for a mixture-of-experts model (default 1 only);
-a degree is enumerated where it divides dp and every MoE block's experts (`experts.ep_problem`).
+a degree is enumerated where it divides dp and every MoE block's experts (`experts.ep_problem`). Context
+parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default 1 only); a degree takes its
+ranks beside tp (its exchange crosses nodes where cp · tp ranks do not fit in one) and is kept where it splits
+the sequence and, for all-to-all attention, the heads (`context.cp_problem`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
+from pipetrain.plan.context import context_samples, cp_problem
 from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
@@ -59,6 +63,9 @@ class SearchSpace:
     #: expert-parallel degrees to try (a mixture-of-experts model), and the router's imbalance (`Layout`'s)
     eps: tuple[int, ...] = (1,)
     moe_imbalance: float = 1.0
+    #: context-parallel degrees to try, and the attention they use (`Layout`'s)
+    cps: tuple[int, ...] = (1,)
+    cp_attention: str = "ring"
 
 
 @dataclass
@@ -94,7 +101,11 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
     (tp, sequence parallelism) pairs to use (default: `tp_options`); every ep of `space.eps` that divides dp."""
     layouts = []
     for tp, sp in tp_options(gpus, space, gpus_per_node) if tps is None else tps:
-        layouts += _layouts(num_blocks, gpus // tp, batch, space, gpus_per_node, tp, sp)
+        for cp in sorted(set(space.cps)):
+            if cp < 1 or (gpus // tp) % cp:
+                continue
+            found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp)
+            layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
     return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
             for layout in layouts for ep in sorted(set(space.eps)) if layout.dp % ep == 0]
 
@@ -141,7 +152,7 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
                   cache: dict | None = None) -> float:
     """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer.
     `cache`: a dict kept across calls on the same blocks, device and network (the model's sums per size)."""
-    samples = layout.batch // layout.dp // layout.chunks
+    samples = context_samples(layout.batch // layout.dp // layout.chunks, layout.cp)
     tp, sp = layout.tp, layout.sequence_parallel
     key = (samples, tp, sp, layout.ep)
     parts = ("parts", layout.ep)
@@ -163,8 +174,9 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
         again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
         work += again / layout.chunks * (forward + comm)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
-    shards = layout.dp if layout.dp_mode == "fsdp" else 1
-    experts = expert_layout(layout)
+    grads = layout.gradient_layout()
+    shards = grads.dp if layout.dp_mode == "fsdp" else 1
+    experts = expert_layout(grads)
     expert_shards = experts.dp if layout.dp_mode == "fsdp" else 1
     if cache is None or (shards, tp, layout.ep) not in cache:
         optimizer = optimizer_s(dense, device, shards, tp) + (optimizer_s(shares, device, expert_shards)
@@ -173,7 +185,7 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
             cache[shards, tp, layout.ep] = optimizer
     else:
         optimizer = cache[shards, tp, layout.ep]
-    reduce = reduce_s(param_bytes, layout, network) + (reduce_s(expert_bytes, experts, network) if shares else 0.0)
+    reduce = reduce_s(param_bytes, grads, network) + (reduce_s(expert_bytes, experts, network) if shares else 0.0)
     return (layout.chunks * work + reduce + optimizer) / layout.pp + actions
 
 
@@ -183,7 +195,8 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
     tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
     tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps]  # sequence parallelism dominates: see above
     layouts = [layout for layout in enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
-               if ep_problem(blocks, layout.ep) is None]
+               if ep_problem(blocks, layout.ep) is None
+               and cp_problem(blocks, layout.cp, layout.cp_attention) is None]
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
     cache: dict = {}

@@ -46,7 +46,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 from pipetrain.plan.config_names import CONFIG_NAMES, FAMILY_FIELDS, ConfigNames
-from pipetrain.plan.model import BlockCost, ExpertSplit, TensorSplit
+from pipetrain.plan.model import BlockCost, ContextSplit, ExpertSplit, TensorSplit
 
 __all__ = ["DecoderSizes", "ConfigNames", "CONFIG_NAMES", "FAMILY_FIELDS", "sizes_from_config", "load_sizes", "read_config"]
 
@@ -199,6 +199,7 @@ class DecoderSizes:
         layer = self.layer_params()
         tensors = weights + 2 * (2 if self.layer_norm else 1) + (2 if self.qk_norm else 0) + 3 * self.qkv_bias \
             + self.o_bias + ((3 if self.gated else 2) if self.mlp_bias else 0)
+        context = self.context_split(s, e)
         for index in range(self.layers):
             if self.is_moe(index):
                 blocks.append(self.moe_block(index, s, e))
@@ -206,7 +207,7 @@ class DecoderSizes:
             blocks.append(BlockCost(
                 name=f"DecoderLayer{index}", params=layer, param_bytes=4.0 * layer, activation_bytes=kept,
                 output_bytes=float(e * sh), forward_flops=float(flops), forward_traffic=float(traffic), kernels=20,
-                tensors=tensors, tensor=split, matmul_params=self.matmul_params(),
+                tensors=tensors, tensor=split, matmul_params=self.matmul_params(), context=context,
             ))
         head = self.head_params()
         logits = 8 * s * V  # fp32 logits and their log-probabilities, kept for the loss's backward
@@ -256,7 +257,14 @@ class DecoderSizes:
             experts=ExpertSplit(experts=self.experts, top_k=top, params=self.routed_params(),
                                 flops=float(expert_flops), dispatch_bytes=float(e * s * h * top),
                                 tensors=expert_tensors),
+            context=self.context_split(s, e),
         )
+
+    def context_split(self, s: int, e: int) -> ContextSplit:
+        """What context parallelism exchanges in one layer's attention, per sequence of `s` tokens."""
+        return ContextSplit(sequence=s, heads=self.heads, kv_heads=self.kv_heads,
+                            kv_bytes=float(2 * e * s * self.kv_width), qo_bytes=float(2 * e * s * self.q_width),
+                            flops=float(4 * s * s * self.q_width))
 
     def summary(self) -> str:
         """One line: the family and its sizes."""
@@ -370,7 +378,8 @@ def load_sizes(path: str | Path) -> DecoderSizes:
     return sizes_from_config(config, str(file))
 
 
-def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1, ep: int = 1) -> list[str]:
+def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1, ep: int = 1,
+             cp: int = 1) -> list[str]:
     """What the planner counts for `sizes` at `seq_len` (activations of `element` bytes; the split at `tp`; a
     mixture of experts: total and active parameters, the experts a rank holds at `ep`, the all-to-all volume)."""
     mib = 2**20
@@ -410,6 +419,13 @@ def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1
                      f"{split / mib:.1f} MiB of its activations split (each rank {rank:.1f} MiB; "
                      f"{kept / tp / mib:.1f} MiB with sequence parallelism), 2 all-reduces of "
                      f"{layer_input / mib:.1f} MiB per forward and per backward")
+    if cp > 1:
+        split = sizes.context_split(seq_len, element)
+        lines.append(f"at cp={cp}: each rank holds {seq_len // cp} tokens of a sequence (activations and compute / "
+                     f"{cp}); per layer and sample the ring passes {split.kv_bytes / cp / mib:.1f} MiB of keys and "
+                     f"values in {cp - 1} ring steps (all-to-all attention moves "
+                     f"{(split.kv_bytes + split.qo_bytes) / cp * (cp - 1) / cp / mib:.1f} MiB), as much again twice "
+                     "in backward")
     lines.append("per parameter: fp32 16 B (weights, gradient, 2 AdamW moments; DDP +4 B of buckets); FSDP keeps the "
                  "stage's weights gathered (fp32 4 B, bf16 2 B, Float8 1 B) and its gradients (4 B) plus 16 B / dp")
     return moe + lines
