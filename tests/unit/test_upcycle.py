@@ -38,6 +38,6 @@ def test_a_folder_it_cannot_upcycle_is_one_line(tmp_path, capsys):
     gpt2 = tiny_model_folder(tmp_path / "gpt2", family="gpt2")
     assert main([str(gpt2), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "upcycling takes a Llama- or Mistral-shaped model" in err and "'gpt2'" in err
+    assert "upcycling takes a Llama- or Mistral-shaped model" in err and "'gpt2' one" in err
     assert main([str(tiny_model_folder(tmp_path / "llama")), str(tmp_path / "out"), "--top-k", "5"]) == 2
     assert "--top-k 5 with --experts 4" in capsys.readouterr().err

@@ -30,12 +30,24 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
+def _llama_shaped(model: torch.nn.Module) -> bool:
+    """Whether `model`'s layers are Mixtral's without the experts: q/k/v/o and gate/up/down projections without
+    biases, no q/k norms, no sliding window."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or getattr(model.config, "sliding_window", None) is not None:
+        return False
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    for layer in layers:
+        parts = dict(layer.named_modules())
+        if any(not isinstance(parts.get(n), torch.nn.Linear) or parts[n].bias is not None for n in names) \
+                or "self_attn.q_norm" in parts:
+            return False
+    return True
+
+
 def _mixtral_config(dense, experts: int, top_k: int, aux_loss_coef: float):
     transformers = require_transformers()
-    if dense.model_type not in ("llama", "mistral") or getattr(dense, "attention_bias", False) \
-            or getattr(dense, "mlp_bias", False):
-        raise ConfigError(f"upcycling takes a Llama- or Mistral-shaped model without biases, not a "
-                          f"{dense.model_type!r} one", hint="pass a llama or mistral folder (SmolLM2 is one)")
     if not 1 <= top_k <= experts:
         raise ConfigError(f"--top-k {top_k} with --experts {experts}: each token goes to 1..experts experts",
                           hint=f"pass --top-k between 1 and {experts}")
@@ -54,6 +66,10 @@ def upcycle(source: str | Path, target: str | Path, *, experts: int = 4, top_k: 
     transformers = require_transformers()
     source, target = Path(source), Path(target)
     dense = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if not _llama_shaped(dense):
+        raise ConfigError(f"upcycling takes a Llama- or Mistral-shaped model without biases, q/k norms or sliding "
+                          f"windows, not this {dense.config.model_type!r} one",
+                          hint="pass a folder such as SmolLM2's or a Llama's")
     config = _mixtral_config(dense.config, experts, top_k, aux_loss_coef)
     torch.manual_seed(seed)
     sparse = transformers.MixtralForCausalLM(config).eval()
