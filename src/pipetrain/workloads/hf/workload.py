@@ -224,6 +224,6 @@ def check_model_folder(folder: Path) -> Path:
     except ConfigError as err:
         raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
                           f"split: {err.message.partition(': ')[2] or err.message}",
-                          hint=err.hint if model_type in SUPPORTED_FAMILIES else supported) from None
+                          hint=err.hint) from None
     prove(config)
     return folder

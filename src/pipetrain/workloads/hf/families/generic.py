@@ -70,9 +70,9 @@ def refuse_mixture_of_experts(config: Any) -> None:
     experts = {name: count for name, count in counts.items() if count > 0}
     if experts and getattr(config, "is_moe", True) is not False:
         name, count = next(iter(experts.items()))
-        raise ConfigError(f"Hugging Face model type {config.model_type!r} is a mixture of experts ({name}={count}), "
-                          "which pipetrain does not support yet: its experts are stored, routed and split in ways no "
-                          "pipetrain block describes", hint="pass a dense causal LM (MoE support is a separate issue)")
+        raise ConfigError(f"Hugging Face model type {config.model_type!r}: a mixture of experts ({name}={count}), "
+                          "which pipetrain does not support yet (its experts are stored, routed and split in ways no "
+                          "pipetrain block describes)", hint="pass a dense causal LM (MoE support is a separate issue)")
 
 
 def _misfit(config: Any, model: nn.Module) -> list[str]:
