@@ -155,3 +155,24 @@ def test_the_list_names_real_family_fields_and_the_flags_of_real_config_classes(
         assert all(hasattr(config, entry.flag) for entry in outside.outside_of(config)), name
         acting = [entry for entry in outside.outside_of(config) if entry.acting(config)]
         assert not outside.unapplied(config, FAMILIES[name]), (name, acting)
+
+
+def test_check_against_transformers_prints_the_largest_logit_difference(tmp_path, capsys):
+    from pipetrain.cli import main as cli_main
+    from tests.hf_folders import tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "llama")
+    capsys.readouterr()
+    code = cli_main.main(["check", "--workload", "hf", "--model", str(folder), "--against", "transformers",
+                          "--seq-len", "16", "--batch-size", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"pipetrain check --against transformers: {folder} (llama), fp32, 4 x 16 tokens")
+    assert lines[-1].startswith("PASS: largest logit difference ") and "fp32 round-off bound" in lines[-1]
+    assert float(lines[-1].split("difference ")[1].split()[0]) <= 1e-5, lines
+    assert "Loading weights" not in err
+    code = cli_main.main(["check", "--against", "transformers"])  # the classifier: no folder to compare
+    out, err = capsys.readouterr()
+    assert code == 2 and "--against transformers compares a Hugging Face model folder" in err
+    assert len(err.strip().splitlines()) == 1
