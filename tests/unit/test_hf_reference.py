@@ -176,3 +176,14 @@ def test_check_against_transformers_prints_the_largest_logit_difference(tmp_path
     out, err = capsys.readouterr()
     assert code == 2 and "--against transformers compares a Hugging Face model folder" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_rank_that_pipetrain_spawned_leaves_the_proof_to_its_launcher(fresh, monkeypatch):
+    from pipetrain.launch import spawn
+
+    config = scaled_configs(VOCAB)["granite"]
+    monkeypatch.setattr(spawn, "_REPORT", (None, 1))  # as in a rank `spawn` started
+    assert spawn.spawned_rank() == 1 and not generic.speaks()
+    assert proof.prove(config) is None and not proof._PROVEN
+    monkeypatch.setattr(spawn, "_REPORT", None)  # the launcher
+    assert proof.prove(config).holds

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from pipetrain.compat.tensor_styles import heads_replicated
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.launch.env import detect
+from pipetrain.launch.spawn import spawned_rank
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.workloads.hf.families.family import (Family, causal_lm_class, require_transformers, tp_divides,
                                                     transformers_mask)
@@ -135,6 +136,8 @@ def _tp_plan(config: Any, tp: int) -> TPPlan:
 def speaks() -> bool:
     """Whether this process says the job's one line: the process that starts local ranks (not the ranks it
     spawned, which have joined their group when they build the model), or rank 0 of a launcher (torchrun, Slurm)."""
+    if spawned_rank() is not None:  # a local rank: the process that started it has spoken
+        return False
     try:
         placed = detect()
     except PipetrainError:
