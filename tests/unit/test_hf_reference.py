@@ -77,14 +77,11 @@ def test_a_folder_of_each_family_is_proven_once_per_process(fresh, tmp_path, cap
 
 
 @pytest.mark.parametrize("name", sorted({**scaled_configs(), "llama": None, "gpt2": None}))
-def test_every_described_family_is_proven_within_round_off_in_well_under_a_second(name, fresh):
+def test_every_described_family_is_proven_within_round_off(name, fresh):
     from tests.distributed.test_hf_parity import tiny_configs
     config = {**tiny_configs(), **scaled_configs(VOCAB)}[name]
-    proof.compare(config)  # the first call imports the modeling module
-    start = __import__("time").perf_counter()
-    result = proof.compare(config)
-    assert __import__("time").perf_counter() - start < 1.0
-    assert result.holds, result.line()
+    result = proof.compare(config)  # its time: benchmarks/hf_reference_table.py (no timing in tests)
+    assert result.holds and result.largest > 0.4, result.line()
 
 
 def test_the_tiny_copy_keeps_flags_and_each_layer_type_and_shrinks_sizes():
