@@ -122,8 +122,9 @@ class HFCausalLM:
     folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
     every sample (pipeline stages need static shapes); `documents`: the input is `(token ids, positions)` of packed
     documents (`pipetrain.data.packing`), attention masked by document. Attention runs as `config._attn_implementation`
-    says, when unset "sdpa" (or "eager" for a class that cannot use sdpa: Gemma 2), as transformers chooses. Use `causal_lm_loss` as the engine's loss, with
-    the input ids (padding set to -100) as targets. `from_folder` reads the config from the folder too.
+    says, when unset "sdpa" (or "eager" for a class that cannot use sdpa: Gemma 2), as transformers chooses. Use
+    `causal_lm_loss` as the engine's loss, with the input ids (padding set to -100) as targets. `from_folder` reads the
+    config from the folder too, and proves the blocks against transformers' class on a tiny copy of it.
     """
 
     def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64,

@@ -7,9 +7,9 @@ those weights, and compares their logits on 16 random tokens: they agree within 
 largest logit), in well under a second on CPU. The weights are drawn at unit scale (not at transformers' 0.02) so
 that the logits are large enough for a soft cap, a scale or a divisor to show. A disagreement refuses the config with
 one line naming the family and the largest difference; for a described family that is a pipetrain bug and the line
-says so. Each config is proven once per process (cached by its hash) and by the process that says the job's lines
-(`speaks`), not by every rank; the cache key holds the description too. `logit_difference` compares two models' logits; `pipetrain check --against
-transformers` uses it on the real folder at full size.
+says so. Each config is proven once per process (cached by its hash, with the description) and by the process that
+says the job's lines (`speaks`), not by every rank. `logit_difference` compares two models' logits; `pipetrain check
+--against transformers` uses it on the real folder at full size.
 """
 
 from __future__ import annotations

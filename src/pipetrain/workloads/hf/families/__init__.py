@@ -29,7 +29,8 @@ from pipetrain.workloads.hf.families.scaled import COHERE, COHERE2, GRANITE
 
 __all__ = ["Family", "FAMILIES", "COMMON_LAYOUT", "family_of", "generic_family", "causal_mask", "layer_types_mask",
            "sliding_window_mask", "require_transformers", "tp_divides", "LLAMA", "GPT2", "QWEN2", "QWEN3", "MISTRAL",
-           "GEMMA", "PHI3", "OLMO2", "GRANITE", "COHERE", "COHERE2", "GEMMA2", "GEMMA3", "llama_tp_plan", "gpt2_tp_plan", "phi3_tp_plan", "gathered_attention_tp_plan"]
+           "GEMMA", "PHI3", "OLMO2", "GRANITE", "COHERE", "COHERE2", "GEMMA2", "GEMMA3",
+           "llama_tp_plan", "gpt2_tp_plan", "phi3_tp_plan", "gathered_attention_tp_plan"]
 
 #: model_type of a transformers config -> its description
 FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, GPT2, QWEN2, QWEN3, MISTRAL, GEMMA, PHI3,

@@ -84,7 +84,8 @@ OUTSIDE: dict[str, tuple[Outside, ...]] = {
     **dict.fromkeys(("zaya", "phimoe"), (Outside("lm_head_bias", "a bias on the head", (False, None), None),)),
     "modernbert-decoder": (Outside("decoder_bias", "a bias on the head", (False, None), None),),
     "starcoder2": _dropout("embedding_dropout"),
-    **dict.fromkeys(("gpt2", "phi", "phi4_multimodal", "codegen", "gptj", "ctrl", "openai-gpt"), _dropout("embd_pdrop")),
+    **dict.fromkeys(("gpt2", "phi", "phi4_multimodal", "codegen", "gptj", "ctrl", "openai-gpt"),
+                    _dropout("embd_pdrop")),
     "gpt_neox": _dropout("hidden_dropout"),
     "gpt_neo": _dropout("embed_dropout"),
 }
