@@ -25,7 +25,7 @@ __all__ = ["ROLES", "check_chat_template", "check_roles", "marks_generation", "t
 
 #: the roles every chat template is given (besides those its text names)
 ROLES = ("system", "user", "assistant", "tool")
-_SENTINEL = "PIPETRAINSENTINEL{}X"
+_SENTINEL = "PipetrainSentinel{}x"
 _ROLE_NAME = re.compile(r"""role['"]?\]?\s*(?:==|!=)\s*['"]([A-Za-z_][\w-]*)['"]""")
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
