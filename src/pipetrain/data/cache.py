@@ -37,7 +37,7 @@ ROWS_PER_PROC = 2000
 #: the files of a model folder that make its tokenizer (hashed into the cache key)
 _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "added_tokens.json",
                     "chat_template*", "spiece.model")
-_VERSION = 1
+_VERSION = 2  # 2: BOS/EOS as the tokenizer gives them, chat turns by sentinel
 
 
 def default_cache_root() -> Path:
