@@ -1,7 +1,7 @@
 """Text for a pretrained Hugging Face model: its own tokenizer, documents packed into windows (or one per row).
 
 Packing (the pretraining convention, the default): every document is tokenized with the model folder's
-tokenizer (`AutoTokenizer`, no special tokens added), followed by the EOS token, and the documents are joined
+tokenizer (`AutoTokenizer`, as `tokenizer(text)` gives it: its BOS where it adds one), followed by the EOS token, and the documents are joined
 into one stream, cut into windows of `seq_len + 1` tokens that overlap by one (so every token is predicted
 once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--pack none`), each
 document is one row: its first `seq_len + 1` tokens, right-padded with the pad token (EOS where the
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pipetrain.data.packing import PackedDocuments
+from pipetrain.data.render import text_ids
 from pipetrain.data.rows import TokenRows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
@@ -85,7 +86,9 @@ def check_vocabulary(tokenizer: Any, vocab_size: int) -> None:
 
 
 def _ids(tokenizer: Any, documents: list[str]) -> list[list[int]]:
-    return tokenizer(documents, add_special_tokens=False)["input_ids"]
+    """Each document's ids as `tokenizer(text)` gives them (its BOS, as the model was trained and generates)."""
+    return text_ids(tokenizer, documents)
+
 
 
 def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vocab_size: int, pack: bool,
