@@ -101,3 +101,21 @@ def test_rows_without_the_data_extra_say_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: `import datasets` raises ImportError
     with pytest.raises(ConfigError, match=r"needs the `datasets` and `pyarrow` packages.*pip install 'pipetrain\[data\]'"):
         require_datasets()
+
+
+def test_a_tokenizer_without_eos_is_refused_before_tokenizing(cli, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Prompt/answer rows end with EOS: main tokenized them first and failed inside Arrow (`None` in an int list)."""
+    from tests.hf_folders import tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "no-eos")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    config.pop("bos_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    called = []
+    monkeypatch.setattr(data_cache, "_tokenize", lambda *a, **k: called.append(1))
+    data = jsonl(tmp_path / "qa.jsonl", [{"prompt": "a", "completion": "b"}] * 20)
+    capsys.readouterr()
+    code, out, err, _ = cli([*TRAIN, "--model", str(folder), "--data", str(data)])
+    assert_one_error(code, out, err, "the tokenizer of no-eos has no EOS token", "set eos_token")
+    assert not called, "the rows were tokenized before the EOS check"

@@ -89,3 +89,33 @@ def test_no_held_out_row_is_trained_on_under_other_settings(case, folder, tmp_pa
         assert held and held <= {i for i in range(120) if i % 10 == 9}
         trained = trained_rows(config(train), tokenizer)
         assert trained and not trained & held, sorted(trained & held)
+
+
+def test_eval_of_an_exported_model_reads_its_runs_data_settings_or_says_what_it_assumed(folder, tmp_path, caplog):
+    """`pipetrain export --hf` writes the run's data settings beside the model; `eval --model` takes them as its
+    defaults (main fell back to --seq-len 128 and --truncate drop without a word), and says what it assumed for a
+    folder without them."""
+    import logging
+    import shutil
+
+    from pipetrain.cli.eval import eval_job
+    from pipetrain.cli.main import build_parser
+    from pipetrain.data.settings import SETTINGS_FILE, write_data_settings
+
+    exported = tmp_path / "exported"
+    shutil.copytree(folder, exported)
+    run = TrainConfig(workload="hf", model_dir=folder, data=tmp_path / "rows.jsonl", seq_len=40, pack="documents",
+                      row_format=RowFormat(truncate="left"), batch_size=4, max_steps=1)
+    write_data_settings(exported, run.as_json())
+    argv = ["eval", "--model", str(exported), "--data", str(tmp_path / "rows.jsonl")]
+    with caplog.at_level(logging.INFO, logger="pipetrain"):
+        job = eval_job(build_parser(argv).parse_args(argv))
+    assert (job.config.seq_len, job.config.pack, job.config.row_format.truncate) == (40, "documents", "left")
+    assert SETTINGS_FILE in caplog.text and "--seq-len 40, --pack documents, --truncate left" in caplog.text
+    argv = ["eval", "--model", str(exported), "--data", "x.jsonl", "--seq-len", "64"]  # a flag given wins
+    assert eval_job(build_parser(argv).parse_args(argv)).config.seq_len == 64
+    caplog.clear()
+    argv = ["eval", "--model", str(folder), "--data", str(tmp_path / "rows.jsonl")]
+    with caplog.at_level(logging.INFO, logger="pipetrain"):
+        job = eval_job(build_parser(argv).parse_args(argv))
+    assert "carries no data settings of a pipetrain run" in caplog.text and "assumed --seq-len 128" in caplog.text

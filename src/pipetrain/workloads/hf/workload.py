@@ -155,13 +155,13 @@ class HFWorkload(LanguageModelWorkload):
         """JSON lines, Parquet or a datasets folder: tokenized once (cached), read from memory-mapped files."""
         tokenizer = load_tokenizer(self.folder)
         check_vocabulary(tokenizer, vocab)
-        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
-                               tokenizer_key=tokenizer_digest(self.folder))
         eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        if eos is None:
+        if eos is None:  # before tokenizing: answers end with it, documents are joined with it
             raise ConfigError(f"the tokenizer of {self.folder.name} has no EOS token", hint="set eos_token in its "
                                                                                              "tokenizer_config.json")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
+                               tokenizer_key=tokenizer_digest(self.folder))
         source = (f"{fmt} at {request.path} ({done.kind} rows, {len(done.rows):,}), tokenized by {self.folder.name}"
                   f"{' (cached)' if done.cached else ''}")
         return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack == "windows",
