@@ -92,11 +92,14 @@ def _refuse(index: int, source: str, why: str) -> ConfigError:
                             "turns with {% generation %}), or give the rows as prompt/completion")
 
 
-def _common_tokens(tokenizer: Any, last: str, rest: str) -> int:
+def _token_ends(tokenizer: Any, text: str) -> list[int]:
+    return [end for _, end in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+
+
+def _common_tokens(ends: list[int], last: str, rest: str) -> int:
     """How many characters of `rest` (what follows a turn's content) are the start of `last` (what follows it when it
-    is the last turn), up to the end of one of `last`'s tokens (`<|end|>\n` of `<|end|>\n<|endoftext|>` against
-    `<|end|>\n<|user|>`, not `<|end|>\n<|`)."""
-    ends = [end for _, end in tokenizer(last, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+    is the last turn; its tokens end at `ends`), up to the end of one of `last`'s tokens (`<|end|>\n` of
+    `<|end|>\n<|endoftext|>` against `<|end|>\n<|user|>`, not `<|end|>\n<|`)."""
     return max([end for end in ends if rest[:end] == last[:end]], default=0)
 
 
@@ -104,21 +107,36 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], index: int, source
     """The conversation `messages` (row `index`, 0-based, of `source`; checked by `check_roles`) rendered by the chat template, and the character spans
     of its assistant turns: each turn's content as rendered and its end-of-turn text (see the module docstring)."""
     messages = check_roles(tokenizer, messages, index, source)
-    full, spans = _render(tokenizer, messages), []
-    for k in [k for k, m in enumerate(messages) if m["role"] == "assistant"]:
-        sentinel = _SENTINEL.format(k)
-        marked = [dict(m, content=sentinel) if j == k else m for j, m in enumerate(messages)]
-        text = _render(tokenizer, marked)
-        if text.count(sentinel) != 1 or full.count(sentinel):
-            raise _refuse(index, source, f"the content of turn {k + 1} is not rendered as given")
-        prefix, rest = text.split(sentinel)
-        if not (full.startswith(prefix) and full.endswith(rest) and len(prefix) + len(rest) <= len(full)):
-            raise _refuse(index, source, f"the text around turn {k + 1} changes with its content")
-        if k == len(messages) - 1:
-            last = rest
-        else:  # the turn rendered as the last one: what its end-of-turn text is
-            alone = _render(tokenizer, marked[: k + 1])
-            last = alone.split(sentinel)[1] if alone.count(sentinel) == 1 else ""
-        common = _common_tokens(tokenizer, last, rest)
-        spans.append((len(prefix), len(full) - len(rest) + common))
+    full = _render(tokenizer, messages)
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    around = {k: _around(tokenizer, messages, k, full, index, source) for k in turns}
+    # what follows a turn rendered as the last one: the last message's, when it is an assistant turn (one render
+    # fewer a turn; a template ends a conversation the same way whichever turn is last), else rendered for each
+    ending = around[turns[-1]][1] if turns[-1] == len(messages) - 1 else None
+    ending_ends = _token_ends(tokenizer, ending) if ending is not None else []
+    spans = []
+    for k in turns:
+        prefix, rest = around[k]
+        last = ending if ending is not None else _last(tokenizer, messages, k)
+        ends = ending_ends if ending is not None else _token_ends(tokenizer, last)
+        spans.append((len(prefix), len(full) - len(rest) + _common_tokens(ends, last, rest)))
     return full, spans
+
+
+def _around(tokenizer: Any, messages: Sequence[dict], k: int, full: str, index: int, source: str) -> tuple[str, str]:
+    """The text of the conversation before and after the content of turn `k` (rendered with a sentinel there)."""
+    sentinel = _SENTINEL.format(k)
+    text = _render(tokenizer, [dict(m, content=sentinel) if j == k else m for j, m in enumerate(messages)])
+    if text.count(sentinel) != 1 or sentinel in full:
+        raise _refuse(index, source, f"the content of turn {k + 1} is not rendered as given")
+    prefix, rest = text.split(sentinel)
+    if not (full.startswith(prefix) and full.endswith(rest) and len(prefix) + len(rest) <= len(full)):
+        raise _refuse(index, source, f"the text around turn {k + 1} changes with its content")
+    return prefix, rest
+
+
+def _last(tokenizer: Any, messages: Sequence[dict], k: int) -> str:
+    """What follows the content of turn `k` when the conversation ends with it."""
+    sentinel = _SENTINEL.format(k)
+    alone = _render(tokenizer, [*messages[:k], dict(messages[k], content=sentinel)])
+    return alone.split(sentinel)[1] if alone.count(sentinel) == 1 else ""
