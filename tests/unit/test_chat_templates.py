@@ -107,3 +107,11 @@ def test_a_prompt_and_answer_merged_by_the_tokenizer_are_tokenized_apart():
     ids, first = prompt_answer_ids(tokenizer, prompt, answer)
     assert ids[:first] == tokenizer(prompt)["input_ids"] and ids[:-1] != whole
     assert ids[first:] == tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def test_the_rows_tokenized_apart_are_counted():
+    tokenizer = styled_tokenizer("mistral")
+    batch = {"prompt": ["The capital of France is ", "The capital of France is"], "completion": ["Paris.", " Paris."]}
+    out = tokenize_rows(batch, [0, 1], tokenizer=tokenizer, kind="instruction", fields=("prompt", "completion"),
+                        source="x")
+    assert out["apart"] == [1, 0]

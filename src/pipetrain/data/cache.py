@@ -156,6 +156,8 @@ def _build(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_
     features = {"input_ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32")}
     if kind != "text":
         features.update(trained=datasets.List(datasets.Value("int8")), first=datasets.Value("int32"))
+    if kind == "instruction":  # 1: the tokenizer merges prompt and answer across the joint: tokenized apart
+        features.update(apart=datasets.Value("int8"))
     with _bars(datasets, sys.stderr.isatty()):
         mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
                           batched=True, with_indices=True, remove_columns=rows.column_names,

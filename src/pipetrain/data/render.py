@@ -38,24 +38,27 @@ def text_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts)["input_ids"]]
 
 
-def prompt_answer_ids(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], int]:
+def prompt_answer_ids(tokenizer: Any, prompt: str, answer: str, *, apart: list[bool] | None = None
+                      ) -> tuple[list[int], int]:
     """The ids of `prompt + answer` followed by EOS (unless the tokenizer ended them with it) and how many of them
     are the prompt's: the whole's tokenization where a token starts at the joint, else the two tokenized apart
-    (the prompt with the tokenizer's special tokens, the answer without)."""
+    (the prompt with the tokenizer's special tokens, the answer without; `apart` is told which, when given)."""
     eos = tokenizer.eos_token_id
     whole = tokenizer(prompt + answer, return_offsets_mapping=True, return_special_tokens_mask=True)
     ids, joint = list(whole["input_ids"]), len(prompt)
-    first, apart = len(ids), False
+    first, merged = len(ids), False
     for i, ((start, end), special) in enumerate(zip(whole["offset_mapping"], whole["special_tokens_mask"])):
         if special:
             continue
         if start < joint < end:
-            apart = True
+            merged = True
             break
         if start >= joint:
             first = i
             break
-    if apart:
+    if apart is not None:
+        apart.append(merged)
+    if merged:
         head = list(tokenizer(prompt)["input_ids"])
         if head and head[-1] == eos:
             head = head[:-1]
@@ -77,11 +80,15 @@ def tokenize_rows(batch: dict[str, list], indices: list[int], *, tokenizer: Any,
         return {"input_ids": ids, "length": [len(row) for row in ids]}
     ids, trained = [], []
     if kind == "instruction":
+        apart: list[bool] = []
         for prompt, answer, index in zip(batch[fields[0]], batch[fields[1]], indices):
             row, first = prompt_answer_ids(tokenizer, _text(prompt, fields[0], index, source),
-                                           _text(answer, fields[1], index, source))
+                                           _text(answer, fields[1], index, source), apart=apart)
             ids.append(row)
             trained.append([0] * first + [1] * (len(row) - first))
+        return {"input_ids": ids, "trained": trained, "length": [len(row) for row in ids],
+                "first": [row.index(1) if 1 in row else len(row) for row in trained],
+                "apart": [int(a) for a in apart]}
     else:
         generation = marks_generation(tokenizer)
         for messages, index in zip(batch[fields[0]], indices):

@@ -145,8 +145,11 @@ def token_rows(rows: Any, *, kind: str, seq_len: int, pack: bool, truncate: str,
                             hint="pass a longer --seq-len" + ("" if truncate == "left" else
                                                                ", or --truncate left to cut prompts from the left"))
         cut_text = f", {touched} cut from the left" if truncate == "left" else ""
+        apart = int(_column(rows, "apart").sum()) if "apart" in rows.column_names else 0
+        apart_text = (f"; {apart} row(s) whose prompt and answer the tokenizer merges across the joint tokenized "
+                      "apart" if apart else "")
         how = (f"one example per row, {'assistant turns' if kind == 'chat' else 'answers'} trained; rows longer "
-               f"than {width} tokens: {dropped} dropped{cut_text} (--truncate {truncate})")
+               f"than {width} tokens: {dropped} dropped{cut_text} (--truncate {truncate}){apart_text}")
         unit = "example"
         splits = [_rows(torch.nonzero(keep & part).flatten(), lengths - cut, cut) for part in (~held, held)]
     (train, *_), (test, *_) = splits
