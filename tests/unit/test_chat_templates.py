@@ -7,6 +7,7 @@ text and prompt/answer rows carry BOS (and EOS) as `tokenizer(text)` gives them.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -115,3 +116,29 @@ def test_the_rows_tokenized_apart_are_counted():
     out = tokenize_rows(batch, [0, 1], tokenizer=tokenizer, kind="instruction", fields=("prompt", "completion"),
                         source="x")
     assert out["apart"] == [1, 0]
+
+
+def test_packing_puts_one_eos_between_documents_whatever_the_tokenizer_adds():
+    """A tokenizer that ends every text with EOS itself gets no second one between packed documents."""
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import processors
+
+    from pipetrain.data.rows import token_rows
+    from pipetrain.workloads.hf.text import ends_with_eos, tokenize_documents
+
+    tokenizer = styled_tokenizer("llama3")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A <|eot_id|>", special_tokens=[("<|begin_of_text|>", bos), ("<|eot_id|>", eos)])
+    assert ends_with_eos(tokenizer) and not ends_with_eos(styled_tokenizer("llama3"))
+    texts = [f"It was the best of times, {i}." for i in range(20)]
+    out = tokenize_rows({"text": texts}, list(range(20)), tokenizer=tokenizer, kind="text", fields=("text",), source="x")
+    rows = datasets.Dataset.from_dict(out)
+    train, _ = token_rows(rows, kind="text", seq_len=8, pack=True, truncate="drop", pad_id=eos, eos_id=eos,
+                          source="x", joiner=0)
+    stream = [t for i, text in enumerate(texts) if i % 10 != 9 for t in tokenizer(text)["input_ids"]]
+    windows = train.take(torch.arange(len(train)))[0]
+    assert windows[:, :-1].flatten().tolist() == stream[: len(train) * 8]
+    docs, _ = tokenize_documents(texts, tokenizer, seq_len=8, vocab_size=10_000, pack=True, source="x")
+    whole = [t for text in texts for t in tokenizer(text)["input_ids"]]  # .txt documents: held out by window
+    assert docs.tokens[:9, :-1].flatten().tolist() == whole[:72]

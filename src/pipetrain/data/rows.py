@@ -45,6 +45,8 @@ class TokenRows:
     synthetic: bool = False
     #: packed: the rows whose stream this is, in order (document `d` of `starts` is row `docs[d]`)
     docs: torch.Tensor | None = None
+    #: packed: the EOS tokens put after each document (0: its tokens end with the tokenizer's own EOS already)
+    joiner: int = 1
 
     def __len__(self) -> int:
         return len(self.index)
@@ -90,7 +92,7 @@ class TokenRows:
         docs, local = torch.unique(doc, return_inverse=True)
         rows = docs if self.docs is None else self.docs[docs]
         ids, doc_starts = _flat(self.arrow[rows.tolist()], "input_ids")
-        ends = offset >= (self.starts[doc + 1] - self.starts[doc] - 1)  # the EOS after the document
+        ends = offset >= (self.starts[doc + 1] - self.starts[doc] - self.joiner)  # the EOS after the document
         picked = (doc_starts[local] + offset).clamp(max=max(len(ids) - 1, 0))
         return torch.where(ends, torch.tensor(self.eos_id), ids[picked] if len(ids) else torch.tensor(self.eos_id))
 
@@ -116,17 +118,18 @@ def held_out(count: int, every: int) -> torch.Tensor:
 
 
 def token_rows(rows: Any, *, kind: str, seq_len: int, pack: bool, truncate: str, pad_id: int, eos_id: int,
-               source: str, hold_out_every: int = 10) -> tuple[TokenRows, TokenRows]:
+               source: str, hold_out_every: int = 10, joiner: int = 1) -> tuple[TokenRows, TokenRows]:
     """Train and held-out splits of the tokenized `rows` of `kind` (see the module docstring); `source` names the
-    data in the start-up line, followed by how the rows became samples and how many the truncation touched."""
+    data in the start-up line, followed by how the rows became samples and how many the truncation touched.
+    `joiner`: the EOS tokens packing puts after each document (0 where the tokenizer ends every text with EOS)."""
     width = seq_len + 1
     lengths = _column(rows, "length")
     supervised = kind != "text"
     held = held_out(len(lengths), hold_out_every)
     if kind == "text" and pack:
         how, unit = f"packed into windows of {seq_len} tokens", "window"
-        splits = [_stream(torch.nonzero(~held).flatten(), lengths, seq_len),
-                  _stream(torch.nonzero(held).flatten(), lengths, seq_len)]
+        splits = [_stream(torch.nonzero(~held).flatten(), lengths, seq_len, joiner),
+                  _stream(torch.nonzero(held).flatten(), lengths, seq_len, joiner)]
     elif kind == "text":
         keep = lengths >= 2
         how, unit = f"one document per row, cut to {seq_len} tokens", "document"
@@ -162,7 +165,7 @@ def token_rows(rows: Any, *, kind: str, seq_len: int, pack: bool, truncate: str,
         index, kept, offsets, starts, docs = part
         return TokenRows(rows, index, kept, offsets, width, pad_id, eos_id, kind == "text" and pack, supervised,
                          f"{source}, {how}, {name} split ({len(index):,} {unit}s; held out: every {hold_out_every}th "
-                         "row of the data)", starts, docs=docs)
+                         "row of the data)", starts, docs=docs, joiner=joiner)
 
     return split(splits[0], "train"), split(splits[1], "held-out")
 
@@ -173,10 +176,10 @@ def _rows(index: torch.Tensor, kept: torch.Tensor, cut: torch.Tensor | None) -> 
     return index, kept[index], offsets, None, None
 
 
-def _stream(docs: torch.Tensor, lengths: torch.Tensor, seq_len: int) -> tuple:
-    """The windows of the stream of the rows `docs` joined by EOS: window indices, lengths, offsets, where each
-    document starts in the stream, and the documents (rows)."""
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths[docs] + 1, 0)])
+def _stream(docs: torch.Tensor, lengths: torch.Tensor, seq_len: int, joiner: int) -> tuple:
+    """The windows of the stream of the rows `docs` joined by EOS (`joiner` of them): window indices, lengths,
+    offsets, where each document starts in the stream, and the documents (rows)."""
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths[docs] + joiner, 0)])
     count = max(int(starts[-1]) - 1, 0) // seq_len
     return (torch.arange(count), torch.full((count,), seq_len + 1), torch.zeros(count, dtype=torch.long), starts,
             docs)

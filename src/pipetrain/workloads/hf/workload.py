@@ -30,8 +30,8 @@ from pipetrain.workloads.lm.corpus import (HOLD_OUT_EVERY, check_text_only, load
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
 from pipetrain.workloads.hf.families import family_of
-from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
-                                         tokenize_documents, window_batches)
+from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, ends_with_eos,
+                                         load_tokenizer, tokenize_documents, window_batches)
 from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
@@ -166,7 +166,7 @@ class HFWorkload(LanguageModelWorkload):
                   f"{' (cached)' if done.cached else ''}")
         return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack == "windows",
                           truncate=request.row_format.truncate, pad_id=pad, eos_id=eos, source=source,
-                          hold_out_every=HOLD_OUT_EVERY)
+                          hold_out_every=HOLD_OUT_EVERY, joiner=0 if ends_with_eos(tokenizer) else 1)
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
                 replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
