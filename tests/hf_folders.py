@@ -108,3 +108,46 @@ def scaled_configs(vocab_size: int = 96) -> dict:
         "gemma2": transformers.Gemma2Config(**common, **alternating, final_logit_softcapping=0.5),
         "gemma3_text": transformers.Gemma3TextConfig(**common, **alternating, final_logit_softcapping=0.5),
     }
+
+
+#: the tokenizer styles of `styled_tokenizer`: (pre-tokenizer, BOS added by `tokenizer(text)`, EOS, more specials)
+STYLES = {
+    "llama3": ("byte", "<|begin_of_text|>", "<|eot_id|>", ["<|start_header_id|>", "<|end_header_id|>"]),
+    "qwen3": ("byte", None, "<|im_end|>", ["<|im_start|>", "<|endoftext|>"]),
+    "gemma": ("gemma", "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
+    "mistral": ("sentencepiece", "<s>", "</s>", ["[INST]", "[/INST]"]),
+    "phi3": ("sentencepiece", "<s>", "<|endoftext|>", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]),
+}
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+
+def styled_tokenizer(style: str, template: str | None = None):
+    """A tokenizer in the manner of a family's (`STYLES`), trained offline on `TEXT`: byte-level BPE (Llama 3,
+    Qwen), SentencePiece-style BPE with `▁` for spaces and a dummy prefix (Mistral, Llama 2, Phi-3), or Gemma's (`▁`,
+    no dummy prefix); `tokenizer(text)` adds the family's BOS where it has one. `template`: a file of
+    `tests/fixtures/chat_templates` (without `.jinja`) set as its chat template."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    kind, bos, eos, more = STYLES[style]
+    specials = [t for t in (bos, eos, *more) if t]
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=kind != "byte"))
+    if kind == "byte":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        scheme = "first" if kind == "sentencepiece" else "never"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=True)
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme, split=True)
+        alphabet = sorted(set("".join(TEXT).replace(" ", "▁")) | {"▁", "\n"})
+    tok.train_from_iterator(TEXT * 3, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                          initial_alphabet=alphabet))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                                additional_special_tokens=more)
+    if template is not None:
+        fast.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    return fast

@@ -31,8 +31,8 @@ from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
 from pipetrain.workloads.hf.families import family_of
 from pipetrain.workloads.hf.proof import prove
-from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
-                                         tokenize_documents, window_batches)
+from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, ends_with_eos,
+                                         load_tokenizer, tokenize_documents, window_batches)
 from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
@@ -156,18 +156,18 @@ class HFWorkload(LanguageModelWorkload):
         """JSON lines, Parquet or a datasets folder: tokenized once (cached), read from memory-mapped files."""
         tokenizer = load_tokenizer(self.folder)
         check_vocabulary(tokenizer, vocab)
-        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
-                               tokenizer_key=tokenizer_digest(self.folder))
         eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        if eos is None:
+        if eos is None:  # before tokenizing: answers end with it, documents are joined with it
             raise ConfigError(f"the tokenizer of {self.folder.name} has no EOS token", hint="set eos_token in its "
                                                                                              "tokenizer_config.json")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
+                               tokenizer_key=tokenizer_digest(self.folder))
         source = (f"{fmt} at {request.path} ({done.kind} rows, {len(done.rows):,}), tokenized by {self.folder.name}"
                   f"{' (cached)' if done.cached else ''}")
         return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack == "windows",
                           truncate=request.row_format.truncate, pad_id=pad, eos_id=eos, source=source,
-                          hold_out_every=HOLD_OUT_EVERY)
+                          hold_out_every=HOLD_OUT_EVERY, joiner=0 if ends_with_eos(tokenizer) else 1)
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
                 replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
