@@ -77,7 +77,8 @@ def _trainer(folder: Path, settings: DPOSettings, out: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     # bf16=False: TRL's configs default to bf16 autocast, which the reference model's forward would run under
     args = trl.DPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False,
-                         per_device_train_batch_size=len(ROWS), loss_type=[settings.loss], beta=settings.beta, label_smoothing=settings.label_smoothing)
+                         per_device_train_batch_size=len(ROWS), loss_type=[settings.loss], beta=settings.beta,
+                         label_smoothing=settings.label_smoothing)
     trainer = trl.DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(ROWS),
                              processing_class=tok)
     return trainer, model
@@ -157,8 +158,8 @@ def grpo_references(folder: Path, out: Path) -> dict:
     for name, (_, fields) in GRPO.items():
         tok = transformers.AutoTokenizer.from_pretrained(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-        args = trl.GRPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=4,
-                              num_generations=2, max_completion_length=C, **fields)
+        args = trl.GRPOConfig(output_dir=str(out), report_to=[], use_cpu=True, bf16=False,
+                              per_device_train_batch_size=4, num_generations=2, max_completion_length=C, **fields)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                                   train_dataset=datasets.Dataset.from_list([{"prompt": "The cat"}] * 4))
         trainer.current_gradient_accumulation_steps = 1  # (set by its training loop)

@@ -121,7 +121,7 @@ def eval_rank(spec: RankSpec, job: EvalJob, data: tuple[Dataset, Dataset] | None
                    main=dist.get_rank() == 0)
         if job.checkpoint is not None:
             load_checkpoint(job.checkpoint, session.engine, model_name=None)
-        if config.objective is not None:  # (eval takes DPO's alone) preference pairs: the loss and the pairs ranked right, TRL's rewards
+        if config.objective is not None:  # DPO's pairs (eval takes no other): the loss, the pairs ranked right, rewards
             totals = held_out_totals(session, config, test)
             loss, accuracy = totals.means()
             figures = {"model": str(job.checkpoint or config.model_dir), "data": test.source, "loss": loss,

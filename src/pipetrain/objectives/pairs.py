@@ -136,7 +136,8 @@ def read_pairs(path: Path, tokenizer: Any, *, seq_len: int, pad_id: int,
         kept.append((index, head, chosen, rejected))
     if len(kept) < hold_out_every:
         raise DataError(f"{source} gives {len(kept)} pair(s) within {width} tokens ({dropped} longer dropped); a "
-                        f"train and a held-out split need {hold_out_every}", hint="give more pairs or a longer --seq-len")
+                        f"train and a held-out split need {hold_out_every}",
+                        hint="give more pairs or a longer --seq-len")
     tokens = torch.full((len(kept), 2, width), pad_id, dtype=torch.long)
     trained = torch.zeros((len(kept), 2, width), dtype=torch.bool)
     lengths = torch.zeros((len(kept), 2), dtype=torch.long)
@@ -147,7 +148,8 @@ def read_pairs(path: Path, tokenizer: Any, *, seq_len: int, pad_id: int,
             trained[i, j, len(head): len(ids)] = True
             lengths[i, j] = len(ids)
     every = torch.arange(len(kept))
-    test, train = every[every % hold_out_every == hold_out_every - 1], every[every % hold_out_every != hold_out_every - 1]
+    held = every % hold_out_every == hold_out_every - 1
+    test, train = every[held], every[~held]
     row_of = torch.tensor([index for index, *_ in kept])
     how = f"preference pairs of {fmt} at {path} ({len(rows):,} rows, {dropped} longer than {width} tokens dropped)"
 

@@ -32,7 +32,8 @@ class GRPOSettings:
     def __post_init__(self) -> None:
         if not self.rewards:
             raise ConfigError("--objective grpo needs a reward function", hint="pass --reward MODULE:FUNCTION")
-        for name, value, least in (("--num-generations", self.generations, 2), ("--grpo-iterations", self.iterations, 1),
+        for name, value, least in (("--num-generations", self.generations, 2),
+                                   ("--grpo-iterations", self.iterations, 1),
                                    ("--max-completion-length", self.max_completion_length, 1)):
             if value < least:
                 raise ConfigError(f"{name} {value} is below {least}", hint=f"pass {name} {least} or more")
@@ -72,8 +73,8 @@ def _encode(tokenizer: Any, prompt: Any, index: int, source: str) -> list[int]:
         return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
                                                   return_dict=True)["input_ids"])
     if not isinstance(prompt, str) or not prompt.strip():
-        raise DataError(f"row {index} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or chat "
-                        "messages", hint="give every row a prompt")
+        raise DataError(f"row {index} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or "
+                        "chat messages", hint="give every row a prompt")
     return list(tokenizer(text=prompt)["input_ids"])
 
 

@@ -1,15 +1,16 @@
 """`--objective grpo`: rollouts generated through the pipeline by the policy as it is, scored, trained on.
 
 `GRPOWorkload` wraps the `hf` workload of a model folder. Its data are prompt rows (`prompt_rows`). Each global
-batch of `--batch-size` completions is `batch_size / G` prompts: every replica takes its share, generates `G` completions of each through the training engine's own stages (`generate.EngineGenerator`: no
-second copy of the weights), sampled with a seed drawn from the job's seed, the epoch and the batch (a resumed job
-draws the same), scores them (`rewards.score`), normalises the rewards within each prompt's group (TRL's
-`scale_rewards="group"`: `(r - mean) / (std + 1e-4)`, Bessel's std) and yields the rows `iterations` times, one
-optimizer step each (TRL's `num_iterations`). With more than one iteration the old log-probs are computed once per
-generation batch before its first step, and with `--kl-beta` the reference's with the LoRA adapters off (a
-forward-only pass each). The step's rollout figures (reward mean and std, each function's mean, completion length)
-and a sample are read by the loop (`step_metrics`, `rollout_sample`). The held-out split is not rolled out during
-training (its evaluation has no batches); `pipetrain eval` measures answers.
+batch of `--batch-size` completions is `batch_size / G` prompts: every replica takes its share, generates `G`
+completions of each through the training engine's own stages (`generate.EngineGenerator`: no second copy of the
+weights), sampled with a seed drawn from the job's seed, the epoch and the batch (a resumed job draws the same),
+scores them (`rewards.score`), normalises the rewards within each prompt's group (TRL's `scale_rewards="group"`:
+`(r - mean) / (std + 1e-4)`, Bessel's std) and yields the rows `iterations` times, one optimizer step each (TRL's
+`num_iterations`). With more than one iteration the old log-probs are computed once per generation batch before its
+first step, and with `--kl-beta` the reference's with the LoRA adapters off (a forward-only pass each). The step's
+rollout figures (reward mean and std, each function's mean, completion length) and a sample are read by the loop
+(`step_metrics`, `rollout_sample`). The held-out split is not rolled out during training (its evaluation has no
+batches); `pipetrain eval` measures answers.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class GRPOWorkload(Workload):
         self.generator = EngineGenerator(engine, mesh, model.config, self.inner.folder)
         self.tokenizer = load_tokenizer(self.inner.folder)
         self.stops = set(eos_ids(self.inner.folder, model.config, self.tokenizer)) | {self.tokenizer.eos_token_id}
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         self.functions = load_rewards(self.settings.rewards)
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
