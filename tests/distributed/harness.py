@@ -20,6 +20,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
+from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.pipeline.precision import autocast
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.lm.gpt import GPT_PRESETS, PAD_ID, GPTEmbedding, GPTModel
@@ -278,6 +279,7 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
 
 
 def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:
+    ActivationOffload.HOST_COPY_ON_CPU = True  # offloading cases: the CUDA path, with host-to-host copies
     device = join_job(spec)
     try:
         records = {name: _train(parallel, batches, device, *rest) for name, (parallel, batches, *rest) in cases.items()}
