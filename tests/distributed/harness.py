@@ -255,13 +255,14 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     session = build_session(factory(), parallel, device, seed=SEED, loss_fn=loss, precision=precision)
     engine, mesh = session.engine, session.mesh
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads, norms = [], [], []
+    losses, grads, norms, offloaded = [], [], [], 0
     for x, y in batches:
         share = y.shape[0] // parallel.dp
         part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         opt.zero_grad()
         share_x = tuple(t[part] for t in x) if isinstance(x, tuple) else x[part]
         losses.append(engine.step(share_x, y[part]).loss)
+        offloaded += engine.offloaded_bytes
         if clip is not None:
             norms.append(session.clip_grad_norm_(clip))
         grads.append({name: _full(p.grad).cpu().clone() for name, p in engine.named_parameters()})
@@ -275,6 +276,7 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     live_stages = sum(type(o).__name__ == "PipelineStage" for o in gc.get_objects())
     cache = (len(engine.schedules), engine.schedules.evictions, live_stages)
     return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache, "norms": norms,
+            "offloaded": offloaded,
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 

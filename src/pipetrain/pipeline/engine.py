@@ -178,6 +178,11 @@ class PipelineEngine:
                 index, _, rest = name.partition(".")
                 yield f"{first_block + int(index)}.{rest}", buffer
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of activations the last step moved to host memory (`PipelineConfig.offload_activations`)."""
+        return sum(w.offload.offloaded_bytes for w in self._recompute if w.offload is not None)
+
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)

@@ -86,7 +86,7 @@ class RecomputeWrapper(nn.Module):
         self.unit = unit
         self._recompute_context = recompute_context or nullcontext
         self._blocks = [] if unit == "stage" else recomputed_blocks(first_block, len(module), every)
-        self._offload = offload
+        self.offload = offload
         self._count = 1
         self._calls = 0
 
@@ -99,13 +99,13 @@ class RecomputeWrapper(nn.Module):
         """Reset the micro-batch counter for a step of `count` micro-batches."""
         self._count = count
         self._calls = 0
-        if self._offload is not None:
-            self._offload.start_step(count)
+        if self.offload is not None:
+            self.offload.start_step(count)
 
     def forward(self, *args: Any) -> Any:
         index = self._calls
         self._calls += 1
-        offloading = self._offload.saving(index) if self._offload is not None and self.training else nullcontext()
+        offloading = self.offload.saving(index) if self.offload is not None and self.training else nullcontext()
         with offloading:
             if not (self.training and recomputes(self.policy, index, self._count)):
                 return self.module(*args)

@@ -1,0 +1,151 @@
+"""The memory modes' pieces without a process group: flag checks, the reshard rule, which blocks recompute, what
+selective recomputation runs again, and activation offloading through its host-to-host test path."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipetrain.blocks import BlockSequential
+from pipetrain.cli.parallel_args import add_parallel_arguments, parallel_config
+from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.errors import ConfigError
+from pipetrain.pipeline.offload import ActivationOffload
+from pipetrain.pipeline.recompute import RecomputeWrapper, recomputed_blocks
+from pipetrain.plan.reshard import reshard_after_forward
+
+
+def _flags(*argv: str) -> ParallelConfig:
+    parser = argparse.ArgumentParser()
+    add_parallel_arguments(parser)
+    return parallel_config(parser.parse_args(list(argv)))
+
+
+def test_flags_reach_the_configuration():
+    config = _flags("--pp", "1", "--dp", "4", "--dp-mode", "hsdp", "--dp-shard", "2", "--fsdp-reshard", "always",
+                    "--checkpoint", "selective", "--offload-activations")
+    assert (config.dp_mode, config.dp_shard, config.fsdp_reshard, config.dp_replicas) == ("hsdp", 2, "always", 2)
+    pipe = config.pipeline
+    assert (pipe.checkpoint, pipe.recompute_unit, pipe.offload_activations) == ("always", "selective", True)
+    assert _flags("--pp", "1", "--dp", "4", "--dp-mode", "fsdp", "--fsdp-reshard", "2").fsdp_reshard == 2
+    every = _flags("--checkpoint", "except_last", "--recompute-unit", "layer", "--recompute-every", "3").pipeline
+    assert (every.recompute_unit, every.recompute_every) == ("layer", 3)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--dp", "4", "--pp", "1", "--dp-mode", "hsdp"), "--dp-shard"),
+    (("--dp", "4", "--pp", "1", "--dp-mode", "hsdp", "--dp-shard", "3"), "dividing"),
+    (("--dp", "4", "--pp", "1", "--dp-shard", "2"), "only hsdp"),
+    (("--dp", "2", "--pp", "1", "--fsdp-reshard", "always"), "only FSDP2"),
+    (("--dp", "2", "--pp", "1", "--dp-mode", "fsdp", "--fsdp-reshard", "sometimes"), "unknown --fsdp-reshard"),
+    (("--dp", "4", "--pp", "1", "--dp-mode", "fsdp", "--fsdp-reshard", "4"), "group size"),
+    (("--dp", "4", "--pp", "2", "--dp-mode", "fsdp", "--fsdp-reshard", "2"), "pipeline ranks"),
+    (("--dp", "2", "--pp", "2", "--dp-mode", "fsdp", "--schedule", "zero-bubble", "--fsdp-reshard", "always"),
+     "split in two"),
+    (("--recompute-every", "2", "--checkpoint", "always"), "whole stage"),
+    (("--recompute-unit", "layer",), "nothing recomputes"),
+    (("--checkpoint", "selective", "--recompute-unit", "layer"), "selective is a unit"),
+    (("--checkpoint", "always", "--recompute-unit", "ops"), "recomputation unit"),
+])
+def test_bad_combinations_are_refused(argv, words):
+    with pytest.raises(ConfigError, match=words):
+        _flags(*argv)
+
+
+def test_reshard_rule():
+    assert reshard_after_forward("never", pp=1) is False and reshard_after_forward("always", pp=4) is True
+    assert reshard_after_forward(2, pp=1) == 2
+    assert reshard_after_forward("auto", pp=1) is True  # torchtitan's choice at pp 1
+    assert reshard_after_forward("auto", pp=1, split_backward=True) is False
+    assert reshard_after_forward("auto", pp=2) is False  # the runtime does not know the memory: keep them gathered
+    assert reshard_after_forward("auto", pp=2, gathered_bytes=10.0, budget_bytes=5.0) is True
+    assert reshard_after_forward("auto", pp=2, gathered_bytes=4.0, budget_bytes=5.0) is False
+
+
+def test_every_kth_block_counts_model_blocks_from_one():
+    assert recomputed_blocks(0, 4, 1) == [0, 1, 2, 3]
+    assert recomputed_blocks(0, 4, 2) == [1, 3]
+    assert recomputed_blocks(1, 3, 2) == [0, 2]  # model blocks 1, 2, 3: the 2nd and 4th of the model
+    assert recomputed_blocks(0, 2, 3) == []
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), nn.LayerNorm(width)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def _stage(unit: str, policy: str = "always", every: int = 1, offload: ActivationOffload | None = None):
+    torch.manual_seed(0)
+    blocks = BlockSequential(*[_Block() for _ in range(4)])
+    return RecomputeWrapper(blocks, policy, unit=unit, every=every, offload=offload)
+
+
+def _run(stage: RecomputeWrapper, steps: int = 1) -> dict[str, torch.Tensor]:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        stage.start_step(2)
+        for part in x.chunk(2):
+            stage(part).square().mean().backward()
+    return {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+@pytest.mark.parametrize("unit, policy, every, runs", [
+    ("stage", "never", 1, [2, 2, 2, 2]),
+    ("stage", "always", 1, [4, 4, 4, 4]),
+    ("stage", "except_last", 1, [3, 3, 3, 3]),
+    ("layer", "always", 2, [2, 4, 2, 4]),
+    ("selective", "always", 1, [4, 4, 4, 4]),
+])
+def test_each_unit_recomputes_its_blocks_and_keeps_the_gradients(unit, policy, every, runs):
+    reference = _run(_stage("stage", "never"))
+    stage = _stage(unit, policy, every)
+    grads = _run(stage)
+    assert [block.calls for block in stage.module] == runs  # forwards of 2 micro-batches, and the recomputed ones
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-6, atol=1e-7)
+
+
+def _matmuls_in_backward(stage: RecomputeWrapper) -> int:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    stage.start_step(1)
+    loss = stage(x).square().mean()
+    with FlopCounterMode(display=False) as flops:  # counts the products that run (not those handed back kept)
+        loss.backward()
+    return flops.get_total_flops()
+
+
+def test_selective_recomputation_keeps_the_matrix_products():
+    # 4 blocks of 2 linears (16 -> 32 -> 16) on 4 rows: recomputing every block runs its forward products again in
+    # the backward (2 x 4 x 16 x 32 x 2 FLOPs per block), except under the selective policy, which kept them
+    plain = _matmuls_in_backward(_stage("stage", "never"))
+    assert _matmuls_in_backward(_stage("layer")) == plain + 4 * 2 * (2 * 4 * 16 * 32)
+    assert _matmuls_in_backward(_stage("selective")) == plain
+
+
+def test_offloading_moves_saved_activations_through_host_copies():
+    reference = _run(_stage("stage", "never"))
+    offload = ActivationOffload(torch.device("cpu"), host_copy=True)
+    stage = _stage("stage", "never", offload=offload)
+    grads = _run(stage, steps=2)
+    # the first of 2 micro-batches offloads what its 4 blocks save (the last does not wait for its backward)
+    assert offload.offloaded_bytes > 4 * 4 * 16 * 4
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, 2 * reference[name], rtol=1e-6, atol=1e-7)
+
+
+def test_offloading_on_the_cpu_says_it_does_nothing():
+    with pytest.warns(RuntimeWarning, match="does nothing on the CPU"):
+        offload = ActivationOffload(torch.device("cpu"))
+    stage = _stage("stage", "never", offload=offload)
+    _run(stage)
+    assert offload.offloaded_bytes == 0
