@@ -293,8 +293,8 @@ class ParallelConfig:
         if reshard not in ("never", "auto") and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             # measured on torch 2.13 (gloo, dp 2 x pp 2): resharded weights leave zero-bubble's weight half without
             # some gradients (None after the step); FSDP2 also reduces a block when its input gradient is ready
-            raise ConfigError(f"--fsdp-reshard {reshard} with schedule {self.pipeline.schedule!r}: its backward is split "
-                              "in two, and FSDP2 would reshard (and reduce) between the halves",
+            raise ConfigError(f"--fsdp-reshard {reshard} with schedule {self.pipeline.schedule!r}: its backward is "
+                              "split in two, and FSDP2 would reshard (and reduce) between the halves",
                               hint="pass --fsdp-reshard never with this schedule, or use 1f1b / interleaved-1f1b")
         if isinstance(reshard, int):
             shard = self.dp_shard if self.dp_mode == "hsdp" else self.dp

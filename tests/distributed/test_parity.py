@@ -20,6 +20,9 @@ from tests.distributed.harness import (
     with_mask_input,
 )
 
+# the first test waits for both spawned jobs (every case of each world size): over the default 300 s on a busy machine
+pytestmark = pytest.mark.timeout(900)
+
 RTOL, ATOL = 1e-5, 4e-5
 # 8, then a short batch that 4 chunks do not divide (4 x 1 + a remainder of 2), then one smaller than 4
 PIPELINE_BATCHES = [8, 6, 3]

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
-from pipetrain.config import (CHECKPOINT_POLICIES, DP_MODES, FSDP_RESHARD, PARTITION_METHODS, RECOMPUTE_UNITS, SCHEDULES,
-                              ParallelConfig, PipelineConfig)
+from pipetrain.config import (CHECKPOINT_POLICIES, DP_MODES, FSDP_RESHARD, PARTITION_METHODS, RECOMPUTE_UNITS,
+                              SCHEDULES, ParallelConfig, PipelineConfig)
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.layout import balanced

@@ -3,8 +3,8 @@ lists them all (tests/unit/test_compat.py fails loudly, naming the one, when a t
 
 `pipelining`: schedule orders as data, the V placement's breadth-first schedule, timed P2P waits; `dtensor`: the
 strided placement and the placement methods that run collectives; `tensor_styles`: tensor-parallel styles
-built on torch's private style hooks; `modules`: the dropout and batch-norm base classes, `_foreach_mul_`, aborting a process group; `mesh`:
-flattening two mesh dimensions into one (HSDP's dp axis).
+built on torch's private style hooks; `modules`: the dropout and batch-norm base classes, `_foreach_mul_`, aborting
+a process group; `mesh`: flattening two mesh dimensions into one (HSDP's dp axis).
 """
 
 from __future__ import annotations
