@@ -110,7 +110,7 @@ GPT_MEMORY_CASES = {
     },
     4: {
         "gpt-dp2xpp2-1f1b-fsdp-reshard-offload": (
-            _pipe(2, "1f1b", "except_last", dp=2, dp_mode="fsdp", fsdp_reshard="always", offload=True), "dp"),
+            _pipe(2, "1f1b", dp=2, dp_mode="fsdp", fsdp_reshard="always", offload=True), "dp"),
     },
 }
 ALL_CASES = {world: {**WORLD_CASES[world], **MEMORY_CASES[world], **GPT_CASES[world], **GPT_MEMORY_CASES[world]}
