@@ -182,6 +182,13 @@ class PipelineConfig:
                 )
 
     @property
+    def recompute_text(self) -> str:
+        """The recomputation in words: the policy, its unit and frequency, offloading ("always (selective)")."""
+        unit = "" if self.recompute_unit == "stage" or self.checkpoint == "never" else (
+            f" ({self.recompute_unit}" + (f" every {self.recompute_every}" if self.recompute_every > 1 else "") + ")")
+        return self.checkpoint + unit + (", offloading activations" if self.offload_activations else "")
+
+    @property
     def virtual_stages(self) -> int:
         """Stages held by each pipeline rank."""
         return self.stages_per_rank or SCHEDULES[self.schedule]
@@ -312,6 +319,13 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline.pp
+
+    @property
+    def dp_text(self) -> str:
+        """The data-parallel mode in words: "ddp", "fsdp, reshard always", "hsdp 2 x 4" (replicas x shard ranks)."""
+        mode = (f"hsdp {self.dp // (self.dp_shard or self.dp)} x {self.dp_shard}" if self.dp_mode == "hsdp"
+                else self.dp_mode)
+        return mode + (f", reshard {self.fsdp_reshard}" if self.fsdp_reshard != "never" else "")
 
     @property
     def dp_replicas(self) -> int:

@@ -4,6 +4,8 @@ selective recomputation runs again, and activation offloading through its host-t
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +151,66 @@ def test_offloading_on_the_cpu_says_it_does_nothing():
     stage = _stage("stage", "never", offload=offload)
     _run(stage)
     assert offload.offloaded_bytes == 0
+
+
+# ---- the planner's terms for these modes -------------------------------------------------------------------------
+
+LLAMA_8B = Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "llama-3.1-8b" / "config.json"
+
+
+def _eight_b():
+    from pipetrain.plan.hardware import NODES
+    from pipetrain.plan.transformer import read_config, sizes_from_config
+
+    device, network = NODES["h100"]
+    return sizes_from_config(read_config(LLAMA_8B)[0]).blocks(8192, element=2), device, network
+
+
+def _memory(blocks, device, network, **fields) -> float:
+    from pipetrain.plan.predict import Layout, predict
+
+    layout = Layout(**{"dp": 8, "pp": 1, "batch": 16, "chunks": 1, "schedule": "gpipe", "dp_mode": "fsdp",
+                       "precision": "bf16", **fields})
+    return max(predict(blocks, layout, device, network).memory_bytes) / 2**30
+
+
+def test_the_planner_prices_each_mode_in_the_right_order():
+    blocks, device, network = _eight_b()
+    kept = _memory(blocks, device, network)
+    resharded = _memory(blocks, device, network, fsdp_reshard=True)
+    selective = _memory(blocks, device, network, fsdp_reshard=True, checkpoint="always", recompute_unit="selective")
+    every2 = _memory(blocks, device, network, fsdp_reshard=True, checkpoint="always", recompute_unit="layer",
+                     recompute_every=2)
+    layer = _memory(blocks, device, network, fsdp_reshard=True, checkpoint="always", recompute_unit="layer")
+    # resharding frees all but two layers' gathered bf16 weights and one layer's fp32 gradient: ~40 GiB of an 8B model
+    assert 35 < kept - resharded < 45
+    assert layer < every2 < resharded and layer < selective < resharded
+    offloaded = _memory(blocks, device, network, chunks=2, offload=True)
+    assert offloaded == _memory(blocks, device, network, chunks=2)  # two micro-batches: all of them stay (3 kept)
+
+
+def test_the_8b_question_finds_a_layout_where_torchtitan_ran():
+    from pipetrain.cli.main import build_parser
+    from pipetrain.cli.plan import planned
+
+    argv = ["plan", "--model", str(LLAMA_8B), "--gpus", "8", "--gpu-mem", "96", "--batch", "16", "--seq-len", "8192",
+            "--precision", "bf16", "--dp-modes", "fsdp", "--pp", "1", "--tp", "1", "--gpu-node", "h100"]
+    result, _ = planned(build_parser(argv).parse_args(argv))
+    best = result.best[0].layout
+    assert (best.fsdp_reshard, best.recompute_unit, best.chunks) == (True, "selective", 1)
+    assert max(result.best[0].memory_bytes) / 2**30 < 96
+
+
+def test_auto_reshards_inside_a_pipeline_only_where_it_must():
+    from pipetrain.plan.search import SearchSpace, search
+
+    blocks, device, network = _eight_b()
+    fields = {"dp": 4, "pp": 2, "chunks": 4, "schedule": "1f1b", "checkpoint": "always"}
+    gathered, resharded = (_memory(blocks, device, network, fsdp_reshard=r, **fields) for r in (False, True))
+    assert resharded < gathered
+    space = SearchSpace(schedules=("1f1b",), checkpoints=("always",), dp_modes=("fsdp",), balances=("uniform",),
+                        only_pp=2, only_chunks=4, fsdp_reshard="auto", precision="bf16")
+    for budget, reshards in ((gathered + 1, False), ((gathered + resharded) / 2, True)):
+        found = search(blocks, gpus=8, batch=16, device=replace(device, memory_bytes=budget * 2**30),
+                       network=network, space=space)
+        assert found.best[0].layout.fsdp_reshard is reshards
