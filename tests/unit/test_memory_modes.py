@@ -214,3 +214,16 @@ def test_auto_reshards_inside_a_pipeline_only_where_it_must():
         found = search(blocks, gpus=8, batch=16, device=replace(device, memory_bytes=budget * 2**30),
                        network=network, space=space)
         assert found.best[0].layout.fsdp_reshard is reshards
+
+
+def test_hsdp_is_priced_as_fsdp_within_a_node_and_searched_only_with_nodes():
+    from pipetrain.plan.predict import Layout, static_bytes
+    from pipetrain.plan.search import SearchSpace, enumerate_layouts
+
+    blocks, _, _ = _eight_b()
+    hsdp = Layout(dp=16, pp=1, batch=32, chunks=1, schedule="gpipe", dp_mode="hsdp", dp_shard=8, precision="bf16")
+    fsdp8 = replace(hsdp, dp=8, dp_mode="fsdp", dp_shard=0)
+    assert static_bytes(blocks, hsdp) == static_bytes(blocks, fsdp8)
+    space = SearchSpace(dp_modes=("hsdp",), schedules=("gpipe",), checkpoints=("never",), only_pp=1)
+    assert not enumerate_layouts(len(blocks), 16, 32, space)  # one node assumed: no replicas of shard groups
+    assert {lay.dp_shard for lay in enumerate_layouts(len(blocks), 16, 32, space, gpus_per_node=8)} == {8}

@@ -72,7 +72,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "pipeline where the gathered weights would not fit) (default: auto)")
     limits.add_argument("--offload-activations", choices=("off", "on", "both"), default="off",
                         help="consider activation offloading: off, on, or both (default: off)")
-    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")
+    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=("ddp", "fsdp"),
+                        help="ddp, fsdp, hsdp (shard groups of a node's ranks, with --gpus-per-node) (default: ddp,fsdp)")
     limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
     limits.add_argument("--pp", type=int, default=None, help="consider only this pipeline degree")
     limits.add_argument("--tp", type=int, default=None,

@@ -135,7 +135,9 @@ def memory_flags(layout: Layout) -> list[str]:
         flags += ["--recompute-unit", layout.recompute_unit]
         if layout.recompute_every > 1:
             flags += ["--recompute-every", str(layout.recompute_every)]
-    if layout.fsdp_reshard and layout.dp_mode == "fsdp" and layout.dp > 1:
+    if layout.dp_mode == "hsdp":
+        flags += ["--dp-shard", str(layout.dp_shard)]
+    if layout.fsdp_reshard and layout.shards > 1 and layout.dp > 1:
         flags += ["--fsdp-reshard", "always"]
     if layout.offload:
         flags.append("--offload-activations")

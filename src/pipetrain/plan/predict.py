@@ -21,7 +21,7 @@ critical path: a recomputed forward pays them again; zero-bubble's weight half W
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipetrain.errors import ConfigError
@@ -71,6 +71,15 @@ class Layout:
     fsdp_reshard: bool = False
     #: activations of micro-batches waiting for their backward held in host memory (`--offload-activations`)
     offload: bool = False
+    #: with dp_mode "hsdp": ranks of one shard group (FSDP within, replicas across: `--dp-shard`)
+    dp_shard: int = 0
+
+    @property
+    def shards(self) -> int:
+        """Ranks a parameter is sharded over: dp under FSDP, the shard group under HSDP, else 1."""
+        if self.dp_mode == "hsdp":
+            return self.dp_shard or self.dp
+        return self.dp if self.dp_mode == "fsdp" else 1
 
     @property
     def world_size(self) -> int:
@@ -184,11 +193,18 @@ def reduce_s(param_bytes: float, layout: Layout, network: Network, groups: int =
     across = layout.gpus_per_node > 0 and layout.world_size > layout.gpus_per_node
     latency, bandwidth = (network.across_collective() if across
                           else (network.collective_latency_s, network.collective_bytes_per_s))
+    sharded = layout.dp_mode in ("fsdp", "hsdp")
+    if layout.dp_mode == "hsdp":  # FSDP within a shard group (a node), then an all-reduce of the shards across
+        inner = replace(layout, dp_mode="fsdp", dp=layout.shards, gpus_per_node=0)
+        replicas = n // layout.shards
+        return (reduce_s(param_bytes, inner, network, groups) +
+                (2.0 * (replicas - 1) / replicas * param_bytes / layout.shards / bandwidth + 2 * (replicas - 1)
+                 * latency if replicas > 1 else 0.0))
     # FSDP resharding after forward: each micro-batch gathers the weights twice (forward, backward) and
     # reduce-scatters its gradients; else the weights are gathered and the gradients reduced once per step
-    rounds = layout.chunks if layout.dp_mode == "fsdp" and layout.fsdp_reshard else 1
-    volume = rounds * (3.0 if layout.dp_mode == "fsdp" else 2.0) * (n - 1) / n * param_bytes
-    fixed = rounds * groups * network.fsdp_group_s if layout.dp_mode == "fsdp" else 0.0
+    rounds = layout.chunks if sharded and layout.fsdp_reshard else 1
+    volume = rounds * (3.0 if sharded else 2.0) * (n - 1) / n * param_bytes
+    fixed = rounds * groups * network.fsdp_group_s if sharded else 0.0
     return volume / bandwidth + 2 * (n - 1) * latency + fixed
 
 
@@ -274,17 +290,18 @@ def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
     trained_bytes = sum(tp_param_bytes(b, layout.tp) * b.trained_share for b in blocks)
     if layout.precision not in ("fp32", "bf16"):
         raise ConfigError(f"unknown precision {layout.precision!r} for memory", hint="use 'fp32' or 'bf16'")
-    if layout.dp_mode != "fsdp" or layout.dp == 1:
-        return param_bytes + (4 if layout.dp > 1 else 3) * trained_bytes
+    if layout.shards == 1 or layout.dp == 1:
+        return param_bytes + (4 if layout.dp > 1 and layout.dp_mode == "ddp" else 3) * trained_bytes
+    shards_of = layout.shards
     if layout.precision == "fp32":
         gathered, grads = [tp_param_bytes(b, layout.tp) for b in blocks], [tp_param_bytes(b, layout.tp) *
                                                                              b.trained_share for b in blocks]
-        shards = (param_bytes + 3 * trained_bytes) / layout.dp
+        shards = (param_bytes + 3 * trained_bytes) / shards_of
     else:
         fp8 = [b.matmul_params / (layout.tp if b.tensor is not None else 1) if layout.float8 else 0.0 for b in blocks]
         gathered = [2 * (tp_params(b, layout.tp) - f) + f for b, f in zip(blocks, fp8)]
         grads = [4 * tp_params(b, layout.tp) * b.trained_share for b in blocks]
-        shards = sum(4 * tp_params(b, layout.tp) * (1 + 3 * b.trained_share) for b in blocks) / layout.dp
+        shards = sum(4 * tp_params(b, layout.tp) * (1 + 3 * b.trained_share) for b in blocks) / shards_of
     if not layout.fsdp_reshard:
         return sum(gathered) + sum(grads) + shards
     # resharded: the block computing and the one prefetched gathered, one block's unsharded gradient being reduced
@@ -318,14 +335,14 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     for rank in range(layout.pp):
         held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
         mine = [blocks[i] for s in held for i in range(*bounds[s])]
-        sharded = layout.dp_mode == "fsdp" and layout.dp > 1
+        sharded = layout.shards > 1 and layout.dp > 1
         static = static_bytes(mine, layout)
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
         activations = timeline.peak_activation_bytes[rank]
         if layout.offload:  # on the device: the micro-batch computing, the one coming back, the step's last
             activations = min(activations, 3 * sum(costs[s].activation_bytes for s in held))
         memory.append(device.baseline_bytes + static + activations + buffers)
-        optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1, layout.tp))
+        optimizer = max(optimizer, optimizer_s(mine, device, layout.shards if sharded else 1, layout.tp))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
     step = timeline.span_s + optimizer + network.collective_latency_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))

@@ -129,6 +129,9 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                         policy, unit = ("always", "selective") if checkpoint == "selective" else (
                             checkpoint, space.recompute_unit)
                         for mode in space.dp_modes if dp > 1 else ("ddp",):
+                            shard = _shard_group(mode, dp, pp, tp, gpus_per_node)
+                            if mode == "hsdp" and not shard:
+                                continue  # HSDP needs shard groups of a node's ranks, more than one of them
                             if dp > 1 and mode == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
                                 continue  # refused by ParallelConfig: DDP gets such a backward wrong
                             if dp > 1 and mode == "ddp" and tp > 1:
@@ -141,7 +144,7 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                                                       precision=space.precision, float8=space.float8,
                                                       recompute_unit=unit, fsdp_reshard=reshard, offload=offload,
                                                       recompute_every=space.recompute_every if unit != "stage"
-                                                      else 1))
+                                                      else 1, dp_shard=shard))
     return layouts
 
 
@@ -169,7 +172,7 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
         work += again / layout.chunks * (redo + comm) / (layout.recompute_every if layout.recompute_unit != "stage"
                                                          else 1)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
-    shards = layout.dp if layout.dp_mode == "fsdp" else 1
+    shards = layout.shards
     if cache is None or (shards, tp) not in cache:
         optimizer = optimizer_s(blocks, device, shards, tp)
         if cache is not None:
@@ -222,10 +225,19 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
     return result
 
 
+def _shard_group(mode: str, dp: int, pp: int, tp: int, gpus_per_node: int) -> int:
+    """HSDP's shard group: the dp ranks of one node (rank = (dp_rank * pp + pp_rank) * tp + tp_rank), when there are
+    several of them and several nodes' worth of replicas; 0 otherwise (and for the other modes)."""
+    if mode != "hsdp" or not gpus_per_node or gpus_per_node % (pp * tp):
+        return 0
+    shard = gpus_per_node // (pp * tp)
+    return shard if 1 < shard < dp and dp % shard == 0 else 0
+
+
 def _reshards(space: SearchSpace, mode: str, dp: int, pp: int, schedule: str) -> tuple[bool, ...]:
     """Whether FSDP reshards after forward in the layouts of this mode, dp, pp and schedule: one or both ways."""
     split = schedule in SPLIT_BACKWARD_SCHEDULES
-    if mode != "fsdp" or dp == 1 or split and space.fsdp_reshard != "never":
+    if mode not in ("fsdp", "hsdp") or dp == 1 or split and space.fsdp_reshard != "never":
         return (False,)  # resharding is refused under the split-backward schedules (ParallelConfig)
     if space.fsdp_reshard == "both":
         return (False, True)
@@ -234,7 +246,7 @@ def _reshards(space: SearchSpace, mode: str, dp: int, pp: int, schedule: str) ->
 
 def _reshards_to_fit(layout: Layout, prediction: Prediction, space: SearchSpace, device: Device) -> bool:
     """Whether `--fsdp-reshard auto` reshards this FSDP layout in a pipeline: its gathered weights do not fit."""
-    if space.fsdp_reshard != "auto" or layout.fsdp_reshard or layout.dp_mode != "fsdp" or layout.dp == 1:
+    if space.fsdp_reshard != "auto" or layout.fsdp_reshard or layout.shards == 1 or layout.dp == 1:
         return False
     if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
         return False
