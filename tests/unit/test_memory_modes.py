@@ -159,10 +159,10 @@ LLAMA_8B = Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "llam
 
 
 def _eight_b():
-    from pipetrain.plan.hardware import NODES
+    from pipetrain.plan.hardware import named_gpu
     from pipetrain.plan.transformer import read_config, sizes_from_config
 
-    device, network = NODES["h100"]
+    device, network = named_gpu("h100", "bf16")
     return sizes_from_config(read_config(LLAMA_8B)[0]).blocks(8192, element=2), device, network
 
 
@@ -194,7 +194,7 @@ def test_the_8b_question_finds_a_layout_where_torchtitan_ran():
     from pipetrain.cli.plan import planned
 
     argv = ["plan", "--model", str(LLAMA_8B), "--gpus", "8", "--gpu-mem", "96", "--batch", "16", "--seq-len", "8192",
-            "--precision", "bf16", "--dp-modes", "fsdp", "--pp", "1", "--tp", "1", "--gpu-node", "h100"]
+            "--precision", "bf16", "--dp-modes", "fsdp", "--pp", "1", "--tp", "1", "--gpu", "h100"]
     result, _ = planned(build_parser(argv).parse_args(argv))
     best = result.best[0].layout
     assert (best.fsdp_reshard, best.recompute_unit, best.chunks) == (True, "selective", 1)
