@@ -257,7 +257,9 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0]
         if layout.recompute_unit in ("layer", "selective"):
             kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
-            held = samples * (sum(kept) + tp_output_bytes(part[-1], tp, sp))  # the stage's output stays too
+            # the stage's output stays for its backward too, unless its last block keeps all its activations anyway
+            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] else 0.0
+            held = samples * (sum(kept) + output)
             # recomputing one block at a time brings back its activations (selective: those it had dropped)
             dropped = [acts[i - start] - (kept[i - start] if layout.recompute_unit == "selective" else 0.0)
                        for i in chosen]
