@@ -280,7 +280,7 @@ def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | No
     `model` a LoRA `BlockModel`: another base model than the one they were trained on)."""
     saved = meta.extras.get("base")
     if saved is not None and frozen_model(model):
-        current = model.base_identity()
+        current = model.base_identity(saved.get("method", "edges"))  # an older checkpoint: by its own method
         if saved.get("digest") != current.get("digest"):
             where = saved.get("folder") or "a preset's config"
             now = current.get("folder") or "a preset's config"
