@@ -14,6 +14,7 @@ from pipetrain.generate.prompts import read_prompts
 from pipetrain.generate.sampling import Sampling
 from pipetrain.generate.weights import model_source
 from pipetrain.launch.env import detect, free_port
+from pipetrain.launch.lifeline import watch_agent
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
 
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the launcher started {env.world_size} ranks, --pp {job.pp} x --tp {job.tp} needs "
                           f"{job.world_size}", hint=f"start {job.world_size} ranks, or pass --pp/--tp to match")
     device = device_choice(args, env)
+    watch_agent(env)
     generate_rank(RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device,
                            env.num_nodes), job)
     return 0

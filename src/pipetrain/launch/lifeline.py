@@ -21,7 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["Lifeline", "watch_fd", "watch_parent", "POLL_S"]
+from pipetrain.launch.env import under_torchrun_agent
+from pipetrain.launch.ranks import ClusterEnv
+
+__all__ = ["Lifeline", "watch_fd", "watch_parent", "watch_agent", "POLL_S"]
 
 #: Seconds between two looks at the parent's pid (`watch_parent`).
 POLL_S = 0.5
@@ -83,3 +86,10 @@ def watch_parent(*, rank: int, say: bool, what: str = "torchrun's agent",
         end(f"{what} (pid {parent}), which started this rank, is gone (killed?): rank {rank} ends too", say)
 
     threading.Thread(target=poll, name="pipetrain-lifeline", daemon=True).start()
+
+
+def watch_agent(env: ClusterEnv) -> None:
+    """In a rank that torchrun's agent started (not one a user started by hand with RANK, MASTER_ADDR...): end it
+    once the agent is gone (its lowest local rank says so)."""
+    if env.source == "torchrun" and under_torchrun_agent():
+        watch_parent(rank=env.rank, say=env.local_rank == 0)
