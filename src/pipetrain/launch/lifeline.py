@@ -19,12 +19,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pipetrain.launch.env import under_torchrun_agent
 from pipetrain.launch.ranks import ClusterEnv
 
-__all__ = ["Lifeline", "watch_fd", "watch_parent", "watch_agent", "POLL_S"]
+__all__ = ["Lifeline", "watch_fd", "watch_parent", "watch_agent", "process_runs", "signal_pids", "POLL_S"]
 
 #: Seconds between two looks at the parent's pid (`watch_parent`).
 POLL_S = 0.5
@@ -93,3 +93,32 @@ def watch_agent(env: ClusterEnv) -> None:
     once the agent is gone (its lowest local rank says so)."""
     if env.source == "torchrun" and under_torchrun_agent():
         watch_parent(rank=env.rank, say=env.local_rank == 0)
+
+
+def signal_pids(pids: Sequence[int | None], number: int) -> None:
+    """Send signal `number` to each of `pids` that still exists (ranks whose fork server died: nobody's children)."""
+    for pid in pids:
+        if pid is not None:
+            try:
+                os.kill(pid, number)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def process_runs(pid: int | None) -> bool:
+    """Whether the process `pid` runs (not ended, nor a zombie waiting for its parent)."""
+    if pid is None:
+        return False
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return False
+    try:  # not Linux: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

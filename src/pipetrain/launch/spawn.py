@@ -21,7 +21,7 @@ from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.failures import signal_hint
 from pipetrain.launch.forkserver import Inherited, context, server_pid
-from pipetrain.launch.lifeline import Lifeline
+from pipetrain.launch.lifeline import Lifeline, process_runs, signal_pids
 from pipetrain.launch.ranks import RankSpec, process_start_s
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
@@ -91,48 +91,20 @@ def _exit_after_success() -> NoReturn:
 def _stop(processes: Sequence[mp.process.BaseProcess], grace_s: float = 1.0) -> None:
     """SIGTERM, then SIGKILL after `grace_s` (a rank that saves on SIGTERM only records it; a stopped one ignores it).
     Ranks whose fork server died are no children of anyone here: they are signalled by pid."""
-    orphans = [process.pid for process in processes if process.exitcode is not None and _running(process.pid)]
+    orphans = [process.pid for process in processes if process.exitcode is not None and process_runs(process.pid)]
     for process in processes:
         if process.is_alive():
             process.terminate()
-    _signal(orphans, signal.SIGTERM)
+    signal_pids(orphans, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
             process.join()
-    while any(_running(pid) for pid in orphans) and time.monotonic() < deadline:
+    while any(process_runs(pid) for pid in orphans) and time.monotonic() < deadline:
         time.sleep(0.05)
-    _signal([pid for pid in orphans if _running(pid)], signal.SIGKILL)
-
-
-def _signal(pids: Sequence[int | None], number: int) -> None:
-    for pid in pids:
-        if pid is not None:
-            try:
-                os.kill(pid, number)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _running(pid: int | None) -> bool:
-    """Whether the process `pid` runs (not ended, nor a zombie waiting for its parent)."""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # not Linux: ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    signal_pids([pid for pid in orphans if process_runs(pid)], signal.SIGKILL)
 
 
 def spawn(
@@ -205,7 +177,7 @@ def spawn(
                     if handle in running:
                         rank, process = running.pop(handle)
                         process.join()
-                        if process.exitcode != 0 and _running(process.pid):  # its fork server died, not the rank
+                        if process.exitcode != 0 and process_runs(process.pid):  # its fork server died, not the rank
                             raise _server_died(server or server_pid(), processes)
                         if process.exitcode != 0:
                             reader = readers[processes.index(process)]
@@ -262,7 +234,7 @@ def _forwarding(processes: list[mp.process.BaseProcess]) -> Iterator[None]:
 
 def _server_died(pid: int | None, processes: Sequence[mp.process.BaseProcess]) -> RankFailedError:
     """The error when the fork server that started the ranks died while they ran (they are then stopped)."""
-    alive = [process.name for process in processes if _running(process.pid)]
+    alive = [process.name for process in processes if process_runs(process.pid)]
     return RankFailedError(f"the fork server{'' if pid is None else f' (pid {pid})'} that started the ranks died while "
                            f"they ran, without a report; {', '.join(alive) or 'no rank'} still ran and "
                            f"{'were' if len(alive) > 1 else 'was'} stopped",
