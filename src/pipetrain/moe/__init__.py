@@ -1,0 +1,1 @@
+"""Mixtures of experts: token dispatch and combine over the expert-parallel ranks, experts split over them."""
