@@ -203,6 +203,8 @@ class ParallelConfig:
     `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence;
     `loss_parallel` (needs tp > 1) splits a language model's head over the vocabulary, with the cross-entropy
     computed on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
+    `ep` (expert parallelism, docs/moe-ep.md) splits each MoE layer's experts over `ep` of a stage's `dp` ranks
+    (it borrows them: the world size stays dp * pp * tp); `ep` divides dp.
     """
 
     dp: int = 1
@@ -211,10 +213,22 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
         _positive("tp", self.tp)
+        _positive("ep", self.ep)
+        if self.ep > 1 and self.dp % self.ep:
+            raise ConfigError(
+                f"--ep {self.ep} does not divide the {self.dp} data-parallel ranks of each stage (dp={self.dp}): "
+                "expert parallelism borrows a stage's data-parallel ranks",
+                hint=f"pass --dp {self.ep * max(1, self.dp // self.ep)} with --ep {self.ep}, or --ep among the "
+                     f"divisors of {self.dp}",
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ConfigError(f"--ep {self.ep} with tp={self.tp}: expert parallelism borrows data-parallel ranks "
+                              "only, not yet tensor-parallel ones", hint="pass --tp 1 with --ep")
         _choice("dp mode", self.dp_mode, DP_MODES)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, but tp=1",

@@ -16,7 +16,9 @@ from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.startup import Startup
+from pipetrain.moe.split import expert_parallel_blocks
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
+from pipetrain.parallel.experts import ExpertGradients, ExpertGroups, build_expert_groups, is_expert
 from pipetrain.parallel.mesh import leave_after_error
 from pipetrain.parallel.tensor import tensor_parallel_blocks
 from pipetrain.pipeline import Loss, PipelineEngine
@@ -81,7 +83,8 @@ def build_session(
     startup: Startup | None = None,
 ) -> Session:
     """Build the dp × pp × tp mesh over the joined world and this rank's stages of `model` (split by its TP plan
-    when `parallel.tp` > 1, before DDP/FSDP2 wraps them).
+    when `parallel.tp` > 1, its experts over the stage's expert-parallel group when `parallel.ep` > 1, before
+    DDP/FSDP2 wraps them).
 
     `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`); on CUDA,
     fp32 matmuls are TF32 except under "fp32-strict" (see `set_fp32_matmuls`). `startup`: where the mesh's and
@@ -93,12 +96,17 @@ def build_session(
     startup = startup or Startup()
     with startup.phase("mesh"):
         mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
-    wrap = _stage_wrapper(parallel, mesh, device, precision)
+        experts = build_expert_groups(mesh, parallel.ep) if parallel.ep > 1 else None
+    wrap = _stage_wrapper(parallel, mesh, device, precision, experts)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
                                     loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
+    if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1: one split or the other
+        split = expert_parallel_blocks(experts.ep_group)
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)
+    if experts is not None and parallel.dp_mode == "ddp":  # FSDP2 reduces them over their own mesh
+        engine.expert_grads = ExpertGradients([p for p in engine.parameters() if is_expert(p)], experts)
     return Session(device=device, mesh=mesh, engine=engine, startup=startup)
 
 
@@ -121,11 +129,11 @@ def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, m
 
 
 def _stage_wrapper(
-    parallel: ParallelConfig, mesh: Mesh, device: torch.device, precision: str
+    parallel: ParallelConfig, mesh: Mesh, device: torch.device, precision: str, experts: ExpertGroups | None = None
 ) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
     """Autocast (for a reduced precision) inside data parallelism (DDP/FSDP), applied to each stage module."""
     replicate = data_parallel_wrapper(
-        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision
+        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision, experts=experts
     )
     if compute_dtype(precision) is None:
         return replicate

@@ -30,6 +30,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel ranks splitting each layer (innermost: within one node; with --dp > 1 "
                             "use --dp-mode fsdp) (default: 1)")
+    group.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks: each MoE layer's experts split over this many of a stage's "
+                            "--dp ranks (a divisor of --dp and of the experts; docs/moe-ep.md) (default: 1)")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: also split the norm and dropout regions along the sequence (the sequence "
                             "length, and every --bucket length, a multiple of tp)")
@@ -78,7 +81,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
                           sequence_parallel=getattr(args, "sequence_parallel", False),
-                          loss_parallel=getattr(args, "loss_parallel", False))
+                          loss_parallel=getattr(args, "loss_parallel", False), ep=getattr(args, "ep", 1))
 
 
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:

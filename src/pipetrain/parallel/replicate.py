@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from pipetrain.compat.modules import ddp_ignore
+from pipetrain.parallel.experts import ExpertGroups, is_expert
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
 from pipetrain.compat.dtensor import is_strided
@@ -33,8 +35,13 @@ def _shard_placement(param: nn.Parameter) -> Shard | None:
     return Shard(1) if strided_rows else None
 
 
+def _expert_modules(module: nn.Module) -> list[nn.Module]:
+    """The submodules of `module` that directly hold expert parameters (`parallel.experts.mark_expert`)."""
+    return [m for m in module.modules() if any(is_expert(p) for p in m.parameters(recurse=False))]
+
+
 def data_parallel_wrapper(
-    mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32"
+    mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32", experts: ExpertGroups | None = None
 ) -> Callable[[nn.Module], nn.Module] | None:
     """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
 
@@ -47,6 +54,10 @@ def data_parallel_wrapper(
     With a reduced `precision` (bf16), FSDP2's `MixedPrecisionPolicy` gathers parameters in bf16 (half the
     traffic and unsharded memory) and reduces gradients in fp32; the shards, hence the optimizer, stay fp32.
     The stage still runs under autocast (see `AutocastStage`), so ops autocast keeps in fp32 stay fp32.
+
+    With expert parallelism (`experts`), the expert parameters are not the dp group's: DDP ignores them (the engine
+    reduces them over their expert-data-parallel group, `parallel.experts.ExpertGradients`); FSDP2 shards each
+    experts module over the expert-data-parallel mesh first, its gradients summed there and divided by dp.
     """
     if mesh.dp == 1:
         return None
@@ -54,8 +65,9 @@ def data_parallel_wrapper(
         device = mesh.device_mesh.device_type
 
         def ddp(module: nn.Module) -> nn.Module:
-            if not any(p.requires_grad for p in module.parameters()):
+            if not any(p.requires_grad and not is_expert(p) for p in module.parameters()):
                 return module  # a frozen stage (LoRA's first or last): no gradient to reduce, DDP refuses it
+            ddp_ignore(module, [name for name, p in module.named_parameters() if is_expert(p)])
             return QuietDistributedDataParallel(
                 module,
                 device_ids=None if device == "cpu" else [next(module.parameters()).device],
@@ -70,6 +82,10 @@ def data_parallel_wrapper(
                                   cast_forward_inputs=True, output_dtype=torch.float32 if low else None)
 
     def fsdp(module: nn.Module) -> nn.Module:
+        if experts is not None:
+            for holder in _expert_modules(module):
+                fully_shard(holder, mesh=experts.edp_mesh, reshard_after_forward=False, mp_policy=policy)
+                holder.set_gradient_divide_factor(float(experts.dp))
         for block in _blocks(module).children():
             fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy,
                         shard_placement_fn=_shard_placement)

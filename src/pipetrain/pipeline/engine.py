@@ -139,6 +139,10 @@ class PipelineEngine:
         self.tied = TiedWeights(model_ties(model, model.num_blocks), dict(self.named_parameters()), rank_of_block,
                                 pp_group)
         self.tied.sync_values()
+        #: expert parallelism's gradients (`parallel.experts.ExpertGradients`, set by the session): an object whose
+        #: `take()` takes the gradients held before a step and whose `reduce(kept)` reduces the step's over the
+        #: ranks holding the same experts, then adds the kept ones back; None without expert parallelism
+        self.expert_grads = None
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
 
@@ -197,7 +201,10 @@ class PipelineEngine:
             global_count = global_batch_size
         self.train(True)
         kept = self.tied.take_grads()
+        experts_kept = self.expert_grads.take() if self.expert_grads is not None else None
         result = self._run(inputs, targets, train=True, global_count=global_count)
+        if self.expert_grads is not None:
+            self.expert_grads.reduce(experts_kept)
         self.tied.reduce_grads(kept)  # tied copies: this step's gradients summed over every copy
         self._settle_statistics()
         return result

@@ -15,6 +15,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.launch.device import check_local_ranks
 from pipetrain.launch.env import ClusterEnv
 from pipetrain.logs.config import check_log_folders, check_metrics_file
+from pipetrain.moe.split import check_expert_parallel
 from pipetrain.parallel.tensor import check_tensor_parallel
 from pipetrain.plan.resize import Saved, decide
 from pipetrain.trace.files import check_trace_dir
@@ -36,11 +37,13 @@ class Prepared:
 
 
 def check_model(config: TrainConfig) -> None:
-    """The model against the layout: enough blocks for the stages, and a tensor-parallel plan that splits it."""
+    """The model against the layout: enough blocks for the stages, a tensor-parallel plan that splits it, experts
+    that `--ep` divides."""
     model = config.model()
     config.parallel.pipeline.check_blocks(model.num_blocks)
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
+    check_expert_parallel(model, config.parallel.ep)
 
 
 def settled(config: TrainConfig) -> TrainConfig:
