@@ -21,6 +21,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("launch",),
     ("pipeline",),
     ("parallel",),
+    ("moe",),
     ("logs", "trace"),
     ("checkpoint",),
     ("data",),

@@ -1,0 +1,2 @@
+"""Mixture-of-experts mechanics that no model family owns: router statistics carried across stages, the
+load-balancing loss they give, and the bias balancing of auxiliary-loss-free routers (docs/moe.md)."""
