@@ -39,7 +39,10 @@ def router_statistics(logits: torch.Tensor, top_k: int, batch: int) -> torch.Ten
 def load_balancing_loss(statistics: torch.Tensor, top_k: int) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` of one micro-batch from its carried sums `[batch, 2, E]` (summed
     over the micro-batch's samples and MoE layers): `E * sum_e f_e * P_e`, both over every routed row."""
-    counts, probs = statistics.sum(dim=0)
+    batch, _, experts = statistics.shape
+    # a sum over the samples as a product, whose gradient is a contiguous tensor (it crosses a stage boundary;
+    # `sum`'s would be an expanded view, which the point-to-point send refuses)
+    counts, probs = (statistics.new_ones(1, batch) @ statistics.reshape(batch, 2 * experts)).view(2, experts)
     rows = counts.sum() / top_k  # routed rows of every layer (each row picks top_k experts)
     return (counts / rows * probs / rows).sum() * counts.shape[0]
 
