@@ -11,6 +11,12 @@ at ep=2 (two expert-parallel groups: each expert's gradient summed over the two 
 (the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
 parameters equal the reference's within rtol 1e-5 / atol 4e-5, and a forward-only evaluation gives its loss. A
 second family of checks: the same job at ep=1 (dp=2 DDP) has the experts replicated (each rank all 4).
+
+The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Qwen3-MoE with 8 experts and a dense
+first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
+(DDP), against transformers' unsplit model from the same folder, run per micro-batch as test_moe_parity's
+reference: losses, every gradient (each rank's expert slices against the same rows of transformers' fused
+tensors) and the final parameters, rtol 1e-5 / atol 4e-5.
 """
 
 from __future__ import annotations
@@ -34,7 +40,11 @@ from pipetrain.moe.split import check_expert_parallel  # noqa: E402
 from pipetrain.pipeline import TokenCrossEntropy  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
 from pipetrain.workloads.hf.families import family_of  # noqa: E402
+from tests.distributed import test_moe_parity as moe_parity  # noqa: E402
+from tests.hf_folders import transformers_names  # noqa: E402
+from tests.moe_folders import SEQ as FOLDER_SEQ, moe_folder  # noqa: E402
 
 RTOL, ATOL = 1e-5, 4e-5
 SEED, LR, VOCAB, SEQ, EXPERTS = 3, 0.05, 64, 6, 4
@@ -155,22 +165,60 @@ def _train(parallel: ParallelConfig, device: torch.device) -> dict:
     return {"losses": losses, "grads": grads, "params": params, "slices": slices, "eval": evaluation}
 
 
-def _worker(spec: RankSpec, out: str) -> None:
+#: the MoE folders trained at dp=2 x ep=2 x pp=2, and the schedules (stages per rank)
+FOLDER_FAMILIES = ("qwen3_moe", "mixtral")
+FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2}
+
+
+def _expert_slices(engine) -> dict[int, tuple[int, int]]:
+    """id(expert parameter) -> (first expert, local experts) of every `ExpertParallelExperts` of the engine."""
+    firsts = {}
+    for module in engine.modules:
+        for sub in module.modules():
+            if isinstance(sub, ExpertParallelExperts):
+                firsts[id(sub.gate_up_proj)] = firsts[id(sub.down_proj)] = (sub.first_expert, sub.local_experts)
+    return firsts
+
+
+def _train_folder(folder: str, schedule: str, device: torch.device) -> dict:
+    model = HFCausalLM.from_folder(folder, seq_len=FOLDER_SEQ)
+    pipeline = PipelineConfig(pp=2, schedule=schedule, n_microbatches=moe_parity.CHUNKS,
+                              stages_per_rank=FOLDER_SCHEDULES[schedule])
+    session = build_session(model, ParallelConfig(dp=2, ep=2, pipeline=pipeline), device, seed=moe_parity.SEED,
+                            loss_fn=model.loss())
+    keys, firsts = transformers_names(model), _expert_slices(session.engine)
+    record = moe_parity._steps(session.engine, model, 2, session.mesh.dp_rank)
+    record["slices"] = {keys[n]: firsts.get(id(p)) for n, p in session.engine.named_parameters()}
+    return record
+
+
+def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
     device = join_job(spec)
     try:
         records = {name: _train(parallel, device) for name, parallel in layouts().items()}
+        for family, folder in folders.items():
+            for schedule in FOLDER_SCHEDULES:
+                records[f"{family}-{schedule}"] = _train_folder(folder, schedule, device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe-ep-folders")
+    for family in FOLDER_FAMILIES:
+        moe_folder(root / family, family, seed=moe_parity.SEED)
+    return {family: str(root / family) for family in FOLDER_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, folders) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("moe-ep")
-    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(), args=(str(out),),
-          timeout_s=600)
+    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+          args=(str(out), folders), timeout_s=900)
     per_rank = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    return {name: [records[name] for records in per_rank] for name in layouts()}
+    return {name: [records[name] for records in per_rank] for name in per_rank[0]}
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +271,24 @@ def test_ep_not_dividing_the_experts_is_refused_before_any_rank_starts():
 def test_ep_not_dividing_the_stage_ranks_is_refused():
     with pytest.raises(ConfigError, match=r"--ep 2 does not divide the 3 data-parallel ranks of each stage"):
         ParallelConfig(dp=3, ep=2, pipeline=PipelineConfig(pp=2))
+
+
+@pytest.mark.parametrize("family", FOLDER_FAMILIES)
+@pytest.mark.parametrize("schedule", list(FOLDER_SCHEDULES))
+def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, folders):
+    ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), 2)
+    seen, split = set(), 0
+    for record in runs[f"{family}-{schedule}"]:
+        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+        slices = record["slices"]
+        for step, grads in enumerate(record["grads"]):
+            for name, grad in grads:
+                torch.testing.assert_close(grad, _expected(ref["grads"][step][name], slices[name]), rtol=RTOL,
+                                           atol=ATOL, msg=lambda m: f"step {step} gradient of {name}: {m}")
+        for name, value in record["params"]:
+            torch.testing.assert_close(value, _expected(ref["params"][name], slices[name]), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"parameter {name}: {m}")
+            seen.add(name)
+            split += slices[name] is not None
+    assert seen == set(ref["params"])
+    assert split  # experts were split

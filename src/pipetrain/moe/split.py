@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -24,19 +25,27 @@ __all__ = ["ExpertSplit", "experts_in", "check_expert_parallel", "expert_paralle
 
 
 def experts_in(block: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every fused experts module of `block` (outermost only)."""
+    """(name, module) of every experts module of `block`: a 3-D `gate_up_proj` (transformers' fused experts, of the
+    layout this room splits or not: `is_fused_experts` says) or an `ExpertParallelExperts`."""
     for name, module in block.named_modules():
-        if is_fused_experts(module) or isinstance(module, ExpertParallelExperts):
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(module, ExpertParallelExperts) or (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3):
             yield name, module
 
 
 def check_expert_parallel(model: BlockModel, ep: int) -> None:
-    """Raise the one `ConfigError` `--ep ep` meets on `model`: no experts to split (a dense model, or experts of
-    another layout), or `ep` not dividing a layer's experts. No-op at ep == 1; needs no process group (the blocks
+    """Raise the one `ConfigError` `--ep ep` meets on `model`: no experts to split (a dense model), experts of
+    another layout (GPT-OSS's, with biases), or `ep` not dividing a layer's experts. No-op at ep == 1; needs no process group (the blocks
     are built on the meta device): the CLI calls it before it starts ranks."""
     if ep == 1:
         return
-    counts = {module.gate_up_proj.shape[0] for block in meta_blocks(model) for _, module in experts_in(block)}
+    found = [module for block in meta_blocks(model) for _, module in experts_in(block)]
+    other = next((module for module in found if not is_fused_experts(module)), None)
+    if other is not None:
+        raise ConfigError(f"--ep {ep} splits transformers' fused gated experts (gate_up_proj [E, 2I, H] without "
+                          f"biases, down_proj [E, H, I]); the model's {type(other).__name__} has another layout",
+                          hint="drop --ep (or pass --ep 1) for this model")
+    counts = {module.gate_up_proj.shape[0] for module in found}
     if not counts:
         raise ConfigError(f"--ep {ep} splits the experts of MoE layers, but the model {type(model).__name__} has "
                           "none (a dense model, or experts without transformers' fused gate_up_proj/down_proj)",

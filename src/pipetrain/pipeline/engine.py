@@ -93,6 +93,9 @@ class PipelineEngine:
         self.model = model
         self.device = device
         self.loss = as_loss(loss_fn)
+        #: the tensors the loss reads from the last block (`Loss.outputs`, 1 unless it says more: logits and a
+        #: MoE model's auxiliary losses); `StepResult.outputs` holds the first
+        self._reads = getattr(self.loss, "outputs", 1)
         self.dp = dp
         self.pp_group = pp_group
         self.dp_group = dp_group
@@ -131,7 +134,7 @@ class PipelineEngine:
         self._loss_parallel = getattr(split_block, "loss_parallel", False)
         self.schedules = ScheduleCache(config.shape_cache)
         self._meta_blocks = meta_blocks(model)
-        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1))
+        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1), reads=self._reads)
         self._loss_denominator = 1.0
         rank_of_stage = {stage: rank for rank in range(config.pp) for stage in config.stage_ids(rank)}  # V or looped
         rank_of_block = [rank_of_stage[stage] for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
@@ -252,7 +255,10 @@ class PipelineEngine:
                 out = schedule.step(*args, target=target) if train else schedule.eval(*args)
             if self.has_last_stage:
                 outputs.append(out)
-        merged = torch.cat(outputs) if outputs else None
+        if self._reads > 1:  # several tensors: each merged over the runs, the loss reads them together
+            merged = tuple(torch.cat(parts) for parts in zip(*outputs)) if outputs else None
+        else:
+            merged = torch.cat(outputs) if outputs else None
         if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
             merged = merged.full_tensor()
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None)
@@ -290,13 +296,13 @@ class PipelineEngine:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
         return self.loss.total(output, target) / self._loss_denominator
 
-    def _metrics(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int, *,
+    def _metrics(self, outputs: Tensors | None, targets: torch.Tensor | None, batch_size: int, *,
                  refuse_empty: bool = False) -> StepResult:
         """The step's loss, counts and accuracy on every rank, from device-side sums: one host sync per step
         (`tolist`; the built-in losses count on the device)."""
         totals = torch.zeros(5, dtype=torch.float64, device=self.device)
         if outputs is not None and targets is not None and self.counts_metrics:
-            outputs_ = outputs.detach()
+            outputs_ = tuple(t.detach() for t in outputs) if isinstance(outputs, tuple) else outputs.detach()
             totals[0] = self.loss.total(outputs_, targets).double()
             totals[1] = self.loss.count(targets)
             totals[2] = batch_size
@@ -315,7 +321,7 @@ class PipelineEngine:
             loss=loss,
             accuracy=correct / max(count, 1.0) if classified else None,
             samples=int(samples),
-            outputs=outputs if self.keep_outputs else None,
+            outputs=(outputs[0] if isinstance(outputs, tuple) else outputs) if self.keep_outputs else None,
             count=int(count),
             perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
         )

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recomputes", "RecomputeWrapper"]
+__all__ = ["recomputes", "RecomputeWrapper", "is_recomputing"]
+
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """Whether the forward running in this thread is a recomputation (activation checkpointing's second forward):
+    a block that counts what passes through it (a router's tokens per expert) counts only the first one."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 def recomputes(policy: str, index: int, count: int) -> bool:
@@ -57,4 +75,21 @@ class RecomputeWrapper(nn.Module):
 
     def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
-        return nullcontext(), self._recompute_context()
+        return nullcontext(), _Both(self._recompute_context(), _recomputing())
+
+
+class _Both:
+    """Two contexts entered as one (what `context_fn` may return for each forward), the first entered first."""
+
+    def __init__(self, first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)

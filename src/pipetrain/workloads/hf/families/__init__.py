@@ -2,7 +2,8 @@
 
 Described: Llama and GPT-2 (`llama.py`, `gpt2.py`); Qwen2 (2.5), Qwen3, Mistral and Gemma as Llama plus what differs
 (`llama_shaped.py`); Phi-3 (`phi3.py`: fused projections, partial rotary) and OLMo-2 (`olmo2.py`: post-norms, q/k
-norms over all heads). A new family is one more description added to `FAMILIES`. A model type without one but with
+norms over all heads); the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 and GPT-OSS
+(`moe.py`). A new family is one more description added to `FAMILIES`. A model type without one but with
 transformers' common layout gets the generic description (`generic.py`, said in one log line); any other is
 refused naming the supported types and what of the layout is missing.
 """
@@ -18,16 +19,19 @@ from pipetrain.workloads.hf.families.generic import COMMON_LAYOUT, generic_famil
 from pipetrain.workloads.hf.families.gpt2 import GPT2, gpt2_tp_plan
 from pipetrain.workloads.hf.families.llama import LLAMA, gathered_attention_tp_plan, llama_tp_plan
 from pipetrain.workloads.hf.families.llama_shaped import GEMMA, MISTRAL, QWEN2, QWEN3
+from pipetrain.workloads.hf.families.moe import (DEEPSEEK_V3, GPT_OSS, MIXTRAL, MOE_FAMILIES, OLMOE, QWEN2_MOE,
+                                                 QWEN3_MOE)
 from pipetrain.workloads.hf.families.olmo2 import OLMO2
 from pipetrain.workloads.hf.families.phi3 import PHI3, phi3_tp_plan
 
 __all__ = ["Family", "FAMILIES", "COMMON_LAYOUT", "family_of", "generic_family", "causal_mask", "layer_types_mask",
            "sliding_window_mask", "require_transformers", "tp_divides", "LLAMA", "GPT2", "QWEN2", "QWEN3", "MISTRAL",
-           "GEMMA", "PHI3", "OLMO2", "llama_tp_plan", "gpt2_tp_plan", "phi3_tp_plan", "gathered_attention_tp_plan"]
+           "GEMMA", "PHI3", "OLMO2", "QWEN3_MOE", "QWEN2_MOE", "MIXTRAL", "OLMOE", "DEEPSEEK_V3", "GPT_OSS",
+           "MOE_FAMILIES", "llama_tp_plan", "gpt2_tp_plan", "phi3_tp_plan", "gathered_attention_tp_plan"]
 
 #: model_type of a transformers config -> its description
-FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, GPT2, QWEN2, QWEN3, MISTRAL, GEMMA, PHI3,
-                                                                   OLMO2)}
+FAMILIES: dict[str, Family] = {**{family.name: family for family in (LLAMA, GPT2, QWEN2, QWEN3, MISTRAL, GEMMA, PHI3,
+                                                                     OLMO2)}, **MOE_FAMILIES}
 
 
 def family_of(config: Any) -> Family:

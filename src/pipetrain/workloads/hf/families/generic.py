@@ -8,7 +8,7 @@ layer's mask as transformers does (`transformers_mask`: `config.layer_types`, el
 translates the config's own `base_model_tp_plan` into torch's styles. What such a model does beyond its layers (a
 scaled embedding or logits, a soft cap) is not described, so the adapter says in one line that the generic
 description is used and `pipetrain check` is the proof; a class without that layout is refused naming the parts that
-are missing. The line is said once per job: by the process that starts the local ranks, or by rank 0 of a launcher.
+are missing, and so is a mixture of experts (its router and experts need a description, `moe.py`). The line is said once per job: by the process that starts the local ranks, or by rank 0 of a launcher.
 """
 
 from __future__ import annotations
@@ -63,6 +63,19 @@ def _causal_lm_class(config: Any) -> type[nn.Module]:
         raise ConfigError(f"Hugging Face model type {config.model_type!r} is not supported: it has no description in "
                           "pipetrain and transformers has no causal LM class for it",
                           hint="pass a causal decoder LM (one AutoModelForCausalLM loads)") from None
+
+
+def _refuse_experts(name: str, cls: type) -> None:
+    """A mixture of experts (its class records "router_logits") needs a description: refused, naming what it says."""
+    recorder = (getattr(cls, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        return
+    router = getattr(recorder, "target_class", recorder)
+    raise ConfigError(f"Hugging Face model type {name!r} is a mixture of experts with no description in pipetrain: "
+                      f"its router ({getattr(router, '__name__', router)}) and experts need the config field of the "
+                      "experts' count, whether its causal LM adds the load-balancing loss, and any balancing bias",
+                      hint="describe it in pipetrain/workloads/hf/families/moe.py as MIXTRAL is (docs/moe.md); "
+                           "described mixtures: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, gpt_oss")
 
 
 def _misfit(config: Any, model: nn.Module) -> list[str]:
@@ -151,6 +164,7 @@ def generic_family(config: Any) -> Family:
                           f"{type(err).__name__}: {err}", hint="pass a config that from_pretrained loads") from None
     finally:
         logging_.set_verbosity(verbosity)
+    _refuse_experts(name, cls)
     wrong = _misfit(config, model)
     if wrong:
         raise ConfigError(f"Hugging Face model type {name!r} is not supported: it has no description in pipetrain and "
