@@ -9,7 +9,8 @@ interleaved 1F1B (4 stages) with DDP, 1F1B with `--checkpoint always` (the recom
 GPipe with FSDP2 (experts sharded over their own expert-data-parallel mesh, here of one rank); and dp=4 x pp=1
 at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it). Over three SGD steps
 (the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
-parameters equal the reference's within rtol 1e-5 / atol 4e-5, and a forward-only evaluation gives its loss. A
+parameters equal the reference's within rtol 1e-5 / atol 4e-5, a forward-only evaluation gives its loss, and the
+global gradient norm (`Session.grad_norm`, what clipping uses) equals the unsplit model's (each expert slice once). A
 second family of checks: the same job at ep=1 (dp=2 DDP) has the experts replicated (each rank all 4).
 
 The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Qwen3-MoE with 8 experts and a dense
@@ -108,19 +109,20 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def reference() -> dict:
     model = build_sequential(TinyMoE(), seed=SEED)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for x, y in make_batches():
         opt.zero_grad()
         loss = _loss(model(x), y)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         opt.step()
     with torch.no_grad():
         x, y = eval_batch()
         evaluation = _loss(model(x), y).item()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "eval": evaluation}
+            "eval": evaluation, "norms": norms}
 
 
 def layouts() -> dict[str, ParallelConfig]:
@@ -152,17 +154,18 @@ def _train(parallel: ParallelConfig, device: torch.device) -> dict:
                 firsts[id(sub.gate_up_proj)] = firsts[id(sub.down_proj)] = (sub.first_expert, sub.local_experts)
     slices = {name: firsts.get(id(p)) for name, p in engine.named_parameters()}
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for x, y in make_batches():
         share = y.shape[0] // parallel.dp  # dp ranks of one expert-parallel group get different tokens
         part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         opt.zero_grad()
         losses.append(engine.step(x[part], y[part]).loss)
+        norms.append(session.grad_norm())
         grads.append({name: _full(p.grad).clone() for name, p in engine.named_parameters()})
         opt.step()
     params = {name: _full(p.detach()).clone() for name, p in engine.named_parameters()}
     evaluation = engine.evaluate(*eval_batch()).loss
-    return {"losses": losses, "grads": grads, "params": params, "slices": slices, "eval": evaluation}
+    return {"losses": losses, "grads": grads, "params": params, "slices": slices, "eval": evaluation, "norms": norms}
 
 
 #: the MoE folders trained at dp=2 x ep=2 x pp=2, and the schedules (stages per rank)
@@ -236,6 +239,8 @@ def test_expert_parallel_pipeline_matches_the_unsplit_model(layout, runs, ref):
     for record in runs[layout]:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(record["eval"], ref["eval"], rtol=RTOL, atol=ATOL)
+        # the global gradient norm (what --clip-grad clips by) counts every expert slice once
+        torch.testing.assert_close(torch.tensor(record["norms"]), torch.tensor(ref["norms"]), rtol=RTOL, atol=ATOL)
         for step, grads in enumerate(record["grads"]):
             for name, grad in grads.items():
                 expected = _expected(ref["grads"][step][name], record["slices"][name])

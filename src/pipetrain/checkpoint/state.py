@@ -76,6 +76,9 @@ def _model_options(engine: PipelineEngine) -> StateDictOptions:
 
 def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict]:
     """(container of the stage modules, its key renamer, this rank's layout-free state dict)."""
+    if getattr(engine, "expert_group", None) is not None:
+        raise ConfigError("checkpoints of experts split over expert-parallel ranks (--ep > 1) are not written yet: "
+                          "each rank holds a slice under the unsplit model's key", hint="save under --ep 1")
     container = nn.ModuleList(engine.modules)
     names = StageNames(engine.stage_ids, engine.balance, tied_aliases(engine.model, engine.model.num_blocks))
     model = get_model_state_dict(container, options=_model_options(engine))

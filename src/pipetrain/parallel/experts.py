@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetrain.parallel.mesh import Mesh
 
-__all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert"]
+__all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert", "gather_experts"]
 
 #: the attribute that marks a parameter held by one rank of an expert-parallel group (its slice of the experts)
 EXPERT_MARK = "expert_parallel"
@@ -91,3 +91,11 @@ class ExpertGradients:
         for param, grad, before in zip(self.params, flat.split([p.numel() for p in self.params]), kept, strict=True):
             grad = grad.view_as(param)
             param.grad = grad if before is None else before + grad
+
+
+def gather_experts(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor of a layer's experts from each rank's slice `local` (its rows, in the group's rank order):
+    a collective over the expert-parallel `group` (not differentiable)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)

@@ -146,6 +146,9 @@ class PipelineEngine:
         #: `take()` takes the gradients held before a step and whose `reduce(kept)` reduces the step's over the
         #: ranks holding the same experts, then adds the kept ones back; None without expert parallelism
         self.expert_grads = None
+        #: the stage's expert-parallel group (whose ranks hold the other slices of each MoE layer's experts: the
+        #: global gradient norm adds theirs), set by the session; None without expert parallelism
+        self.expert_group: dist.ProcessGroup | None = None
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
 

@@ -44,6 +44,10 @@ def check_model(config: TrainConfig) -> None:
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
     check_expert_parallel(model, config.parallel.ep)
+    if config.parallel.ep > 1 and (config.durable.save_dir is not None or config.durable.resume):
+        raise ConfigError(f"--ep {config.parallel.ep} with --save-dir or --resume: checkpoints of experts split over "
+                          "the expert-parallel ranks are not written yet (they would not be layout-free)",
+                          hint="drop --save-dir and --resume, or train with --ep 1")
 
 
 def settled(config: TrainConfig) -> TrainConfig:
