@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from pipetrain.compat.modules import ddp_ignore
-from pipetrain.parallel.experts import ExpertGroups, is_expert
+from pipetrain.parallel.experts import ExpertGroups, is_expert, mark_expert
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
 from pipetrain.compat.dtensor import is_strided
@@ -86,6 +86,8 @@ def data_parallel_wrapper(
             for holder in _expert_modules(module):
                 fully_shard(holder, mesh=experts.edp_mesh, reshard_after_forward=False, mp_policy=policy)
                 holder.set_gradient_divide_factor(float(experts.dp))
+                for param in holder.parameters(recurse=False):  # FSDP2's new DTensor parameters: marked again
+                    mark_expert(param)
         for block in _blocks(module).children():
             fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy,
                         shard_placement_fn=_shard_placement)
