@@ -121,8 +121,10 @@ class DecoderLayer(HFBlock):
                                 if router is not None and any(c is router for c in parent.children())
                                 and hasattr(parent, "experts")]
             if router is not None:  # an output hook, as transformers records `output_router_logits`: the
-                # logits, and the experts the router chose (its last output, `top_k_index`)
-                router.register_forward_hook(lambda module, args, out: self._routed.append((out[at], out[-1])))
+                # logits, and the experts the router chose (its last output, `top_k_index`); a bound method, which
+                # `copy.deepcopy` of the layer binds to the copy (`pipetrain check` probes a deep copy)
+                self._logits_at = at
+                router.register_forward_hook(self._record_route)
             self.top_k = config.num_experts_per_tok
 
     def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
@@ -146,6 +148,9 @@ class DecoderLayer(HFBlock):
                 statistics = statistics + router_statistics(logits, self.top_k, hidden.shape[0])
         rest = (() if positions is None else (positions,)) + (() if statistics is None else (statistics,))
         return (out, *rest) if rest else out
+
+    def _record_route(self, module: nn.Module, args: Any, out: Any) -> None:
+        self._routed.append((out[self._logits_at], out[-1]))
 
     def balancing_bias(self) -> torch.Tensor | None:
         """The router's balancing bias buffer (DeepSeek-V3's `e_score_correction_bias`), or None."""
