@@ -128,12 +128,13 @@ def reference() -> dict:
 def layouts() -> dict[str, ParallelConfig]:
     def layout(schedule: str, *, ep: int = 2, mode: str = "ddp", checkpoint: str = "never") -> ParallelConfig:
         return ParallelConfig(dp=2, dp_mode=mode, ep=ep, pipeline=PipelineConfig(
-            pp=2, schedule=schedule, n_microbatches=2 if schedule != "interleaved-1f1b" else 2, checkpoint=checkpoint))
+            pp=2, schedule=schedule, n_microbatches=2, checkpoint=checkpoint))
     return {
         "ep2-pp2-1f1b": layout("1f1b"),
         "ep2-pp2-interleaved": layout("interleaved-1f1b"),
         "ep2-pp2-1f1b-recompute": layout("1f1b", checkpoint="always"),
         "ep2-pp2-gpipe-fsdp": layout("gpipe", mode="fsdp"),
+        "ep2-pp2-zbv-fsdp": layout("zbv", mode="fsdp"),  # the backward split in input and weight parts
         "ep1-dp2-pp2-1f1b": layout("1f1b", ep=1),
         # two expert-parallel groups: each expert's gradient also summed over its expert-data-parallel pair
         "ep2-dp4-pp1": ParallelConfig(dp=4, ep=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=1)),
