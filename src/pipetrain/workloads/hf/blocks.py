@@ -108,7 +108,7 @@ class DecoderLayer(HFBlock):
         self._bias: str | None = None
         #: this layer's routed tokens per expert since the last `reset` (training forwards, none recomputed)
         self.tokens_per_expert: torch.Tensor | None = None
-        self._routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._routed = _RouterOutputs()
         if family.experts:
             router_class, at = family.router_class()
             router = next((m for m in self.layer.modules() if isinstance(m, router_class)), None)
@@ -121,7 +121,8 @@ class DecoderLayer(HFBlock):
                              and hasattr(parent, "experts")]
             if router is not None:  # an output hook, as transformers records `output_router_logits`: the
                 # logits, and the experts the router chose (its last output, `top_k_index`)
-                router.register_forward_hook(lambda module, args, out: self._routed.append((out[at], out[-1])))
+                self._routed.at = at
+                router.register_forward_hook(self._routed)
             self.top_k = config.num_experts_per_tok
 
     def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
@@ -169,6 +170,16 @@ class DecoderLayer(HFBlock):
         if self.rotary is not None:
             inputs["position_embeddings"] = self.rotary(hidden, position_ids=positions)
         return self.layer(hidden, **inputs)
+
+
+class _RouterOutputs(list):
+    """A router's forward hook keeping (logits, chosen experts) of each call (an object, not a closure: a deep copy
+    of the block, as `pipetrain check` makes, hooks its own copy)."""
+
+    at = 0  #: the index of the logits in the router's output
+
+    def __call__(self, module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> None:
+        self.append((out[self.at], out[-1]))
 
 
 @contextmanager
