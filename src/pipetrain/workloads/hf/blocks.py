@@ -108,7 +108,7 @@ class DecoderLayer(HFBlock):
         self._bias: str | None = None
         #: this layer's routed tokens per expert since the last `reset` (training forwards, none recomputed)
         self.tokens_per_expert: torch.Tensor | None = None
-        self._routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._routed = _RouterOutputs()
         if family.experts:
             router_class, at = family.router_class()
             router = next((m for m in self.layer.modules() if isinstance(m, router_class)), None)
@@ -121,10 +121,9 @@ class DecoderLayer(HFBlock):
                                 if router is not None and any(c is router for c in parent.children())
                                 and hasattr(parent, "experts")]
             if router is not None:  # an output hook, as transformers records `output_router_logits`: the
-                # logits, and the experts the router chose (its last output, `top_k_index`); a bound method, which
-                # `copy.deepcopy` of the layer binds to the copy (`pipetrain check` probes a deep copy)
-                self._logits_at = at
-                router.register_forward_hook(self._record_route)
+                # logits, and the experts the router chose (its last output, `top_k_index`)
+                self._routed.at = at
+                router.register_forward_hook(self._routed)
             self.top_k = config.num_experts_per_tok
 
     def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
@@ -149,9 +148,6 @@ class DecoderLayer(HFBlock):
         rest = (() if positions is None else (positions,)) + (() if statistics is None else (statistics,))
         return (out, *rest) if rest else out
 
-    def _record_route(self, module: nn.Module, args: Any, out: Any) -> None:
-        self._routed.append((out[self._logits_at], out[-1]))
-
     def balancing_bias(self) -> torch.Tensor | None:
         """The router's balancing bias buffer (DeepSeek-V3's `e_score_correction_bias`), or None."""
         return None if self._bias is None else getattr(self._router[0], self._bias)
@@ -175,6 +171,16 @@ class DecoderLayer(HFBlock):
         if self.rotary is not None:
             inputs["position_embeddings"] = self.rotary(hidden, position_ids=positions)
         return self.layer(hidden, **inputs)
+
+
+class _RouterOutputs(list):
+    """A router's forward hook keeping (logits, chosen experts) of each call (an object, not a closure: a deep copy
+    of the block, as `pipetrain check` makes, hooks its own copy)."""
+
+    at = 0  #: the index of the logits in the router's output
+
+    def __call__(self, module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> None:
+        self.append((out[self.at], out[-1]))
 
 
 @contextmanager
