@@ -106,7 +106,7 @@ def build_session(
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)
     if experts is not None:
-        engine.expert_group = experts.ep_group
+        engine.expert_group, engine.expert_mesh = experts.ep_group, experts.ep_mesh
     if experts is not None and parallel.dp_mode == "ddp":  # FSDP2 reduces them over their own mesh
         engine.expert_grads = ExpertGradients([p for p in engine.parameters() if is_expert(p)], experts)
     return Session(device=device, mesh=mesh, engine=engine, startup=startup)

@@ -11,7 +11,8 @@ at ep=2 (two expert-parallel groups: each expert's gradient summed over the two 
 (the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
 parameters equal the reference's within rtol 1e-5 / atol 4e-5, a forward-only evaluation gives its loss, and the
 global gradient norm (`Session.grad_norm`, what clipping uses) equals the unsplit model's (each expert slice once). A
-second family of checks: the same job at ep=1 (dp=2 DDP) has the experts replicated (each rank all 4).
+second family of checks: the same job at ep=1 (dp=2 DDP) has the experts replicated (each rank all 4). Checkpoints
+move between ep=2 and ep=1 (model and AdamW state; `test_checkpoints_move_between_ep2_and_ep1`).
 
 The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Qwen3-MoE with 8 experts and a dense
 first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
@@ -32,12 +33,14 @@ transformers = pytest.importorskip("transformers")
 import torch.nn.functional as F  # noqa: E402
 
 from pipetrain.blocks import build_sequential  # noqa: E402
+from pipetrain.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.moe.experts import ExpertParallelExperts  # noqa: E402
 from pipetrain.moe.split import check_expert_parallel  # noqa: E402
+from pipetrain.parallel.experts import gather_experts, is_expert  # noqa: E402
 from pipetrain.pipeline import TokenCrossEntropy  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head  # noqa: E402
@@ -196,10 +199,50 @@ def _train_folder(folder: str, schedule: str, device: torch.device) -> dict:
     return record
 
 
+def _whole_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine, expert slices gathered over the expert-parallel group."""
+    group = engine.expert_group
+    return {name: (gather_experts(p.detach(), group) if group is not None and is_expert(p) else p.detach()).clone()
+            for name, p in engine.named_parameters()}
+
+
+def _adamw_step(ep: int, device: torch.device, batch: int, load: Path | None = None, save: Path | None = None):
+    """A dp=2 x pp=2 1F1B session at `ep` with AdamW: (after `load`), one step on batch `batch`, (then `save`);
+    returns the parameters after the load and after the step."""
+    parallel = ParallelConfig(dp=2, ep=ep, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2))
+    session = build_session(TinyMoE(), parallel, device, seed=SEED, loss_fn=TokenCrossEntropy())
+    engine = session.engine
+    opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+    if load is not None:
+        load_checkpoint(load, engine, opt)
+    loaded = _whole_params(engine)
+    x, y = make_batches()[batch]
+    share = y.shape[0] // 2
+    part = slice(session.mesh.dp_rank * share, (session.mesh.dp_rank + 1) * share)
+    opt.zero_grad()
+    engine.step(x[part], y[part])
+    opt.step()
+    if save is not None:
+        save_checkpoint(save, engine, opt, step=batch + 1)
+    return loaded, _whole_params(engine)
+
+
+def _checkpoint_round_trips(device: torch.device, out: Path) -> dict:
+    """ep2 -> ep1 and ep1 -> ep2: a step, a checkpoint (model and AdamW state), then the next step under each
+    layout from it."""
+    _, saved = _adamw_step(2, device, 0, save=out / "ckpt-ep2")
+    _, ep2_next = _adamw_step(2, device, 1, load=out / "ckpt-ep2")
+    ep1_loaded, ep1_next = _adamw_step(1, device, 1, load=out / "ckpt-ep2", save=out / "ckpt-ep1")
+    ep2_loaded, _ = _adamw_step(2, device, 2, load=out / "ckpt-ep1")
+    return {"saved": saved, "ep1_loaded": ep1_loaded, "ep2_next": ep2_next, "ep1_next": ep1_next,
+            "ep2_loaded": ep2_loaded}
+
+
 def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
     device = join_job(spec)
     try:
         records = {name: _train(parallel, device) for name, parallel in layouts().items()}
+        records["checkpoints"] = _checkpoint_round_trips(device, Path(out))
         for family, folder in folders.items():
             for schedule in FOLDER_SCHEDULES:
                 records[f"{family}-{schedule}"] = _train_folder(folder, schedule, device)
@@ -223,6 +266,21 @@ def runs(tmp_path_factory, folders) -> dict[str, list[dict]]:
           args=(str(out), folders), timeout_s=900)
     per_rank = [torch.load(out / f"rank{r}.pt") for r in range(4)]
     return {name: [records[name] for records in per_rank] for name in per_rank[0]}
+
+
+def test_checkpoints_move_between_ep2_and_ep1(runs):
+    """A checkpoint of split experts (ep=2) loads at ep=1 (each rank then holds every expert) and back: the loaded
+    parameters equal the saved ones, and the next AdamW step from the checkpoint (its moments loaded too) gives the
+    same parameters at ep=2 and at ep=1."""
+    for record in runs["checkpoints"]:
+        for name, value in record["saved"].items():
+            torch.testing.assert_close(record["ep1_loaded"][name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        for name, value in record["ep2_next"].items():
+            torch.testing.assert_close(record["ep1_next"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(record["ep2_loaded"][name], record["ep1_next"][name], rtol=0, atol=0,
+                                       msg=lambda m: f"{name}: {m}")
+        assert any("experts" in name for name in record["saved"])
 
 
 @pytest.fixture(scope="module")

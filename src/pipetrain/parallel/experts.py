@@ -43,8 +43,9 @@ def is_expert(param: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """This rank's expert-parallel group (`ep_group`, `ep` ranks) and expert-data-parallel group (`edp_group`,
-    dp/ep ranks holding the same experts; `edp_mesh` its 1-D mesh, for FSDP2)."""
+    """This rank's expert-parallel group (`ep_group`, `ep` ranks; `ep_mesh` its 1-D mesh, for checkpoints) and
+    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its 1-D mesh, for
+    FSDP2)."""
 
     ep: int
     dp: int
@@ -52,6 +53,7 @@ class ExpertGroups:
     edp_group: dist.ProcessGroup
     edp_mesh: DeviceMesh
     ep_rank: int
+    ep_mesh: DeviceMesh
 
 
 def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
@@ -59,7 +61,7 @@ def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
     device = mesh.device_mesh.device_type
     experts = init_device_mesh(device, (mesh.dp // ep, ep, mesh.pp), mesh_dim_names=("edp", "ep", "pp"))
     return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
-                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep)
+                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"])
 
 
 class ExpertGradients:

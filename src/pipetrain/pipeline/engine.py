@@ -149,6 +149,7 @@ class PipelineEngine:
         #: the stage's expert-parallel group (whose ranks hold the other slices of each MoE layer's experts: the
         #: global gradient norm adds theirs), set by the session; None without expert parallelism
         self.expert_group: dist.ProcessGroup | None = None
+        self.expert_mesh = None  #: that group's 1-D device mesh (checkpoints write expert slices as its shards)
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
 

@@ -44,10 +44,11 @@ def check_model(config: TrainConfig) -> None:
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
     check_expert_parallel(model, config.parallel.ep)
-    if config.parallel.ep > 1 and (config.durable.save_dir is not None or config.durable.resume):
-        raise ConfigError(f"--ep {config.parallel.ep} with --save-dir or --resume: checkpoints of experts split over "
-                          "the expert-parallel ranks are not written yet (they would not be layout-free)",
-                          hint="drop --save-dir and --resume, or train with --ep 1")
+    if (config.parallel.ep > 1 and config.parallel.dp_mode == "fsdp"
+            and (config.durable.save_dir is not None or config.durable.resume)):
+        raise ConfigError(f"--ep {config.parallel.ep} --dp-mode fsdp with --save-dir or --resume: checkpoints of "
+                          "experts split over expert-parallel ranks and sharded by FSDP2 are not written yet",
+                          hint="use --dp-mode ddp with --ep, or drop --save-dir and --resume")
 
 
 def settled(config: TrainConfig) -> TrainConfig:
