@@ -182,3 +182,15 @@ def test_a_mixture_of_experts_without_a_description_names_what_is_missing():
         HFCausalLM(config, seq_len=SEQ)
     assert "PhimoeTopKRouter" in err.value.message or "Router" in err.value.message
     assert "families/moe.py" in err.value.hint
+
+
+def test_partition_by_parameters_prices_the_experts(folders):
+    from pipetrain.config import PipelineConfig
+    from pipetrain.partition import parameter_costs, resolve_balance
+
+    model = HFCausalLM.from_folder(folders["deepseek_v3"][0], seq_len=SEQ)
+    costs = parameter_costs(model)  # embedding, a dense layer, three MoE layers (8 experts each), head
+    assert costs[1] < costs[2] == costs[3] == costs[4]
+    balance = resolve_balance(model, PipelineConfig(pp=3, partition="parameters"))
+    assert balance != resolve_balance(model, PipelineConfig(pp=3))  # not the uniform [2, 2, 2]: the experts weigh
+    assert sum(balance) == model.num_blocks
