@@ -3,7 +3,8 @@ pipelined, equals transformers' unsplit model loaded from the same folder, with 
 
 One spawned job of 4 ranks runs every case: pp=2 layouts on two pairs of ranks (each pair its own family at the
 same time) under 1F1B (all six families), interleaved 1F1B, ZBV, DualPipeV (two stages per rank) and 1F1B with
-`--checkpoint always`, and dp=2 x pp=2 with FSDP2 over all four. Two SGD steps (a full batch, then a right-padded
+`--checkpoint always`, and dp=2 x pp=2 with FSDP2 over all four; and a checkpoint written at dp=2 x pp=2 after
+step 1, resumed at pp=4 for step 2 (layout-free keys: the experts, the routers). Two SGD steps (a full batch, then a right-padded
 one: micro-batches of unequal token counts). The reference is transformers' model run per micro-batch
 (`output_router_logits=True`, `router_aux_loss_coef` 0.1): each micro-batch's `loss` (cross-entropy + coef x
 aux_loss) weighted by its counted tokens over the global count (the definition of `pipetrain.moe.router`).
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 
+from pipetrain.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
@@ -43,6 +45,8 @@ PAIR_ROUNDS = {
 }
 #: dp=2 x pp=2 with FSDP2, all four ranks
 DP_CASES = ["qwen3_moe"]
+#: saved after step 1 at dp=2 x pp=2 (DDP), resumed for step 2 at pp=4 (8 micro-batches: the same micro-batches)
+RESUMED = "qwen3_moe"
 
 
 def case_name(layout: tuple, family: str) -> str:
@@ -99,6 +103,31 @@ def _steps(engine, model: HFCausalLM, dp: int, replica: int) -> dict:
             "params": [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]}
 
 
+def _resumed(folder: str, device: torch.device, out: Path) -> dict:
+    """Step 1 at dp=2 x pp=2, a checkpoint, step 2 at pp=4 from it: step 2's loss, gradients, final parameters."""
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ)
+    keys = transformers_names(model)
+    (x1, labels1), (x2, labels2) = make_batches(2)
+    pipeline = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=CHUNKS)
+    session = build_session(model, ParallelConfig(dp=2, dp_mode="ddp", pipeline=pipeline), device, seed=SEED,
+                            loss_fn=model.loss())
+    opt = torch.optim.SGD(session.engine.parameters(), lr=LR)
+    share = slice(session.mesh.dp_rank * SIZE, (session.mesh.dp_rank + 1) * SIZE)
+    session.engine.step(x1[share], labels1[share])
+    opt.step()
+    save_checkpoint(out / "resume", session.engine, opt, step=1)
+    pipeline = PipelineConfig(pp=4, schedule="1f1b", n_microbatches=2 * CHUNKS)
+    engine = build_session(model, ParallelConfig(pipeline=pipeline), device, seed=SEED + 1,
+                           loss_fn=model.loss()).engine
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    load_checkpoint(out / "resume", engine, opt)
+    loss = engine.step(x2, labels2).loss
+    grads = [(keys[n], p.grad.clone()) for n, p in engine.named_parameters()]
+    opt.step()
+    return {"losses": [loss], "grads": [grads], "params": [(keys[n], p.detach().clone())
+                                                          for n, p in engine.named_parameters()]}
+
+
 def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
     device = join_job(spec)
     try:
@@ -121,6 +150,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
             session = build_session(model, ParallelConfig(dp=2, dp_mode="fsdp", pipeline=pipeline), device,
                                     seed=SEED, loss_fn=model.loss())
             records[f"{family}-dp2xpp2-fsdp"] = _steps(session.engine, model, 2, session.mesh.dp_rank)
+        records[f"{RESUMED}-resumed-pp4"] = _resumed(folders[RESUMED], device, Path(out))
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -151,6 +181,13 @@ def _check(per_rank: list[dict], case: str, ref: dict, ranks: range) -> None:
 def test_pipelined_moe_family_matches_unsplit_transformers(layout, family, pair, runs):
     per_rank, references = runs
     _check(per_rank, case_name(layout, family), references[family, 1], range(2 * pair, 2 * pair + 2))
+
+
+def test_a_checkpoint_of_dp2_pp2_resumes_at_pp4(runs):
+    per_rank, references = runs
+    ref = references[RESUMED, 2]
+    _check(per_rank, f"{RESUMED}-resumed-pp4", {**ref, "losses": ref["losses"][1:], "grads": ref["grads"][1:]},
+           range(4))
 
 
 @pytest.mark.parametrize("family", DP_CASES)

@@ -178,7 +178,19 @@ def test_export_writes_what_save_pretrained_writes(name, folders, tmp_path):
 def test_a_mixture_of_experts_without_a_description_names_what_is_missing():
     config = transformers.PhimoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    with pytest.raises(ConfigError, match="'phimoe' is a mixture of experts with no description") as err:
+    with pytest.raises(ConfigError, match=r"'phimoe': a mixture of experts \(num_local_experts=4\) with no "
+                                          "description") as err:
         HFCausalLM(config, seq_len=SEQ)
-    assert "PhimoeTopKRouter" in err.value.message or "Router" in err.value.message
-    assert "families/moe.py" in err.value.hint
+    assert "experts' count field (num_local_experts)" in err.value.message and "families/moe.py" in err.value.hint
+
+
+def test_partition_by_parameters_prices_the_experts(folders):
+    from pipetrain.config import PipelineConfig
+    from pipetrain.partition import parameter_costs, resolve_balance
+
+    model = HFCausalLM.from_folder(folders["deepseek_v3"][0], seq_len=SEQ)
+    costs = parameter_costs(model)  # embedding, a dense layer, three MoE layers (8 experts each), head
+    assert costs[1] < costs[2] == costs[3] == costs[4]
+    balance = resolve_balance(model, PipelineConfig(pp=3, partition="parameters"))
+    assert balance != resolve_balance(model, PipelineConfig(pp=3))  # not the uniform [2, 2, 2]: the experts weigh
+    assert sum(balance) == model.num_blocks
