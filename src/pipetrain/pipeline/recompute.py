@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch import nn
@@ -21,12 +21,13 @@ def is_recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Recomputing:
+    """The flag `is_recomputing` reads, raised inside; reusable (a split backward recomputes once per half)."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
         _state.depth -= 1
 
 
@@ -75,7 +76,7 @@ class RecomputeWrapper(nn.Module):
 
     def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
-        return nullcontext(), _Both(self._recompute_context(), _recomputing())
+        return nullcontext(), _Both(self._recompute_context(), _Recomputing())
 
 
 class _Both:
