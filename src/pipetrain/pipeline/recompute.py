@@ -4,8 +4,8 @@ of the whole stage, of every (K-th) block, or selective (torch's op-level checkp
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -26,12 +26,13 @@ def is_recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Recomputing:
+    """The flag `is_recomputing` reads, raised inside; reusable (a split backward recomputes once per half)."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
         _state.depth -= 1
 
 
@@ -71,14 +72,6 @@ def recomputed_blocks(first: int, count: int, every: int) -> list[int]:
     """The positions in a stage of blocks `first`, ..., `first + count - 1` (model indices) that a per-block unit
     recomputes: every `every`-th block of the model, counted from 1 (torchtitan's layer-level frequency)."""
     return [i for i in range(count) if (first + i + 1) % every == 0]
-
-
-@contextmanager
-def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
-    with ExitStack() as stack:
-        stack.enter_context(first)
-        stack.enter_context(second)
-        yield
 
 
 class RecomputeWrapper(nn.Module):
@@ -142,5 +135,22 @@ class RecomputeWrapper(nn.Module):
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
         if self.unit == "selective":
             first, again = create_selective_checkpoint_contexts(_keep_expensive)
-            return first, _both(again, _both(self._recompute_context(), _recomputing()))
-        return nullcontext(), _both(self._recompute_context(), _recomputing())
+            return first, _Both(again, _Both(self._recompute_context(), _Recomputing()))
+        return nullcontext(), _Both(self._recompute_context(), _Recomputing())
+
+
+class _Both:
+    """Two contexts entered as one (what `context_fn` may return for each forward), the first entered first."""
+
+    def __init__(self, first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
