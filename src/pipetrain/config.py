@@ -16,6 +16,7 @@ __all__ = [
     "schedule_is_multi_stage",
     "V_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
+    "CP_ATTENTIONS",
 ]
 
 #: Schedule name -> number of stages each pipeline rank holds by default.
@@ -32,6 +33,8 @@ V_SCHEDULES = ("zbv", "dualpipev")
 #: The schedules that split a backward into its input and weight parts (and DDP cannot run: see ParallelConfig).
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 CHECKPOINT_POLICIES = ("never", "except_last", "always")
+#: `--cp-attention`: how attention sees a sequence cut over the context-parallel ranks (pipetrain.context)
+CP_ATTENTIONS = ("ring", "ulysses")
 DP_MODES = ("ddp", "fsdp")
 PARTITION_METHODS = ("parameters", "uniform", "time", "memory")
 
@@ -203,6 +206,8 @@ class ParallelConfig:
     `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence;
     `loss_parallel` (needs tp > 1) splits a language model's head over the vocabulary, with the cross-entropy
     computed on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
+    `cp` (context parallelism, docs/long-context.md) cuts each sequence over `cp` ranks of every stage, attention
+    by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp.
     """
 
     dp: int = 1
@@ -211,10 +216,16 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    cp: int = 1
+    cp_attention: str = "ring"
 
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
         _positive("tp", self.tp)
+        _positive("cp", self.cp)
+        _choice("--cp-attention", self.cp_attention, CP_ATTENTIONS)
+        if self.cp > 1:
+            _check_cp(self)
         _choice("dp mode", self.dp_mode, DP_MODES)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, but tp=1",
@@ -248,7 +259,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pipeline.pp * self.tp
+        return self.dp * self.pipeline.pp * self.cp * self.tp
 
     @property
     def mesh_text(self) -> str:
@@ -258,6 +269,10 @@ class ParallelConfig:
 
     def check_world(self, world_size: int) -> None:
         """Raise if the job has a different number of ranks than the mesh uses."""
+        if world_size != self.world_size and self.cp > 1:
+            raise ConfigError(
+                f"dp={self.dp} x pp={self.pp} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks, but the job "
+                f"has {world_size}", hint=f"launch {self.world_size} ranks, or choose dp * pp * cp * tp = {world_size}")
         if world_size != self.world_size:
             if self.tp == 1:
                 raise ConfigError(
@@ -286,3 +301,18 @@ class ParallelConfig:
                 hint=f"pass --batch-size {self.dp * max(1, batch_size // self.dp)}",
             )
         self.pipeline.check_batch(batch_size // self.dp)
+
+
+def _check_cp(parallel: ParallelConfig) -> None:
+    """Raise for what context parallelism (cp > 1) does not compose with."""
+    if parallel.tp > 1:
+        raise ConfigError(f"cp={parallel.cp} with tp={parallel.tp}: context and tensor parallelism both split the "
+                          "attention, and pipetrain does not compose them yet", hint="use --tp 1 with --cp")
+    if parallel.pipeline.compile:
+        raise ConfigError(f"--compile with cp={parallel.cp}: the ring's and all-to-all's exchanges inside each "
+                          "attention would break every compiled block's graph", hint="drop --compile, or use --cp 1")
+    if parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            f"schedule {parallel.pipeline.schedule!r} with cp={parallel.cp}: it splits each backward into input and "
+            "weight parts, and the exchanges of context-parallel attention inside them are not parity-tested",
+            hint="use --schedule 1f1b, gpipe or interleaved-1f1b with --cp")

@@ -24,6 +24,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("logs", "trace"),
     ("checkpoint",),
     ("data",),
+    ("context",),
     ("workloads",),
     ("lora",),
     ("recipe",),

@@ -36,7 +36,8 @@ def _shard_placement(param: nn.Parameter) -> Shard | None:
 def data_parallel_wrapper(
     mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32"
 ) -> Callable[[nn.Module], nn.Module] | None:
-    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
+    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1; with context
+    parallelism the group spans the data and context ranks, see `Mesh`).
 
     `ddp`: gradients all-reduced (averaged) after the last micro-batch; DDP skips frozen parameters (LoRA's base),
     and a stage with none to train is left unwrapped. With several stages per rank the
@@ -48,7 +49,7 @@ def data_parallel_wrapper(
     traffic and unsharded memory) and reduces gradients in fp32; the shards, hence the optimizer, stay fp32.
     The stage still runs under autocast (see `AutocastStage`), so ops autocast keeps in fp32 stay fp32.
     """
-    if mesh.dp == 1:
+    if mesh.replicas == 1:  # no data nor context parallelism
         return None
     if mode == "ddp":
         device = mesh.device_mesh.device_type

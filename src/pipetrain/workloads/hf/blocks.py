@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.context.attention import context_config
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.hf.families import Family, causal_mask, require_transformers
 
@@ -74,13 +75,27 @@ class DecoderLayer(HFBlock):
         self.layer = family.resolve(family.layer_class)(config, index)
         self.rotary = None if family.rotary_class is None else family.resolve(family.rotary_class)(config)
         self.prefixes = {"layer.": f"{family.layers}.{index}."}
+        self.context: Any = None  # a `pipetrain.context.ContextParallel` once attached (`use_context`)
+
+    def use_context(self, context: Any) -> None:
+        """Run attention over the sequence cut by context parallelism: the layer's attention modules take
+        transformers' "pipetrain_context" attention function (a config copy local to this block), and the mask is
+        the context's (`ContextMask`), built from the positions that cross the stage boundary."""
+        context.check_config(self.config)
+        config = context_config(self.config)
+        for module in self.layer.modules():
+            if getattr(module, "config", None) is self.config:
+                module.config = config
+        self.config, self.context = config, context
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
         """The layer's output; with per-token `positions` (packed documents: they restart at each document),
         `(output, positions)`, the mask then block-diagonal by document (`document_mask`), built here per
         micro-batch from the positions that crossed the stage boundary with the hidden states."""
         packed = positions is not None
-        if packed:
+        if self.context is not None and packed:  # context parallelism: positions are global (or per document)
+            mask = self.context.mask(hidden, positions)
+        elif packed:
             mask = document_mask(self.mask, self.config, hidden, positions, self.index)
         else:
             mask = self.mask(self.config, hidden, self.index)

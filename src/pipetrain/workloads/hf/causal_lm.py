@@ -48,6 +48,8 @@ class CausalLMLoss:
     Calling it gives the mean (transformers' loss)."""
 
     perplexity = True
+    #: position t is scored against target t + 1: context parallelism shifts the targets before cutting sequences
+    shifts_targets = True
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index
@@ -115,6 +117,7 @@ class _Checkpoint:
 
 class HFCausalLM:
     """A transformers causal LM as a `BlockModel`: embedding, `num_hidden_layers` decoder layers, head.
+    Context parallelism (`--cp`) runs: the first block takes `(ids, positions)`, the decoder layers `use_context`.
 
     `config` is a transformers config (e.g. `LlamaConfig(...)`, `GPT2Config(...)`), `checkpoint` a local
     folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
@@ -123,6 +126,9 @@ class HFCausalLM:
     says, "sdpa" when unset (as transformers chooses on CPU and CUDA). Use `causal_lm_loss` as the engine's loss, with
     the input ids (padding set to -100) as targets. `from_folder` reads the config from the folder too.
     """
+
+    #: the sequence may be cut over context-parallel ranks (`pipetrain.context`)
+    context_parallel = True
 
     def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64,
                  documents: bool = False) -> None:
