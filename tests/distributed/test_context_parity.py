@@ -39,6 +39,8 @@ CASES = {
     "llama-ring-cp4-documents": ("llama", 1, "ddp", 1, 4, "ring", "gpipe", "never", True),
     "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", True),
     "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 2, "ring", "1f1b", "never", False),
+    "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ring", "gpipe", "never", False),
+    "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", False),
 }
 
 
@@ -67,7 +69,8 @@ def reference(model: torch.nn.Module, dp: int, documents: bool) -> dict:
     losses, grads = [], []
     for inputs, labels in batches(dp, documents):
         opt.zero_grad()
-        extra = {"position_ids": inputs[1]} if documents else {}
+        # packed: transformers masks by document from the positions only without a cache (use_cache=False)
+        extra = {"position_ids": inputs[1], "use_cache": False} if documents else {}
         loss = model(input_ids=inputs[0], labels=labels, **extra).loss
         loss.backward()
         losses.append(loss.item())

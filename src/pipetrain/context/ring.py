@@ -3,7 +3,8 @@
 Each rank keeps its queries and passes its keys and values around the ring (point-to-point, one step per rank);
 at each step it attends its two query parts to the two key/value parts it holds, and the partial results are
 combined exactly through their log-sum-exp. Blocks that the mask hides wholly (a key part after a query part, or
-parts with no document in common) are skipped. The block attention is written with differentiable torch ops, and
+parts with no document in common) are skipped; a step whose blocks are all skipped still passes a zero gradient back,
+since the peers of the ring wait for every exchange's backward. The block attention is written with differentiable torch ops, and
 the ring's exchange is an autograd function whose backward sends the gradients the other way round, so forward and
 backward are exact under autograd, recomputation included. (torch 2.13's CPU flash kernel,
 `aten._scaled_dot_product_flash_attention_for_cpu`, returns the log-sum-exp without a gradient: a merge through it
@@ -84,19 +85,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: An
     queries = (q[:, :, :half], q[:, :, half:])
     held = torch.stack([k, v])
     acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+    unused: list[torch.Tensor] = []
     for step in range(size):
         source = (rank - step) % size
         if step:
             held = ring_exchange(held, group)
         keys, values = (held[0], held[1]) if repeat == 1 else (held[0].repeat_interleave(repeat, dim=1),
                                                                held[1].repeat_interleave(repeat, dim=1))
+        used = False
         for a in (0, 1):
             for b in (0, 1):
                 mask = layout.block_mask(source, a, b)
                 if mask is False:
                     continue  # wholly masked: skipped
+                used = True
                 part = slice(b * half, (b + 1) * half)
                 acc[a] = merge(acc[a], block_attention(queries[a], keys[:, :, part], values[:, :, part],
                                                        None if mask is True else mask, scale))
+        if not used and held.requires_grad:
+            unused.append(held)
     out = torch.cat([acc[0][0], acc[1][0]], dim=2)
+    for tensor in unused:  # every rank must run every exchange's backward (its peers wait for it): a zero gradient
+        out = out + 0.0 * tensor.sum()
     return out.to(q.dtype).transpose(1, 2).contiguous()

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from pipetrain.context.layout import shift_targets, zigzag_index, zigzag_split
+from pipetrain.context.layout import check_length, shift_targets, zigzag_index, zigzag_split
+from pipetrain.context.ulysses import check_heads
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline.loss import Loss, TokenCrossEntropy
 
-__all__ = ["SequenceSplit", "check_context_model"]
+__all__ = ["SequenceSplit", "check_context_model", "check_context"]
 
 
 def check_context_model(model: Any, cp: int) -> None:
@@ -70,3 +71,17 @@ class SequenceSplit:
     def index(self, length: int, device: Any = None) -> torch.Tensor:
         """The global indices of this rank's tokens of a `length`-token sequence."""
         return zigzag_index(length, self.cp, self.rank, device)
+
+
+def check_context(model: Any, cp: int, attention: str, seq_len: int | None) -> None:
+    """Every check of `--cp` that can fail before ranks start: the model runs cut sequences, its heads split for
+    all-to-all attention (`attention` "ulysses"), and `seq_len` (when known) cuts into 2 * cp zig-zag parts."""
+    if cp == 1:
+        return
+    check_context_model(model, cp)
+    config = getattr(model, "config", None)
+    if attention == "ulysses" and config is not None:
+        heads = config.num_attention_heads
+        check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, cp)
+    if seq_len is not None:
+        check_length(seq_len, cp)
