@@ -6,7 +6,8 @@ recomputation) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients). Over three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
-every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5.
+every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5. The checkpoint
+of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
@@ -42,6 +44,10 @@ CASES = {
     "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ring", "gpipe", "never", False),
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", False),
 }
+
+
+#: the case whose checkpoint is loaded at another cp
+RESUMED = "llama-ring-cp2xpp2"
 
 
 def document_positions(n: int, seed: int) -> torch.Tensor:
@@ -79,7 +85,7 @@ def reference(model: torch.nn.Module, dp: int, documents: bool) -> dict:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _train(folder: str, case: str, device: torch.device) -> dict:
+def _train(folder: str, case: str, device: torch.device, save: Path | None = None) -> dict:
     _, dp, dp_mode, pp, cp, attention, schedule, recompute, documents = CASES[case]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ, documents=documents)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
@@ -96,13 +102,29 @@ def _train(folder: str, case: str, device: torch.device) -> dict:
         grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
         opt.step()
     params = [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]
+    if save is not None:
+        save_checkpoint(save, engine, opt, step=3, model_name="llama")
     return {"losses": losses, "grads": grads, "params": params}
+
+
+def _resumed(folder: str, saved: Path, device: torch.device) -> list:
+    """The parameters of a checkpoint written at cp 2 x pp 2, loaded at cp 4 (pp 1)."""
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ)
+    parallel = ParallelConfig(pipeline=PipelineConfig(pp=1), cp=4)
+    engine = build_session(model, parallel, device, seed=SEED + 1, loss_fn=causal_lm_loss).engine
+    load_checkpoint(saved, engine, torch.optim.SGD(engine.parameters(), lr=LR), model_name="llama")
+    keys = transformers_names(model)
+    return [(keys[n], p.detach().clone()) for n, p in engine.named_parameters()]
 
 
 def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str) -> None:
     device = join_job(spec)
     try:
-        records = {case: _train(folders[CASES[case][0]], case, device) for case in cases}
+        saved = Path(out) / "saved-cp2xpp2"
+        records = {case: _train(folders[CASES[case][0]], case, device, saved if case == RESUMED else None)
+                   for case in cases}
+        if RESUMED in cases:
+            records["resumed"] = _resumed(folders["llama"], saved, device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -144,3 +166,14 @@ def test_documents_reference_differs_from_one_sequence(runs):
     """The packed cases can fail: the reference with documents is not the reference of one long sequence."""
     _, references = runs
     assert abs(references["llama", 1, True]["losses"][0] - references["llama", 1, False]["losses"][0]) > 1e-3
+
+
+def test_checkpoint_written_at_cp2_resumes_at_cp4(runs):
+    """Layout-free checkpoints: parameters are not split by cp, so cp 2 x pp 2's checkpoint loads at cp 4."""
+    per_rank, references = runs
+    ref = references["llama", 1, False]["params"]
+    for records in per_rank:
+        loaded = dict(records["resumed"])
+        assert set(loaded) == set(ref)
+        for name, value in loaded.items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=4e-5, msg=lambda m: f"{name}: {m}")

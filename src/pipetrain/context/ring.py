@@ -38,8 +38,9 @@ class _Exchange(torch.autograd.Function):
 
 
 def _send_recv(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
+    tensor = tensor.contiguous()  # first: empty_like keeps a permuted tensor's strides
     received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor.contiguous(), send_to, group),
+    ops = [dist.P2POp(dist.isend, tensor, send_to, group),
            dist.P2POp(dist.irecv, received, recv_from, group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()

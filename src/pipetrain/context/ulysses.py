@@ -36,14 +36,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
+        tensor = tensor.contiguous()
         out = torch.empty_like(tensor)
-        dist.all_to_all_single(out, tensor.contiguous(), group=group)
+        dist.all_to_all_single(out, tensor, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()  # first: empty_like keeps a permuted gradient's strides, the exchange writes rows
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
 
 
