@@ -263,9 +263,10 @@ class ParallelConfig:
 
     @property
     def mesh_text(self) -> str:
-        """"P", or "P x tp=T" with tensor parallelism (what banners print after "pp=")."""
+        """"P", or "P x tp=T" with tensor parallelism, "... x cp=C (ring)" with context parallelism (what banners
+        print after "pp=")."""
         return f"{self.pp}" + (f" x tp={self.tp}" + (" (sequence-parallel)" if self.sequence_parallel else "")
-                               if self.tp > 1 else "")
+                               if self.tp > 1 else "") + (f" x cp={self.cp} ({self.cp_attention})" if self.cp > 1 else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise if the job has a different number of ranks than the mesh uses."""

@@ -4,9 +4,10 @@ Each rank keeps its queries and passes its keys and values around the ring (poin
 at each step it attends its two query parts to the two key/value parts it holds, and the partial results are
 combined exactly through their log-sum-exp. Blocks that the mask hides wholly (a key part after a query part, or
 parts with no document in common) are skipped; a step whose blocks are all skipped still passes a zero gradient back,
-since the peers of the ring wait for every exchange's backward. The block attention is written with differentiable torch ops, and
-the ring's exchange is an autograd function whose backward sends the gradients the other way round, so forward and
-backward are exact under autograd, recomputation included. (torch 2.13's CPU flash kernel,
+since the peers of the ring wait for every exchange's backward. The block attention is an autograd function that keeps only q, k, v, its
+output and log-sum-exp, and recomputes the scores in its backward (with the log-sum-exp's own gradient, which the
+merge needs); the ring's exchange is an autograd function whose backward sends the gradients the other way round,
+so forward and backward are exact, recomputation included. (torch 2.13's CPU flash kernel,
 `aten._scaled_dot_product_flash_attention_for_cpu`, returns the log-sum-exp without a gradient: a merge through it
 would drop that term of the backward, so it is not used here.)
 """
@@ -55,15 +56,44 @@ def ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return _Exchange.apply(tensor, group, send_to, recv_from)
 
 
+class _BlockAttention(torch.autograd.Function):
+    """Softmax attention of one query part over one key/value part, returning its output and log-sum-exp; the
+    backward recomputes the scores (FlashAttention's way) and takes the log-sum-exp's gradient too, so that only
+    q, k, v, the output and the log-sum-exp are kept between forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = _scores(q, k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        out = torch.matmul(torch.exp(scores - lse), v.float())
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        probs = torch.exp(_scores(q, k, mask, ctx.scale) - lse)
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+        grad_probs = torch.matmul(grad_out, v.float().transpose(-1, -2))
+        # d out / d scores: P * (dP - rowsum(dO * O)); d lse / d scores: P
+        grad_scores = probs * (grad_probs - (grad_out * out).sum(dim=-1, keepdim=True) + grad_lse) * ctx.scale
+        grad_q = torch.matmul(grad_scores, k.float())
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float())
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return scores if mask is None else scores.masked_fill(~mask, _MASKED)
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of `q` [B, H, Lq, D] over `k`, `v` [B, H, Lk, D] (`mask` [B, 1, Lq, Lk], True = attend):
-    the output (fp32) and each query's log-sum-exp of scores [B, H, Lq, 1]."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, _MASKED)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.matmul(torch.exp(scores - lse), v.float()), lse
+    the output (fp32) and each query's log-sum-exp of scores [B, H, Lq, 1]; differentiable in both."""
+    return _BlockAttention.apply(q, k, v, mask, scale)
 
 
 def merge(acc: tuple[torch.Tensor, torch.Tensor] | None,
