@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipetrain.config import ParallelConfig, PipelineConfig
-from pipetrain.context import ContextMask, SequenceSplit, check_context_model, check_length, shift_targets, zigzag_index
+from pipetrain.context import (ContextMask, SequenceSplit, check_context, check_context_model, check_length,
+                               shift_targets, zigzag_index)
 from pipetrain.context.ulysses import check_heads
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline import TokenCrossEntropy
@@ -118,3 +119,19 @@ def test_cp_refuses_what_it_does_not_compose_with():
 def test_a_model_without_context_attention_is_refused():
     with pytest.raises(ConfigError, match="--cp 2 needs a model whose attention runs over a cut sequence"):
         check_context_model(object(), 2)
+
+
+class _Model:
+    context_parallel = True
+
+    class config:  # noqa: N801 - a transformers config's fields
+        num_attention_heads, num_key_value_heads = 9, 3  # SmolLM2-135M's
+
+
+def test_the_checks_before_ranks_start():
+    check_context(_Model(), 3, "ulysses", 96)
+    check_context(_Model(), 2, "ring", 96)
+    with pytest.raises(ConfigError, match="9 query and 3 key/value heads, not both divisible by 2"):
+        check_context(_Model(), 2, "ulysses", 96)
+    with pytest.raises(ConfigError, match="sequence length 90 does not cut into 2 x cp = 4"):
+        check_context(_Model(), 2, "ring", 90)
