@@ -32,7 +32,7 @@ PUBLISHED = {"1f1b": (100, 82.5), "interleaved-1f1b": (128, 72.7)}
 LAYOUT = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", "--gpus-per-node", "8",
           "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
           "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
-          "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--gpu-node", "h100"]
+          "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--gpu", "h100-sxm"]
 TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--vocab-parallel"]
 
 

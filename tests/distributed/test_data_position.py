@@ -126,3 +126,18 @@ def test_a_checkpoint_inside_an_epoch_needs_its_global_batch(reference, tmp_path
     assert code == 2
     err = capsys.readouterr().err
     assert "global batch size 8, this job's is 16" in err and "--batch-size 8" in err, err
+
+
+def test_a_resume_on_changed_data_is_refused_in_one_line(reference, tmp_path, capsys):
+    """Rows appended to the data shift every epoch's order: the saved position would skip or repeat samples (main
+    resumed without a word)."""
+    folder, data, _ = reference
+    shutil.copytree(_checkpoint(folder, "ref", 4), tmp_path / "ckpt" / "step-00000004")
+    changed = tmp_path / data.name
+    changed.write_text(data.read_text() + data.read_text().split("\n", 1)[0] + "\n")
+    capsys.readouterr()
+    code = main(["train", *ARGS, *DP2, "--data", str(changed), "--save-dir", str(tmp_path / "ckpt"), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--data {str(changed)!r} is not the data checkpoint" in err and "its content or fields changed" in err
+    assert "resume with the data the run trained on" in err

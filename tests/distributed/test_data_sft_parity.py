@@ -34,7 +34,7 @@ def test_chat_rows_train_the_same_split_over_pipeline_and_replicas(tmp_path, mon
     def config(dp: int, pp: int, chunks: int, batch: int) -> TrainConfig:
         pipeline = PipelineConfig(pp=pp, schedule="1f1b" if pp > 1 else "gpipe", n_microbatches=chunks)
         return TrainConfig(parallel=ParallelConfig(dp=dp, pipeline=pipeline), workload="hf", model_dir=folder,
-                           data=data, seq_len=48, batch_size=batch, epochs=1, progress=False)
+                           data=data, seq_len=64, batch_size=batch, epochs=1, progress=False)
 
     layouts = {"pp2-1f1b-5-rows-in-2": config(1, 2, 2, 5), "dp2-ddp": config(2, 1, 2, 6)}
     jobs = [(c, load_data(c)[0]) for c in layouts.values()]

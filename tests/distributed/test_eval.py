@@ -1,5 +1,6 @@
 """`pipetrain eval` at dp2 × pp2: the held-out loss equals the unsplit transformers model's on the same batches
-(rtol 1e-5), and the answer accuracy is what transformers' greedy `generate` gives.
+(rtol 1e-5), and the answer accuracy is what transformers' greedy `generate` gives; the same rows packed by document
+(`--pack documents`, at pp2) give the same loss and are still answered.
 
 The data are 80 prompt/answer rows for a tiny Llama (3 layers, wide weights: see test_generate); the held-out
 split is every 10th row (8 rows). Half of the held-out rows have as answer the unsplit model's own 3 greedy tokens
@@ -70,3 +71,11 @@ def test_eval_loss_and_answer_accuracy_match_the_unsplit_model(tmp_path):
     assert math.isclose(figures["loss"], expected, rel_tol=1e-5), (figures["loss"], expected)
     assert math.isclose(figures["perplexity"], math.exp(expected), rel_tol=1e-4)
     assert (figures["correct"], figures["answers"]) == (4, 8) and figures["answer_accuracy"] == 0.5
+    # the rows packed by document (a `--pack documents` run's data): the same loss, and the answers still scored
+    # (main skipped them: "the data holds plain text")
+    assert cli_main.main(["eval", "--model", folder, "--data", str(data), "--seq-len", str(SEQ), "--batch-size", "4",
+                          "--pp", "2", "--pack", "documents", "--max-new-tokens", str(NEW), "--out", str(out),
+                          "--device", "cpu"]) == 0
+    packed = json.loads(out.read_text())
+    assert math.isclose(packed["loss"], expected, rel_tol=1e-5), (packed["loss"], expected)
+    assert (packed["correct"], packed["answers"]) == (4, 8)

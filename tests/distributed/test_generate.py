@@ -8,7 +8,9 @@ checkpoint (`--checkpoint`), and sampled (temperature 0.8, top-p 0.9, seed 7). R
 `model.generate(ids, attention_mask=mask)` greedy; for the checkpoint, the checkpoint exported with `export_hf`
 and loaded by transformers; for sampling, `torch.manual_seed(7)` then `generate(do_sample=True, temperature=0.8,
 top_p=0.9, top_k=0)`, whose draws the seeded sampler reproduces. Every rank's tokens must be equal (exact).
-The CLI runs `pipetrain generate --pp 2` once (the text and tokens/s printed, the one-line errors).
+The CLI runs `pipetrain generate --pp 2` once (the text and tokens/s printed, the one-line errors). A tiny Granite
+(embedding x 12, logits / 8) and a tiny Cohere (logits x 0.25, one norm before attention and MLP side by side)
+generate at pp2 × tp2, greedy and sampled: what they do outside the layers reaches the sampler as transformers'.
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ from pipetrain.parallel.mesh import build_mesh  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from pipetrain.workloads.hf.export import export_hf  # noqa: E402
-from tests.hf_folders import tiny_model_folder  # noqa: E402
+from tests.hf_folders import scaled_configs, tiny_model_folder, tiny_tokenizer  # noqa: E402
 
 PROMPTS = ("The cat", "It was the best of times, it was the worst of", "abc",
            "The capital of France is Paris. The dog sat")
 NEW = 12
+SCALED = ("granite", "cohere")  # families that scale the embedding or the logits outside their layers
 SAMPLED = Sampling(temperature=0.8, top_p=0.9, seed=7)
 
 
@@ -55,6 +58,23 @@ def wide_folder(folder: Path, family: str) -> str:
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.3, generator=gen)
     model.save_pretrained(folder)
+    return str(folder)
+
+
+def wide_scaled_folder(folder: Path, family: str) -> str:
+    """`scaled_configs`' Granite or Cohere (what they do outside the layers switched on: Granite's embedding x 12 and
+    logits / 8, Cohere's logits x 0.25), with the tiny tokenizer, matrices redrawn with std 0.3 as `wide_folder`."""
+    tokenizer = tiny_tokenizer()
+    config = scaled_configs(len(tokenizer))[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.3, generator=gen)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return str(folder)
 
 
@@ -107,6 +127,10 @@ def _worker(spec: RankSpec, folders: dict[str, str], root: str) -> None:
         out["ckpt-pp2xtp2"] = _run(_job(None, checkpoint, tp=2), where, device, tp_mesh=mesh.tp_mesh)
         out["llama-pp2xtp2-sampled"] = _run(_job(folders["llama"], sampling=SAMPLED, tp=2), where, device,
                                             tp_mesh=mesh.tp_mesh)
+        for family in SCALED:  # what the family does outside its layers, in the generation stages too
+            out[f"{family}-pp2xtp2"] = _run(_job(folders[family], tp=2), where, device, tp_mesh=mesh.tp_mesh)
+            out[f"{family}-pp2xtp2-sampled"] = _run(_job(folders[family], sampling=SAMPLED, tp=2), where, device,
+                                                    tp_mesh=mesh.tp_mesh)
         torch.save(out, Path(root) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -128,11 +152,15 @@ def _reference(folder: str, sampling: Sampling = Sampling(), *, tokenizer_of: st
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate")
     folders = {family: wide_folder(root / family, family) for family in ("llama", "gpt2")}
+    folders.update({family: wide_scaled_folder(root / family, family) for family in SCALED})
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, str(root)), timeout_s=600)
     export_hf(root / "ckpt", HFCausalLM.from_folder(folders["llama"]), root / "exported")
-    references = {f"{family}-{layout}": _reference(folders[family]) for family in folders
+    references = {f"{family}-{layout}": _reference(folders[family]) for family in ("llama", "gpt2")
                   for layout in ("pp2", "pp2xtp2")}
+    for family in SCALED:
+        references[f"{family}-pp2xtp2"] = _reference(folders[family])
+        references[f"{family}-pp2xtp2-sampled"] = _reference(folders[family], SAMPLED)
     references["ckpt-pp2"] = references["ckpt-pp2xtp2"] = _reference(str(root / "exported"),
                                                                            tokenizer_of=folders["llama"])
     references["gpt2-pp2-sampled"] = _reference(folders["gpt2"], SAMPLED)
@@ -141,7 +169,8 @@ def runs(tmp_path_factory):
 
 
 CASES = ["llama-pp2", "gpt2-pp2", "ckpt-pp2", "gpt2-pp2-sampled", "llama-pp2xtp2", "gpt2-pp2xtp2", "ckpt-pp2xtp2",
-         "llama-pp2xtp2-sampled"]
+         "llama-pp2xtp2-sampled", *(f"{family}-pp2xtp2{kind}" for family in ("granite", "cohere")
+                                    for kind in ("", "-sampled"))]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,9 +1,12 @@
-"""Every added Hugging Face family (Qwen2, Qwen3, Mistral, Gemma, Phi-3, OLMo-2), pipelined, equals the unsplit
-transformers model; its checkpoint exports to a folder transformers loads; `pipetrain check` passes it.
+"""Every added Hugging Face family (Qwen2, Qwen3, Mistral, Gemma, Phi-3, OLMo-2, Granite, Cohere, Cohere 2, Gemma 2,
+Gemma 3), pipelined, equals the unsplit transformers model; its checkpoint exports to a folder transformers loads;
+`pipetrain check` passes it.
 
 Each family's tiny random folder is made here with its own config class (`tests.hf_folders.family_configs`: 2
 layers, hidden 32, 4 query and 2 key/value heads; Qwen2 with a sliding layer, Mistral sliding over 4 tokens, Phi-3
-with partial rotary tables; Gemma tied, as by default) and the tiny tokenizer. One spawned job of 4 ranks runs, per
+with partial rotary tables; Gemma tied, as by default; Granite with embedding multiplier 12 and logits divisor 8,
+Cohere and Cohere 2 with logit scale 0.25, Gemma 2 and 3 soft-capped at 0.5 with a sliding and a global layer) and
+the tiny tokenizer. One spawned job of 4 ranks runs, per
 family: pp2 1F1B and pp2 interleaved 1F1B (two virtual stages per rank; two pipelines of 2 ranks), dp2 × pp2 with
 FSDP2 (1F1B) and pp2 × tp2 (1F1B). Over test_hf_parity's three SGD steps (a full batch, a short right-padded one,
 one smaller than the 4 micro-batches): the loss on every rank, every gradient at every step and every final
@@ -12,8 +15,9 @@ against the tied tensor, whose gradient sums both uses). The same job runs Qwen3
 removed from its description: the norms' gradients then miss the other rank's heads, and the test asserts they
 differ (the detail of the description is what makes it exact). The pp2 1F1B checkpoint of each family is exported
 with `pipetrain export CKPT OUT --hf`; `AutoModelForCausalLM.from_pretrained(OUT)` gives the unsplit model's
-logits after the same steps. `pipetrain check` (2 steps, pp2 1F1B, 2 chunks, its own tolerances) passes every
-family, and a tiny Arcee on the generic description, in one job of 2 ranks (what the command runs).
+logits after the same steps, and so do pipetrain's blocks built from OUT. `pipetrain check` (2 steps, pp2 1F1B, 2
+chunks, its own tolerances) passes every family, and a tiny Arcee on the generic description, in one job of 2 ranks
+(what the command runs).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from pipetrain.blocks import build_sequential  # noqa: E402
 from pipetrain.check import run_checks  # noqa: E402
 from pipetrain.checkpoint.state import save_checkpoint  # noqa: E402
 from pipetrain.cli import main as cli_main  # noqa: E402
@@ -167,6 +172,9 @@ def test_export_hf_round_trip_gives_the_trained_logits(family, runs, tmp_path, c
         theirs, ours = exported(input_ids=ids).logits, trained(input_ids=ids).logits
     torch.testing.assert_close(theirs, ours, rtol=RTOL, atol=ATOL)
     assert (theirs - before).abs().max() > 100 * ATOL, "the steps did not change the model"
+    blocks = build_sequential(HFCausalLM.from_folder(out, seq_len=SEQ), seed=0).eval()  # pipetrain reads it back
+    with torch.no_grad():  # Granite's multiplier and divisor, Gemma 2's cap...: the same logits as transformers'
+        torch.testing.assert_close(blocks(ids), theirs, rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")

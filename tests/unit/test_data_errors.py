@@ -1,6 +1,8 @@
 """Bad data rows: one message each naming the value and the fix, exit 2, no rank started: a missing field (naming
 the fields found), a chat row without an assistant turn, a tokenizer without a chat template for `messages` rows,
-a `.parquet` file that is not Parquet, a dataset left empty by the truncation, field flags on plain text."""
+a `.parquet` file that is not Parquet, a dataset left empty by the truncation, field flags on plain text, an empty
+file, bytes that are not UTF-8, a line that is not JSON (its 1-based line number), a chat role the template does not
+know; a refused run leaves no lock file in the cache folder."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ CASES = {
     "no-answer-field": (["--answer-field", "reply"], "rows.jsonl", [{"prompt": "a", "completion": "b"}] * 20,
                         ["--answer-field 'reply' is not a field of", "'prompt', 'completion'"]),
     "no-assistant": ([], "chat.jsonl", [CHAT] * 3 + [{"messages": [{"role": "user", "content": "Hi?"}]}] + [CHAT] * 16,
-                     ["row 3 of", "is a chat without an assistant turn (roles: user)", "add its answer"]),
+                     ["row 4 of", "is a chat without an assistant turn (roles: user)", "add its answer"]),
     "no-template": (["--model-plain"], "chat.jsonl", [CHAT] * 20,
                     ["the tokenizer of plain has no chat template", "prompt/completion"]),
     "not-parquet": ([], "rows.parquet", None, ["rows.parquet' is not a Parquet file", "Parquet magic bytes",
@@ -52,6 +54,19 @@ CASES = {
     "empty-after-truncation": (["--seq-len", "8"], "rows.jsonl",
                                [{"prompt": "a long prompt " * 5, "completion": " yes"}] * 20,
                                ["no example is left: all 20 rows are longer than --seq-len 8", "--truncate left"]),
+    "empty-file": ([], "rows.jsonl", "", ["rows.jsonl' is empty: it holds no row", "one JSON object a line"]),
+    "not-utf8": ([], "rows.jsonl", b'{"text": "a b"}\n' * 3 + b'{"text": "caf\xe9"}\n' + b'{"text": "a b"}\n' * 16,
+                 ["line 4 of", "is not UTF-8 text: byte 0xe9 at column 14", "save the file as UTF-8"]),
+    "malformed-line": ([], "rows.jsonl", "".join('{"text": "row %d"}\n' % i if i != 499 else '{"text": "open\n'
+                                                 for i in range(1000)),
+                       ["line 500 of", "is not one JSON object: a string opened at column 10 is not closed",
+                        "fix or remove that line"]),
+    "stray-brace": ([], "rows.jsonl", "".join('{"text": "row %d"}\n' % i if i != 499 else '}\n' for i in range(1000)),
+                    ["line 500 of", "a value is missing at column 1"]),
+    "unknown-role": ([], "chat.jsonl", [CHAT] * 5 + [{"messages": [{"role": "usr", "content": "Hi?"},
+                                                                   {"role": "assistant", "content": "yes"}]}] + [CHAT] * 14,
+                     ["row 6 of", "has the role(s) 'usr', which the chat template does not know",
+                      "roles found in the row: usr, assistant", "accepted: assistant, system, tool, user", "'usr' -> 'user'"]),
     "field-on-text": (["--prompt-field", "q"], "notes.txt", None, ["--prompt-field names fields of JSON lines",
                                                                   "is plain text"]),
 }
@@ -61,7 +76,11 @@ CASES = {
 def test_bad_rows_are_one_message(case, cli, folders, tmp_path, capsys):  # noqa: F811
     flags, name, rows, expected = CASES[case]
     data = tmp_path / name
-    if rows is not None:
+    if isinstance(rows, bytes):
+        data.write_bytes(rows)
+    elif isinstance(rows, str):
+        data.write_text(rows)
+    elif rows is not None:
         jsonl(data, rows)
     else:
         data.write_text("not a parquet file, only text\n\nand a second paragraph\n")
@@ -70,6 +89,7 @@ def test_bad_rows_are_one_message(case, cli, folders, tmp_path, capsys):  # noqa
     capsys.readouterr()
     code, out, err, _ = cli(argv)
     assert_one_error(code, out, err, *expected)
+    assert not list((tmp_path / "cache").glob(".tokens-*")), "a refused run left a lock or a build folder behind"
 
 
 def test_rows_without_the_data_extra_say_how_to_install_it(monkeypatch):
@@ -81,3 +101,21 @@ def test_rows_without_the_data_extra_say_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: `import datasets` raises ImportError
     with pytest.raises(ConfigError, match=r"needs the `datasets` and `pyarrow` packages.*pip install 'pipetrain\[data\]'"):
         require_datasets()
+
+
+def test_a_tokenizer_without_eos_is_refused_before_tokenizing(cli, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Prompt/answer rows end with EOS: main tokenized them first and failed inside Arrow (`None` in an int list)."""
+    from tests.hf_folders import tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "no-eos")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    config.pop("bos_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    called = []
+    monkeypatch.setattr(data_cache, "_tokenize", lambda *a, **k: called.append(1))
+    data = jsonl(tmp_path / "qa.jsonl", [{"prompt": "a", "completion": "b"}] * 20)
+    capsys.readouterr()
+    code, out, err, _ = cli([*TRAIN, "--model", str(folder), "--data", str(data)])
+    assert_one_error(code, out, err, "the tokenizer of no-eos has no EOS token", "set eos_token")
+    assert not called, "the rows were tokenized before the EOS check"

@@ -54,6 +54,23 @@ def load(folder, data, **changes):
     return load_data(config)
 
 
+def expected_windows(docs, seq_len, pack):
+    """The train and held-out samples `[n, seq_len + 1]` of `docs` as the tiny tokenizer gives them: every 10th
+    document (by its index, before any filtering) held out; packed, each split's documents joined by EOS and cut into
+    windows that overlap by one, else each document cut (padded with EOS, the pad), those under 2 tokens left out."""
+    tok, width = tiny_tokenizer(), seq_len + 1
+    splits = []
+    for held in (False, True):
+        ids = [tok(doc)["input_ids"] for i, doc in enumerate(docs) if (i % 10 == 9) == held]
+        if pack:
+            stream = [t for row in ids for t in (*row, tok.eos_token_id)]
+            rows = [stream[i * seq_len : i * seq_len + width] for i in range((len(stream) - 1) // seq_len)]
+        else:
+            rows = [row[:width] + [tok.eos_token_id] * (width - len(row[:width])) for row in ids if len(row) >= 2]
+        splits.append(torch.tensor(rows, dtype=torch.long))
+    return splits
+
+
 def all_samples(split):
     tokens, trained = split.take(torch.arange(len(split)))
     return tokens, trained
@@ -75,10 +92,10 @@ def test_every_format_gives_the_windows_of_the_same_text(folder, tmp_path, fmt, 
     train, test = load(folder, data)
     assert isinstance(train, TokenRows) and train.packed and not train.supervised
     assert train.source.startswith(f"{said} at {data} (text rows, 40)") and "train split" in train.source
-    expected, held_out = tokenize_documents(DOCS, tiny_tokenizer(), seq_len=16, vocab_size=400, pack=True, source="")
-    assert torch.equal(all_samples(train)[0], expected.tokens) and torch.equal(all_samples(test)[0], held_out.tokens)
+    expected, held_out = expected_windows(DOCS, 16, pack=True)
+    assert torch.equal(all_samples(train)[0], expected) and torch.equal(all_samples(test)[0], held_out)
     x, y = next(window_batches(train, 4, shuffle=False, seed=0, epoch=0))
-    assert torch.equal(x, expected.tokens[:4, :-1]) and torch.equal(y, expected.tokens[:4, 1:])
+    assert torch.equal(x, expected[:4, :-1]) and torch.equal(y, expected[:4, 1:])
 
 
 def test_no_pack_gives_one_padded_document_per_row_and_text_field_picks_the_field(folder, tmp_path):
@@ -96,12 +113,11 @@ def test_a_batch_of_samples_in_any_order_is_those_samples(folder, tmp_path, pack
     docs = [*DOCS[:10], "", *DOCS[10:]]
     data = write_rows(tmp_path / "rows.jsonl", [{"text": doc} for doc in docs], "jsonl")
     train, _ = load(folder, data, pack=pack, seq_len=16)
-    expected, _ = tokenize_documents(docs, tiny_tokenizer(), seq_len=16, vocab_size=400, pack=pack == "windows",
-                                     source="")
+    expected, _ = expected_windows(docs, 16, pack=pack == "windows")
     part = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:9].repeat(2)
     tokens, _ = train.take(part)
     assert torch.equal(tokens, torch.cat([train.take(part[i : i + 1])[0] for i in range(len(part))]))
-    assert torch.equal(all_samples(train)[0], expected.tokens)
+    assert torch.equal(all_samples(train)[0], expected)
 
 
 def test_the_second_load_reads_the_cache_and_a_changed_file_is_tokenized_again(folder, tmp_path, monkeypatch,

@@ -21,12 +21,14 @@ from pipetrain.blocks import build_sequential  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.workloads.hf import families  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
-from pipetrain.workloads.hf.families import FAMILIES, Family, generic  # noqa: E402
+from pipetrain.workloads.hf import proof  # noqa: E402
+from pipetrain.workloads.hf.families import FAMILIES, Family, generic, outside  # noqa: E402
 from tests.distributed.test_hf_parity import SEQ, VOCAB, tiny_configs  # noqa: E402
 from tests.hf_folders import family_configs  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "pipetrain"
 RTOL, ATOL = 1e-5, 4e-5
+TIED = {"gemma", "gemma2", "gemma3_text", "cohere", "cohere2"}  # the families whose class ties the head by default
 
 
 def _configs() -> dict:
@@ -39,8 +41,8 @@ def _logits(family: Family | None, config, tmp_path, monkeypatch) -> tuple[torch
         monkeypatch.setitem(FAMILIES, config.model_type, family)
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config)
-    reference.save_pretrained(tmp_path)
-    model = HFCausalLM.from_folder(tmp_path, seq_len=SEQ)
+    reference.save_pretrained(tmp_path)  # built from the folder without the proof (`from_folder` proves)
+    model = HFCausalLM(transformers.AutoConfig.from_pretrained(tmp_path), checkpoint=tmp_path, seq_len=SEQ)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     return build_sequential(model, seed=0)(x), reference(input_ids=x).logits
 
@@ -59,7 +61,7 @@ def test_a_description_names_what_the_transformers_model_holds(name):
     ours = {key for index in range(model.num_blocks) for key in model.parameter_keys(index).values()}
     assert ours == set(reference.state_dict())
     assert family.tp_plan is not None and family.base == reference.base_model_prefix
-    assert model.tied == config.tie_word_embeddings == (name == "gemma")  # Gemma ties by default
+    assert model.tied == config.tie_word_embeddings == (name in TIED)  # as each class ties by default
 
 
 def _layer_size(family: Family, config) -> int:
@@ -73,7 +75,8 @@ def _layer_size(family: Family, config) -> int:
     size += (q + 2 * k) * family.has("qkv_bias", config) + hidden * family.has("o_bias", config)
     size += (2 * mlp + hidden) * family.has("mlp_bias", config)
     size += {"head": 2 * head_dim, "projection": q + k, None: 0}[family.qk_norm]
-    return size + 2 * hidden  # two norms: before (or, with post_norms, after) attention and MLP
+    norms = 1 if family.parallel_block else 4 if family.sandwich_norms else 2  # Cohere's one, Gemma 2's four
+    return size + norms * hidden  # before (or, with post_norms, after) attention and MLP
 
 
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"gpt2"}))
@@ -89,7 +92,8 @@ def test_a_description_says_what_its_layer_holds(name):
     for fused in (family.fused_qkv, family.fused_gate_up):
         assert fused is None or f"{fused}.weight" in names
     assert ("self_attn.q_proj.bias" in names) == family.has("qkv_bias", config)
-    assert hasattr(layer, "post_feedforward_layernorm") == family.post_norms
+    assert hasattr(layer, "post_feedforward_layernorm") == (family.post_norms or family.sandwich_norms)
+    assert hasattr(layer, "post_attention_layernorm") == (not family.parallel_block)
     assert hasattr(layer, "input_layernorm") == (not family.post_norms)
 
 
@@ -112,11 +116,27 @@ def test_each_family_gives_the_transformers_logits_and_initialisation(name, tmp_
     ("gemma", {"embed_scale": False}),  # Gemma's embedding scaling
     ("mistral", {"mask": families.causal_mask}),  # Mistral's sliding window (4 tokens of 16)
     ("qwen2", {"mask": families.causal_mask}),  # Qwen2's sliding layer
+    ("granite", {"embed_multiplier": None}),  # Granite's embedding multiplier (12)
+    ("granite", {"logit_divisor": None}),  # Granite's logits divisor (8)
+    ("cohere", {"logit_multiplier": None}),  # Cohere's logit scale (0.25)
+    ("cohere2", {"mask": families.causal_mask}),  # Cohere 2's sliding layer
+    ("gemma2", {"logit_softcap": None}),  # Gemma 2's soft cap (0.5)
+    ("gemma3_text", {"logit_softcap": None}),  # Gemma 3's soft cap (0.5)
 ])
 def test_a_family_without_a_detail_of_its_description_is_not_that_family(name, removed, tmp_path, monkeypatch):
     config = _configs()[name]
-    ours, theirs = _logits(dataclasses.replace(FAMILIES[name], **removed), config, tmp_path, monkeypatch)
-    assert (ours - theirs).abs().max() > 100 * ATOL  # the detail matters: without it, other logits
+    missing = outside.unapplied(config, dataclasses.replace(FAMILIES[name], **removed))
+    if missing:  # a detail outside the layers, in the list of what transformers does there: refused, naming it
+        with pytest.raises(ConfigError, match=f"sets {missing[0].flag}=.*acts outside the decoder layers"):
+            _logits(dataclasses.replace(FAMILIES[name], **removed), config, tmp_path, monkeypatch)
+        monkeypatch.setattr(outside, "OUTSIDE", {})  # without the list, the proof is what refuses it
+    else:
+        ours, theirs = _logits(dataclasses.replace(FAMILIES[name], **removed), config, tmp_path, monkeypatch)
+        assert (ours - theirs).abs().max() > 100 * ATOL  # the detail matters: without it, other logits
+    monkeypatch.setitem(FAMILIES, config.model_type, dataclasses.replace(FAMILIES[name], **removed))
+    with pytest.raises(ConfigError, match=f"'{name}': pipetrain's blocks do not compute what transformers' class "
+                                          "computes: .* a described family that disagrees is a pipetrain bug"):
+        proof.prove(config, always=True)
 
 
 def test_gemma_without_its_zero_centred_norms_is_not_gemma(monkeypatch):
@@ -152,9 +172,9 @@ def test_a_model_type_with_the_common_layout_runs_on_the_generic_description(tmp
 @pytest.mark.parametrize(("config", "missing"), [
     (transformers.BertConfig(), "BertLMHeadModel does not have the common layout: no model.embed_tokens (embedding); "
                                 "no model.layers (layers); no model.norm (final norm); no model.rotary_emb"),
-    (transformers.Gemma2Config(head_dim=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                               num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB),
-     "model.embed_tokens is a Gemma2TextScaledWordEmbedding, not an nn.Embedding"),
+    (transformers.VaultGemmaConfig(head_dim=8, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB),
+     "model.embed_tokens is a VaultGemmaTextScaledWordEmbedding, not an nn.Embedding"),
 ])
 def test_a_model_type_without_description_or_common_layout_is_refused_naming_what_is_missing(config, missing):
     with pytest.raises(ConfigError) as err:

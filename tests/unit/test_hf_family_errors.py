@@ -1,7 +1,8 @@
 """Bad Hugging Face folders of the added families, one message each (CLI exit 2, no traceback, no rank started):
 a model type with no description and not the common layout (naming what is missing), `--tp` not dividing a
 family's key/value heads (naming the sizes and the tp values that work), a folder whose config.json and weights
-disagree (a size or the model type changed: naming the tensor, both shapes and the config's sizes)."""
+disagree (a size or the model type changed: naming the tensor, both shapes and the config's sizes), a flag acting
+outside the decoder layers that no block applies (naming it), a mixture of experts (saying that it is one)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_a_config_of_another_family_than_its_weights_is_one_message(folders, cli
 
 @pytest.mark.parametrize(("model_type", "missing"), [
     ("bert", "BertLMHeadModel does not have the common layout: no model.embed_tokens (embedding); no model.layers"),
-    ("gemma2", "model.embed_tokens is a Gemma2TextScaledWordEmbedding, not an nn.Embedding"),
+    ("vaultgemma", "model.embed_tokens is a VaultGemmaTextScaledWordEmbedding, not an nn.Embedding"),
 ])
 def test_a_model_type_without_description_or_common_layout_names_what_is_missing(model_type, missing,  # noqa: F811
                                                                                   folders, cli, tmp_path, capsys):
@@ -79,3 +80,20 @@ def test_a_model_type_without_description_or_common_layout_names_what_is_missing
     assert_one_error(code, out, err, f"holds a {model_type!r} model, which pipetrain cannot split", missing,
                      "supported model types: llama, gpt2, qwen2, qwen3, mistral, gemma, phi3, olmo2")
     assert "is_decoder" not in out + err  # transformers' advice for BERT's own uses is kept quiet
+
+
+def test_a_flag_acting_outside_the_layers_that_no_block_applies_is_one_message(folders, cli, tmp_path,  # noqa: F811
+                                                                               capsys):
+    capsys.readouterr()  # fails on main: Gemma 3 ran on the generic description, its bidirectional masks dropped
+    folder = _edited(folders["gemma3_text"], tmp_path, use_bidirectional_attention=True)
+    code, out, err, _ = cli(TRAIN_HF + ["--model", str(folder)])
+    assert_one_error(code, out, err, "its config sets use_bidirectional_attention=True, which acts outside the decoder "
+                     "layers", "pass a config without use_bidirectional_attention")
+
+
+def test_a_mixture_of_experts_is_one_message_up_front(folders, cli, tmp_path, capsys):  # noqa: F811
+    capsys.readouterr()  # fails on main: accepted, then "the config and the weights disagree" at load
+    folder = _edited(folders["mistral"], tmp_path, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    code, out, err, _ = cli(TRAIN_HF + ["--model", str(folder)])
+    assert_one_error(code, out, err, "'mixtral' model, which pipetrain cannot split: a mixture of experts "
+                     "(num_experts=4), which pipetrain does not support yet", "dense causal LM")

@@ -127,6 +127,9 @@ class Position:
     recipe: dict[str, Any] = field(default_factory=dict)
     sample: int | None = 0
     samples: int = 0
+    #: a digest of the data trained on (None: not known, or saved before it was recorded): a resume on other data
+    #: would skip or repeat samples, and is refused (`pipetrain.train.prepare`)
+    data: str | None = None
 
     def start(self, batch_size: int) -> int:
         """The global sample of the epoch's order the next batch begins with."""
@@ -142,8 +145,9 @@ class DurableRun:
 
     def __init__(self, config: DurableConfig, engine: PipelineEngine, optimizer: torch.optim.Optimizer, *,
                  model_name: str, job_config: Mapping[str, Any], device: torch.device, spec: RankSpec,
-                 hang_dir: Path | None = None) -> None:
+                 hang_dir: Path | None = None, data_digest: str | None = None) -> None:
         self.config = config
+        self.data_digest = data_digest
         self.engine = engine
         self.optimizer = optimizer
         self.model_name = model_name
@@ -175,7 +179,7 @@ class DurableRun:
             folder = find_checkpoint(source)
             meta = load_checkpoint(folder, self.engine, self.optimizer, model_name=self.model_name)
             position = Position(**{"sample": None, **meta.extras["position"]})  # None: saved before it was recorded
-            self._saved = copy.deepcopy(position.__dict__)
+            self._saved = copy.deepcopy({**position.__dict__, "data": None})
             if dist.get_rank() == 0:
                 log.info("pipetrain: resumed from %s (step %d, epoch %d, %d batches of it done; its next sample: "
                          "%s of its order)", folder, position.step, position.epoch, position.in_epoch,
@@ -214,12 +218,13 @@ class DurableRun:
 
     def save(self, position: Position) -> None:
         """Save now unless this very position is already saved."""
-        if self.config.save_dir is None or self._saved == position.__dict__:
+        current = {**position.__dict__, "data": None}
+        if self.config.save_dir is None or self._saved == current:
             return
         save = self._saver.save if self._saver is not None else save_checkpoint
         save(self.config.save_dir, self.engine, self.optimizer, step=position.step, model_name=self.model_name,
-             config=self.job_config, extras={"position": position.__dict__}, keep=self.config.keep)
-        self._saved = copy.deepcopy(position.__dict__)
+             config=self.job_config, extras={"position": {**current, "data": self.data_digest}}, keep=self.config.keep)
+        self._saved = copy.deepcopy(current)
         self.progress()
 
     def requeue(self) -> None:

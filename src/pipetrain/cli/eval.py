@@ -5,12 +5,14 @@ fine-tune's effect. The model runs split over dp × pp × tp ranks, as in traini
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from pipetrain.checkpoint.folders import read_meta
 from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.cli.model_args import add_pack_arguments, add_row_arguments, row_format
 from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.data.settings import SETTINGS_FILE, read_data_settings
 from pipetrain.errors import ConfigError
 from pipetrain.evaluate.run import EvalJob, eval_rank
 from pipetrain.generate.weights import model_source
@@ -19,9 +21,12 @@ from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
 from pipetrain.lora import LoraSettings
 from pipetrain.train.config import TrainConfig, load_data
+from pipetrain.workloads.hf.workload import DEFAULT_SEQ_LEN
 from pipetrain.workloads.loader import portable
 
 __all__ = ["add_parser", "run", "eval_job"]
+
+log = logging.getLogger("pipetrain")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -58,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def eval_job(args: argparse.Namespace) -> EvalJob:
     """The job the flags describe (a checkpoint's own window, packing and row fields unless given)."""
     source = model_source(args.model, args.checkpoint)
-    saved = read_meta(source.checkpoint).config if source.checkpoint is not None else {}
+    saved = read_meta(source.checkpoint).config if source.checkpoint is not None else _exported(source.folder, args)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} is not positive", hint="pass a count such as 32")
     rows = row_format(args)
@@ -74,6 +79,28 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
                          lora=LoraSettings(**source.lora) if source.lora is not None else None)
     return EvalJob(config, source.checkpoint, answers=not args.no_answers, max_new_tokens=args.max_new_tokens,
                    max_answers=args.max_answers, out=args.out)
+
+
+def _exported(folder: Path, args: argparse.Namespace) -> dict:
+    """The data settings `pipetrain export` wrote beside the model of `folder` (its run's window, packing and row
+    fields: the defaults here); without them, one line says what is assumed in their place."""
+    settings = read_data_settings(folder)
+    if settings is not None:
+        row = settings.get("row_format") or {}
+        log.info("pipetrain eval: the data settings of the run that trained %s (%s): --seq-len %s, --pack %s, "
+                 "--truncate %s%s; flags given here win", folder, SETTINGS_FILE, settings.get("seq_len", "default"),
+                 settings.get("pack", "windows"), row.get("truncate", "drop"),
+                 f", trained on --data {settings['data']}" if settings.get("data") else "")
+        return settings
+    given = [flag for flag, value in (("--seq-len", args.seq_len), ("--pack", args.pack != "windows" or None),
+                                      ("--truncate", getattr(args, "truncate", "drop") != "drop" or None))
+             if value is not None]
+    if len(given) < 3:
+        log.info("pipetrain eval: %s carries no data settings of a pipetrain run (%s, written by `pipetrain export "
+                 "--hf`): assumed --seq-len %s, --pack %s, --truncate %s; pass the flags its training used",
+                 folder, SETTINGS_FILE, args.seq_len or f"{DEFAULT_SEQ_LEN} (or the model's context when shorter)",
+                 args.pack, getattr(args, "truncate", "drop"))
+    return {}
 
 
 def _rank_main(spec: RankSpec, job: EvalJob, data) -> None:

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from pipetrain.checkpoint import export_checkpoint, find_checkpoint, read_meta
+from pipetrain.data.settings import write_data_settings
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.registry import get_workload
 
@@ -26,7 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face folder (config.json, model.safetensors, the tokenizer of the "
                              "--model folder that trained it): AutoModelForCausalLM.from_pretrained(OUT) and "
-                             "AutoTokenizer.from_pretrained(OUT) load it (--workload hf checkpoints)")
+                             "AutoTokenizer.from_pretrained(OUT) load it (--workload hf checkpoints), and the run's "
+                             "data settings (pipetrain-data.json: --data, --seq-len, --pack, row fields), which "
+                             "`pipetrain eval --model OUT` reads")
     parser.add_argument("--peft", action="store_true",
                         help="a LoRA checkpoint's adapters as a PEFT adapter folder (adapter_config.json, "
                              "adapter_model.safetensors): PeftModel.from_pretrained(base, OUT) loads it")
@@ -56,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.peft or args.merge or lora:
         return _export_lora(args, folder, task, preset, lora, model_dir)
     if args.hf:
-        return _export_hf(folder, task.model(preset), args.file, model_dir, workload)
+        code = _export_hf(folder, task.model(preset), args.file, model_dir, workload)
+        write_data_settings(args.file, config)  # `pipetrain eval --model OUT` evaluates as the run trained
+        return code
     weights = export_checkpoint(folder, task.model(preset), args.file)
     count = sum(t.numel() for t in weights.values())
     log.info("wrote %s: %d tensors, %d values, from %s (%s, preset %s)", args.file, len(weights), count, folder,
@@ -100,6 +105,7 @@ def _export_lora(args: argparse.Namespace, folder: Path, task, preset: str, lora
                  model.base_identity().get("folder"), folder)
     else:
         export_merged(folder, model, args.file, tokenizer_from=model_dir)
+        write_data_settings(args.file, read_meta(folder).config)
         log.info("wrote %s: a Hugging Face %s model, LoRA adapters merged, from %s", args.file,
                  model.config.model_type, folder)
     return 0

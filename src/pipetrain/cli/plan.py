@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
@@ -14,8 +15,11 @@ from pipetrain.cli.plan_args import DEFAULT_MODEL_SEQ_LEN, add_plan_arguments
 from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import detect, without_launcher_variables
-from pipetrain.plan.hardware import (DEFAULT_NETWORK, DEFAULT_RATES, NODES, Calibration, default_calibration_path,
-                                     default_device, load_calibration, save_calibration)
+from pipetrain.plan.gpus import ALIASES
+from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calibration_path, default_device,
+                                     load_calibration, named_gpu, save_calibration)
+from pipetrain.plan.context import cp_problem
+from pipetrain.plan.experts import ep_problem, moe_blocks
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
@@ -91,17 +95,42 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
     return config_blocks(PRESETS[preset]), f"analytic reference Transformer, preset {preset!r}"
 
 
+def _named_gpu(args: argparse.Namespace) -> str | None:
+    """`--gpu NAME`, or the deprecated `--gpu-node NAME` (a warning names its replacement)."""
+    gpu, node = getattr(args, "gpu", None), getattr(args, "gpu_node", None)
+    if node is None:
+        return gpu
+    if gpu is not None:
+        raise ConfigError("--gpu and --gpu-node both name the GPU", hint="pass --gpu alone")
+    replacement = ALIASES.get(node, node)
+    warnings.warn(f"--gpu-node {node} is deprecated: pass --gpu {replacement}", DeprecationWarning, stacklevel=2)
+    log.warning("--gpu-node %s is deprecated: pass --gpu %s (the same data-sheet figures)", node, replacement)
+    return replacement
+
+
+def _sheet(gpu: str, precision: str, why: str = "") -> tuple[Calibration, str]:
+    device, network = named_gpu(gpu, precision)
+    return (Calibration(device=device, network=network, backend="nccl (assumed)", measured="data sheet",
+                        precision=precision),
+            f"{device.name} at {precision}: {device.flops_per_s / 1e12:.0f} TFLOP/s effective, "
+            f"{device.memory_bytes / _GB:.0f} GB (pipetrain/plan/gpus.py){why}")
+
+
+def _on_cpu(calib: Calibration) -> bool:
+    return calib.device.name.startswith("cpu")
+
+
 def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
-    """The calibration to plan with (measured now with --calibrate), and where it came from."""
-    node = getattr(args, "gpu_node", None)
-    if node is not None:
-        if args.calibrate or args.calibration is not None:
-            raise ConfigError("--gpu-node and a calibration both describe the device", hint="pass one of them")
-        device, network = NODES[node]
-        rate = device.flops_per_s * DEFAULT_RATES[args.precision] / DEFAULT_RATES["fp32"]
-        return (Calibration(device=dataclasses.replace(device, flops_per_s=rate), network=network,
-                            backend="nccl (assumed)", measured="stated", precision=args.precision),
-                f"stated {device.name} figures at {args.precision} ({rate / 1e12:.0f} TFLOP/s; hardware.NODES)")
+    """The calibration to plan with, and where it came from: measured now (`--calibrate`); the data sheet of a GPU
+    named with `--gpu` unless `--calibration FILE` names one made on it; the calibration file; or the built-in
+    A100-class figures. A plan for GPUs of a stated memory (`--gpu-mem`) never takes this machine's CPU calibration
+    from its default place for them."""
+    gpu, given = _named_gpu(args), args.calibration is not None
+    if gpu is not None and args.calibrate:
+        raise ConfigError(f"--gpu {gpu} plans on a data sheet and --calibrate measures this machine",
+                          hint="pass one of them")
+    if gpu is not None and not given:
+        return _sheet(gpu, args.precision)
     path = args.calibration or default_calibration_path()
     if args.calibrate:
         from pipetrain.bench.calibrate import calibrate
@@ -115,8 +144,17 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
                                  inter=inter)
         save_calibration(measured, path)
         return measured, f"measured now at {args.precision}, stored in {path}"
-    if path.exists() or args.calibration is not None:
+    if path.exists() or given:
         loaded = load_calibration(path)
+        if gpu is not None and _on_cpu(loaded):
+            raise ConfigError(f"--calibration {str(path)!r} was measured on a CPU, not on the --gpu {gpu} it plans",
+                              hint=f"drop --calibration to plan on the {gpu} data sheet, or pass a calibration "
+                                   f"made on that GPU (`pipetrain plan --calibrate` on its node)")
+        if not given and args.gpu_mem is not None and _on_cpu(loaded):
+            return (Calibration(device=default_device(args.precision), network=DEFAULT_NETWORK,
+                                backend="nccl (assumed)", measured="built-in", precision=args.precision),
+                    f"built-in A100-class figures at {args.precision}: {path} holds this machine's CPU, not GPUs "
+                    f"of {args.gpu_mem:g} GB (pass --gpu NAME for a data sheet, or --calibration FILE made on them)")
         if loaded.precision != args.precision:
             raise ConfigError(f"the calibration {str(path)!r} holds {loaded.precision} rates, this plan is for "
                               f"--precision {args.precision}",
@@ -125,7 +163,7 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
         return loaded, f"{path} ({loaded.measured}, {loaded.precision})"
     return (Calibration(device=default_device(args.precision), network=DEFAULT_NETWORK, backend="nccl (assumed)",
                         measured="built-in", precision=args.precision),
-            f"built-in A100-class figures at {args.precision} (no calibration file; see --calibrate)")
+            f"built-in A100-class figures at {args.precision} (no calibration file; see --calibrate, or --gpu NAME)")
 
 
 def engine_has(axis: str) -> bool:
@@ -160,6 +198,36 @@ def tensor_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int, p
     return {"tps": (tp,), "sequence_parallel": with_sp}
 
 
+def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -> dict:
+    """The search's expert-parallel degrees: `--ep N`, else every power of 2 dividing the experts (a MoE model)."""
+    ep, imbalance = getattr(args, "ep", None), getattr(args, "moe_imbalance", 1.0)
+    moe = moe_blocks(blocks)
+    if not imbalance >= 1.0:
+        raise ConfigError(f"--moe-imbalance {imbalance} is below 1: the busiest expert has at least the mean load",
+                          hint="pass 1.0 (balanced) or more")
+    if ep is not None:
+        problem = ep_problem(blocks, ep)
+        if problem:
+            raise ConfigError(f"--ep {ep}: {problem}", hint="pass --ep 1 for a dense model, or an ep that divides "
+                                                            "the experts" if moe else "drop --ep: the model is dense")
+        return {"eps": (ep,), "moe_imbalance": imbalance}
+    if not moe:
+        return {}
+    experts = min(b.experts.experts for b in moe)
+    return {"eps": tuple(e for e in (1 << k for k in range(0, 16)) if e <= min(experts, gpus) and experts % e == 0),
+            "moe_imbalance": imbalance}
+
+
+def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
+    """The search's context-parallel degree (`--cp N`, checked against the model) and attention."""
+    cp, attention = getattr(args, "cp", 1), getattr(args, "cp_attention", "ring")
+    problem = cp_problem(blocks, cp, attention)
+    if problem:
+        raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
+                                                        "by 2 x cp for ring attention), or --cp 1")
+    return {"cps": (cp,), "cp_attention": attention}
+
+
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
     """Run the search for parsed `plan`/`tune` arguments (`fixed`: SearchSpace fields forced by the caller)."""
     gpus, per_node = _devices(args)
@@ -181,6 +249,8 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
         chosen["virtual"] = (args.stages_per_rank,)
     if "tps" not in fixed:
         chosen.update(tensor_space(args, blocks, gpus, per_node))
+    chosen.update(expert_space(args, blocks, gpus))
+    chosen.update(context_space(args, blocks))
     space = SearchSpace(**{**chosen, **fixed})
     start = time.perf_counter()
     result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,
@@ -194,7 +264,9 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
 def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     """`pipetrain train` flags for a predicted layout (layout flags included)."""
     lay = prediction.layout
-    out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else [])
+    out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else []) \
+        + (["--ep", str(lay.ep)] if lay.ep > 1 and engine_has("ep") else []) \
+        + (["--cp", str(lay.cp), "--cp-attention", lay.cp_attention] if lay.cp > 1 and engine_has("cp") else [])
     out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
             "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
     if lay.sequence_parallel:
@@ -221,7 +293,8 @@ def _row(rank: int, p: Prediction) -> str:
     schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
     memory = "/".join(f"{m / _GB:.2f}" for m in p.memory_bytes) if len(p.memory_bytes) <= 4 else \
         f"max {max(p.memory_bytes) / _GB:.2f}"
-    tp = f"{lay.tp}{'sp' if lay.sequence_parallel else ''}"
+    tp = (f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"
+          f"{f'/cp{lay.cp}' if lay.cp > 1 else ''}")
     return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
             f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
             f"{100 * p.bubble:>6.1f}% {memory}")
@@ -270,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = getattr(args, "model_sizes", None)
     if sizes is not None:
         for line in describe(sizes, args.model_seq_len, element=2 if args.precision == "bf16" else 4,
-                             tp=result.best[0].layout.tp):
+                             tp=result.best[0].layout.tp, ep=result.best[0].layout.ep,
+                             cp=result.best[0].layout.cp):
             print(f"  {line}")
     what_if = [flag for flag, on in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") == "layer"),
                                      ("--vocab-parallel", getattr(args, "vocab_parallel", False)),
@@ -278,6 +352,12 @@ def run(args: argparse.Namespace) -> int:
     if what_if:
         print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "
               "layout it runs")
+    if result.best[0].layout.cp > 1 and not engine_has("cp"):
+        print(f"  context parallelism planned (cp={result.best[0].layout.cp}), but this pipetrain's train has no "
+              "--cp: its line below keeps each sequence whole on a rank")
+    if result.best[0].layout.ep > 1 and not engine_has("ep"):
+        print(f"  expert parallelism planned (ep={result.best[0].layout.ep}), but this pipetrain's train has no --ep: "
+              "its line below holds every expert on every rank of a stage")
     if info["space"].tps == (1,) and getattr(args, "tp", None) is None:
         print("  tensor parallelism not considered: this pipetrain's train has no --tp (pass --tp N to plan it)")
     print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'tp':>4} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pipetrain.cli.device_args import add_device_argument
 from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES
-from pipetrain.plan.hardware import DEFAULT_RATES, NODES, default_calibration_path
+from pipetrain.plan.gpus import GPUS
+from pipetrain.plan.hardware import DEFAULT_RATES, default_calibration_path, gpu_names
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.workloads.classifier.presets import PRESETS
 
@@ -35,15 +36,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     gpus.add_argument("--nodes", type=int, default=None, help="nodes (with --gpus-per-node; instead of --gpus)")
     gpus.add_argument("--gpus-per-node", type=int, default=None, help="devices per node")
     gpus.add_argument("--gpu-mem", type=float, default=None, metavar="GB",
-                      help="memory per device in GB (default: the calibrated device's)")
+                      help="memory per device in GB (default: the device's; a plan for GPUs of a stated memory "
+                           "does not use this machine's CPU calibration)")
     gpus.add_argument("--calibration", type=Path, default=None, metavar="FILE",
                       help=f"device/network figures (default: {default_calibration_path()}; "
                            "built-in A100-class figures when missing)")
     gpus.add_argument("--calibrate", action="store_true",
                       help="measure this machine first (2 ranks, about 30 s) and store it in the calibration file")
-    gpus.add_argument("--gpu-node", choices=tuple(NODES), default=None,
-                      help="plan on the stated figures of a GPU node (hardware.NODES) instead of a calibration, at "
-                           "--precision (bf16: twice the fp32/TF32 rate)")
+    gpus.add_argument("--gpu", type=str.lower, choices=gpu_names(), default=None, metavar="NAME",
+                      help=f"plan on a GPU's data sheet at --precision ({', '.join(GPUS)}; pipetrain/plan/gpus.py), "
+                           "not on a calibration (unless --calibration names one made on that GPU)")
+    gpus.add_argument("--gpu-node", choices=("a100", "h100"), default=None,
+                      help="deprecated: --gpu a100-80gb / --gpu h100-sxm")
     add_device_argument(gpus)
     model = parser.add_argument_group("model and batch")
     model.add_argument("--preset", default=None, help=f"reference Transformer size: {' | '.join(PRESETS)} (default: cpu)")
@@ -72,6 +76,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "GPUs, when this pipetrain trains with --tp; else 1)")
     limits.add_argument("--sequence-parallel", choices=("on", "off", "both"), default="both",
                         help="tensor-parallel layouts with sequence parallelism, without, or both (default: both)")
+    limits.add_argument("--ep", type=int, default=None,
+                        help="a mixture-of-experts model: consider only this expert-parallel degree (default: every "
+                             "power of 2 that divides the experts and dp)")
+    limits.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                        help="a mixture-of-experts model: the busiest expert's tokens over the mean (default: 1.0, "
+                             "a balanced router; with an auxiliary loss 1.1-1.3 is common)")
+    limits.add_argument("--cp", type=int, default=1,
+                        help="context parallelism: each sequence split over this many ranks of a stage (default: 1)")
+    limits.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring",
+                        help="the attention of a context-parallel split: ring (key/value passes overlapped with "
+                             "attention) or ulysses (all-to-all to whole heads) (default: ring)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")
     limits.add_argument("--chunks", type=int, default=None, help="consider only this many micro-batches per replica")
     limits.add_argument("--stages-per-rank", type=int, default=None,

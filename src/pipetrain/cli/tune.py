@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"tune measures the reference Transformer presets; {flag} is for `plan` only",
                               hint="pass --preset NAME")
     for flag, given in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") != "stage"),
-                        ("--gpu-node", getattr(args, "gpu_node", None) is not None)):
+                        ("--gpu-node", getattr(args, "gpu_node", None) is not None),
+                        ("--gpu", getattr(args, "gpu", None) is not None)):
         if given:
             raise ConfigError(f"tune measures its layouts on this machine as pipetrain runs them; {flag} is for "
                               "`plan` only", hint=f"drop {flag.split()[0]}")

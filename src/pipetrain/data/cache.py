@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,16 +27,17 @@ from typing import Any
 
 from pipetrain.data.fields import RowFormat, row_kind
 from pipetrain.data.formats import detect_format, read_rows, require_datasets
-from pipetrain.data.render import check_chat_template, tokenize_rows
+from pipetrain.data.chat import check_chat_template
+from pipetrain.data.render import tokenize_rows
 
-__all__ = ["Tokenized", "default_cache_root", "files_digest", "tokenizer_digest", "tokenize_cached", "ROWS_PER_PROC"]
+__all__ = ["Tokenized", "build_folder_name", "default_cache_root", "files_digest", "tokenizer_digest", "tokenize_cached", "ROWS_PER_PROC"]
 
 #: rows per tokenizing process below which fewer processes are started (a process costs more than it saves)
 ROWS_PER_PROC = 2000
 #: the files of a model folder that make its tokenizer (hashed into the cache key)
 _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "added_tokens.json",
                     "chat_template*", "spiece.model")
-_VERSION = 1
+_VERSION = 2  # 2: BOS/EOS as the tokenizer gives them, chat turns by sentinel
 
 
 def default_cache_root() -> Path:
@@ -104,19 +107,31 @@ def tokenize_cached(path: Path, fmt: RowFormat, tokenizer: Any, *, tokenizer_nam
         import filelock  # a dependency of datasets
 
         root.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(root / f".tokens-{key}.lock")):  # the ranks of a node: one tokenizes
-            if not (final / "meta.json").is_file():
-                return _tokenize(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, root, key, procs)
+        lock = root / f".tokens-{key}.lock"
+        with filelock.FileLock(str(lock)):  # the ranks of a node: one tokenizes
+            try:
+                if not (final / "meta.json").is_file():
+                    return _tokenize(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, root, key,
+                                     procs)
+            finally:  # no lock file left behind: a process still waiting on it finds the rows built (or builds
+                lock.unlink(missing_ok=True)  # them in a folder of its own), one arriving later takes a new lock
     meta = json.loads((final / "meta.json").read_text())
     return Tokenized(datasets.load_from_disk(str(final / "rows")), meta["kind"], data_format, cached=True)
+
+
+def build_folder_name(key: str) -> str:
+    """The folder the rows of `key` are built in before the rename: unique to this builder across the nodes that
+    share the cache folder (host name, process id and a random id: containers on two nodes may share a pid, and file
+    locks may not hold across nodes, e.g. NFS `local_lock` or Lustre without flock), so no builder touches another's."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname()) or "host"
+    return f".tokens-{key}.{host}.{os.getpid()}.{secrets.token_hex(6)}.partial"
 
 
 def _tokenize(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
               files: list[Path], root: Path, key: str, procs: int | None) -> Tokenized:
     """Tokenize the rows now into `root/tokens-<key>` (see `tokenize_cached`): built in a folder of this process,
     renamed when complete; a failure leaves nothing behind."""
-    building = root / f".tokens-{key}.{os.getpid()}.partial"
-    shutil.rmtree(building, ignore_errors=True)
+    building = root / build_folder_name(key)
     try:
         kind = _build(datasets, path, fmt, tokenizer, tokenizer_name, data_format, files, building, key, procs)
         try:
@@ -141,6 +156,8 @@ def _build(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_
     features = {"input_ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32")}
     if kind != "text":
         features.update(trained=datasets.List(datasets.Value("int8")), first=datasets.Value("int32"))
+    if kind == "instruction":  # 1: the tokenizer merges prompt and answer across the joint: tokenized apart
+        features.update(apart=datasets.Value("int8"))
     with _bars(datasets, sys.stderr.isatty()):
         mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
                           batched=True, with_indices=True, remove_columns=rows.column_names,

@@ -10,9 +10,13 @@ these formats (searched recursively), or is a folder written by `datasets.Datase
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipetrain.data.lines import check_text, first_bad_line
 from pipetrain.errors import ConfigError, DataError
 
 __all__ = ["FORMATS", "SUFFIXES", "detect_format", "rows_format", "read_rows", "read_texts", "require_datasets"]
@@ -95,14 +99,34 @@ def read_rows(fmt: str, files: list[Path], *, cache_dir: Path) -> Any:
         return saved
     if fmt == "Parquet":
         _check_parquet(files)
+    if fmt == "JSON lines":
+        for file in files:
+            check_text(file)
     builder = {"JSON lines": "json", "Parquet": "parquet"}[fmt]
     try:
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                     cache_dir=str(cache_dir))
-    except datasets.exceptions.DatasetGenerationError as err:
+        with _quiet("datasets"):  # its JSON reader logs each failure before raising it
+            return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                         cache_dir=str(cache_dir))
+    except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as err:
+        found = next((bad for bad in map(first_bad_line, files) if bad is not None), None) if fmt == "JSON lines" \
+            else None
+        if found is not None:
+            raise found from None
         cause = err.__cause__ or err
         raise DataError(f"cannot read {', '.join(str(f) for f in files[:3])} as {fmt}: {cause}",
                         hint="check the file (one JSON object per line for .jsonl)") from None
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """The logger `name` silent inside the block (a failure is said once, by pipetrain's own message)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def read_texts(path: Path, fmt: str, row_format: Any, *, cache_dir: Path) -> list[str]:

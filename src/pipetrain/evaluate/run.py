@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint.state import load_checkpoint
+from pipetrain.data.packing import PackedDocuments
 from pipetrain.data.rows import TokenRows
 from pipetrain.evaluate.answers import AnswerScore, cut_at, split_row
 from pipetrain.generate.engine import EngineGenerator
@@ -30,7 +31,7 @@ from pipetrain.train.config import TrainConfig, load_data
 from pipetrain.workloads.hf.text import load_tokenizer
 from pipetrain.workloads.registry import Dataset
 
-__all__ = ["EvalJob", "eval_rank", "held_out_loss"]
+__all__ = ["EvalJob", "answer_rows", "eval_rank", "held_out_loss"]
 
 log = logging.getLogger("pipetrain")
 
@@ -86,6 +87,13 @@ def _answers(session: Session, job: EvalJob, test: TokenRows) -> AnswerScore:
     return score
 
 
+def answer_rows(test: Dataset) -> TokenRows | None:
+    """The held-out prompt/answer or chat rows of `test` whose answers are generated: the rows themselves, or the
+    documents a `--pack documents` split packs; None for plain text."""
+    rows = test.documents if isinstance(test, PackedDocuments) else test
+    return rows if isinstance(rows, TokenRows) and rows.supervised else None
+
+
 def _sum_over_replicas(score: AnswerScore, session: Session, device: torch.device) -> tuple[int, int]:
     """(correct, total) over the replicas: the ranks of one replica hold the same figures, so each counts once."""
     first = session.mesh.pp_rank == 0 and session.mesh.tp_rank == 0
@@ -107,9 +115,10 @@ def eval_rank(spec: RankSpec, job: EvalJob, data: tuple[Dataset, Dataset] | None
         figures: dict[str, Any] = {"model": str(job.checkpoint or config.model_dir), "data": test.source,
                                    "loss": loss, "perplexity": perplexity(loss, ("perplexity",)),
                                    "token_accuracy": token_accuracy, "tokens": tokens}
-        supervised = isinstance(test, TokenRows) and test.supervised
+        rows = answer_rows(test)
+        supervised = rows is not None
         if job.answers and supervised:
-            score = _answers(session, job, test)
+            score = _answers(session, job, rows)
             correct, total = _sum_over_replicas(score, session, session.device)
             figures.update(answer_accuracy=correct / total if total else None, answers=total, correct=correct,
                            examples=score.examples)

@@ -80,22 +80,17 @@ class GenerationStage:
                     masks = self._masks(hidden, attention_mask, positions)
                 hidden = self._layer(block, hidden, masks[_sliding(self.config, block.index)], positions)
             else:
-                hidden = block.lm_head(block.norm(hidden[:, -1:]))[:, -1]
+                hidden = block.logits(hidden[:, -1:])[:, -1]
         return hidden
 
     @staticmethod
     def _embed(block: Embedding, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = block.get_submodule(block.tokens)(ids)
-        if block.scale is not None:
-            hidden = hidden * torch.tensor(block.scale, dtype=hidden.dtype)
-        if block.positions:
-            hidden = hidden + block.get_submodule(block.positions)(positions)
-        return block.drop(hidden)
+        return block.embed(ids, positions)
 
     def _layer(self, block: DecoderLayer, hidden: torch.Tensor, mask: Any, positions: torch.Tensor) -> torch.Tensor:
         inputs: dict[str, Any] = {"attention_mask": mask, "cache": self.cache, "use_cache": True}
         if block.position_ids:
             inputs["position_ids"] = positions
         if block.rotary is not None:
-            inputs["position_embeddings"] = block.rotary(hidden, position_ids=positions)
+            inputs["position_embeddings"] = block.rotary_tables(hidden, positions)
         return block.layer(hidden, **inputs)

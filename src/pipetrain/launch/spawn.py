@@ -22,7 +22,7 @@ from pipetrain.launch.failures import signal_hint
 from pipetrain.launch.forkserver import Inherited, context
 from pipetrain.launch.ranks import RankSpec, process_start_s
 
-__all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS"]
+__all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS", "spawned_rank"]
 
 
 #: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).
@@ -52,6 +52,12 @@ def fail_now(message: str, *, code: int = 1) -> NoReturn:
         else:
             print(f"pipetrain: error: {message}", file=sys.stderr, flush=True)
     os._exit(code)
+
+
+def spawned_rank() -> int | None:
+    """This process's rank when `spawn` started it (a local rank), else None (a launcher, or a rank placed by
+    torchrun, mpirun or Slurm)."""
+    return None if _REPORT is None else _REPORT[1]
 
 
 def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection, inherited: Inherited) -> None:

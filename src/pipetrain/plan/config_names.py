@@ -32,7 +32,21 @@ class ConfigNames:
     dropout: str | None = None  #: the field of the residual dropout rate (its masks are kept for backward)
     dropout_default: float = 0.0
     note: str = ""  #: what sets the family apart, for messages and docs
+    # -- a mixture of experts (None: a dense family) --
+    #: the fields that may hold the routed experts per MoE layer (the first present; transformers' attribute maps
+    #: write `num_local_experts` where a hub config says `num_experts`); () for a dense family
+    experts: tuple[str, ...] = ()
+    top_k: str = "num_experts_per_tok"  #: the field of the experts each token goes to
+    expert_intermediate: str = "moe_intermediate_size"  #: the field of one expert's MLP width
+    shared_intermediate: str | None = None  #: the field of an always-on shared expert's width (Qwen2-MoE)
+    shared_gate: bool = False  #: the shared expert's output goes through a sigmoid gate, a Linear(hidden, 1)
+    expert_bias: bool = False  #: the experts' projections and the router have biases (GPT-OSS)
+    #: which layers are MoE: "all", or "qwen" (not in `mlp_only_layers`, every `decoder_sparse_step`-th)
+    sparse_layers: str = "all"
+    sinks: bool = False  #: each attention head has a learned sink logit (GPT-OSS)
 
+
+_EXPERTS = ("num_experts", "num_local_experts")
 
 #: model_type -> its config's names (field names of transformers 5.24's configuration classes)
 CONFIG_NAMES: dict[str, ConfigNames] = {
@@ -45,6 +59,22 @@ CONFIG_NAMES: dict[str, ConfigNames] = {
     "phi3": ConfigNames(qkv_bias=False, o_bias=False, dropout="resid_pdrop",
                         note="as llama, fused qkv_proj and gate_up_proj, no biases"),
     "olmo2": ConfigNames(qk_norm="projection", note="as llama, with q/k norms over the whole projection width"),
+    "qwen3_moe": ConfigNames(qk_norm="head", experts=_EXPERTS, sparse_layers="qwen",
+                             note="as qwen3, MoE layers of num_experts experts (moe_intermediate_size wide), top "
+                                  "num_experts_per_tok; dense layers: mlp_only_layers, decoder_sparse_step"),
+    "qwen2_moe": ConfigNames(qkv_bias=True, o_bias=False, experts=_EXPERTS, sparse_layers="qwen",
+                             shared_intermediate="shared_expert_intermediate_size", shared_gate=True,
+                             note="as qwen3_moe with q/k/v biases and no q/k norms, plus a gated shared expert "
+                                  "(shared_expert_intermediate_size)"),
+    "mixtral": ConfigNames(qkv_bias=False, o_bias=False, experts=_EXPERTS,
+                           expert_intermediate="intermediate_size",
+                           note="as mistral, every layer num_local_experts experts of intermediate_size"),
+    "olmoe": ConfigNames(qk_norm="projection", experts=_EXPERTS, expert_intermediate="intermediate_size",
+                         note="as olmo2's q/k norms, every layer num_experts experts of intermediate_size"),
+    "gpt_oss": ConfigNames(qkv_bias=True, o_bias=True, experts=_EXPERTS,
+                           expert_intermediate="intermediate_size", expert_bias=True, sinks=True,
+                           note="attention biases and sinks, every layer num_local_experts experts of "
+                                "intermediate_size with biases, a router with a bias"),
     "gpt2": ConfigNames(hidden="n_embd", layers="n_layer", heads="n_head", kv_heads=None, intermediate="n_inner",
                         intermediate_default=4, positions="n_positions", positions_default=1024, tied_default=True,
                         gated=False, layer_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
+from pipetrain.plan.gpus import ALIASES, GPUS
 
 __all__ = ["Device", "Network", "Calibration", "DEFAULT_DEVICE", "DEFAULT_NETWORK", "DEFAULT_RATES", "default_device",
-           "default_calibration_path", "load_calibration", "save_calibration", "CALIBRATION_FORMAT", "NODES"]
+           "default_calibration_path", "load_calibration", "save_calibration", "CALIBRATION_FORMAT", "NODES",
+           "SHEET_EFFICIENCY", "gpu_names", "named_gpu"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration/1"
 
@@ -126,23 +128,41 @@ DEFAULT_NETWORK = Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_laten
                           collective_latency_s=2e-5, collective_bytes_per_s=100e9)
 
 
-#: Named GPU nodes for what-if plans (`python benchmarks/tp_table.py`), fp32 training (TF32 matmuls). Rates
-#: at the same fraction of the dense TF32 peak as `DEFAULT_DEVICE` (150 of 156 TFLOP/s): A100 SXM 80 GB (156),
-#: H100 SXM 80 GB (495); HBM at ~75 % of 2.0 and 3.35 TB/s. Within a node (NVLink 3 / NVLink 4: 300 / 450 GB/s
-#: per direction): ring collectives at a bus bandwidth of 80 % of that, 240 / 360 GB/s (nccl-tests' all-reduce
-#: busbw on DGX A100 / H100 without NVLink SHARP is of that order), 1 µs per ring step (an 8-GPU all-reduce of
-#: a small tensor: 14 µs), point-to-point at half the per-direction NVLink figure; across nodes one 200 / 400
-#: Gb/s InfiniBand NIC per GPU at 80 %: 20 / 40 GB/s, 5 µs.
-NODES: dict[str, tuple[Device, Network]] = {
-    "a100": (Device(name="A100 SXM 80 GB (assumed)", flops_per_s=150e12, bytes_per_s=1.5e12, kernel_overhead_s=5e-6,
-                    action_overhead_s=2e-4, optimizer_s_per_param=1e-11, memory_bytes=80 * 2**30),
-             Network(p2p_latency_s=1e-5, p2p_bytes_per_s=150e9, inter_latency_s=5e-6, inter_bytes_per_s=20e9,
-                     collective_latency_s=1e-6, collective_bytes_per_s=240e9)),
-    "h100": (Device(name="H100 SXM 80 GB (assumed)", flops_per_s=475e12, bytes_per_s=2.5e12, kernel_overhead_s=4e-6,
-                    action_overhead_s=2e-4, optimizer_s_per_param=6e-12, memory_bytes=80 * 2**30),
-             Network(p2p_latency_s=1e-5, p2p_bytes_per_s=225e9, inter_latency_s=5e-6, inter_bytes_per_s=40e9,
-                     collective_latency_s=1e-6, collective_bytes_per_s=360e9)),
-}
+#: The one rule that turns a data sheet (`gpus.GPUS`) into the planner's figures, the rule the A100-class built-in
+#: follows: matrix rates at 96 % of the dense peak of the training precision (150 of 156 TFLOP/s for the A100's
+#: TF32), HBM at 75 % of its peak; within a node, ring collectives at a bus bandwidth of 80 % of the per-direction
+#: link figure (nccl-tests' all-reduce busbw on DGX A100 / H100 without NVLink SHARP is of that order) with 1 µs per
+#: ring step, point-to-point at half of it, 10 µs; across nodes the GPU's network card at 80 %, 5 µs.
+SHEET_EFFICIENCY = {"flops": 0.96, "hbm": 0.75, "collective": 0.80, "p2p": 0.5, "nic": 0.80}
+_PEAK_FIELD = {"bf16": "bf16_flops", "fp32": "tf32_flops", "fp32-strict": "fp32_flops"}
+
+
+def gpu_names() -> tuple[str, ...]:
+    """The names `--gpu` takes (`gpus.GPUS` and its aliases)."""
+    return tuple(GPUS) + tuple(ALIASES)
+
+
+def named_gpu(name: str, precision: str = "fp32") -> tuple[Device, Network]:
+    """The planner's device and network for the GPU `name` (a key of `gpus.GPUS` or an alias) at `precision`."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ConfigError(f"unknown GPU {name!r}", hint=f"choose one of: {', '.join(GPUS)}")
+    if precision not in _PEAK_FIELD:
+        raise ConfigError(f"precision {precision!r} has no data-sheet rate", hint=f"use one of {', '.join(_PEAK_FIELD)}")
+    gpu, k = GPUS[key], SHEET_EFFICIENCY
+    device = Device(name=f"{gpu.name} (data sheet)", flops_per_s=getattr(gpu, _PEAK_FIELD[precision]) * k["flops"],
+                    bytes_per_s=gpu.hbm_bytes_per_s * k["hbm"], kernel_overhead_s=gpu.kernel_overhead_s,
+                    action_overhead_s=2e-4, optimizer_s_per_param=gpu.optimizer_s_per_param,
+                    memory_bytes=gpu.memory_gb * 2**30)
+    network = Network(p2p_latency_s=1e-5, p2p_bytes_per_s=gpu.link_bytes_per_s * k["p2p"], inter_latency_s=5e-6,
+                      inter_bytes_per_s=gpu.nic_bytes_per_s * k["nic"], collective_latency_s=1e-6,
+                      collective_bytes_per_s=gpu.link_bytes_per_s * k["collective"])
+    return device, network
+
+
+#: Named GPU nodes at fp32 (TF32 matmuls) for what-if tables (`python benchmarks/tp_table.py`): `named_gpu` of the
+#: A100 SXM 80 GB and the H100 SXM (kept under their older names "a100" and "h100").
+NODES: dict[str, tuple[Device, Network]] = {"a100": named_gpu("a100-80gb"), "h100": named_gpu("h100-sxm")}
 
 
 def default_calibration_path() -> Path:

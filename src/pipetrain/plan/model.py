@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["BlockCost", "TensorSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
+__all__ = ["BlockCost", "TensorSplit", "ExpertSplit", "ContextSplit", "transformer_activation_bytes", "transformer_blocks", "config_blocks", "profile_blocks",
            "ELEMENT_BYTES"]
 
 #: Bytes per element of each supported dtype name.
@@ -59,6 +59,36 @@ class TensorSplit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertSplit:
+    """The routed experts of one mixture-of-experts block, per sample of a micro-batch: what expert parallelism
+    divides (`params` of `experts` experts; tensor parallelism does not split them) and what it moves (each token's
+    hidden state to each of its `top_k` experts and back: `dispatch_bytes` per sample and direction). `flops` is the
+    experts' share of the block's forward FLOPs at an even load (the busiest expert's excess is `predict`'s
+    imbalance factor)."""
+
+    experts: int
+    top_k: int
+    params: int
+    flops: float
+    dispatch_bytes: float
+    tensors: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextSplit:
+    """What context parallelism exchanges in one attention block, per sequence of `sequence` tokens (plan/context.py):
+    the keys and values (`kv_bytes`), the queries and the output (`qo_bytes`), the attention's score FLOPs in the
+    forward (`flops`), and the head counts all-to-all attention divides."""
+
+    sequence: int
+    heads: int
+    kv_heads: int
+    kv_bytes: float
+    qo_bytes: float
+    flops: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockCost:
     """One block's costs per sample (plus `fixed_*` per micro-batch). FLOPs and bytes are for the forward;
     `kernels` counts its forward kernel launches, `tensors` its parameter tensors (the optimizer's loop)."""
@@ -84,6 +114,10 @@ class BlockCost:
     #: parameters of `params` that train no more (a LoRA run's frozen base): no gradient, no optimizer state, no
     #: data-parallel reduction
     frozen_params: int = 0
+    #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
+    experts: ExpertSplit | None = None
+    #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)
+    context: ContextSplit | None = None
 
     @property
     def trained_share(self) -> float:

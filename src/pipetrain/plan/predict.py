@@ -14,16 +14,26 @@ A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv
 With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
 parameters, activations and compute, plus the TP collectives, added to every forward and backward (on the
 critical path: a recomputed forward pays them again; zero-bubble's weight half W carries none).
+A mixture-of-experts block's routed experts are divided over `ep` ranks of the stage's data-parallel group
+(plan/experts.py): a rank holds the dense part of each block and its share of the experts, reduces the experts'
+gradients over the dp / ep ranks holding the same ones, and pays the dispatch and combine all-to-alls and the
+busiest expert's excess work in every forward and backward.
+With context parallelism (`cp` > 1, plan/context.py) each of a stage's cp ranks holds 1/cp of every sequence: it
+costs what a micro-batch of samples / cp sequences costs, plus each attention layer's exchange (the ring's
+key/value passes beyond the attention they overlap, or all-to-all attention's four all-to-alls); its parameters
+are whole and their gradients reduced (or FSDP-sharded) over dp · cp ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipetrain.errors import ConfigError
 from pipetrain.partition.solver import solve_balance, uniform_balance
+from pipetrain.plan.context import context_comm_s, context_replicas, context_samples, cp_problem
+from pipetrain.plan.experts import ep_extra_s, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
@@ -61,10 +71,21 @@ class Layout:
     #: what recomputation checkpoints: "stage" (pipetrain: the whole stage, keeping its input) or, what-if,
     #: "layer" (each block alone, keeping every block's input: torchtitan's and Megatron's full recomputation)
     recompute_unit: str = "stage"
+    #: expert parallelism: each MoE block's routed experts divided over `ep` ranks of its stage's dp group
+    ep: int = 1
+    #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
+    moe_imbalance: float = 1.0
+    #: context parallelism: each sequence split over `cp` ranks of a stage (beside tp), and their attention
+    cp: int = 1
+    cp_attention: str = "ring"
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
+
+    def gradient_layout(self) -> Layout:
+        """The layout whose dp is every rank a stage's gradients are reduced over (its replicas and its CP ranks)."""
+        return self if self.cp == 1 else replace(self, dp=context_replicas(self), cp=1)
 
 
 @dataclass(frozen=True)
@@ -161,7 +182,8 @@ def _crosses_node(stage: int, layout: Layout) -> bool:
         return False
     style = placement(layout.schedule)
     rank, nxt = stage_rank(stage, layout.pp, style), stage_rank(stage + 1, layout.pp, style)
-    return rank * layout.tp // layout.gpus_per_node != nxt * layout.tp // layout.gpus_per_node
+    width = layout.tp * layout.cp  # a pipeline rank's tensor- and context-parallel ranks, side by side
+    return rank * width // layout.gpus_per_node != nxt * width // layout.gpus_per_node
 
 
 def reduce_s(param_bytes: float, layout: Layout, network: Network, groups: int = 0) -> float:
@@ -181,7 +203,9 @@ def reduce_s(param_bytes: float, layout: Layout, network: Network, groups: int =
 def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network,
                 bounds: Sequence[tuple[int, int]]) -> list[StageCost]:
     """The per-micro-batch cost of each stage (stage s holds blocks `bounds[s]`)."""
-    samples = layout.batch // layout.dp // layout.chunks
+    sequences = layout.batch // layout.dp // layout.chunks
+    samples = context_samples(sequences, layout.cp)  # a CP rank's share costs as much as this many sequences
+    grads = layout.gradient_layout()
     slowdown = 1.0 + (device.pipeline_slowdown if layout.pp > 1 else 0.0)
     tp, sp = layout.tp, layout.sequence_parallel
     costs = []
@@ -189,6 +213,10 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         part = blocks[start:stop]
         times = [(f * slowdown, b * slowdown) for f, b in (block_times(b, samples, device, tp, sp) for b in part)]
         comm = sum(tp_comm_s(b, samples, tp, network) for b in part)  # per forward, and as much per backward
+        moe = [ep_extra_s(b, samples, layout, network, device) for b in part] \
+            + [context_comm_s(b, sequences, layout, network, device) for b in part]
+        moe_forward, moe_backward = sum(m[0] for m in moe), sum(m[1] for m in moe)
+        dense, shares = rank_parts(part, layout.ep)
         out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
         across = _crosses_node(stage, layout)
         latency = network.inter_latency_s if across else network.p2p_latency_s
@@ -202,13 +230,15 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         elif layout.recompute_unit != "stage":
             raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}", hint="use 'stage' or 'layer'")
         costs.append(StageCost(
-            forward_s=sum(t[0] for t in times) + comm,
-            backward_s=backward + comm,
+            forward_s=sum(t[0] for t in times) + comm + moe_forward,
+            backward_s=backward + comm + moe_backward,
             activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
-            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in part), layout, network,
-                              groups=len(part) + 1),
+            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in dense), grads, network,
+                              groups=len(part) + 1)
+            + (reduce_s(sum(b.param_bytes * b.trained_share for b in shares), expert_layout(grads), network,
+                        groups=len(shares)) if shares else 0.0),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
             held_bytes=held, recompute_bytes=again,
         ))
@@ -245,10 +275,16 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     if layout.batch % layout.dp or local % layout.chunks:
         raise ConfigError(f"batch {layout.batch} does not split into dp={layout.dp} x chunks={layout.chunks} "
                           "equal micro-batches", hint="choose a batch divisible by dp * chunks")
-    samples = local // layout.chunks
+    samples = context_samples(local // layout.chunks, layout.cp)
     problem = tp_problem(blocks, layout.tp, layout.sequence_parallel)
     if problem:
         raise ConfigError(problem, hint="choose a tp that divides the model's heads, hidden and feed-forward sizes")
+    problem = ep_problem(blocks, layout.ep, layout.dp)
+    if problem:
+        raise ConfigError(problem, hint="choose an ep that divides the experts and dp (ep 1 on a dense model)")
+    problem = cp_problem(blocks, layout.cp, layout.cp_attention)
+    if problem:
+        raise ConfigError(problem, hint="choose a cp that splits the sequence (and, all-to-all, the heads)")
     if layout.gpus_per_node and layout.gpus_per_node % layout.tp:
         raise ConfigError(f"tp={layout.tp} would put a tensor-parallel group across nodes of {layout.gpus_per_node} "
                           "GPUs", hint=f"choose a tp that divides {layout.gpus_per_node}")
@@ -266,11 +302,16 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     for rank in range(layout.pp):
         held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
         mine = [blocks[i] for s in held for i in range(*bounds[s])]
-        sharded = layout.dp_mode == "fsdp" and layout.dp > 1
-        static = static_bytes(mine, layout)
+        grads = layout.gradient_layout()
+        sharded = grads.dp_mode == "fsdp" and grads.dp > 1
+        dense, shares = rank_parts(mine, layout.ep)
+        experts = expert_layout(grads)
+        static = static_bytes(dense, grads) + (static_bytes(shares, experts) if shares else 0.0)
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
         memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
-        optimizer = max(optimizer, optimizer_s(mine, device, layout.dp if sharded else 1, layout.tp))
+        expert_shards = experts.dp if layout.dp_mode == "fsdp" and experts.dp > 1 else 1
+        optimizer = max(optimizer, optimizer_s(dense, device, grads.dp if sharded else 1, layout.tp)
+                        + (optimizer_s(shares, device, expert_shards) if shares else 0.0))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
     step = timeline.span_s + optimizer + network.collective_latency_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))

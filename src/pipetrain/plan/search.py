@@ -12,6 +12,12 @@ innermost) and the GPU count, and `search` keeps only those the model splits int
 Where a degree may run with or without sequence parallelism, only the former is searched: it moves the same
 collective volume in the same time and holds less (activations, receive buffers) and moves less (memory
 traffic, stage-to-stage bytes), so it is never slower nor larger in this model.
+
+Expert parallelism: `SearchSpace.eps` lists the degrees to try for a mixture-of-experts model (default 1 only);
+a degree is enumerated where it divides dp and every MoE block's experts (`experts.ep_problem`). Context
+parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default 1 only); a degree takes its
+ranks beside tp (its exchange crosses nodes where cp · tp ranks do not fit in one) and is kept where it splits
+the sequence and, for all-to-all attention, the heads (`context.cp_problem`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from dataclasses import dataclass, field, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
+from pipetrain.plan.context import context_samples, cp_problem
+from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout, Prediction, block_times, optimizer_s, predict, reduce_s
@@ -52,6 +60,12 @@ class SearchSpace:
     recompute_unit: str = "stage"
     #: consider only this many micro-batches per replica (None: every power of 2 up to `max_chunks`)
     only_chunks: int | None = None
+    #: expert-parallel degrees to try (a mixture-of-experts model), and the router's imbalance (`Layout`'s)
+    eps: tuple[int, ...] = (1,)
+    moe_imbalance: float = 1.0
+    #: context-parallel degrees to try, and the attention they use (`Layout`'s)
+    cps: tuple[int, ...] = (1,)
+    cp_attention: str = "ring"
 
 
 @dataclass
@@ -84,11 +98,16 @@ def tp_options(gpus: int, space: SearchSpace, gpus_per_node: int = 0) -> list[tu
 def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace, gpus_per_node: int = 0,
                       tps: list[tuple[int, bool]] | None = None) -> list[Layout]:
     """Every valid layout of exactly `gpus` ranks (dp * pp * tp = gpus) for a global `batch`; `tps`: the
-    (tp, sequence parallelism) pairs to use (default: `tp_options`)."""
+    (tp, sequence parallelism) pairs to use (default: `tp_options`); every ep of `space.eps` that divides dp."""
     layouts = []
     for tp, sp in tp_options(gpus, space, gpus_per_node) if tps is None else tps:
-        layouts += _layouts(num_blocks, gpus // tp, batch, space, gpus_per_node, tp, sp)
-    return layouts
+        for cp in sorted(set(space.cps)):
+            if cp < 1 or (gpus // tp) % cp:
+                continue
+            found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp)
+            layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
+    return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
+            for layout in layouts for ep in sorted(set(space.eps)) if layout.dp % ep == 0]
 
 
 def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_per_node: int, tp: int,
@@ -133,32 +152,40 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
                   cache: dict | None = None) -> float:
     """A step time the simulation cannot beat: the average rank's compute, gradient reduction and optimizer.
     `cache`: a dict kept across calls on the same blocks, device and network (the model's sums per size)."""
-    samples = layout.batch // layout.dp // layout.chunks
+    samples = context_samples(layout.batch // layout.dp // layout.chunks, layout.cp)
     tp, sp = layout.tp, layout.sequence_parallel
-    key = (samples, tp, sp)
+    key = (samples, tp, sp, layout.ep)
+    parts = ("parts", layout.ep)
+    dense, shares = cache[parts] if cache is not None and parts in cache else rank_parts(blocks, layout.ep)
+    if cache is not None:
+        cache[parts] = dense, shares
     if cache is None or key not in cache:
         times = [block_times(b, samples, device, tp, sp) for b in blocks]
         comm = sum(tp_comm_s(b, samples, tp, network) for b in blocks)
         sums = (sum(t[0] for t in times), sum(sum(t) for t in times), comm,
-                sum(tp_param_bytes(b, tp) for b in blocks))
+                sum(tp_param_bytes(b, tp) for b in dense), sum(b.param_bytes for b in shares))
         if cache is not None:
             cache[key] = sums
     else:
         sums = cache[key]
-    forward, total, comm, param_bytes = sums
+    forward, total, comm, param_bytes, expert_bytes = sums
     work = total + 2 * comm
     if layout.checkpoint != "never":
         again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
         work += again / layout.chunks * (forward + comm)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
-    shards = layout.dp if layout.dp_mode == "fsdp" else 1
-    if cache is None or (shards, tp) not in cache:
-        optimizer = optimizer_s(blocks, device, shards, tp)
+    grads = layout.gradient_layout()
+    shards = grads.dp if layout.dp_mode == "fsdp" else 1
+    experts = expert_layout(grads)
+    expert_shards = experts.dp if layout.dp_mode == "fsdp" else 1
+    if cache is None or (shards, tp, layout.ep) not in cache:
+        optimizer = optimizer_s(dense, device, shards, tp) + (optimizer_s(shares, device, expert_shards)
+                                                               if shares else 0.0)
         if cache is not None:
-            cache[shards, tp] = optimizer
+            cache[shards, tp, layout.ep] = optimizer
     else:
-        optimizer = cache[shards, tp]
-    reduce = reduce_s(param_bytes, layout, network)
+        optimizer = cache[shards, tp, layout.ep]
+    reduce = reduce_s(param_bytes, grads, network) + (reduce_s(expert_bytes, experts, network) if shares else 0.0)
     return (layout.chunks * work + reduce + optimizer) / layout.pp + actions
 
 
@@ -167,7 +194,9 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
     """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
     tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
     tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps]  # sequence parallelism dominates: see above
-    layouts = enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
+    layouts = [layout for layout in enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
+               if ep_problem(blocks, layout.ep) is None
+               and cp_problem(blocks, layout.cp, layout.cp_attention) is None]
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
     cache: dict = {}

@@ -22,6 +22,14 @@ Per token of a sequence of s (h hidden, q = heads × head_dim query width, k = k
 - the head keeps the final norm's and the projection's inputs (2eh) and, for the loss, the logits and their
   log-probabilities in fp32 (8V per token): pipetrain casts a stage's outputs to fp32.
 
+Mixtures of experts (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss): a MoE layer's MLP is a router (h·E), E routed
+experts of width f_e (each as a gated MLP) of which each token uses top-k, and, for Qwen2-MoE, an always-on shared
+expert with its gate. Its parameters count all experts; its FLOPs the active ones (router, top-k experts, shared
+expert), and so do the `flops_params` of 6N (the convention for MoE throughput); it keeps for backward the top-k
+experts' activations of each token (4·f_e gated, plus the dispatched input and output, 2h) and the router's fp32
+logits. The routed experts are the block's `ExpertSplit` (plan/experts.py: what `ep` divides and moves). DeepSeek-V3's
+multi-head latent attention is not priced yet.
+
 `blocks` turns this into the planner's `BlockCost`s, one per block of pipetrain's Hugging Face adapter: the
 embedding, one per decoder layer, the head (final norm and LM head). Parameters are counted in fp32 (`param_bytes`:
 pipetrain keeps fp32 weights and optimizer state; bf16 gathers and Float8 are `predict`'s precision). The
@@ -38,7 +46,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 from pipetrain.plan.config_names import CONFIG_NAMES, FAMILY_FIELDS, ConfigNames
-from pipetrain.plan.model import BlockCost, TensorSplit
+from pipetrain.plan.model import BlockCost, ContextSplit, ExpertSplit, TensorSplit
 
 __all__ = ["DecoderSizes", "ConfigNames", "CONFIG_NAMES", "FAMILY_FIELDS", "sizes_from_config", "load_sizes", "read_config"]
 
@@ -63,6 +71,42 @@ class DecoderSizes:
     qk_norm: int = 0  #: q/k norm widths per layer (Qwen3: 2 × head_dim; OLMo-2: (heads + kv_heads) × head_dim)
     positions: int = 0  #: rows of a learned position embedding (GPT-2's n_positions); 0: rotary
     dropout: bool = False  #: residual dropout in training (its masks are kept for backward)
+    # -- a mixture of experts (experts = 0: dense) --
+    experts: int = 0  #: routed experts per MoE layer
+    top_k: int = 0  #: the experts each token goes to
+    expert_intermediate: int = 0  #: one routed expert's MLP width
+    shared_intermediate: int = 0  #: the always-on shared expert's width (0: none)
+    shared_gate: bool = False  #: the shared expert's sigmoid gate (a Linear(hidden, 1))
+    expert_bias: bool = False  #: the experts' projections and the router have biases
+    sparse: tuple[bool, ...] = ()  #: per layer, whether it is a MoE layer (empty: none is)
+    sinks: bool = False  #: a learned sink logit per attention head (GPT-OSS)
+
+    def is_moe(self, index: int) -> bool:
+        """Whether layer `index` is a mixture-of-experts layer."""
+        return bool(self.sparse) and self.sparse[index]
+
+    def routed_params(self) -> int:
+        """The routed experts of one MoE layer (what expert parallelism divides)."""
+        f = self.expert_intermediate
+        return self.experts * (self.hidden * f * (3 if self.gated else 2)
+                               + ((2 * f + self.hidden) if self.expert_bias else 0))
+
+    def _moe_shared(self) -> int:
+        """A MoE layer's MLP parameters besides the routed experts: router, shared expert and its gate."""
+        router = self.hidden * self.experts + (self.experts if self.expert_bias else 0)
+        return router + 3 * self.hidden * self.shared_intermediate + (self.hidden if self.shared_gate else 0)
+
+    def active_layer_params(self, index: int) -> int:
+        """The parameters one token's forward uses in layer `index` (a MoE layer: top-k of its experts)."""
+        if not self.is_moe(index):
+            return self.layer_params()
+        return self.moe_layer_params() - self.routed_params() + self.routed_params() * self.top_k // self.experts
+
+    def moe_layer_params(self) -> int:
+        """Parameters of one MoE layer (all its experts)."""
+        dense_mlp = self.hidden * self.intermediate * (3 if self.gated else 2)
+        mlp_biases = (self.intermediate * (2 if self.gated else 1) + self.hidden) * self.mlp_bias
+        return self.layer_params() - dense_mlp - mlp_biases + self._moe_shared() + self.routed_params()
 
     @property
     def q_width(self) -> int:
@@ -87,7 +131,7 @@ class DecoderSizes:
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
         return (self.matmul_params() + self.column_biases() + self.hidden * (self.o_bias + self.mlp_bias)
-                + 2 * self._norm() + self.qk_norm)
+                + 2 * self._norm() + self.qk_norm + (self.heads if self.sinks else 0))
 
     def embedding_params(self) -> int:
         """The token embedding, plus the learned positions where the family has them."""
@@ -97,15 +141,19 @@ class DecoderSizes:
         """The final norm and the LM head's matrix (a copy of the embedding's when tied)."""
         return self._norm() + self.vocab * self.hidden
 
+    def all_layer_params(self) -> int:
+        """The decoder layers' parameters (MoE layers with all their experts)."""
+        return sum(self.moe_layer_params() if self.is_moe(i) else self.layer_params() for i in range(self.layers))
+
     def params(self) -> int:
         """The model's parameters, a tied head counted once (as `model.num_parameters()` counts them)."""
-        return (self.embedding_params() + self.layers * self.layer_params() + self._norm()
+        return (self.embedding_params() + self.all_layer_params() + self._norm()
                 + (0 if self.tied else self.vocab * self.hidden))
 
     def flops_params(self) -> int:
         """N of the PaLM formula (`pipetrain.logs.mfu`): every parameter but the embedding tables, the head's
-        matrix counted even when tied."""
-        return self.layers * self.layer_params() + self.head_params()
+        matrix counted even when tied; of a MoE layer, the active ones (router, top-k experts, shared expert)."""
+        return sum(self.active_layer_params(i) for i in range(self.layers)) + self.head_params()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward, no recomputation) of one token: 6N + 12·L·heads·head_dim·s."""
@@ -151,11 +199,15 @@ class DecoderSizes:
         layer = self.layer_params()
         tensors = weights + 2 * (2 if self.layer_norm else 1) + (2 if self.qk_norm else 0) + 3 * self.qkv_bias \
             + self.o_bias + ((3 if self.gated else 2) if self.mlp_bias else 0)
+        context = self.context_split(s, e)
         for index in range(self.layers):
+            if self.is_moe(index):
+                blocks.append(self.moe_block(index, s, e))
+                continue
             blocks.append(BlockCost(
                 name=f"DecoderLayer{index}", params=layer, param_bytes=4.0 * layer, activation_bytes=kept,
                 output_bytes=float(e * sh), forward_flops=float(flops), forward_traffic=float(traffic), kernels=20,
-                tensors=tensors, tensor=split, matmul_params=self.matmul_params(),
+                tensors=tensors, tensor=split, matmul_params=self.matmul_params(), context=context,
             ))
         head = self.head_params()
         logits = 8 * s * V  # fp32 logits and their log-probabilities, kept for the loss's backward
@@ -169,12 +221,61 @@ class DecoderSizes:
         ))
         return blocks
 
+    def moe_block(self, index: int, s: int, e: int) -> BlockCost:
+        """A MoE decoder layer's costs: attention as a dense layer's, the MLP as router, top-k routed experts (the
+        block's `ExpertSplit`) and the shared expert; tensor parallelism splits the attention and the shared
+        expert only."""
+        h, q, k, f, fs, top = self.hidden, self.q_width, self.kv_width, self.expert_intermediate, \
+            self.shared_intermediate, self.top_k
+        mlp_width = 3 if self.gated else 2
+        attention_flops = 2 * s * h * (q + 2 * k) + 2 * s * q * h + 4 * s * s * q
+        expert_flops = 2 * s * h * f * mlp_width * top
+        shared_flops = 2 * s * h * fs * 3 + (2 * s * h if self.shared_gate else 0)
+        flops = attention_flops + 2 * s * h * self.experts + expert_flops + shared_flops
+        attention_kept = e * s * (2 * q + 2 * k + ((q + k) if self.qk_norm else 0))
+        kept = (4 * e * s * h + attention_kept + e * s * top * ((4 if self.gated else 2) * f + 2 * h)
+                + 4 * e * s * fs + 4 * s * self.experts + (2 * s * h if self.dropout else 0))
+        attention_params = h * (q + 2 * k) + q * h
+        params = self.moe_layer_params()
+        split = TensorSplit(
+            params=attention_params + 3 * h * fs + (q + 2 * k) * self.qkv_bias,
+            flops=float(attention_flops + 2 * s * h * fs * 3), traffic=float(e * s * (3 * (q + k) + 5 * fs)),
+            activation_bytes=float(attention_kept + 4 * e * s * fs), comm_bytes=float(e * s * h),
+            divides=(("num_attention_heads", self.heads), ("num_key_value_heads", self.kv_heads))
+            + ((("shared_expert_intermediate_size", fs),) if fs else ()),
+            sequence=s, tensors=4 + (3 if fs else 0) + (3 if self.qkv_bias else 0),
+        )
+        expert_tensors = 4 if self.expert_bias else 2
+        tensors = (4 + expert_tensors + 1 + (1 if self.expert_bias else 0) + (3 if fs else 0)
+                   + (1 if self.shared_gate else 0) + 2 * (2 if self.layer_norm else 1) + (2 if self.qk_norm else 0)
+                   + 3 * self.qkv_bias + self.o_bias)
+        return BlockCost(
+            name=f"MoELayer{index}", params=params, param_bytes=4.0 * params, activation_bytes=float(kept),
+            output_bytes=float(e * s * h), forward_flops=float(flops),
+            forward_traffic=float(e * s * (10 * h + 3 * (q + k) + 5 * (top * f + fs) + 2 * top * h)), kernels=32,
+            tensors=tensors, tensor=split, matmul_params=attention_params + 3 * h * fs,
+            experts=ExpertSplit(experts=self.experts, top_k=top, params=self.routed_params(),
+                                flops=float(expert_flops), dispatch_bytes=float(e * s * h * top),
+                                tensors=expert_tensors),
+            context=self.context_split(s, e),
+        )
+
+    def context_split(self, s: int, e: int) -> ContextSplit:
+        """What context parallelism exchanges in one layer's attention, per sequence of `s` tokens."""
+        return ContextSplit(sequence=s, heads=self.heads, kv_heads=self.kv_heads,
+                            kv_bytes=float(2 * e * s * self.kv_width), qo_bytes=float(2 * e * s * self.q_width),
+                            flops=float(4 * s * s * self.q_width))
+
     def summary(self) -> str:
         """One line: the family and its sizes."""
+        moe = (f", {sum(self.sparse)} MoE layers of {self.experts} experts ({self.expert_intermediate} wide, top "
+               f"{self.top_k}{f', a shared expert {self.shared_intermediate} wide' if self.shared_intermediate else ''})"
+               f"; {self.flops_params() / 1e9:.3f} B active" if self.experts else "")
         return (f"{self.model_type}: {self.layers} layers, hidden {self.hidden}, intermediate {self.intermediate}"
                 f"{' (gated)' if self.gated else ''}, {self.heads} heads ({self.kv_heads} key/value) of "
                 f"{self.head_dim}, "
-                f"vocabulary {self.vocab}{', tied head' if self.tied else ''}; {self.params() / 1e9:.3f} B parameters")
+                f"vocabulary {self.vocab}{', tied head' if self.tied else ''}; {self.params() / 1e9:.3f} B parameters"
+                + moe)
 
 
 def _number(config: dict[str, Any], name: str, where: str, default: Any = None) -> int:
@@ -212,9 +313,12 @@ def sizes_from_config(config: dict[str, Any], where: str = "config.json") -> Dec
                           hint="fix the config: each key/value head serves a whole group of query heads")
     width = names.intermediate_default and names.intermediate_default * h
     dropout = config.get(names.dropout, names.dropout_default) if names.dropout else 0
+    layers = _number(config, names.layers, where)
     return DecoderSizes(
-        model_type=model_type, layers=_number(config, names.layers, where), hidden=h,
-        intermediate=_number(config, names.intermediate, where, width), heads=heads, kv_heads=kv,
+        **_moe_sizes(config, names, layers, where),
+        model_type=model_type, layers=layers, hidden=h,
+        intermediate=_number(config, names.intermediate, where, width) if names.intermediate else 0,
+        heads=heads, kv_heads=kv,
         head_dim=head_dim, vocab=_number(config, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", names.tied_default)), gated=names.gated,
         layer_norm=names.layer_norm, qkv_bias=_flag(config, names.qkv_bias), o_bias=_flag(config, names.o_bias),
@@ -222,6 +326,29 @@ def sizes_from_config(config: dict[str, Any], where: str = "config.json") -> Dec
         qk_norm={"head": 2 * head_dim, "projection": (heads + kv) * head_dim}.get(names.qk_norm, 0),
         positions=_number(config, names.positions, where, names.positions_default) if names.positions else 0,
         dropout=float(dropout or 0) > 0)
+
+
+def _moe_sizes(config: dict[str, Any], names: ConfigNames, layers: int, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of `DecoderSizes` (none for a dense family)."""
+    field = next((name for name in names.experts if config.get(name)), None)
+    if field is None:
+        return {}
+    experts = _number(config, field, where)
+    top_k = _number(config, names.top_k, where)
+    if top_k > experts:
+        raise ConfigError(f"{where}: {names.top_k}={top_k} is more than the {experts} experts ({field})",
+                          hint="fix the config: each token goes to at most every expert")
+    if names.sparse_layers == "qwen":
+        dense = set(config.get("mlp_only_layers") or ())
+        step = _number(config, "decoder_sparse_step", where, 1)
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    else:
+        sparse = (True,) * layers
+    shared = _number(config, names.shared_intermediate, where) if names.shared_intermediate and \
+        config.get(names.shared_intermediate) else 0
+    return {"experts": experts, "top_k": top_k, "sparse": sparse, "shared_intermediate": shared,
+            "expert_intermediate": _number(config, names.expert_intermediate, where),
+            "shared_gate": names.shared_gate and bool(shared), "expert_bias": names.expert_bias, "sinks": names.sinks}
 
 
 def read_config(path: str | Path) -> tuple[dict[str, Any], Path]:
@@ -251,13 +378,33 @@ def load_sizes(path: str | Path) -> DecoderSizes:
     return sizes_from_config(config, str(file))
 
 
-def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1) -> list[str]:
-    """What the planner counts for `sizes` at `seq_len` (activations of `element` bytes; the split at `tp`)."""
+def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1, ep: int = 1,
+             cp: int = 1) -> list[str]:
+    """What the planner counts for `sizes` at `seq_len` (activations of `element` bytes; the split at `tp`; a
+    mixture of experts: total and active parameters, the experts a rank holds at `ep`, the all-to-all volume)."""
     mib = 2**20
+    moe = []
+    if sizes.experts:
+        routed = sizes.routed_params()
+        moe = [f"mixture of experts: {sizes.params() / 1e9:.3f} B parameters, {sizes.flops_params() / 1e9:.3f} B "
+               f"active per token (top {sizes.top_k} of {sizes.experts} experts in {sum(sizes.sparse)} layers); "
+               f"routed experts {routed / 1e6:.1f} M per MoE layer, "
+               + ", ".join(f"{routed / e / 1e6:.1f} M per rank at ep={e}" for e in sorted({1, 2, 4, 8, ep})
+                           if sizes.experts % e == 0),
+               f"all-to-all per MoE layer and sample at ep={ep}: dispatch and combine of "
+               f"{element * seq_len * sizes.hidden * sizes.top_k / mib:.1f} MiB each ((ep - 1) / ep of it leaves the "
+               f"rank), as much again in backward"]
     kept, split = sizes.layer_activation_bytes(seq_len, element)
     layer_input = element * seq_len * sizes.hidden
+    per_layer = f"{sizes.layers} layers of {sizes.layer_params() / 1e6:.2f} M"
+    if sizes.experts:  # the MoE layers' own figures (a dense layer's where some layers are dense)
+        last = sizes.moe_block(sizes.layers - 1, seq_len, element)
+        kept, split = last.activation_bytes, last.tensor.activation_bytes
+        dense = sizes.layers - sum(sizes.sparse)
+        per_layer = (f"{sum(sizes.sparse)} MoE layers of {sizes.moe_layer_params() / 1e6:.2f} M"
+                     + (f" and {dense} dense of {sizes.layer_params() / 1e6:.2f} M" if dense else ""))
     lines = [
-        f"parameters {sizes.params() / 1e9:.3f} B: {sizes.layers} layers of {sizes.layer_params() / 1e6:.2f} M, "
+        f"parameters {sizes.params() / 1e9:.3f} B: {per_layer}, "
         f"embedding {sizes.embedding_params() / 1e6:.1f} M (first stage), head {sizes.head_params() / 1e6:.1f} M "
         f"(last stage{', a copy of the embedding: tied' if sizes.tied else ''})",
         f"training FLOPs per token {sizes.flops_per_token(seq_len):.4g} (6N + 12·L·heads·head_dim·s, N = "
@@ -272,6 +419,13 @@ def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1
                      f"{split / mib:.1f} MiB of its activations split (each rank {rank:.1f} MiB; "
                      f"{kept / tp / mib:.1f} MiB with sequence parallelism), 2 all-reduces of "
                      f"{layer_input / mib:.1f} MiB per forward and per backward")
+    if cp > 1:
+        split = sizes.context_split(seq_len, element)
+        lines.append(f"at cp={cp}: each rank holds {seq_len // cp} tokens of a sequence (activations and compute / "
+                     f"{cp}); per layer and sample the ring passes {split.kv_bytes / cp / mib:.1f} MiB of keys and "
+                     f"values in {cp - 1} ring steps (all-to-all attention moves "
+                     f"{(split.kv_bytes + split.qo_bytes) / cp * (cp - 1) / cp / mib:.1f} MiB), as much again twice "
+                     "in backward")
     lines.append("per parameter: fp32 16 B (weights, gradient, 2 AdamW moments; DDP +4 B of buckets); FSDP keeps the "
                  "stage's weights gathered (fp32 4 B, bf16 2 B, Float8 1 B) and its gradients (4 B) plus 16 B / dp")
-    return lines
+    return moe + lines

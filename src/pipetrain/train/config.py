@@ -16,6 +16,7 @@ from pipetrain.checkpoint.durable import DurableConfig
 from pipetrain.config import ParallelConfig
 from pipetrain.data.fields import RowFormat
 from pipetrain.data.packing import pack_mode
+from pipetrain.data.settings import data_digest
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
 from pipetrain.lora import LoraBlocks, LoraSettings
@@ -195,6 +196,11 @@ class TrainConfig:
     def model_name(self) -> str:
         """`workload:preset`, the model a checkpoint of this job belongs to."""
         return f"{self.workload}:{self.preset}"
+
+    def data_digest(self) -> str | None:
+        """A digest of the data files and the fields read (None: the workload's default or synthetic data), kept in
+        a checkpoint's data position: a resume on changed data is refused (`prepare.check_resumed_data`)."""
+        return None if self.synthetic or self.data is None else data_digest(self.data, self.row_format)
 
     def as_json(self) -> dict:
         """This configuration as JSON data (recorded in checkpoints)."""

@@ -109,7 +109,8 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         tracer = (Tracer(engine, config.trace, steps=config.trace_steps, warmup=config.trace_warmup)
                   if config.trace is not None else None)
         durable = DurableRun(config.durable, engine, optimizer, model_name=config.model_name(),
-                             job_config=config.as_json(), device=session.device, spec=spec, hang_dir=hang_dir)
+                             job_config=config.as_json(), device=session.device, spec=spec, hang_dir=hang_dir,
+                             data_digest=config.data_digest() if config.durable.save_dir is not None else None)
         run_log = open_run_log(config.logs, model=config.model(), engine=engine, world_size=spec.world_size,
                                precision=config.precision, main=session.is_main, console=not config.progress,
                                bar=config.progress, total_steps=config.total_steps(train),

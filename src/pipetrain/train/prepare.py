@@ -23,7 +23,7 @@ from pipetrain.train.config import LayoutRequest, TrainConfig, load_data
 from pipetrain.train.layout import Calibrate, auto_layout, balanced, check_resize_files
 from pipetrain.workloads.registry import Dataset
 
-__all__ = ["Prepared", "prepare", "resumed", "settled", "check_model", "check_trace"]
+__all__ = ["Prepared", "prepare", "resumed", "settled", "check_model", "check_trace", "check_resumed_data"]
 
 log = logging.getLogger("pipetrain")
 
@@ -100,6 +100,25 @@ def resumed(config: TrainConfig) -> Saved | None:
                            layout=meta.layout, config=meta.config, world_size=meta.world_size)
 
 
+def check_resumed_data(config: TrainConfig) -> None:
+    """With --resume: one ConfigError when the checkpoint's data position was saved on other data than `--data`
+    (rows appended, removed or changed shift the order: the saved position would skip or repeat samples)."""
+    if not config.durable.resume:
+        return
+    folder = find_checkpoint(config.durable.resume_path)
+    meta = read_meta(folder)
+    saved = meta.extras.get("position", {}).get("data")
+    now = config.data_digest() if saved is not None else None
+    if saved is None or now is None or saved == now:
+        return
+    was = meta.config.get("data")
+    raise ConfigError(f"--data {str(config.data)!r} is not the data checkpoint {str(folder)!r} was saved on"
+                      f"{f' (--data {was!r})' if was else ''}: its content or fields changed since (digest {saved[:12]} "
+                      f"then, {now[:12]} now), so its saved position would skip or repeat samples",
+                      hint="resume with the data the run trained on, or start a new run (another --save-dir) on the "
+                           "new data, from the checkpoint's weights: pipetrain export --hf, then --model OUT")
+
+
 def _laid_out(config: TrainConfig, env: ClusterEnv | None, job: ClusterEnv | None, device: str, main: bool,
               calibrate: Calibrate | None) -> TrainConfig:
     """`config` with its layout for the ranks there are: `--layout auto`'s choice; under `--on-resize auto`, the
@@ -149,6 +168,8 @@ def prepare(config: TrainConfig, *, device: str, env: ClusterEnv | None = None, 
         check_metrics_file(config.logs.metrics)
         config.durable.check(model_name=config.model_name(), model=config.model(), batch_size=config.batch_size)
         check_log_folders(config.logs)
+    if main:
+        check_resumed_data(config)
     data = load_data(config)
     config.recipe.check_run(config.total_steps(data[0]))
     if main:

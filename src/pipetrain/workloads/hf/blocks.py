@@ -1,7 +1,8 @@
 """The blocks of a Hugging Face causal LM, built from its `Family` description with transformers' own modules.
 
-Three kinds: the embedding (token embedding, plus the position embedding where the family has one), one block per
-decoder layer, and the head (final norm + LM head). Only the hidden states cross a stage boundary: each layer
+Three kinds: the embedding (token embedding, plus the position embedding where the family has one; scaled as the
+family says), one block per decoder layer, and the head (final norm + LM head; the logits multiplied, divided and
+soft-capped as the family says). Only the hidden states cross a stage boundary: each layer
 block rebuilds the attention mask (and the rotary tables) from the sequence length, as the unsplit model builds
 them once. With packed documents (`--pack documents`) the per-token positions cross with them, a second tensor,
 and each layer block builds the block-diagonal causal mask from them (`document_mask`). A block's parameters keep
@@ -54,16 +55,25 @@ class Embedding(HFBlock):
             self.prefixes[f"{self.positions}."] = f"{family.position}."
         self.drop = nn.Dropout(getattr(config, family.embed_dropout)) if family.embed_dropout else nn.Identity()
         self.scale = math.sqrt(config.hidden_size) if family.embed_scale else None
+        self.multiplier = getattr(config, family.embed_multiplier) if family.embed_multiplier else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
         """The hidden states; with per-token `positions` (packed documents), `(hidden states, positions)`."""
+        at = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if positions is None else positions
+        hidden = self.embed(input_ids, at)
+        return hidden if positions is None else (hidden, positions)
+
+    def embed(self, input_ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The hidden states of `input_ids` at positions `at`: the token embedding, scaled and multiplied as the
+        family says, plus the position embedding where there is one, then the dropout."""
         hidden = self.get_submodule(self.tokens)(input_ids)
         if self.scale is not None:  # in the embedding's dtype, as transformers does
             hidden = hidden * torch.tensor(self.scale, dtype=hidden.dtype)
+        if self.multiplier is not None:  # a Python float, as transformers multiplies (Granite)
+            hidden = hidden * self.multiplier
         if self.positions:
-            at = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if positions is None else positions
             hidden = hidden + self.get_submodule(self.positions)(at)
-        return self.drop(hidden) if positions is None else (self.drop(hidden), positions)
+        return self.drop(hidden)
 
 
 class DecoderLayer(HFBlock):
@@ -72,6 +82,7 @@ class DecoderLayer(HFBlock):
     def __init__(self, config: Any, family: Family, index: int) -> None:
         super().__init__()
         self.config, self.index, self.mask, self.position_ids = config, index, family.mask, family.position_ids
+        self.layer_type = config.layer_types[index] if family.rotary_by_layer_type else None
         self.layer = family.resolve(family.layer_class)(config, index)
         self.rotary = None if family.rotary_class is None else family.resolve(family.rotary_class)(config)
         self.prefixes = {"layer.": f"{family.layers}.{index}."}
@@ -104,22 +115,42 @@ class DecoderLayer(HFBlock):
         if self.position_ids:
             inputs["position_ids"] = positions
         if self.rotary is not None:
-            inputs["position_embeddings"] = self.rotary(hidden, position_ids=positions)
+            inputs["position_embeddings"] = self.rotary_tables(hidden, positions)
         out = self.layer(hidden, **inputs)
         return (out, positions) if packed else out
 
+    def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        """The rotary tables (cos, sin) at `positions`, of this layer's type where the family has one per type."""
+        by_type = () if self.layer_type is None else (self.layer_type,)  # Gemma 3: local or global tables
+        return self.rotary(hidden, positions, *by_type)
+
 
 class Head(HFBlock):
-    """The final norm (`norm`) and the output projection (`lm_head`)."""
+    """The final norm (`norm`) and the output projection (`lm_head`), then the family's logit multiplier, divisor and
+    soft cap (each a value of the config, or None), in the order and the arithmetic of the transformers class."""
 
     def __init__(self, config: Any, family: Family) -> None:
         super().__init__()
         self.norm = family.resolve(family.norm_class)(config.hidden_size, eps=getattr(config, family.norm_eps))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.prefixes = {"norm.": f"{family.norm}.", "lm_head.": f"{family.head}."}
+        self.multiplier, self.divisor, self.softcap = (
+            None if field is None else getattr(config, field)
+            for field in (family.logit_multiplier, family.logit_divisor, family.logit_softcap))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))  # the positions (packed documents) end here: the loss reads logits
+        return self.logits(hidden)  # the positions (packed documents) end here: the loss reads logits
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of `hidden`: normed, projected, then multiplied, divided and soft-capped as the family says."""
+        logits = self.lm_head(self.norm(hidden))
+        if self.multiplier is not None:  # Cohere
+            logits = logits * self.multiplier
+        if self.divisor is not None:  # Granite
+            logits = logits / self.divisor
+        if self.softcap is not None:  # Gemma 2 and 3
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 def document_mask(family_mask: Any, config: Any, hidden: torch.Tensor, positions: torch.Tensor, index: int) -> Any:

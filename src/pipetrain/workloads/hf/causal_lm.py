@@ -1,5 +1,5 @@
-"""Hugging Face causal LMs (the described families: Llama, GPT-2, Qwen2/3, Mistral, Gemma, Phi-3, OLMo-2; others
-with the common layout) as pipetrain blocks, each rank building and loading only its own.
+"""Hugging Face causal LMs (the described families: Llama, GPT-2, Qwen2/3, Mistral, Gemma, Phi-3, OLMo-2, Granite,
+Cohere 1/2, Gemma 2/3; others with the common layout) as pipetrain blocks, each rank building and loading only its own.
 
 `HFCausalLM` reads what it needs about a model type from its `Family` description (`families/`): the blocks
 (`blocks.py`: embedding, one block per decoder layer, head) are transformers' own modules, named as in the
@@ -28,6 +28,8 @@ from pipetrain.parallel.tensor import TPPlan
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head, HFBlock, init_like_transformers
 from pipetrain.workloads.hf.families import FAMILIES, Family, family_of, require_transformers
+from pipetrain.workloads.hf.families.family import default_attention
+from pipetrain.workloads.hf.proof import prove
 from pipetrain.workloads.hf.tp import hf_tp_plan
 
 __all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss", "require_transformers"]
@@ -123,8 +125,9 @@ class HFCausalLM:
     folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
     every sample (pipeline stages need static shapes); `documents`: the input is `(token ids, positions)` of packed
     documents (`pipetrain.data.packing`), attention masked by document. Attention runs as `config._attn_implementation`
-    says, "sdpa" when unset (as transformers chooses on CPU and CUDA). Use `causal_lm_loss` as the engine's loss, with
-    the input ids (padding set to -100) as targets. `from_folder` reads the config from the folder too.
+    says, when unset "sdpa" (or "eager" for a class that cannot use sdpa: Gemma 2), as transformers chooses. Use
+    `causal_lm_loss` as the engine's loss, with the input ids (padding set to -100) as targets. `from_folder` reads the
+    config from the folder too, and proves the blocks against transformers' class on a tiny copy of it.
     """
 
     #: the sequence may be cut over context-parallel ranks (`pipetrain.context`)
@@ -138,7 +141,7 @@ class HFCausalLM:
                               hint=f"pass seq_len <= max_position_embeddings ({config.max_position_embeddings})")
         config = copy.deepcopy(config)
         if config._attn_implementation is None:  # what transformers picks when it builds the whole model
-            config._attn_implementation = "sdpa"
+            config._attn_implementation = default_attention(config)
         self.config, self.family, self.seq_len, self.documents = config, family, seq_len, documents
         self.checkpoint = None if checkpoint is None else _Checkpoint(Path(checkpoint))
         if self.checkpoint is not None:
@@ -147,12 +150,16 @@ class HFCausalLM:
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, seq_len: int = 64, documents: bool = False) -> HFCausalLM:
-        """The model of a local folder written by `save_pretrained`: its config.json and its weights."""
+        """The model of a local folder written by `save_pretrained`: its config.json and its weights, its blocks
+        proven to compute what transformers' class computes on a tiny copy of the config (`proof.prove`, once per
+        job; a ConfigError naming the largest logit difference when they do not)."""
         path = Path(folder)
         if not (path / "config.json").is_file():
             raise ConfigError(f"{str(path)!r} has no config.json", hint="pass a folder written by save_pretrained")
         config = require_transformers().AutoConfig.from_pretrained(path, local_files_only=True)
-        return cls(config, checkpoint=path, seq_len=seq_len, documents=documents)
+        model = cls(config, checkpoint=path, seq_len=seq_len, documents=documents)
+        prove(config)
+        return model
 
     def _check_folder_config(self, folder: Path) -> None:
         config_file = folder / "config.json"

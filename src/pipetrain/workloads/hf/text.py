@@ -1,7 +1,7 @@
 """Text for a pretrained Hugging Face model: its own tokenizer, documents packed into windows (or one per row).
 
 Packing (the pretraining convention, the default): every document is tokenized with the model folder's
-tokenizer (`AutoTokenizer`, no special tokens added), followed by the EOS token, and the documents are joined
+tokenizer (`AutoTokenizer`, as `tokenizer(text)` gives it: its BOS where it adds one), followed by the EOS token, and the documents are joined
 into one stream, cut into windows of `seq_len + 1` tokens that overlap by one (so every token is predicted
 once): no padding. Every tenth window (the 10th, 20th, ...) is held out. Without packing (`--pack none`), each
 document is one row: its first `seq_len + 1` tokens, right-padded with the pad token (EOS where the
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pipetrain.data.packing import PackedDocuments
+from pipetrain.data.render import text_ids
 from pipetrain.data.rows import TokenRows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.pipeline.loss import IGNORE_INDEX
@@ -27,7 +28,8 @@ from pipetrain.workloads.text.batching import batch_order
 from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
 from pipetrain.workloads.position import replica_shares
 
-__all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "check_vocabulary", "load_tokenizer", "tokenize_documents", "window_batches"]
+__all__ = ["TOKENIZER_FILES", "TokenWindows", "check_tokenizer", "check_vocabulary", "ends_with_eos", "load_tokenizer",
+           "tokenize_documents", "window_batches"]
 
 #: files of which a folder needs one for `AutoTokenizer` to load a tokenizer from it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -84,8 +86,16 @@ def check_vocabulary(tokenizer: Any, vocab_size: int) -> None:
                           hint="pass the model folder whose tokenizer this is")
 
 
+def ends_with_eos(tokenizer: Any) -> bool:
+    """Whether `tokenizer(text)` ends every text with the EOS token itself (then packing adds none)."""
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+
+
 def _ids(tokenizer: Any, documents: list[str]) -> list[list[int]]:
-    return tokenizer(documents, add_special_tokens=False)["input_ids"]
+    """Each document's ids as `tokenizer(text)` gives them (its BOS, as the model was trained and generates)."""
+    return text_ids(tokenizer, documents)
+
 
 
 def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vocab_size: int, pack: bool,
@@ -99,7 +109,8 @@ def tokenize_documents(documents: list[str], tokenizer: Any, *, seq_len: int, vo
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     width = seq_len + 1
     if pack:
-        stream = torch.tensor([t for ids in _ids(tokenizer, documents) for t in (*ids, eos)], dtype=torch.long)
+        joiner = [] if ends_with_eos(tokenizer) else [eos]  # one EOS between documents, the tokenizer's or ours
+        stream = torch.tensor([t for ids in _ids(tokenizer, documents) for t in (*ids, *joiner)], dtype=torch.long)
         count = (len(stream) - 1) // seq_len
         rows = [stream[i * seq_len : i * seq_len + width] for i in range(count)]
         how = f"packed into windows of {seq_len} tokens"

@@ -30,8 +30,9 @@ from pipetrain.workloads.lm.corpus import (HOLD_OUT_EVERY, check_text_only, load
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
 from pipetrain.workloads.hf.families import family_of
-from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, load_tokenizer,
-                                         tokenize_documents, window_batches)
+from pipetrain.workloads.hf.proof import prove
+from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, ends_with_eos,
+                                         load_tokenizer, tokenize_documents, window_batches)
 from pipetrain.workloads.lm.workload import LanguageModelWorkload
 from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
@@ -155,18 +156,18 @@ class HFWorkload(LanguageModelWorkload):
         """JSON lines, Parquet or a datasets folder: tokenized once (cached), read from memory-mapped files."""
         tokenizer = load_tokenizer(self.folder)
         check_vocabulary(tokenizer, vocab)
-        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
-                               tokenizer_key=tokenizer_digest(self.folder))
         eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        if eos is None:
+        if eos is None:  # before tokenizing: answers end with it, documents are joined with it
             raise ConfigError(f"the tokenizer of {self.folder.name} has no EOS token", hint="set eos_token in its "
                                                                                              "tokenizer_config.json")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        done = tokenize_cached(Path(request.path), request.row_format, tokenizer, tokenizer_name=self.folder.name,
+                               tokenizer_key=tokenizer_digest(self.folder))
         source = (f"{fmt} at {request.path} ({done.kind} rows, {len(done.rows):,}), tokenized by {self.folder.name}"
                   f"{' (cached)' if done.cached else ''}")
         return token_rows(done.rows, kind=done.kind, seq_len=seq_len, pack=self.pack == "windows",
                           truncate=request.row_format.truncate, pad_id=pad, eos_id=eos, source=source,
-                          hold_out_every=HOLD_OUT_EVERY)
+                          hold_out_every=HOLD_OUT_EVERY, joiner=0 if ends_with_eos(tokenizer) else 1)
 
     def batches(self, dataset: Any, batch_size: int, *, shuffle: bool, seed: int, epoch: int, replica: int,
                 replicas: int, bucket: bool = False, start: int = 0) -> Iterator[Batch]:
@@ -188,7 +189,8 @@ class HFWorkload(LanguageModelWorkload):
 
 
 def check_model_folder(folder: Path) -> Path:
-    """`folder` when it holds a Hugging Face model pipetrain can train; else one ConfigError saying what to do."""
+    """`folder` when it holds a Hugging Face model pipetrain can train (its blocks proven against transformers' class
+    on a tiny copy of its config, once per job: `proof.prove`); else one ConfigError saying what to do."""
     convert = (f"convert it once to a safetensors folder: python -m pipetrain.workloads.hf.smollm2 convert "
                f"{str(folder)!r} OUT_DIR (or in Python: transformers' from_pretrained(dir, gguf_file=...), the "
                "weights copied into a model built from its config, then save_pretrained(OUT_DIR)), and pass --model OUT_DIR")
@@ -206,18 +208,22 @@ def check_model_folder(folder: Path) -> Path:
         raise ConfigError(f"model folder {str(folder)!r} has no config.json",
                           hint="pass a folder written by save_pretrained (config.json, model.safetensors, tokenizer)")
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_FAMILIES:  # the generic description, when the layout is the common one
-        supported = (f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (Llama-family models such as SmolLM2 "
-                     f"and TinyLlama are 'llama'), and others with the common layout; or write a BlockModel of your "
-                     "own")
-        try:
-            config = require_transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
-        except (ValueError, KeyError, OSError):
-            raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
-                              "split (transformers does not know this model type)", hint=supported) from None
-        try:
-            family_of(config)
-        except ConfigError as err:
-            raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
-                              f"split: {err.message.partition(': ')[2] or err.message}", hint=supported) from None
+    supported = (f"supported model types: {', '.join(SUPPORTED_FAMILIES)} (Llama-family models such as SmolLM2 "
+                 f"and TinyLlama are 'llama'), and others with the common layout; or write a BlockModel of your own")
+    try:
+        config = require_transformers().AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        if model_type in SUPPORTED_FAMILIES:
+            raise ConfigError(f"model folder {str(folder)!r}: transformers cannot read its config.json "
+                              f"({type(err).__name__}: {err})".replace("\n", " "),
+                              hint="pass a folder written by save_pretrained") from None
+        raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
+                          "split (transformers does not know this model type)", hint=supported) from None
+    try:
+        family_of(config)
+    except ConfigError as err:
+        raise ConfigError(f"model folder {str(folder)!r} holds a {model_type!r} model, which pipetrain cannot "
+                          f"split: {err.message.partition(': ')[2] or err.message}",
+                          hint=err.hint) from None
+    prove(config)
     return folder

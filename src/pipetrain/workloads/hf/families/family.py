@@ -23,7 +23,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 
 __all__ = ["Family", "causal_mask", "sliding_window_mask", "layer_types_mask", "transformers_mask",
-           "require_transformers", "tp_divides"]
+           "require_transformers", "causal_lm_class", "default_attention", "tp_divides"]
 
 
 def require_transformers() -> Any:
@@ -34,6 +34,26 @@ def require_transformers() -> Any:
         raise ConfigError("Hugging Face models need the 'transformers' package",
                           hint="pip install 'pipetrain[hf]'") from None
     return transformers
+
+
+def causal_lm_class(config: Any) -> type[nn.Module]:
+    """transformers' causal LM class for `config` (`AutoModelForCausalLM`'s mapping), or a ConfigError."""
+    mapping = require_transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise ConfigError(f"Hugging Face model type {config.model_type!r} is not supported: it has no description in "
+                          "pipetrain and transformers has no causal LM class for it",
+                          hint="pass a causal decoder LM (one AutoModelForCausalLM loads)") from None
+
+
+def default_attention(config: Any) -> str:
+    """The attention transformers runs when the config names none: "sdpa", or "eager" for a class that cannot use
+    sdpa (Gemma 2's soft-capped attention scores)."""
+    try:
+        return "sdpa" if getattr(causal_lm_class(config), "_supports_sdpa", True) else "eager"
+    except ConfigError:
+        return "sdpa"
 
 
 def causal_mask(config: Any, hidden: torch.Tensor, index: int) -> Any:
@@ -104,9 +124,18 @@ class Family:
     embed_padding: bool = True  #: the token embedding's `padding_idx` is `config.pad_token_id`
     embed_dropout: str | None = None  #: the config field of the dropout after the embedding, or None
     embed_scale: bool = False  #: the embedding is multiplied by sqrt(hidden_size) (Gemma)
+    embed_multiplier: str | None = None  #: the config field the embedding is multiplied by (Granite's
+    #: "embedding_multiplier"), or None
+    # -- the logits (after the head; in this order: multiplied, divided, soft-capped) --
+    logit_multiplier: str | None = None  #: the config field the logits are multiplied by (Cohere's "logit_scale")
+    logit_divisor: str | None = None  #: the config field the logits are divided by (Granite's "logits_scaling")
+    logit_softcap: str | None = None  #: the config field of the soft cap, `cap * tanh(logits / cap)` when it is
+    #: set (Gemma 2's "final_logit_softcapping"), or None
     tie: str | None = "tie_word_embeddings"  #: the config field that ties the head to the embedding (None: never)
     # -- what a decoder layer takes besides the hidden states --
     position_ids: bool = False  #: `position_ids=` (0..n-1); `position_embeddings=` whenever `rotary_class` is set
+    rotary_by_layer_type: bool = False  #: the rotary tables are called with the layer's type (Gemma 3: local and
+    #: global layers rotate with different bases)
     mask: Callable[[Any, torch.Tensor, int], Any] = causal_mask  #: `attention_mask=` (config, hidden, layer index)
     # -- what the decoder layer holds (its sizes, read from the config with these; the layer class computes it) --
     qkv_bias: bool | str = False  #: q/k/v projections have biases: True (Qwen2), False, or the config field that
@@ -118,6 +147,8 @@ class Family:
     fused_qkv: str | None = None  #: one projection holding [q | k | v] (Phi-3's "self_attn.qkv_proj"), or None
     fused_gate_up: str | None = None  #: one projection holding [gate | up] (Phi-3's "mlp.gate_up_proj"), or None
     post_norms: bool = False  #: norms after attention and MLP (OLMo-2) instead of before them
+    sandwich_norms: bool = False  #: norms both before and after attention and MLP (Gemma 2 and 3: four a layer)
+    parallel_block: bool = False  #: attention and MLP read one norm's output and are added (Cohere: one norm)
     #: the leaf names of the attention and MLP projections (LoRA's default targets, `--lora-targets`)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     # -- initialisation and tensor parallelism --

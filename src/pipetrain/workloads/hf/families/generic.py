@@ -6,15 +6,19 @@ holds `model.embed_tokens` (a plain `nn.Embedding`), `model.layers`, `model.norm
 `type(model.layers[0])`), reads the norm's epsilon field and initial value (as its constructor sets it), picks each
 layer's mask as transformers does (`transformers_mask`: `config.layer_types`, else `config.sliding_window`) and
 translates the config's own `base_model_tp_plan` into torch's styles. What such a model does beyond its layers (a
-scaled embedding or logits, a soft cap) is not described, so the adapter says in one line that the generic
-description is used and `pipetrain check` is the proof; a class without that layout is refused naming the parts that
-are missing. The line is said once per job: by the process that starts the local ranks, or by rank 0 of a launcher.
+scaled embedding or logits, a soft cap) is taken from the list of what transformers' classes do there (`outside.py`);
+a flag of that list that no pipetrain block applies is refused by `family_of`, and the proof that the blocks compute
+what transformers' class computes (`pipetrain.workloads.hf.proof`) runs when a model is built from a folder. The
+adapter says in one line that the generic description is used; a class without that layout is refused naming the
+parts that are missing, and a mixture-of-experts model up front (`refuse_mixture_of_experts`). The line is said once
+per job: by the process that starts the local ranks, or by rank 0 of a launcher (`speaks`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,10 +29,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from pipetrain.compat.tensor_styles import heads_replicated
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.launch.env import detect
+from pipetrain.launch.spawn import spawned_rank
 from pipetrain.parallel.tensor import TPPlan
-from pipetrain.workloads.hf.families.family import Family, require_transformers, tp_divides, transformers_mask
+from pipetrain.workloads.hf.families.family import (Family, causal_lm_class, require_transformers, tp_divides,
+                                                    transformers_mask)
+from pipetrain.workloads.hf.families.outside import generic_fields
 
-__all__ = ["COMMON_LAYOUT", "generic_family"]
+__all__ = ["COMMON_LAYOUT", "EXPERT_COUNTS", "generic_family", "refuse_mixture_of_experts", "speaks"]
 
 log = logging.getLogger("pipetrain")
 
@@ -42,6 +49,8 @@ _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
            "replicated_with_grad_allreduce": heads_replicated}
 _BUILT: dict[str, Family] = {}
+#: the config fields that count a mixture of experts' routed experts (transformers' names across its MoE classes)
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _dotted(cls: type) -> str:
@@ -55,14 +64,16 @@ def _get(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _causal_lm_class(config: Any) -> type[nn.Module]:
-    mapping = require_transformers().models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
-    try:
-        return mapping[type(config)]
-    except KeyError:
-        raise ConfigError(f"Hugging Face model type {config.model_type!r} is not supported: it has no description in "
-                          "pipetrain and transformers has no causal LM class for it",
-                          hint="pass a causal decoder LM (one AutoModelForCausalLM loads)") from None
+def refuse_mixture_of_experts(config: Any) -> None:
+    """One ConfigError for a mixture-of-experts config (a positive expert count, unless it says `is_moe=False`):
+    the generic description would build its layers, whose experts pipetrain neither loads nor splits yet."""
+    counts = {name: getattr(config, name) for name in EXPERT_COUNTS if isinstance(getattr(config, name, None), int)}
+    experts = {name: count for name, count in counts.items() if count > 0}
+    if experts and getattr(config, "is_moe", True) is not False:
+        name, count = next(iter(experts.items()))
+        raise ConfigError(f"Hugging Face model type {config.model_type!r}: a mixture of experts ({name}={count}), "
+                          "which pipetrain does not support yet (its experts are stored, routed and split in ways no "
+                          "pipetrain block describes)", hint="pass a dense causal LM (MoE support is a separate issue)")
 
 
 def _misfit(config: Any, model: nn.Module) -> list[str]:
@@ -100,7 +111,8 @@ def _tp_plan(config: Any, tp: int) -> TPPlan:
     styles = dict(getattr(config, "base_model_tp_plan", None) or {})
     prefix = "layers.*."
     with torch.device("meta"):
-        layer = generic_family(config).resolve(generic_family(config).layer_class)(config, 0)
+        family = generic_family(config)
+        layer = family.resolve(family.layer_class)(config, 0)
     head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
 
     def fits(key: str, style: str) -> bool:  # a whole weight on the rank's heads: only a norm over head_dim
@@ -121,9 +133,11 @@ def _tp_plan(config: Any, tp: int) -> TPPlan:
     return {f"layer.{key[len(prefix):]}": _STYLES[style]() for key, style in styles.items()}
 
 
-def _speaks() -> bool:
+def speaks() -> bool:
     """Whether this process says the job's one line: the process that starts local ranks (not the ranks it
     spawned, which have joined their group when they build the model), or rank 0 of a launcher (torchrun, Slurm)."""
+    if spawned_rank() is not None:  # a local rank: the process that started it has spoken
+        return False
     try:
         placed = detect()
     except PipetrainError:
@@ -134,12 +148,19 @@ def _speaks() -> bool:
 
 
 def generic_family(config: Any) -> Family:
-    """The generic description of `config`'s model type (built once per process, said in one log line), or one
-    ConfigError naming what of the common layout its transformers class lacks."""
+    """The generic description of `config`'s model type (built once per process, said in one log line) with what its
+    transformers class does outside the layers (`outside.generic_fields`), or one ConfigError: a mixture of experts,
+    or what of the common layout its transformers class lacks."""
+    refuse_mixture_of_experts(config)
     name = config.model_type
-    if name in _BUILT:
-        return _BUILT[name]
-    cls = _causal_lm_class(config)
+    if name not in _BUILT:
+        _BUILT[name] = _described(config)
+    return replace(_BUILT[name], **generic_fields(config))
+
+
+def _described(config: Any) -> Family:
+    name = config.model_type
+    cls = causal_lm_class(config)
     logging_ = require_transformers().utils.logging
     verbosity = logging_.get_verbosity()
     logging_.set_verbosity_error()  # its advice for the class's own uses (BERT's "add is_decoder=True") is noise here
@@ -165,10 +186,10 @@ def generic_family(config: Any) -> Family:
         position_ids=True, norm_init=_norm_init(config, norm), tp_plan=_tp_plan, mask=transformers_mask,
         embed_padding=model.get_submodule(COMMON_LAYOUT["embedding"]).padding_idx is not None,
     )
-    if _speaks():
-        log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s); "
-                    "run `pipetrain check` on it, which is the proof that it trains the same as unsplit",
-                    name, cls.__name__, type(model.get_submodule("model.layers.0")).__name__, type(norm).__name__,
-                    type(model.get_submodule(COMMON_LAYOUT["rotary tables"])).__name__)
-    _BUILT[name] = family
+    if speaks():
+        log.warning("model type %r has no description of its own: pipetrain uses the generic one (%s's %s, %s, %s), "
+                    "proven against transformers' class on a tiny copy of each config; `pipetrain check` proves that "
+                    "a layout trains the same as unsplit, `pipetrain check --against transformers` the full-size "
+                    "logits", name, cls.__name__, type(model.get_submodule("model.layers.0")).__name__,
+                    type(norm).__name__, type(model.get_submodule(COMMON_LAYOUT["rotary tables"])).__name__)
     return family

@@ -1,0 +1,87 @@
+"""Context parallelism in the planner: a CP rank costs its share of each sequence, the ring's exchange is hidden
+behind the attention it overlaps, all-to-all attention needs whole heads, gradients are reduced over dp · cp,
+and `plan --cp` prints it and refuses what cannot split."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pipetrain.cli.main import main
+from pipetrain.errors import ConfigError
+from pipetrain.plan.context import context_comm_s, cp_problem
+from pipetrain.plan.hardware import named_gpu
+from pipetrain.plan.predict import Layout, predict, stage_costs
+from pipetrain.plan.search import SearchSpace, enumerate_layouts
+from pipetrain.plan.transformer import sizes_from_config
+
+#: SmolLM2-135M's attention (9 heads, 3 key/value heads of 64), 4 layers
+CONFIG = dict(model_type="llama", vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+DEVICE, NETWORK = named_gpu("h100-sxm", "bf16")
+
+
+def _blocks(seq: int):
+    return sizes_from_config(CONFIG).blocks(seq)
+
+
+def _layout(**kw) -> Layout:
+    return Layout(**{**dict(dp=1, pp=1, batch=2, chunks=1, precision="bf16"), **kw})
+
+
+def test_a_cp_rank_holds_its_share_of_the_activations_and_the_compute():
+    blocks = _blocks(8192)
+    one = predict(blocks, _layout(), DEVICE, NETWORK)
+    two = predict(blocks, _layout(cp=2), DEVICE, NETWORK)
+    one_cost, two_cost = (stage_costs(blocks, lay, DEVICE, NETWORK, [(0, len(blocks))])[0]
+                          for lay in (_layout(), _layout(cp=2)))
+    assert two_cost.activation_bytes == pytest.approx(one_cost.activation_bytes / 2)
+    assert max(two.memory_bytes) < max(one.memory_bytes)
+    assert two.step_s < one.step_s
+    assert two_cost.reduce_s > 0 == one_cost.reduce_s  # the two CP ranks hold the same weights: their gradients meet
+
+
+def test_the_ring_hides_behind_long_attention_and_shows_on_short_sequences():
+    long, short = _blocks(16384)[1], _blocks(256)[1]
+    slow = replace(NETWORK, p2p_bytes_per_s=1e9)
+    assert context_comm_s(long, 2, _layout(cp=4), NETWORK, DEVICE) == pytest.approx((3 * NETWORK.p2p_latency_s,
+                                                                                     6 * NETWORK.p2p_latency_s))
+    forward, backward = context_comm_s(short, 2, _layout(cp=4), slow, DEVICE)
+    assert forward > 3 * slow.p2p_latency_s and backward == pytest.approx(2 * forward)
+    ulysses = context_comm_s(long, 2, _layout(cp=3, cp_attention="ulysses"), NETWORK, DEVICE)
+    assert ulysses[0] > 0 and context_comm_s(long, 2, _layout(), NETWORK, DEVICE) == (0.0, 0.0)
+
+
+def test_what_cannot_split_is_named():
+    blocks = _blocks(96)
+    assert cp_problem(blocks, 2, "ulysses").startswith("cp=2 does not divide the 9 heads and 3 key/value heads")
+    assert cp_problem(blocks, 3, "ulysses") is None  # SmolLM2's heads: all-to-all needs cp 3
+    assert cp_problem(blocks, 5, "ring") == "cp=5 does not split the sequence length 96 into 10 equal parts"
+    assert "no block of the model has one" in cp_problem(_blocks(96)[:1], 2)
+    with pytest.raises(ConfigError, match="does not divide the 9 heads"):
+        predict(blocks, _layout(cp=2, cp_attention="ulysses"), DEVICE, NETWORK)
+
+
+def test_the_search_places_cp_beside_tp_and_a_group_wider_than_a_node_pays_the_network():
+    space = SearchSpace(cps=(2,), tps=(1, 4), schedules=("gpipe",), checkpoints=("never",), dp_modes=("fsdp",))
+    layouts = enumerate_layouts(6, 8, 8, space, gpus_per_node=4)
+    assert {(lay.tp, lay.cp) for lay in layouts} == {(1, 2), (4, 2)}
+    assert all(lay.world_size == 8 for lay in layouts)
+    block = _blocks(256)[1]
+    inside = context_comm_s(block, 2, _layout(cp=2, tp=2, gpus_per_node=4), NETWORK, DEVICE)
+    across = context_comm_s(block, 2, _layout(cp=4, tp=2, gpus_per_node=4), NETWORK, DEVICE)
+    assert across[0] > inside[0]
+
+
+def test_plan_cp_prints_the_split_and_refuses_what_cannot(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    common = ["plan", "--model", str(tmp_path), "--gpus", "4", "--gpu", "h100-sxm", "--seq-len", "4096",
+              "--batch", "8", "--tp", "1", "--top", "2"]
+    assert main([*common, "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "/cp2" in out and "at cp=2: each rank holds 2048 tokens of a sequence" in out
+    assert main([*common, "--cp", "2", "--cp-attention", "ulysses"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp 2: cp=2 does not divide the 9 heads" in err and "Traceback" not in err

@@ -1,0 +1,150 @@
+"""Mixtures of experts in the planner: parameters equal transformers' own MoE models, total against active
+parameters, what expert parallelism divides (experts' memory) and adds (all-to-alls, the busiest expert), the
+search over ep, and one message per bad --ep."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli.main import build_parser, main
+from pipetrain.cli.plan import engine_has
+from pipetrain.errors import ConfigError
+from pipetrain.plan.experts import ep_problem, rank_parts
+from pipetrain.plan.hardware import named_gpu
+from pipetrain.plan.predict import Layout, predict, static_bytes
+from pipetrain.plan.search import SearchSpace, enumerate_layouts
+from pipetrain.plan.transformer import load_sizes, sizes_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3_30B = ROOT / "benchmarks" / "models" / "qwen3-30b-a3b" / "config.json"
+SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64)
+MOE = {  # config class, keyword arguments: each MoE family the planner prices, with what changes its counts
+    "qwen3_moe": ("Qwen3MoeConfig", dict(SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                         num_experts_per_tok=2, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(SMALL, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=48)),
+    "mixtral": ("MixtralConfig", dict(SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(SMALL, intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", dict(SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                     head_dim=16)),
+}
+
+
+def _tiny(name: str = "qwen3_moe"):
+    transformers = pytest.importorskip("transformers")
+    cls, kwargs = MOE[name]
+    return getattr(transformers, cls)(**kwargs)
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_parameters_equal_transformers_own_moe_model(name, tmp_path):
+    import torch
+    transformers = pytest.importorskip("transformers")
+    config = _tiny(name)
+    config.save_pretrained(tmp_path)  # transformers writes its own field names (num_local_experts for qwen3_moe)
+    sizes = load_sizes(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sizes.params() == model.num_parameters()
+    for index, layer in enumerate(model.model.layers):
+        mine = sizes.moe_layer_params() if sizes.is_moe(index) else sizes.layer_params()
+        assert mine == sum(p.numel() for p in layer.parameters()), index
+    blocks = sizes.blocks(32)
+    assert sum(b.params for b in blocks) - (blocks[-1].params - sizes._norm() if sizes.tied else 0) == sizes.params()
+
+
+def test_qwen3_30b_a3b_is_30_5_b_with_3_3_b_active():
+    sizes = load_sizes(QWEN3_30B)  # its published config: "num_experts", as the hub's config.json spells it
+    assert sizes.params() / 1e9 == pytest.approx(30.53, abs=0.01)
+    # Qwen's own figure, 3.3 B activated, counts the embedding table too
+    assert (sizes.flops_params() + sizes.embedding_params()) / 1e9 == pytest.approx(3.35, abs=0.01)
+    assert sizes.routed_params() == 128 * 3 * 2048 * 768
+
+
+def _layout(**kw) -> Layout:
+    return Layout(**{**dict(dp=4, pp=1, batch=8, chunks=1, precision="bf16"), **kw})
+
+
+def test_expert_parallelism_divides_the_experts_memory_and_reduction_group():
+    blocks = sizes_from_config(_tiny().to_dict()).blocks(32)
+    experts = sum(b.experts.params * 4.0 for b in blocks if b.experts)  # fp32 bytes of every routed expert
+    dense = replace(_layout(), dp_mode="ddp", precision="fp32")
+    whole = static_bytes(blocks, dense)
+    parts, shares = rank_parts(blocks, 4)
+    split = static_bytes(parts, dense) + static_bytes(shares, replace(dense, dp=1))
+    # DDP over 4 replicas keeps 5 copies of every parameter; at ep=4 a rank holds a quarter of the experts, whose
+    # gradients are reduced with no one (dp / ep = 1): weights, gradient and two moments, 4 copies
+    assert whole - split == pytest.approx(5 * experts - 4 * experts / 4)
+
+
+def test_all_to_alls_and_the_busiest_expert_cost_time_only_when_experts_are_split():
+    blocks = sizes_from_config(_tiny().to_dict()).blocks(32)
+    device, network = named_gpu("h100-sxm", "bf16")
+    one = predict(blocks, _layout(), device, network)
+    two = predict(blocks, _layout(ep=2), device, network)
+    busy = predict(blocks, _layout(ep=2, moe_imbalance=1.5), device, network)
+    assert max(two.memory_bytes) < max(one.memory_bytes)
+    assert busy.step_s > two.step_s
+    assert predict(blocks, _layout(moe_imbalance=1.5), device, network).step_s == pytest.approx(one.step_s)
+
+
+def test_the_search_tries_ep_where_it_divides_dp_and_refuses_it_elsewhere():
+    blocks = sizes_from_config(_tiny().to_dict()).blocks(32)
+    layouts = enumerate_layouts(len(blocks), 4, 8, SearchSpace(eps=(1, 2, 4), schedules=("gpipe", "1f1b"),
+                                                               checkpoints=("never",), dp_modes=("fsdp",)))
+    assert {(lay.dp, lay.ep) for lay in layouts} == {(4, 1), (4, 2), (4, 4), (2, 1), (2, 2), (1, 1)}
+    assert ep_problem(blocks, 3) == "ep=3 does not divide the 4 experts of MoELayer0"
+    dense = sizes_from_config(dict(SMALL, model_type="llama", intermediate_size=96)).blocks(32)
+    assert "the model has none" in ep_problem(dense, 2)
+    with pytest.raises(ConfigError, match="does not divide dp=1"):
+        predict(blocks, _layout(dp=1, batch=2, ep=2), *named_gpu("h100-sxm"))
+
+
+def _folder(tmp_path, config: dict) -> Path:
+    folder = tmp_path / config["model_type"]
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_plan_of_a_moe_folder_prices_its_experts_and_chooses_ep(tmp_path, capsys):
+    folder = _folder(tmp_path, _tiny().to_dict())
+    assert main(["plan", "--model", str(folder), "--gpus", "4", "--gpu", "h100-sxm", "--seq-len", "32",
+                 "--batch", "16", "--tp", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts: " in out and "active per token (top 2 of 4 experts in 2 layers)" in out
+    assert "2 MoE layers of" in out and "and 1 dense of" in out
+    assert main(["plan", "--model", str(folder), "--gpus", "4", "--gpu", "h100-sxm", "--seq-len", "32",
+                 "--batch", "16", "--tp", "1", "--pp", "1", "--ep", "4"]) == 0
+    out = capsys.readouterr().out
+    train = next(line for line in out.splitlines() if "pipetrain train" in line)
+    assert "1/ep4" in out
+    if engine_has("ep"):  # the train line carries --ep once train runs expert parallelism, and parses
+        assert "--ep 4" in train
+        build_parser().parse_args(shlex.split(train.strip())[1:])
+    else:
+        assert "--ep" not in train and "this pipetrain's train has no --ep" in out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ep", "3"], "--ep 3: ep=3 does not divide the 4 experts"),
+    (["--moe-imbalance", "0.5"], "--moe-imbalance 0.5 is below 1"),
+])
+def test_bad_expert_flags_are_one_line(flags, message, tmp_path, capsys):
+    folder = _folder(tmp_path, _tiny().to_dict())
+    assert main(["plan", "--model", str(folder), "--gpus", "4", "--seq-len", "32", "--batch", "16", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_ep_on_a_dense_model_is_one_line(tmp_path, capsys):
+    folder = _folder(tmp_path, dict(SMALL, model_type="llama", intermediate_size=96))
+    assert main(["plan", "--model", str(folder), "--gpus", "4", "--seq-len", "32", "--batch", "16", "--ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "the model has none (a dense model)" in err and "drop --ep" in err
