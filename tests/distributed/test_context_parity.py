@@ -2,7 +2,7 @@
 transformers model on the same tokens.
 
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
-recomputation) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); packed documents
+recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients). Over three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
@@ -34,6 +34,7 @@ CASES = {
     "llama-ring-cp4": ("llama", 1, "ddp", 1, 4, "ring", "gpipe", "never", False),
     "llama-ring-cp2xpp2": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "never", False),
     "llama-ring-cp2xpp2-recompute": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "always", False),
+    "llama-ring-cp2xpp2-interleaved": ("llama", 1, "ddp", 2, 2, "ring", "interleaved-1f1b", "never", False),
     "llama-ring-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ring", "gpipe", "never", False),
     "llama-ulysses-cp2xpp2": ("llama", 1, "ddp", 2, 2, "ulysses", "1f1b", "never", False),
     "llama-ulysses-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ulysses", "gpipe", "never", False),
