@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
-from pipetrain.config import ParallelConfig
+from pipetrain.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
 from pipetrain.context import ContextParallel, SequenceSplit, check_context_model
 from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
@@ -93,7 +93,9 @@ def build_session(
     parallel.check_world(dist.get_world_size())
     startup = startup or Startup()
     with startup.phase("mesh"):
-        mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp, parallel.cp)
+        mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp,
+                          dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None,
+                          cp=parallel.cp)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
                                     loss_parallel=parallel.loss_parallel)
@@ -132,7 +134,8 @@ def _stage_wrapper(
 ) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
     """Autocast (for a reduced precision) inside data parallelism (DDP/FSDP), applied to each stage module."""
     replicate = data_parallel_wrapper(
-        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision
+        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision,
+        reshard=parallel.fsdp_reshard, split_backward=parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES,
     )
     if compute_dtype(precision) is None:
         return replicate

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain.compat.mesh import flatten_mesh
 from pipetrain.compat.modules import abort_process_group
 from pipetrain.launch.device import pick_device
 
@@ -83,7 +84,8 @@ class Mesh:
     """This rank's place in the dp × pp × tp mesh: rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a
     tensor-parallel group is `tp` neighbouring ranks (one node) and a pipeline's ranks are `tp` apart.
 
-    With tp == 1 the device mesh is 2-D (dp, pp), else 3-D (dp, pp, tp).
+    With tp == 1 the device mesh is 2-D (dp, pp), else 3-D (dp, pp, tp). Under HSDP (`dp_shard` > 0) the dp axis
+    is itself two, (dp_replicate, dp_shard), shard groups innermost, with "dp" their flattened whole.
 
     Context parallelism (cp > 1): each data replica's `cp` ranks of a stage hold other tokens of the same
     parameters, so the mesh's "dp" dimension spans dp * cp ranks (replica = dp_rank * cp + cp_rank): `dp_group` and
@@ -97,20 +99,22 @@ class Mesh:
     cp_rank: int = 0
     cp: int = 1
     cp_group: dist.ProcessGroup | None = None
+    #: ranks of one HSDP shard group (0: no HSDP split of the dp axis)
+    dp_shard: int = 0
 
     @property
     def dp(self) -> int:
         """Data replicas (each reads its own share of the batch)."""
-        return self.device_mesh.size(0) // self.cp
+        return self.replicas // self.cp
 
     @property
     def replicas(self) -> int:
         """Ranks holding the same parameters of a stage: dp * cp (their gradients are reduced together)."""
-        return self.device_mesh.size(0)
+        return self.device_mesh["dp"].size() if self.dp_shard else self.device_mesh.size(0)
 
     @property
     def pp(self) -> int:
-        return self.device_mesh.size(1)
+        return self.device_mesh["pp"].size()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -125,21 +129,36 @@ class Mesh:
         return self.device_mesh["dp"]
 
     @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: the 1-D dp axis, or HSDP's 2-D (dp_replicate, dp_shard)."""
+        return self.device_mesh["dp_replicate", "dp_shard"] if self.dp_shard else self.device_mesh["dp"]
+
+    @property
     def tp(self) -> int:
-        return self.device_mesh.size(2) if self.device_mesh.ndim == 3 else 1
+        names = self.device_mesh.mesh_dim_names or ()
+        return self.device_mesh["tp"].size() if "tp" in names else 1
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D mesh of this rank's tensor-parallel group (None when tp == 1)."""
-        return self.device_mesh["tp"] if self.device_mesh.ndim == 3 else None
+        return self.device_mesh["tp"] if "tp" in (self.device_mesh.mesh_dim_names or ()) else None
 
 
-def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, cp: int = 1) -> Mesh:
+def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, dp_shard: int | None = None,
+               cp: int = 1) -> Mesh:
     """The dp × pp × tp mesh over the initialised world (whose size must be dp * pp * tp), tp innermost; with
+    `dp_shard` (HSDP) the dp axis is made of dp / dp_shard replicas of shard groups of `dp_shard` neighbours; with
     context parallelism, dp × cp × pp × tp (the mesh's "dp" dimension of dp * cp ranks, see `Mesh`)."""
     if cp > 1:
         return _context_mesh(dp, pp, device, tp, cp)
     rank = dist.get_rank()
+    if dp_shard:
+        names = ("dp_replicate", "dp_shard", "pp") + (("tp",) if tp > 1 else ())
+        shape = (dp // dp_shard, dp_shard, pp) + ((tp,) if tp > 1 else ())
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        return Mesh(device_mesh=mesh, dp_rank=rank // (pp * tp), pp_rank=(rank // tp) % pp, tp_rank=rank % tp,
+                    dp_shard=dp_shard)
     if tp == 1:
         mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
         return Mesh(device_mesh=mesh, dp_rank=rank // pp, pp_rank=rank % pp)

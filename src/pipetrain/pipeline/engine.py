@@ -23,6 +23,7 @@ from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline.compiled import compile_blocks
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
 from pipetrain.pipeline.runs import Run, plan_runs
+from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule
@@ -142,7 +143,9 @@ class PipelineEngine:
                 compile_blocks(blocks, dynamic=config.compile_dynamic)
             stage = BlockSequential(*blocks)
             norms = StageNorms(stage, deferred=config.deferred_batchnorm)
-            wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing)
+            wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing,
+                                       unit=config.recompute_unit, every=config.recompute_every, first_block=start,
+                                       offload=ActivationOffload(device) if config.offload_activations else None)
             self._norms.append(norms)
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
@@ -194,6 +197,11 @@ class PipelineEngine:
             for name, buffer in wrapper.module.named_buffers():
                 index, _, rest = name.partition(".")
                 yield f"{first_block + int(index)}.{rest}", buffer
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of activations the last step moved to host memory (`PipelineConfig.offload_activations`)."""
+        return sum(w.offload.offloaded_bytes for w in self._recompute if w.offload is not None)
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
