@@ -110,6 +110,8 @@ def test_cp_refuses_what_it_does_not_compose_with():
         ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="zero-bubble", n_microbatches=2))
     with pytest.raises(ConfigError, match="context and tensor parallelism both split the attention"):
         ParallelConfig(cp=2, tp=2, dp_mode="fsdp")
+    with pytest.raises(ConfigError, match="the data-parallel groups span the context ranks"):
+        ParallelConfig(cp=2, dp=4, dp_mode="hsdp", dp_shard=2)
     with pytest.raises(ConfigError, match="unknown --cp-attention 'flash'"):
         ParallelConfig(cp=2, cp_attention="flash")
     with pytest.raises(ConfigError, match=r"dp=1 x pp=1 x cp=2 x tp=1 = 2 ranks, but the job has 4"):
