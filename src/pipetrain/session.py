@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
+from pipetrain.context import ContextParallel, SequenceSplit, check_context_model
 from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
@@ -96,16 +97,22 @@ def build_session(
     startup = startup or Startup()
     with startup.phase("mesh"):
         mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp,
-                          dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None)
+                          dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None,
+                          cp=parallel.cp)
         experts = build_expert_groups(mesh, parallel.ep) if parallel.ep > 1 else None
     wrap = _stage_wrapper(parallel, mesh, device, precision, experts)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
                                     loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
-    if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1: one split or the other
+    cut = None
+    if parallel.cp > 1:  # context parallelism (`_check_cp` refused it with tp > 1): attention over the cut sequence
+        check_context_model(model, parallel.cp)
+        split = ContextParallel(mesh.cp_group, parallel.cp_attention).attach
+        cut = SequenceSplit(parallel.cp, mesh.cp_rank)
+    if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1 or cp > 1: one split or the other
         split = expert_parallel_blocks(experts.ep_group)
     with startup.phase("stages"):
-        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)
+        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
     if experts is not None:
         engine.expert_group, engine.expert_mesh = experts.ep_group, experts.ep_mesh
     if experts is not None and parallel.dp_mode == "ddp":  # FSDP2 reduces them over their own mesh
@@ -114,7 +121,7 @@ def build_session(
 
 
 def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, mesh: Mesh, loss_fn, seed: int, wrap,
-            split) -> PipelineEngine:
+            split, cut: SequenceSplit | None = None) -> PipelineEngine:
     """This rank's stages of `model` and their schedule."""
     return PipelineEngine(
         model,
@@ -123,11 +130,12 @@ def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, m
         pp_group=mesh.pp_group,
         loss_fn=loss_fn,
         seed=seed,
-        dp=parallel.dp,
+        dp=mesh.replicas,
         dp_group=mesh.dp_group,
         wrap=wrap,
         split_block=split,
         counts_metrics=mesh.tp_rank == 0,
+        sequence_split=cut,
     )
 
 

@@ -68,7 +68,8 @@ def data_parallel_wrapper(
     mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32", reshard: str | int = "never",
     split_backward: bool = False, experts: ExpertGroups | None = None,
 ) -> Callable[[nn.Module], nn.Module] | None:
-    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
+    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1; with context
+    parallelism the group spans the data and context ranks, see `Mesh`).
 
     `ddp`: gradients all-reduced (averaged) after the last micro-batch; DDP skips frozen parameters (LoRA's base),
     and a stage with none to train is left unwrapped. With several stages per rank the
@@ -89,7 +90,7 @@ def data_parallel_wrapper(
     reduces them over their expert-data-parallel group, `parallel.experts.ExpertGradients`); FSDP2 shards each
     experts module over the expert-data-parallel mesh first, its gradients summed there and divided by dp.
     """
-    if mesh.dp == 1:
+    if mesh.replicas == 1:  # no data nor context parallelism
         return None
     if mode == "ddp":
         device = mesh.device_mesh.device_type
