@@ -16,6 +16,10 @@ __all__ = [
     "schedule_is_multi_stage",
     "V_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
+    "CP_ATTENTIONS",
+    "RECOMPUTE_UNITS",
+    "FSDP_RESHARD",
+    "SHARDED_DP_MODES",
 ]
 
 #: Schedule name -> number of stages each pipeline rank holds by default.
@@ -32,7 +36,15 @@ V_SCHEDULES = ("zbv", "dualpipev")
 #: The schedules that split a backward into its input and weight parts (and DDP cannot run: see ParallelConfig).
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 CHECKPOINT_POLICIES = ("never", "except_last", "always")
-DP_MODES = ("ddp", "fsdp")
+#: `--cp-attention`: how attention sees a sequence cut over the context-parallel ranks (pipetrain.context)
+CP_ATTENTIONS = ("ring", "ulysses")
+DP_MODES = ("ddp", "fsdp", "hsdp")
+#: the data-parallel modes that shard parameters with FSDP2 (hsdp: replicated across groups, sharded within)
+SHARDED_DP_MODES = ("fsdp", "hsdp")
+#: what one recomputation checkpoints: the whole stage, each block (`layer`), or each block's cheap ops only
+RECOMPUTE_UNITS = ("stage", "layer", "selective")
+#: `--fsdp-reshard` words (an integer N >= 2 is also accepted: reshard to groups of N ranks after forward)
+FSDP_RESHARD = ("never", "always", "auto")
 PARTITION_METHODS = ("parameters", "uniform", "time", "memory")
 
 
@@ -81,6 +93,15 @@ class PipelineConfig:
     compile_dynamic: bool | None = None
     #: BatchNorm running statistics accumulated over a step's micro-batches, committed once (`--deferred-batchnorm`)
     deferred_batchnorm: bool = False
+    #: what a recomputing micro-batch checkpoints (`--recompute-unit`; see pipeline/recompute.py): "stage" (the
+    #: whole stage, keeping its input), "layer" (each block, keeping every block's input) or "selective" (each
+    #: block keeps its matrix products' and attention's outputs and recomputes the cheap ops)
+    recompute_unit: str = "stage"
+    #: with unit "layer" or "selective": only every K-th block of the model recomputes (`--recompute-every`)
+    recompute_every: int = 1
+    #: saved activations of micro-batches waiting for their backward go to pinned host memory
+    #: (`--offload-activations`, pipeline/offload.py; CUDA only, a no-op that says so on the CPU)
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)
@@ -89,6 +110,14 @@ class PipelineConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("checkpoint policy", self.checkpoint, CHECKPOINT_POLICIES)
         _choice("partition method", self.partition, PARTITION_METHODS)
+        _choice("recomputation unit (--recompute-unit)", self.recompute_unit, RECOMPUTE_UNITS)
+        _positive("recompute_every (--recompute-every)", self.recompute_every)
+        if self.recompute_every > 1 and self.recompute_unit == "stage":
+            raise ConfigError(f"--recompute-every {self.recompute_every} picks blocks, but the recomputation unit is "
+                              "the whole stage", hint="add --recompute-unit layer (or selective)")
+        if self.recompute_unit != "stage" and self.checkpoint == "never":
+            raise ConfigError(f"--recompute-unit {self.recompute_unit} with --checkpoint never: nothing recomputes",
+                              hint="add --checkpoint always (or except_last), or drop --recompute-unit")
         if self.stages_per_rank is not None:
             _positive("stages_per_rank", self.stages_per_rank)
             if self.stages_per_rank > 1 and not schedule_is_multi_stage(self.schedule):
@@ -156,6 +185,13 @@ class PipelineConfig:
                 )
 
     @property
+    def recompute_text(self) -> str:
+        """The recomputation in words: the policy, its unit and frequency, offloading ("always (selective)")."""
+        unit = "" if self.recompute_unit == "stage" or self.checkpoint == "never" else (
+            f" ({self.recompute_unit}" + (f" every {self.recompute_every}" if self.recompute_every > 1 else "") + ")")
+        return self.checkpoint + unit + (", offloading activations" if self.offload_activations else "")
+
+    @property
     def virtual_stages(self) -> int:
         """Stages held by each pipeline rank."""
         return self.stages_per_rank or SCHEDULES[self.schedule]
@@ -203,6 +239,8 @@ class ParallelConfig:
     `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence;
     `loss_parallel` (needs tp > 1) splits a language model's head over the vocabulary, with the cross-entropy
     computed on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
+    `cp` (context parallelism, docs/long-context.md) cuts each sequence over `cp` ranks of every stage, attention
+    by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp.
     """
 
     dp: int = 1
@@ -211,18 +249,30 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    #: FSDP2's `reshard_after_forward` per stage (`--fsdp-reshard`): "never" (weights stay gathered from forward
+    #: to backward), "always", "auto" (`parallel.reshard.reshard_choice`) or an int N (reshard to groups of N ranks)
+    fsdp_reshard: str | int = "never"
+    #: with `dp_mode="hsdp"`: ranks of one shard group (`--dp-shard`; dp / dp_shard replicas of it)
+    dp_shard: int | None = None
+    cp: int = 1
+    cp_attention: str = "ring"
 
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
         _positive("tp", self.tp)
+        _positive("cp", self.cp)
+        _choice("--cp-attention", self.cp_attention, CP_ATTENTIONS)
+        if self.cp > 1:
+            _check_cp(self)
         _choice("dp mode", self.dp_mode, DP_MODES)
+        self._check_sharding()
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks, but tp=1",
                               hint="pass --tp 2 or more with --sequence-parallel, or drop --sequence-parallel")
         if self.loss_parallel and self.tp == 1:
             raise ConfigError("--loss-parallel splits the head over the tensor-parallel ranks, but tp=1",
                               hint="pass --tp 2 or more with --loss-parallel, or drop --loss-parallel")
-        if self.tp > 1 and self.dp > 1 and self.dp_mode == "ddp":
+        if self.tp > 1 and self.dp > 1 and self.dp_mode == "ddp":  # hsdp is FSDP2 too
             # FSDP2 over dp composes with TP's DTensor parameters (torchtitan's way, parity-tested here); DDP is not
             raise ConfigError(
                 f"tp={self.tp} with dp={self.dp} needs --dp-mode fsdp: pipetrain composes tensor parallelism with "
@@ -242,22 +292,76 @@ class ParallelConfig:
                 hint="pass --dp-mode fsdp, which trains it exactly, or another schedule",
             )
 
+    def _check_sharding(self) -> None:
+        """Refuse `--dp-shard` and `--fsdp-reshard` values the data-parallel mode cannot use."""
+        if self.dp_mode == "hsdp":
+            if self.dp_shard is None or self.dp_shard < 1 or self.dp % self.dp_shard:
+                raise ConfigError(f"--dp-mode hsdp needs --dp-shard K dividing dp={self.dp}, got {self.dp_shard}",
+                                  hint=f"pass --dp-shard among the divisors of {self.dp} (the ranks of one node)")
+        elif self.dp_shard is not None:
+            raise ConfigError(f"--dp-shard {self.dp_shard} with --dp-mode {self.dp_mode}: only hsdp has shard groups",
+                              hint="pass --dp-mode hsdp, or drop --dp-shard")
+        reshard = self.fsdp_reshard
+        if isinstance(reshard, bool) or not (reshard in FSDP_RESHARD or isinstance(reshard, int)):
+            raise ConfigError(f"unknown --fsdp-reshard {reshard!r}",
+                              hint="choose never, always, auto or a group size N >= 2")
+        if reshard != "never" and self.dp_mode not in SHARDED_DP_MODES:
+            raise ConfigError(f"--fsdp-reshard {reshard} with --dp-mode {self.dp_mode}: only FSDP2 shards weights",
+                              hint="pass --dp-mode fsdp (or hsdp), or drop --fsdp-reshard")
+        if reshard not in ("never", "auto") and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+            # measured on torch 2.13 (gloo, dp 2 x pp 2): resharded weights leave zero-bubble's weight half without
+            # some gradients (None after the step); FSDP2 also reduces a block when its input gradient is ready
+            raise ConfigError(f"--fsdp-reshard {reshard} with schedule {self.pipeline.schedule!r}: its backward is "
+                              "split in two, and FSDP2 would reshard (and reduce) between the halves",
+                              hint="pass --fsdp-reshard never with this schedule, or use 1f1b / interleaved-1f1b")
+        if isinstance(reshard, int):
+            shard = self.dp_shard if self.dp_mode == "hsdp" else self.dp
+            if reshard < 2 or reshard >= shard or shard % reshard:
+                raise ConfigError(f"--fsdp-reshard {reshard}: a group size must divide the {shard} ranks a "
+                                  "parameter is sharded over, between 2 and one less than that",
+                                  hint="pass a proper divisor of the shard group, or always")
+            if self.pipeline.pp > 1:
+                # FSDP2 makes a device mesh (a collective new_group of every rank) for each module given an int;
+                # pipeline ranks wrap different stages, a different number of modules: the ranks would hang
+                raise ConfigError(f"--fsdp-reshard {reshard} with pp={self.pipeline.pp}: FSDP2 builds a process "
+                                  "group per module for a group size, which pipeline ranks cannot do in step",
+                                  hint="pass --fsdp-reshard always (or never) inside a pipeline")
+
     @property
     def pp(self) -> int:
         return self.pipeline.pp
 
     @property
+    def dp_text(self) -> str:
+        """The data-parallel mode in words: "ddp", "fsdp, reshard always", "hsdp 2 x 4" (replicas x shard ranks)."""
+        mode = (f"hsdp {self.dp // (self.dp_shard or self.dp)} x {self.dp_shard}" if self.dp_mode == "hsdp"
+                else self.dp_mode)
+        return mode + (f", reshard {self.fsdp_reshard}" if self.fsdp_reshard != "never" else "")
+
+    @property
+    def dp_replicas(self) -> int:
+        """Replica groups of the data-parallel axis: dp / dp_shard under hsdp, else dp (ddp) or 1 (fsdp)."""
+        if self.dp_mode == "hsdp":
+            return self.dp // (self.dp_shard or self.dp)
+        return self.dp if self.dp_mode == "ddp" else 1
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.pipeline.pp * self.tp
+        return self.dp * self.pipeline.pp * self.cp * self.tp
 
     @property
     def mesh_text(self) -> str:
-        """"P", or "P x tp=T" with tensor parallelism (what banners print after "pp=")."""
+        """"P", or "P x tp=T" with tensor parallelism, "... x cp=C (ring)" with context parallelism (what banners
+        print after "pp=")."""
         return f"{self.pp}" + (f" x tp={self.tp}" + (" (sequence-parallel)" if self.sequence_parallel else "")
-                               if self.tp > 1 else "")
+                               if self.tp > 1 else "") + (f" x cp={self.cp} ({self.cp_attention})" if self.cp > 1 else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise if the job has a different number of ranks than the mesh uses."""
+        if world_size != self.world_size and self.cp > 1:
+            raise ConfigError(
+                f"dp={self.dp} x pp={self.pp} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks, but the job "
+                f"has {world_size}", hint=f"launch {self.world_size} ranks, or choose dp * pp * cp * tp = {world_size}")
         if world_size != self.world_size:
             if self.tp == 1:
                 raise ConfigError(
@@ -286,3 +390,23 @@ class ParallelConfig:
                 hint=f"pass --batch-size {self.dp * max(1, batch_size // self.dp)}",
             )
         self.pipeline.check_batch(batch_size // self.dp)
+
+
+def _check_cp(parallel: ParallelConfig) -> None:
+    """Raise for what context parallelism (cp > 1) does not compose with."""
+    if parallel.tp > 1:
+        raise ConfigError(f"cp={parallel.cp} with tp={parallel.tp}: context and tensor parallelism both split the "
+                          "attention, and pipetrain does not compose them yet", hint="use --tp 1 with --cp")
+    if parallel.dp_mode == "hsdp" or parallel.fsdp_reshard not in ("never", "always"):
+        raise ConfigError(f"cp={parallel.cp} with --dp-mode {parallel.dp_mode}, --fsdp-reshard "
+                          f"{parallel.fsdp_reshard}: the data-parallel groups span the context ranks, and pipetrain "
+                          "does not split them into HSDP or reshard groups yet",
+                          hint="use --dp-mode ddp or fsdp with --fsdp-reshard never or always with --cp")
+    if parallel.pipeline.compile:
+        raise ConfigError(f"--compile with cp={parallel.cp}: the ring's and all-to-all's exchanges inside each "
+                          "attention would break every compiled block's graph", hint="drop --compile, or use --cp 1")
+    if parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            f"schedule {parallel.pipeline.schedule!r} with cp={parallel.cp}: it splits each backward into input and "
+            "weight parts, and the exchanges of context-parallel attention inside them are not parity-tested",
+            hint="use --schedule 1f1b, gpipe or interleaved-1f1b with --cp")

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
-from pipetrain.config import ParallelConfig
+from pipetrain.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
+from pipetrain.context import ContextParallel, SequenceSplit, check_context_model
 from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
@@ -92,18 +93,25 @@ def build_session(
     parallel.check_world(dist.get_world_size())
     startup = startup or Startup()
     with startup.phase("mesh"):
-        mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp)
+        mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp,
+                          dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None,
+                          cp=parallel.cp)
     wrap = _stage_wrapper(parallel, mesh, device, precision)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
                                     loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
+    cut = None
+    if parallel.cp > 1:  # context parallelism (`_check_cp` refused it with tp > 1): attention over the cut sequence
+        check_context_model(model, parallel.cp)
+        split = ContextParallel(mesh.cp_group, parallel.cp_attention).attach
+        cut = SequenceSplit(parallel.cp, mesh.cp_rank)
     with startup.phase("stages"):
-        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)
+        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
     return Session(device=device, mesh=mesh, engine=engine, startup=startup)
 
 
 def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, mesh: Mesh, loss_fn, seed: int, wrap,
-            split) -> PipelineEngine:
+            split, cut: SequenceSplit | None = None) -> PipelineEngine:
     """This rank's stages of `model` and their schedule."""
     return PipelineEngine(
         model,
@@ -112,11 +120,12 @@ def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, m
         pp_group=mesh.pp_group,
         loss_fn=loss_fn,
         seed=seed,
-        dp=parallel.dp,
+        dp=mesh.replicas,
         dp_group=mesh.dp_group,
         wrap=wrap,
         split_block=split,
         counts_metrics=mesh.tp_rank == 0,
+        sequence_split=cut,
     )
 
 
@@ -125,7 +134,8 @@ def _stage_wrapper(
 ) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
     """Autocast (for a reduced precision) inside data parallelism (DDP/FSDP), applied to each stage module."""
     replicate = data_parallel_wrapper(
-        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision
+        parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision,
+        reshard=parallel.fsdp_reshard, split_backward=parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES,
     )
     if compute_dtype(precision) is None:
         return replicate

@@ -20,6 +20,7 @@ from pipetrain.config import ParallelConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline import IGNORE_INDEX, TokenCrossEntropy
+from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.pipeline.precision import autocast
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.lm.gpt import GPT_PRESETS, PAD_ID, GPTEmbedding, GPTModel
@@ -254,13 +255,14 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     session = build_session(factory(), parallel, device, seed=SEED, loss_fn=loss, precision=precision)
     engine, mesh = session.engine, session.mesh
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads, norms = [], [], []
+    losses, grads, norms, offloaded = [], [], [], 0
     for x, y in batches:
         share = y.shape[0] // parallel.dp
         part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
         opt.zero_grad()
         share_x = tuple(t[part] for t in x) if isinstance(x, tuple) else x[part]
         losses.append(engine.step(share_x, y[part]).loss)
+        offloaded += engine.offloaded_bytes
         if clip is not None:
             norms.append(session.clip_grad_norm_(clip))
         grads.append({name: _full(p.grad).cpu().clone() for name, p in engine.named_parameters()})
@@ -274,10 +276,12 @@ def _train(parallel: ParallelConfig, batches, device: torch.device, model_name: 
     live_stages = sum(type(o).__name__ == "PipelineStage" for o in gc.get_objects())
     cache = (len(engine.schedules), engine.schedules.evictions, live_stages)
     return {"losses": losses, "grads": grads, "params": params, "evals": evals, "cache": cache, "norms": norms,
+            "offloaded": offloaded,
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _worker(spec: RankSpec, cases: dict[str, tuple], out: str) -> None:
+    ActivationOffload.HOST_COPY_ON_CPU = True  # offloading cases: the CUDA path, with host-to-host copies
     device = join_job(spec)
     try:
         records = {name: _train(parallel, batches, device, *rest) for name, (parallel, batches, *rest) in cases.items()}

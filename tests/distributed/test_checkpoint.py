@@ -28,9 +28,10 @@ STEPS, SAVE_AT = 4, 2
 BATCHES = [8] * STEPS
 
 
-def _layout(pp: int, schedule: str = "1f1b", dp: int = 1, dp_mode: str = "ddp", balance=None) -> ParallelConfig:
-    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, balance=balance)
-    return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline)
+def _layout(pp: int, schedule: str = "1f1b", dp: int = 1, dp_mode: str = "ddp", balance=None, chunks: int = 4,
+            **parallel) -> ParallelConfig:
+    pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks, balance=balance)
+    return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, **parallel)
 
 
 # name -> (layout, checkpoint to resume from or None); writers save after SAVE_AT into <out>/<name>
@@ -57,6 +58,11 @@ WORLD_CASES = {
         "pp4<-pp2-1f1b": (_layout(4, "1f1b"), "pp2-1f1b"),
         "dp2xpp2-fsdp<-pp2-1f1b": (_layout(2, "1f1b", dp=2, dp_mode="fsdp"), "pp2-1f1b"),
         "dp2xpp2-ddp-interleaved<-dp2-fsdp": (_layout(2, "interleaved-1f1b", dp=2), "dp2-fsdp"),
+        # HSDP (2 replicas of 2-rank shard groups) writes and reads the same layout-free checkpoints
+        "dp4-hsdp": (_layout(1, "gpipe", dp=4, dp_mode="hsdp", dp_shard=2, chunks=2), None),
+        "dp4-hsdp<-pp2-1f1b": (_layout(1, "gpipe", dp=4, dp_mode="hsdp", dp_shard=2, chunks=2), "pp2-1f1b"),
+        "dp2xpp2-fsdp-reshard<-dp4-hsdp": (_layout(2, "1f1b", dp=2, dp_mode="fsdp", fsdp_reshard="always"),
+                                           "dp4-hsdp"),
     },
 }
 

@@ -79,3 +79,34 @@ def test_eval_loss_and_answer_accuracy_match_the_unsplit_model(tmp_path):
     packed = json.loads(out.read_text())
     assert math.isclose(packed["loss"], expected, rel_tol=1e-5), (packed["loss"], expected)
     assert (packed["correct"], packed["answers"]) == (4, 8)
+
+
+def test_eval_at_dp2_tp2_ends_when_the_held_out_rows_do_not_divide(tmp_path):
+    """18 held-out rows in chunks of 8: replica 0 answers two chunks, replica 1 one. Under FSDP (dp 2 x tp 2) every
+    generation gathers the weights over the replicas: replica 1 takes an empty turn, so both gather as often (fails
+    on main by hanging; the job is ended by its process group after the timeout)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    folder = wide_folder(tmp_path / "llama", "llama")
+    rows = [{"prompt": f"Review {index}: it was {'good' if index % 3 else 'bad'}. Verdict:", "completion": " yes"}
+            for index in range(180)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    out = tmp_path / "eval.json"
+    command = [sys.executable, "-m", "pipetrain", "eval", "--model", folder, "--data", str(data), "--seq-len", "32",
+               "--batch-size", "8", "--dp", "2", "--tp", "2", "--max-new-tokens", "2", "--out", str(out),
+               "--device", "cpu"]
+    job = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        printed, _ = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+        pytest.fail("pipetrain eval --dp 2 --tp 2 still ran after 240 s (a replica waits in a gather for good)")
+    assert job.returncode == 0, printed
+    figures = json.loads(out.read_text())
+    assert figures["answers"] == 18 and figures["tokens"] > 0, figures

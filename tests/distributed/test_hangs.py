@@ -54,3 +54,17 @@ def test_a_job_without_a_hang_leaves_no_hang_files_and_names_the_slow_replica(tm
     (record,) = [r for r in read_records(run / "steps.jsonl", "step") if "stragglers" in r]
     assert record["step"] == 5 and [s["rank"] for s in record["stragglers"]] == [3]
     assert record["stragglers"][0]["ratio"] > 3  # 0.2 s of sleep per step against a few ms of compute
+
+
+@pytest.mark.timeout(240)
+def test_a_save_slower_than_the_step_timeout_commits(tmp_path, capfd):
+    """Rank 1 takes 10 s to hand its state to the save (by construction: the fixture sleeps there), the step timeout
+    is 4 s: the save runs under --save-timeout and commits (fails on main: the watchdog ended the job mid-save)."""
+    saves = tmp_path / "ckpt"
+    code = main(["train", "--workload", f"{FILE}:slow_save", *ARGS, "--pp", "2", "--batch-size", "8",
+                 "--max-steps", "2", "--save-every", "2", "--save-dir", str(saves), "--step-timeout", "4",
+                 "--run-dir", str(tmp_path / "run")])
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "pipetrain: error:" not in err, err
+    assert (saves / "step-00000002" / "pipetrain.json").is_file(), sorted(p.name for p in saves.iterdir())

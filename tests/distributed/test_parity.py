@@ -20,6 +20,9 @@ from tests.distributed.harness import (
     with_mask_input,
 )
 
+# the first test waits for both spawned jobs (every case of each world size): over the default 300 s on a busy machine
+pytestmark = pytest.mark.timeout(900)
+
 RTOL, ATOL = 1e-5, 4e-5
 # 8, then a short batch that 4 chunks do not divide (4 x 1 + a remainder of 2), then one smaller than 4
 PIPELINE_BATCHES = [8, 6, 3]
@@ -30,10 +33,33 @@ POLICIES = ("never", "except_last", "always")
 
 
 def _pipe(pp: int, schedule: str, policy: str = "never", dp: int = 1, dp_mode: str = "ddp", shape_cache: int = 16,
-          chunks: int = 4) -> ParallelConfig:
+          chunks: int = 4, unit: str = "stage", every: int = 1, offload: bool = False, **parallel) -> ParallelConfig:
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks, checkpoint=policy,
-                              shape_cache=shape_cache)
-    return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline)
+                              shape_cache=shape_cache, recompute_unit=unit, recompute_every=every,
+                              offload_activations=offload)
+    return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, **parallel)
+
+
+# per replica of dp=4: the same three shapes
+DP4_BATCHES = [32, 24, 12]
+# the memory modes (docs/memory.md): FSDP resharding after forward (gradients then accumulate sharded), HSDP,
+# per-block, every-k-th and selective recomputation, activation offloading (the CUDA path with host-to-host copies)
+MEMORY_CASES = {
+    2: {
+        "dp2-fsdp-reshard-always": (_pipe(1, "gpipe", dp=2, dp_mode="fsdp", fsdp_reshard="always"), DP_BATCHES),
+        "pp2-1f1b-selective": (_pipe(2, "1f1b", "always", unit="selective"), PIPELINE_BATCHES),
+        "pp2-1f1b-layer-every2": (_pipe(2, "1f1b", "except_last", unit="layer", every=2), PIPELINE_BATCHES),
+        "pp2-1f1b-offload": (_pipe(2, "1f1b", offload=True), PIPELINE_BATCHES),
+    },
+    4: {
+        "dp4-hsdp": (_pipe(1, "gpipe", dp=4, dp_mode="hsdp", dp_shard=2), DP4_BATCHES),
+        "dp4-hsdp-reshard-always": (_pipe(1, "gpipe", dp=4, dp_mode="hsdp", dp_shard=2, fsdp_reshard="always"),
+                                    DP4_BATCHES),
+        "dp4-fsdp-reshard-2": (_pipe(1, "gpipe", dp=4, dp_mode="fsdp", fsdp_reshard=2), DP4_BATCHES),
+        "dp2xpp2-1f1b-fsdp-reshard-always": (_pipe(2, "1f1b", dp=2, dp_mode="fsdp", fsdp_reshard="always"),
+                                             DP_BATCHES),
+    },
+}
 
 
 WORLD_CASES = {
@@ -72,7 +98,23 @@ GPT_CASES = {
         "gpt-mask-input-dp2xpp2-gpipe-ddp": (_pipe(2, "gpipe", dp=2), "dp"),
     },
 }
-ALL_CASES = {world: {**WORLD_CASES[world], **GPT_CASES[world]} for world in WORLD_CASES}
+# the memory modes on the decoder: selective recomputation with offloading inside an interleaved pipeline; FSDP's
+# "auto" (resharding at pp 1) with selective recomputation; resharding, sharded gradients and offloading in dp x pp
+GPT_MEMORY_CASES = {
+    2: {
+        "gpt-pp2-interleaved-1f1b-selective-offload": (
+            _pipe(2, "interleaved-1f1b", "except_last", unit="selective", offload=True), "pipe"),
+        "gpt-dp2-fsdp-auto-selective": (
+            _pipe(1, "gpipe", "always", dp=2, dp_mode="fsdp", unit="selective", fsdp_reshard="auto"),
+            "dp"),
+    },
+    4: {
+        "gpt-dp2xpp2-1f1b-fsdp-reshard-offload": (
+            _pipe(2, "1f1b", dp=2, dp_mode="fsdp", fsdp_reshard="always", offload=True), "dp"),
+    },
+}
+ALL_CASES = {world: {**WORLD_CASES[world], **MEMORY_CASES[world], **GPT_CASES[world], **GPT_MEMORY_CASES[world]}
+             for world in WORLD_CASES}
 
 
 def _batch_set(name: str, key):
@@ -86,6 +128,13 @@ def _batch_set(name: str, key):
         sizes, widths = GPT_BATCHES[key]
         return ("gpt", key), "gpt", make_token_batches(sizes, widths=widths)
     return ("classifier", tuple(key)), "classifier", make_batches(key)
+
+
+def test_offloading_cases_moved_activations(records):
+    """The offloading cases ran the offloading path (activations copied out), not a silent no-op."""
+    for name in ("pp2-1f1b-offload", "gpt-pp2-interleaved-1f1b-selective-offload",
+                 "gpt-dp2xpp2-1f1b-fsdp-reshard-offload"):
+        assert all(record["offloaded"] > 0 for record in records[name]), name
 
 
 def test_schedules_per_shape_stay_within_the_cache_bound(records):

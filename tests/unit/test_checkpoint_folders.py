@@ -113,3 +113,36 @@ def test_a_damaged_checkpoint_names_the_older_complete_ones(tmp_path):
         read_meta(newest)
     assert "step-00000004, step-00000008" in str(raised.value)
     assert f"--resume {tmp_path / 'step-00000008'}" in str(raised.value)
+
+
+def test_a_crash_between_the_two_renames_of_a_resave_keeps_that_steps_checkpoint(tmp_path, monkeypatch):
+    """A step saved again (resumed, then stopped at once) is committed by two renames; a crash between them used to
+    leave the only copy under a `.partial` name that the next save deleted (fails on main)."""
+    _checkpoint(tmp_path, 1)
+    _checkpoint(tmp_path, 2)
+    again = partial_folder(tmp_path, 2)
+    again.mkdir()
+    (again / "__0_0.distcp").write_bytes(b"new shard")
+    write_meta(again, _meta(2))
+    renames, rename = [], os.rename
+
+    def crash_on_the_second(source, target):
+        renames.append(target)
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # the job ends between the renames (a signal, a power cut)
+        rename(source, target)
+
+    monkeypatch.setattr("pipetrain.checkpoint.folders.os.rename", crash_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        commit(again, final_folder(tmp_path, 2))
+    monkeypatch.undo()
+    assert not final_folder(tmp_path, 2).exists()
+    assert latest_checkpoint(tmp_path).name.startswith("step-00000002")  # a resume reads the replaced copy
+    prune(tmp_path, keep=None)  # what the next save does first
+    assert latest_checkpoint(tmp_path) == final_folder(tmp_path, 2)
+    assert read_meta(final_folder(tmp_path, 2)).step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+    # a replacement that completed leaves no copy behind
+    _checkpoint(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+    assert (final_folder(tmp_path, 2) / "__0_0.distcp").read_bytes() == b"shard"

@@ -116,3 +116,25 @@ def test_generate_refuses_a_prompt_longer_than_the_context(tmp_path, capsys):
     assert cli_main.main(["generate", "--model", str(folder), "--prompt", "abc " * 200, "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert "longer than the model's context of 128 tokens" in err and "hint: shorten prompt 1" in err
+
+
+def test_generate_prints_the_texts_on_stdout_and_the_figures_on_stderr(tmp_path, capfd):
+    """A script reading the answer from standard output gets the text only (fails on main: the tokens/s line came
+    after the text on standard output)."""
+    from tests.hf_folders import tiny_model_folder
+
+    tiny_model_folder(tmp_path / "llama", "llama")
+    capfd.readouterr()
+    assert cli_main.main(["generate", "--model", str(tmp_path / "llama"), "--prompt", "The cat", "--max-new-tokens",
+                          "3", "--device", "cpu"]) == 0
+    captured = capfd.readouterr()
+    assert captured.out.startswith("[1] The cat\n--> ") and "tokens/s" not in captured.out
+    assert "tokens (1 prompts x " in captured.err and "tokens/s at pp=1 tp=1" in captured.err
+
+
+def test_generate_help_names_lora_checkpoints(capsys):
+    """Fails on main: the help said a model folder or a full fine-tune's checkpoint, though LoRA ones work too."""
+    with pytest.raises(SystemExit):
+        cli_main.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "full or LoRA" in text and "a LoRA one" in text and "standard error" in text

@@ -25,6 +25,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("logs", "trace"),
     ("checkpoint",),
     ("data",),
+    ("context",),
     ("workloads",),
     ("lora",),
     ("recipe",),

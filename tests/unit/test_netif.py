@@ -132,3 +132,37 @@ def test_ranks_started_with_different_layouts_are_grouped_in_one_message():
         "chunks 2, partition uniform; ranks 2-3: dp=1 (ddp) x pp=2, schedule gpipe, chunks 2, partition uniform")
     # a difference the short words do not show: the full configurations are named
     assert "shape_cache=4" in layout_disagreement([described[k] for k in "bc"])
+
+
+def test_a_claim_left_by_an_earlier_elastic_round_does_not_silence_the_next_loss():
+    """torchrun's agent store outlives a restart: the report claim of the last round's loss is still in it (fails on
+    main: the claim was never cleared, and nobody reported the second loss)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipetrain.launch.watchdog import HEARTBEAT_PREFIX
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set(HEARTBEAT_PREFIX + "1", repr(time.time() - 50))  # rank 1 of this round: gone, its heartbeat stopped
+    for left in ("1", f"1 {time.time() - 100!r}"):  # an earlier round's claim (older pipetrain wrote no time)
+        store.set("pipetrain/lost/reporter", left)
+        store.set("pipetrain/lost/saw/1", left.split()[-1])  # rank 1 saw that loss itself then: not now
+        message = lost.lost_ranks_message(me=0, world_size=2, master_addr="127.0.0.1", master_port=store.port,
+                                          beat_period_s=0.05)
+        assert message is not None and message.startswith("lost rank 1 of 2"), message
+    # a claim of this round stands: the second rank to see the loss stays quiet
+    assert lost.lost_ranks_message(me=1, world_size=2, master_addr="127.0.0.1", master_port=store.port,
+                                   beat_period_s=0.05) is None
+
+
+def test_the_lost_ranks_hint_under_torchrun_elastic_says_it_restarts_by_itself():
+    """Fails on main: it said "run again with --resume" although torchrun restarts the job."""
+    from pipetrain.launch.env import elastic_restarts_left
+
+    assert elastic_restarts_left({}) is None
+    left = elastic_restarts_left({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert left == 2
+    assert lost.lost_hint(left).startswith("torchrun restarts the job by itself (2 restarts left)")
+    assert "run again with --resume" not in lost.lost_hint(left)
+    assert "no restart left" in lost.lost_hint(0) and "run again with --resume" in lost.lost_hint(None)

@@ -48,8 +48,8 @@ def check_batches(config, train, steps: int) -> list:
 def _header(config, steps: int, lr: float, balance) -> list[str]:
     par, pipe = config.parallel, config.parallel.pipeline
     return [f"pipetrain check: workload {config.workload}, preset {config.preset}",
-            f"layout: dp={par.dp} ({par.dp_mode}) x pp={par.mesh_text} | schedule {pipe.schedule}, chunks "
-            f"{pipe.n_microbatches}, {pipe.virtual_stages} stage(s) per rank, recompute {pipe.checkpoint} | balance "
+            f"layout: dp={par.dp} ({par.dp_text}) x pp={par.mesh_text} | schedule {pipe.schedule}, chunks "
+            f"{pipe.n_microbatches}, {pipe.virtual_stages} stage(s) per rank, recompute {pipe.recompute_text} | balance "
             f"{','.join(map(str, balance))} | {config.precision}",
             f"reference: the unsplit model in one process | {steps} step(s) of the same global batches of "
             f"{config.batch_size}, seed {config.seed}, SGD lr {lr:g} on both sides, dropout off on both sides"]

@@ -16,6 +16,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,10 @@ class _InFlight:
 class BackgroundSaver:
     """This rank's side of the job's background saves (made on every rank: it creates a process group)."""
 
-    def __init__(self) -> None:
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    def __init__(self, timeout_s: float | None = None) -> None:
+        """`timeout_s`: the longest one of the group's collectives may wait (a rank still writing; None: torch's)."""
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         pinned = torch.cuda.is_available()
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=False))

@@ -1,12 +1,19 @@
-"""What the trainer calls to make a job durable: resume, periodic saves, agreed stops, requeue, step watchdog."""
+"""What the trainer calls to make a job durable: resume, periodic saves, agreed stops, requeue, step watchdog.
+
+The watchdog's `--step-timeout` is for steps; a save, a resume's load and the first step (schedules built,
+compilation) run under `--save-timeout` instead (default: 600 s plus 1 s per 20 MB of the job's checkpoint), and
+the checkpoint's own collectives run on a process group whose timeout is that limit too.
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +32,19 @@ from pipetrain.launch.hangs import HangReport
 from pipetrain.launch.watchdog import StepWatchdog
 from pipetrain.pipeline import PipelineEngine
 
-__all__ = ["DurableConfig", "Position", "DurableRun", "DEFAULT_STEP_TIMEOUT_S", "DEFAULT_KEEP"]
+__all__ = ["DurableConfig", "Position", "DurableRun", "DEFAULT_STEP_TIMEOUT_S", "DEFAULT_KEEP", "DEFAULT_SAVE_TIMEOUT_S",
+           "SAVE_RATE_BYTES_S", "state_bytes"]
 
 log = logging.getLogger("pipetrain")
 
 #: Seconds without a finished step before the watchdog ends the job (a cpu-preset step takes ~0.3 s).
 DEFAULT_STEP_TIMEOUT_S = 300.0
+#: Seconds a save, a resume's load or the first step may take by default (--save-timeout; a save adds the time
+#: its bytes take at SAVE_RATE_BYTES_S).
+DEFAULT_SAVE_TIMEOUT_S = 600.0
+#: The rate the default --save-timeout allows for writing the whole job's checkpoint: a slow shared file system
+#: (100 GB of a 7-8B full fine-tune's optimizer state: 5,000 s more).
+SAVE_RATE_BYTES_S = 20e6
 #: Checkpoints a job keeps by default (the newest; older ones are removed after each save). None keeps all.
 DEFAULT_KEEP = 3
 
@@ -49,6 +63,9 @@ class DurableConfig:
     resume_from: Path | None = None
     keep: int | None = DEFAULT_KEEP
     step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
+    #: seconds a save, a resume's load or the first step may take (None: DEFAULT_SAVE_TIMEOUT_S, a save plus the
+    #: time of its bytes at SAVE_RATE_BYTES_S)
+    save_timeout_s: float | None = None
     async_save: bool = False  # write checkpoints in the background (see checkpoint.background)
     requeue_job: str | None = None  # the Slurm job id to requeue after a stop request (None: not under Slurm)
 
@@ -56,8 +73,21 @@ class DurableConfig:
     def process_group_timeout_s(self) -> float:
         """The collectives' own timeout: above `step_timeout_s`, so that the step watchdog, which names the stuck
         rank, fires before NCCL's, which aborts the process (SIGABRT): 2 x the step timeout, at least 600 s
-        (torch's default, kept when the step timeout is off)."""
-        return max(600.0, 2.0 * self.step_timeout_s) if self.step_timeout_s else 600.0
+        (torch's default, kept when the step timeout is off), and at least --save-timeout (a first step that
+        compiles long on one rank keeps the others waiting in a collective)."""
+        base = max(600.0, 2.0 * self.step_timeout_s) if self.step_timeout_s else 600.0
+        return max(base, self.save_timeout_s or 0.0)
+
+    def save_limit_s(self, job_bytes: float) -> float:
+        """The seconds a save or load of a checkpoint of `job_bytes` (the whole job's) may take."""
+        if self.save_timeout_s is not None:
+            return self.save_timeout_s
+        return DEFAULT_SAVE_TIMEOUT_S + job_bytes / SAVE_RATE_BYTES_S
+
+    @property
+    def first_step_limit_s(self) -> float:
+        """The seconds the first step (schedules built, compilation) may take."""
+        return self.save_timeout_s if self.save_timeout_s is not None else DEFAULT_SAVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.resume and self.save_dir is None:
@@ -77,6 +107,10 @@ class DurableConfig:
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise ConfigError(f"--step-timeout must be positive, got {self.step_timeout_s:g}",
                               hint="pass seconds well above one step, e.g. --step-timeout 300")
+        if self.save_timeout_s is not None and self.save_timeout_s <= 0:
+            raise ConfigError(f"--save-timeout must be positive, got {self.save_timeout_s:g}",
+                              hint="pass seconds well above one save, e.g. --save-timeout 3600, or leave it out "
+                                   "(600 s plus 1 s per 20 MB of checkpoint)")
 
     @property
     def resume_path(self) -> Path | None:
@@ -99,6 +133,17 @@ class DurableConfig:
                                   hint="load it with pipetrain.checkpoint.load_checkpoint in your loop, or pass "
                                        "another --save-dir")
             _check_batch_size(meta.extras["position"], meta.config.get("batch_size"), batch_size, folder)
+
+
+def state_bytes(engine: PipelineEngine) -> int:
+    """The bytes this rank's part of a checkpoint holds, about: its trained parameters (the local shards) with
+    AdamW's two moments, in their own dtype (a LoRA base's frozen weights are not saved)."""
+    total = 0
+    for parameter in engine.parameters():
+        if parameter.requires_grad:
+            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+            total += local.numel() * local.element_size()
+    return 3 * total
 
 
 def _check_batch_size(position: Mapping[str, Any], saved: int | None, batch_size: int | None, folder: Path) -> None:
@@ -155,13 +200,18 @@ class DurableRun:
         self.device = device
         self._stop = StopRequest()
         self._watchdog = None
+        self._save_limit_s = config.save_limit_s(state_bytes(engine) * spec.world_size)
+        self._group = None  # DCP's collectives in a save or load: their timeout is the save's limit
+        if dist.is_initialized() and (config.save_dir is not None or config.resume) and not config.async_save:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._save_limit_s))
         if config.step_timeout_s:
             self._watchdog = StepWatchdog(timeout_s=config.step_timeout_s, rank=spec.rank, world_size=spec.world_size,
                                           master_addr=spec.master_addr, master_port=spec.master_port, on_stuck=fail_now,
                                           hang=HangReport(hang_dir, spec.rank))
         self._step = 0
         self._saved: dict[str, Any] | None = None
-        self._saver = BackgroundSaver() if config.async_save and config.save_dir is not None else None
+        self._saver = (BackgroundSaver(timeout_s=self._save_limit_s) if config.async_save and config.save_dir is not None
+                       else None)
         self.stopped_by: str | None = None
 
     @property
@@ -173,11 +223,15 @@ class DurableRun:
         position = Position()
         if self.saving:
             self._stop.install()
+        if self._watchdog is not None:
+            self._watchdog.start()
         if self.config.resume:
             source = self.config.resume_path
             assert source is not None
             folder = find_checkpoint(source)
-            meta = load_checkpoint(folder, self.engine, self.optimizer, model_name=self.model_name)
+            with self._long(f"the load of checkpoint {folder.name}"):
+                meta = load_checkpoint(folder, self.engine, self.optimizer, model_name=self.model_name,
+                                       process_group=self._group)
             position = Position(**{"sample": None, **meta.extras["position"]})  # None: saved before it was recorded
             self._saved = copy.deepcopy({**position.__dict__, "data": None})
             if dist.get_rank() == 0:
@@ -187,8 +241,15 @@ class DurableRun:
         self._step = position.step
         if self._watchdog is not None:
             self._watchdog.progress(position.step)
-            self._watchdog.start()
+            self._watchdog.until_next_step(self.config.first_step_limit_s, f"step {position.step + 1}, the first "
+                                           "(schedules built, compilation)")
         return position
+
+    @contextmanager
+    def _long(self, what: str) -> Iterator[None]:
+        """Long work (a save, a load, a wait for a background save): under --save-timeout, not --step-timeout."""
+        with self._watchdog.during(self._save_limit_s, what) if self._watchdog is not None else nullcontext():
+            yield
 
     def progress(self) -> None:
         """Something other than a step finished (an evaluation batch): the job is alive."""
@@ -221,9 +282,12 @@ class DurableRun:
         current = {**position.__dict__, "data": None}
         if self.config.save_dir is None or self._saved == current:
             return
+        where = {} if self._saver is not None else {"process_group": self._group}
         save = self._saver.save if self._saver is not None else save_checkpoint
-        save(self.config.save_dir, self.engine, self.optimizer, step=position.step, model_name=self.model_name,
-             config=self.job_config, extras={"position": {**current, "data": self.data_digest}}, keep=self.config.keep)
+        with self._long(f"the save of checkpoint step {position.step}"):
+            save(self.config.save_dir, self.engine, self.optimizer, step=position.step, model_name=self.model_name,
+                 config=self.job_config, extras={"position": {**current, "data": self.data_digest}},
+                 keep=self.config.keep, **where)
         self._saved = copy.deepcopy(current)
         self.progress()
 
@@ -241,7 +305,8 @@ class DurableRun:
     def finish(self) -> None:
         """At the end of a job that went well: wait until the background save in flight, if any, is committed."""
         if self._saver is not None:
-            self._saver.wait()
+            with self._long("the background save in flight"):
+                self._saver.wait()
             self.progress()
 
     def close(self) -> None:

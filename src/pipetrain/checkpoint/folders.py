@@ -34,6 +34,8 @@ FORMAT = "pipetrain-checkpoint/1"
 META_FILE = "pipetrain.json"
 _COMPLETE = re.compile(r"step-(\d{8})")
 _PARTIAL_SUFFIX = ".partial"
+#: A committed checkpoint being replaced by a new save of the same step: `step-NNNNNNNN.replaced-XXXXXXXX`.
+_REPLACED = re.compile(r"(step-\d{8})\.replaced-[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,24 @@ def _is_complete(folder: Path) -> bool:
     return folder.is_dir() and _COMPLETE.fullmatch(folder.name) is not None and (folder / META_FILE).is_file()
 
 
+def _replaced_of(folder: Path) -> Path | None:
+    """The committed folder `folder` held before a save of the same step replaced it, when it is such a copy."""
+    match = _REPLACED.fullmatch(folder.name)
+    return None if match is None or not (folder / META_FILE).is_file() else folder.with_name(match[1])
+
+
 def complete_checkpoints(directory: Path) -> list[Path]:
-    """Committed checkpoints in `directory`, oldest first (by step)."""
+    """Committed checkpoints in `directory`, oldest first (by step). A step whose commit was cut short between its
+    two renames (see `commit`) counts by the copy it replaced, until `prune` puts it back."""
     if not directory.is_dir():
         return []
-    found = [folder for folder in directory.iterdir() if _is_complete(folder)]
-    return sorted(found, key=lambda folder: folder.name)
+    folders = list(directory.iterdir())
+    found = {folder.name: folder for folder in folders if _is_complete(folder)}
+    for folder in folders:
+        final = _replaced_of(folder)
+        if final is not None and final.name not in found:
+            found[final.name] = folder
+    return [found[name] for name in sorted(found)]
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -133,10 +147,12 @@ def _fsync_dir(directory: Path) -> None:
 def commit(partial: Path, final: Path) -> None:
     """Make `partial` (whose files and metadata are all written) the committed checkpoint `final`.
 
-    The rename is atomic on POSIX file systems: a reader sees the whole checkpoint or none of it.
+    The rename is atomic on POSIX file systems: a reader sees the whole checkpoint or none of it. Replacing a
+    committed folder of the same step takes two renames; a crash between them leaves the old copy under a name
+    (`step-N.replaced-X`) that `complete_checkpoints` reads and `prune` restores, never deletes.
     """
     if final.exists():  # the same step saved again (e.g. resumed, then stopped at once): replace it
-        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}{_PARTIAL_SUFFIX}")
+        old = final.with_name(f"{final.name}.replaced-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
         os.rename(partial, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -145,9 +161,26 @@ def commit(partial: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def _restore_replaced(directory: Path) -> list[Path]:
+    """Put back each replaced copy whose replacement never got its name (a crash between `commit`'s renames);
+    return the replaced copies whose replacement did (to remove)."""
+    spare = []
+    for folder in directory.iterdir():
+        final = _replaced_of(folder) if folder.is_dir() else None
+        if final is None:
+            continue
+        if _is_complete(final):
+            spare.append(folder)
+        else:
+            os.rename(folder, final)
+    return spare
+
+
 def prune(directory: Path, keep: int | None) -> list[Path]:
-    """Remove left-over partial folders and all but the `keep` newest checkpoints; returns what was removed."""
-    removed = [folder for folder in directory.iterdir() if folder.is_dir() and folder.name.endswith(_PARTIAL_SUFFIX)]
+    """Restore a checkpoint whose replacement was cut short, then remove left-over partial folders, replaced copies
+    and all but the `keep` newest checkpoints; returns what was removed."""
+    removed = _restore_replaced(directory)
+    removed += [folder for folder in directory.iterdir() if folder.is_dir() and folder.name.endswith(_PARTIAL_SUFFIX)]
     if keep is not None:
         removed += complete_checkpoints(directory)[:-keep]
     for folder in removed:

@@ -119,17 +119,19 @@ def save_checkpoint(
     config: Mapping[str, Any] | None = None,
     extras: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> Path:
     """Write the checkpoint of `step` into `directory` from every rank (a collective call); returns its folder.
 
     Every rank writes its own shards with DCP into `step-NNNNNNNN.partial`; after all have written, rank 0
     writes the metadata and renames the folder to `step-NNNNNNNN`: the checkpoint is visible only once
     complete. Left-over partial folders and checkpoints beyond the `keep` newest are then removed. `extras`
-    (JSON-serialisable) come back from `load_checkpoint`.
+    (JSON-serialisable) come back from `load_checkpoint`. `process_group`: the group DCP's own collectives run on
+    (None: the default one), e.g. one whose timeout allows a long write.
     """
     partial, final = begin_save(Path(directory), step)
     try:
-        dcp.save(saved_state(engine, optimizer), checkpoint_id=str(partial))
+        dcp.save(saved_state(engine, optimizer), checkpoint_id=str(partial), process_group=process_group)
     except (Exception, dcp.CheckpointException) as err:  # DCP raises the same CheckpointException on every rank
         raise save_failed(final, err) from None
     meta = checkpoint_meta(engine, step, model_name, config, extras) if _rank() == 0 else None
@@ -234,12 +236,14 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     model_name: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> CheckpointMeta:
     """Load a checkpoint (a `step-N` folder, or the latest in a folder) into `engine` and `optimizer`.
 
     A collective call; works under any layout. The RNG states are restored only under the layout that
     wrote the checkpoint (elsewhere each rank's random stream differs anyway). Raises ConfigError when the
     checkpoint belongs to another model (`model_name` and the parameter fingerprint are compared).
+    `process_group`: the group DCP's own collectives run on (None: the default one).
     """
     folder = find_checkpoint(path)
     meta = read_meta(folder)
@@ -250,7 +254,7 @@ def load_checkpoint(
     if same_layout:
         state.update(rng_targets(_rank(), saved_keys(folder)))
     try:
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, checkpoint_id=str(folder), process_group=process_group)
     except (Exception, dcp.CheckpointException) as err:
         raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {_cause(err)}",
                               hint=damaged_hint(folder)) from None
@@ -280,7 +284,7 @@ def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | No
     `model` a LoRA `BlockModel`: another base model than the one they were trained on)."""
     saved = meta.extras.get("base")
     if saved is not None and frozen_model(model):
-        current = model.base_identity()
+        current = model.base_identity(saved.get("method", "edges"))  # an older checkpoint: by its own method
         if saved.get("digest") != current.get("digest"):
             where = saved.get("folder") or "a preset's config"
             now = current.get("folder") or "a preset's config"

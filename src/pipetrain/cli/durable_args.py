@@ -1,11 +1,18 @@
-"""The checkpoint and failure flags of `train`: --save-dir, --resume, --keep, --async-save, --step-timeout."""
+"""The checkpoint and failure flags of `train`: --save-dir, --resume, --keep, --async-save, --step-timeout,
+--save-timeout."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from pipetrain.checkpoint.durable import DEFAULT_KEEP, DEFAULT_STEP_TIMEOUT_S, DurableConfig
+from pipetrain.checkpoint.durable import (
+    DEFAULT_KEEP,
+    DEFAULT_SAVE_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    SAVE_RATE_BYTES_S,
+    DurableConfig,
+)
 from pipetrain.checkpoint.folders import META_FILE, latest_checkpoint
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import slurm_job_id
@@ -35,6 +42,11 @@ def add_durable_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                        help=f"end the job when no step finishes for this many seconds, naming the stuck rank; "
                             f"0 disables (default: {DEFAULT_STEP_TIMEOUT_S:g})")
+    group.add_argument("--save-timeout", type=float, default=None, metavar="SECONDS",
+                       help="the watchdog's limit for a checkpoint's save, a resume's load and the first step "
+                            "(schedules built, compilation) instead of --step-timeout (default: "
+                            f"{DEFAULT_SAVE_TIMEOUT_S:g} s, a save or load plus 1 s per {SAVE_RATE_BYTES_S / 1e6:g} MB "
+                            "of the job's checkpoint)")
 
 
 def _keep(text: str) -> int | str:
@@ -67,5 +79,5 @@ def durable_config(args: argparse.Namespace) -> DurableConfig:
     keep = DEFAULT_KEEP if args.keep is None else None if args.keep == "all" else args.keep
     return DurableConfig(save_dir=save_dir, save_every=args.save_every, resume=bool(resume),
                          resume_from=resume_from, keep=keep, step_timeout_s=args.step_timeout or None,
-                         async_save=args.async_save,
+                         save_timeout_s=getattr(args, "save_timeout", None), async_save=args.async_save,
                          requeue_job=slurm_job_id())

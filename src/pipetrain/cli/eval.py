@@ -17,6 +17,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.evaluate.run import EvalJob, eval_rank
 from pipetrain.generate.weights import model_source
 from pipetrain.launch.env import detect, free_port
+from pipetrain.launch.lifeline import watch_agent
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
 from pipetrain.lora import LoraSettings
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if env.world_size != world:
         raise ConfigError(f"the launcher started {env.world_size} ranks, --dp {args.dp} x --pp {args.pp} x --tp "
                           f"{args.tp} needs {world}", hint=f"start {world} ranks, or pass --dp/--pp/--tp to match")
+    watch_agent(env)
     eval_rank(RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port,
                        device_choice(args, env), env.num_nodes), job)
     return 0

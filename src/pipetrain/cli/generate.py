@@ -1,5 +1,6 @@
-"""`pipetrain generate`: text from a Hugging Face causal LM split over pp × tp ranks (a model folder, or a full
-fine-tune's checkpoint), each stage keeping the key/value cache of its own layers; prints each text and tokens/s."""
+"""`pipetrain generate`: text from a Hugging Face causal LM split over pp × tp ranks (a model folder, or the
+checkpoint of a fine-tune, full or LoRA), each stage keeping the key/value cache of its own layers; prints each
+text on standard output and the tokens/s on standard error."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipetrain.generate.prompts import read_prompts
 from pipetrain.generate.sampling import Sampling
 from pipetrain.generate.weights import model_source
 from pipetrain.launch.env import detect, free_port
+from pipetrain.launch.lifeline import watch_agent
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
 
@@ -37,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help="a Hugging Face folder (config.json, safetensors weights, tokenizer)")
     model.add_argument("--checkpoint", type=Path, default=None, metavar="CK",
                        help="a step-NNNNNNNN folder (or a --save-dir: its latest) of `pipetrain train --workload hf "
-                            "--model DIR`: its weights, the tokenizer and config of DIR")
+                            "--model DIR`, a full fine-tune (its weights) or a LoRA one (DIR's weights and its "
+                            "adapters); the tokenizer and config of DIR")
     prompts = parser.add_argument_group("prompts (one of)")
     prompts.add_argument("--prompt", default=None, metavar="TEXT", help="one prompt")
     prompts.add_argument("--prompts", type=Path, default=None, metavar="FILE",
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the launcher started {env.world_size} ranks, --pp {job.pp} x --tp {job.tp} needs "
                           f"{job.world_size}", hint=f"start {job.world_size} ranks, or pass --pp/--tp to match")
     device = device_choice(args, env)
+    watch_agent(env)
     generate_rank(RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device,
                            env.num_nodes), job)
     return 0

@@ -7,11 +7,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
-from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, PARTITION_METHODS, SCHEDULES, ParallelConfig, PipelineConfig
+from pipetrain.config import (CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, PARTITION_METHODS,
+                              RECOMPUTE_UNITS, SCHEDULES, ParallelConfig, PipelineConfig)
+from pipetrain.errors import ConfigError
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.layout import balanced
 
-__all__ = ["add_parallel_arguments", "parallel_config", "cost_balanced"]
+__all__ = ["add_parallel_arguments", "parallel_config", "cost_balanced", "reshard_value", "recomputation"]
 
 
 def _balance(text: str) -> tuple[int, ...]:
@@ -21,12 +23,37 @@ def _balance(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"balance must be comma-separated block counts like 3,5, got {text!r}") from None
 
 
+def reshard_value(text: str) -> str | int:
+    """`--fsdp-reshard`: a word of `FSDP_RESHARD`, or a group size N (an int)."""
+    return int(text) if text.strip().isdigit() else text
+
+
+def recomputation(checkpoint: str, unit: str | None) -> tuple[str, str]:
+    """(checkpoint policy, recomputation unit) of `--checkpoint` and `--recompute-unit`: `--checkpoint selective` is
+    shorthand for `--checkpoint always --recompute-unit selective`."""
+    if checkpoint == "selective":
+        if unit not in (None, "selective"):
+            raise ConfigError(f"--checkpoint selective with --recompute-unit {unit}: selective is a unit itself",
+                              hint=f"pass --checkpoint always --recompute-unit {unit}, or drop --recompute-unit")
+        return "always", "selective"
+    return checkpoint, unit or "stage"
+
+
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The mesh and pipeline flags shared by the verbs that train."""
     group = parser.add_argument_group("parallelism")
     group.add_argument("--pp", type=int, default=2, help="pipeline ranks (stages) (default: 2)")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
-    group.add_argument("--dp-mode", default="ddp", help=f"{' | '.join(DP_MODES)} (default: ddp)")
+    group.add_argument("--dp-mode", default="ddp",
+                       help=f"{' | '.join(DP_MODES)} (default: ddp); hsdp: FSDP2 shards within groups of --dp-shard "
+                            "ranks and replicates across the groups")
+    group.add_argument("--dp-shard", type=int, default=None, metavar="K",
+                       help="with --dp-mode hsdp: ranks of one shard group (a divisor of --dp, e.g. a node's GPUs)")
+    group.add_argument("--fsdp-reshard", type=reshard_value, default="never", metavar="|".join(FSDP_RESHARD) + "|N",
+                       help="with --dp-mode fsdp/hsdp: free each block's gathered weights after its forward (always), "
+                            "keep them to the backward (never), reshard to groups of N ranks, or auto (at pp 1 "
+                            "always, in a pipeline never); resharding also reduces each micro-batch's gradients at "
+                            "once, so they accumulate sharded (default: never)")
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel ranks splitting each layer (innermost: within one node; with --dp > 1 "
                             "use --dp-mode fsdp) (default: 1)")
@@ -36,11 +63,26 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss-parallel", action="store_true",
                        help="with --tp, for the lm: split the head over the vocabulary and compute the cross-entropy "
                             "on the shards (the vocabulary a multiple of tp)")
+    group.add_argument("--cp", type=int, default=1,
+                       help="context-parallel ranks cutting each sequence (zig-zag: its length a multiple of 2 x cp; "
+                            "the hf workload) (default: 1)")
+    group.add_argument("--cp-attention", default="ring", choices=CP_ATTENTIONS,
+                       help="with --cp: ring (key/value blocks passed round the ranks, any cp) or ulysses (one "
+                            "all-to-all to split the heads: query and key/value heads divisible by cp) (default: ring)")
     group.add_argument("--schedule", default="1f1b", help=f"{' | '.join(SCHEDULES)} (default: 1f1b)")
     group.add_argument("--chunks", "--n-microbatches", dest="chunks", type=int, default=4,
                        help="micro-batches per batch; 1 is naive model parallelism (default: 4)")
     group.add_argument("--checkpoint", default="never",
-                       help=f"activation recomputation: {' | '.join(CHECKPOINT_POLICIES)} (default: never)")
+                       help=f"activation recomputation: {' | '.join(CHECKPOINT_POLICIES)} | selective (always, "
+                            "with --recompute-unit selective) (default: never)")
+    group.add_argument("--recompute-unit", default=None,
+                       help=f"what a recomputing micro-batch checkpoints: {' | '.join(RECOMPUTE_UNITS)} (the whole "
+                            "stage; each block; each block keeping its matrix products and attention) (default: stage)")
+    group.add_argument("--recompute-every", type=int, default=1, metavar="K",
+                       help="with --recompute-unit layer|selective: recompute only every K-th block (default: 1)")
+    group.add_argument("--offload-activations", action="store_true",
+                       help="move saved activations of micro-batches waiting for their backward to pinned host "
+                            "memory, back one micro-batch ahead (CUDA; a no-op on the CPU)")
     group.add_argument("--stages-per-rank", type=int, default=None, help="virtual stages per rank (interleaved schedules)")
     group.add_argument("--balance", type=_balance, default=None, help="blocks per stage, e.g. 3,5")
     group.add_argument("--partition", default=None,
@@ -64,11 +106,15 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """The validated mesh configuration of parsed arguments."""
+    checkpoint, unit = recomputation(args.checkpoint, getattr(args, "recompute_unit", None))
     pipeline = PipelineConfig(
         pp=args.pp,
         schedule=args.schedule,
         n_microbatches=args.chunks,
-        checkpoint=args.checkpoint,
+        checkpoint=checkpoint,
+        recompute_unit=unit,
+        recompute_every=getattr(args, "recompute_every", 1),
+        offload_activations=getattr(args, "offload_activations", False),
         stages_per_rank=args.stages_per_rank,
         balance=args.balance,
         partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
@@ -78,7 +124,9 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
                           sequence_parallel=getattr(args, "sequence_parallel", False),
-                          loss_parallel=getattr(args, "loss_parallel", False))
+                          loss_parallel=getattr(args, "loss_parallel", False),
+                          fsdp_reshard=getattr(args, "fsdp_reshard", "never"), dp_shard=getattr(args, "dp_shard", None),
+                          cp=getattr(args, "cp", 1), cp_attention=getattr(args, "cp_attention", "ring"))
 
 
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:

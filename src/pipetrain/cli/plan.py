@@ -15,6 +15,7 @@ from pipetrain.cli.plan_args import DEFAULT_MODEL_SEQ_LEN, add_plan_arguments
 from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import detect, without_launcher_variables
+from pipetrain.plan.auto import memory_flags
 from pipetrain.plan.gpus import ALIASES
 from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calibration_path, default_device,
                                      load_calibration, named_gpu, save_calibration)
@@ -244,7 +245,11 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
     chosen = dict(schedules=tuple(args.schedules), checkpoints=tuple(args.checkpoints), dp_modes=tuple(args.dp_modes),
                   max_chunks=args.max_chunks, max_pp=args.max_pp, only_pp=args.pp,
                   only_chunks=getattr(args, "chunks", None), precision="bf16" if args.precision == "bf16" else "fp32",
-                  float8=float8, recompute_unit=getattr(args, "recompute_unit", "stage"))
+                  float8=float8, recompute_unit=getattr(args, "recompute_unit", "stage"),
+                  recompute_every=getattr(args, "recompute_every", 1),
+                  fsdp_reshard=getattr(args, "fsdp_reshard", "never"),
+                  offload={"off": (False,), "on": (True,), "both": (False, True)}[
+                      getattr(args, "offload_activations", "off")])
     if getattr(args, "stages_per_rank", None):
         chosen["virtual"] = (args.stages_per_rank,)
     if "tps" not in fixed:
@@ -268,7 +273,7 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
         + (["--ep", str(lay.ep)] if lay.ep > 1 and engine_has("ep") else []) \
         + (["--cp", str(lay.cp), "--cp-attention", lay.cp_attention] if lay.cp > 1 and engine_has("cp") else [])
     out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
-            "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)]
+            "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)] + memory_flags(lay)
     if lay.sequence_parallel:
         out.append("--sequence-parallel")
     if lay.virtual > 1:
@@ -295,8 +300,13 @@ def _row(rank: int, p: Prediction) -> str:
         f"max {max(p.memory_bytes) / _GB:.2f}"
     tp = (f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"
           f"{f'/cp{lay.cp}' if lay.cp > 1 else ''}")
-    return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {lay.checkpoint:<11} "
-            f"{lay.dp_mode if lay.dp > 1 else '-':<5} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
+    checkpoint = lay.checkpoint if lay.recompute_unit == "stage" or lay.checkpoint == "never" else (
+        "selective" if lay.recompute_unit == "selective" and lay.checkpoint == "always" else
+        f"{lay.checkpoint}/{lay.recompute_unit}") + (f"/{lay.recompute_every}" if lay.recompute_every > 1 else "")
+    mode = (lay.dp_mode + ("+rs" if lay.fsdp_reshard else "")) if lay.dp > 1 else "-"
+    checkpoint += "+off" if lay.offload else ""
+    return (f"{rank:>3} {lay.dp:>5} {lay.pp:>3} {tp:>4} {schedule:<18} {lay.chunks:>6} {checkpoint:<11} "
+            f"{mode:<7} {lay.balance:<7} {p.step_s:>10.4f} {p.samples_per_s:>10.1f} "
             f"{100 * p.bubble:>6.1f}% {memory}")
 
 
@@ -346,8 +356,7 @@ def run(args: argparse.Namespace) -> int:
                              tp=result.best[0].layout.tp, ep=result.best[0].layout.ep,
                              cp=result.best[0].layout.cp):
             print(f"  {line}")
-    what_if = [flag for flag, on in (("--recompute-unit layer", getattr(args, "recompute_unit", "stage") == "layer"),
-                                     ("--vocab-parallel", getattr(args, "vocab_parallel", False)),
+    what_if = [flag for flag, on in (("--vocab-parallel", getattr(args, "vocab_parallel", False)),
                                      ("--float8", getattr(args, "float8", False))) if on]
     if what_if:
         print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "
@@ -360,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
               "its line below holds every expert on every rank of a stage")
     if info["space"].tps == (1,) and getattr(args, "tp", None) is None:
         print("  tensor parallelism not considered: this pipetrain's train has no --tp (pass --tp N to plan it)")
-    print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'tp':>4} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<5} "
+    print(f"\n{'#':>3} {'dp':>5} {'pp':>3} {'tp':>4} {'schedule':<18} {'chunks':>6} {'checkpoint':<11} {'mode':<7} "
           f"{'balance':<7} {'step s':>10} {'samples/s':>10} {'bubble':>7} memory GB per stage")
     for rank, prediction in enumerate(result.best, 1):
         print(_row(rank, prediction))

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pipetrain.cli.device_args import add_device_argument
-from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES
+from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, FSDP_RESHARD, RECOMPUTE_UNITS
 from pipetrain.plan.gpus import GPUS
 from pipetrain.plan.hardware import DEFAULT_RATES, default_calibration_path, gpu_names
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
@@ -15,6 +15,8 @@ from pipetrain.workloads.classifier.presets import PRESETS
 
 __all__ = ["add_plan_arguments", "DEFAULT_MODEL_SEQ_LEN"]
 
+#: The recomputation policies `plan` searches: the pipeline's, and selective recomputation (`--checkpoint selective`).
+PLANNED_CHECKPOINTS = (*CHECKPOINT_POLICIES, "selective")
 #: Tokens per sample of a --model plan without --seq-len.
 DEFAULT_MODEL_SEQ_LEN = 2048
 
@@ -66,9 +68,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits")
     limits.add_argument("--schedules", type=_names(SIMULATED_SCHEDULES), default=SIMULATED_SCHEDULES,
                         help="schedules to consider, comma-separated (default: all the simulator plays)")
-    limits.add_argument("--checkpoints", type=_names(CHECKPOINT_POLICIES), default=CHECKPOINT_POLICIES,
-                        help="recomputation policies to consider (default: all)")
-    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=DP_MODES, help="ddp, fsdp (default: both)")
+    limits.add_argument("--checkpoints", type=_names(PLANNED_CHECKPOINTS), default=PLANNED_CHECKPOINTS,
+                        help="recomputation policies to consider, selective among them (always, with the selective "
+                             "unit) (default: all)")
+    limits.add_argument("--fsdp-reshard", choices=FSDP_RESHARD, default="auto",
+                        help="FSDP layouts: reshard weights after forward never, always, or auto (at pp 1; in a "
+                             "pipeline where the gathered weights would not fit) (default: auto)")
+    limits.add_argument("--offload-activations", choices=("off", "on", "both"), default="off",
+                        help="consider activation offloading: off, on, or both (default: off)")
+    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=("ddp", "fsdp"),
+                        help="ddp, fsdp, hsdp (shard groups of a node's ranks, with --gpus-per-node) (default: ddp,fsdp)")
     limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
     limits.add_argument("--pp", type=int, default=None, help="consider only this pipeline degree")
     limits.add_argument("--tp", type=int, default=None,
@@ -93,10 +102,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consider only this many stages per rank for interleaved-1f1b and zero-bubble")
     what_if = parser.add_argument_group(
         "what-if (engine features pipetrain's train does not have: to compare with other trainers)")
-    what_if.add_argument("--recompute-unit", choices=("stage", "layer"), default="stage",
-                         help="what a recomputing micro-batch checkpoints: its whole stage, keeping the stage's "
-                              "input (pipetrain; default), or each layer alone, keeping every layer's input "
-                              "(torchtitan's and Megatron's full recomputation)")
+    limits.add_argument("--recompute-unit", choices=RECOMPUTE_UNITS, default="stage",
+                        help="what a recomputing micro-batch checkpoints: its whole stage, keeping the stage's input "
+                             "(default), each layer alone, keeping every layer's input (torchtitan's and Megatron's "
+                             "full recomputation), or selective (each layer keeps its products' outputs)")
+    limits.add_argument("--recompute-every", type=int, default=1, metavar="K",
+                        help="with --recompute-unit layer|selective: only every K-th block recomputes (default: 1)")
     what_if.add_argument("--vocab-parallel", action="store_true",
                          help="with --model: split the embedding and the head over tp by vocabulary (torchtitan's "
                               "loss parallelism; pipetrain keeps them whole)")

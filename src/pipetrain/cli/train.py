@@ -25,6 +25,7 @@ from pipetrain.cli.train_args import config_text, describe
 from pipetrain.errors import DataError, NonFiniteError, PipetrainError, RankFailedError
 from pipetrain.launch.env import ClusterEnv, detect, expand_for_local_ranks, free_port, shared_store_restarts
 from pipetrain.launch.failures import backend_failure
+from pipetrain.launch.lifeline import watch_agent
 from pipetrain.launch.lost import report_lost_connection
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.pipeline.precision import PRECISIONS
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         _spawn(job, [r.rank for r in ranks], ranks[0].world_size, master_addr=env.master_addr,
                master_port=env.master_port, device=device, nodes=env.num_nodes)
         return 0
+    watch_agent(env)
     try:  # an error from here on is this rank's own: it says it
         _rank_main(_spec(env, device), job.config, job.data, job.config.logs.metrics)
     except NonFiniteError:  # the same on every rank (global loss and norm): rank 0 says it

@@ -53,6 +53,9 @@ def _settled(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
         parallel, pipeline = config.parallel, config.parallel.pipeline
         flags.update(layout="manual", pp=pipeline.pp, dp=parallel.dp, dp_mode=parallel.dp_mode,
                      schedule=pipeline.schedule, chunks=pipeline.n_microbatches, checkpoint=pipeline.checkpoint,
+                     recompute_unit=pipeline.recompute_unit, recompute_every=pipeline.recompute_every,
+                     offload_activations=pipeline.offload_activations, fsdp_reshard=parallel.fsdp_reshard,
+                     dp_shard=parallel.dp_shard,
                      stages_per_rank=pipeline.stages_per_rank, balance=pipeline.balance, partition=None, profile=None,
                      mem_cap=None, layout_prediction=config.logs.predicted, on_resize=None)
     return flags

@@ -3,7 +3,8 @@ lists them all (tests/unit/test_compat.py fails loudly, naming the one, when a t
 
 `pipelining`: schedule orders as data, the V placement's breadth-first schedule, timed P2P waits; `dtensor`: the
 strided placement and the placement methods that run collectives; `tensor_styles`: tensor-parallel styles
-built on torch's private style hooks; `modules`: the dropout and batch-norm base classes, `_foreach_mul_`, aborting a process group.
+built on torch's private style hooks; `modules`: the dropout and batch-norm base classes, `_foreach_mul_`, aborting
+a process group; `mesh`: flattening two mesh dimensions into one (HSDP's dp axis).
 """
 
 from __future__ import annotations
@@ -52,4 +53,6 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "_foreach_mul_"),
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
     ("torch._C._distributed_c10d", "_dump_fr_trace"),  # the flight recorder's dump (CUDA builds: _dump_nccl_trace)
+    # mesh.py: HSDP's dp axis, the flattened (dp_replicate, dp_shard)
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
 )

@@ -63,7 +63,8 @@ def held_out_loss(session: Session, config: TrainConfig, test: Dataset) -> tuple
 
 def _answers(session: Session, job: EvalJob, test: TokenRows) -> AnswerScore:
     """Exact-match score of the greedy answers to this replica's share of the held-out rows (batches `dp_rank`,
-    `dp_rank + dp`, ...); summed over the replicas by the caller."""
+    `dp_rank + dp`, ...; every replica takes as many turns, see `_chunk_starts`); summed over the replicas by the
+    caller."""
     config = job.config
     model = config.model()
     folder = Path(config.model_dir)
@@ -76,8 +77,12 @@ def _answers(session: Session, job: EvalJob, test: TokenRows) -> AnswerScore:
     rows = [row for row in rows if row is not None]
     score, context = AnswerScore(), model.config.max_position_embeddings
     size, dp, replica = config.batch_size, config.parallel.dp, session.mesh.dp_rank
-    for start in range(replica * size, len(rows), dp * size):
+    for start in _chunk_starts(len(rows), size, dp, replica):
         chunk = rows[start:start + size]
+        if not chunk:  # this replica's share is done: an empty turn, so that every replica gathers as often
+            if rows:
+                generator.generate(left_pad([rows[0][0]], test.pad_id), Sampling(), 1)
+            continue
         batch = left_pad([prompt for prompt, _ in chunk], test.pad_id)
         new = max(1, min(job.max_new_tokens, context - batch.ids.shape[1]))
         done = generator.generate(batch, Sampling(), new)
@@ -85,6 +90,15 @@ def _answers(session: Session, job: EvalJob, test: TokenRows) -> AnswerScore:
             score.add(tokenizer.decode(cut_at(row, stops), skip_special_tokens=True),
                       tokenizer.decode(cut_at(reference, stops), skip_special_tokens=True))
     return score
+
+
+def _chunk_starts(rows: int, size: int, dp: int, replica: int) -> list[int]:
+    """Where this replica's chunks of `size` rows begin (chunks `replica`, `replica + dp`, ...), one turn per round
+    of `dp` chunks: every replica gets as many turns, those past the last row empty (start >= `rows`). Each
+    generation is a collective call over the replicas too (FSDP gathers the weights for it), so a replica with one
+    chunk fewer would leave the others waiting for good."""
+    rounds = -(-rows // (size * dp))
+    return [(turn * dp + replica) * size for turn in range(rounds)]
 
 
 def answer_rows(test: Dataset) -> TokenRows | None:

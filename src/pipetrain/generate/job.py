@@ -4,6 +4,7 @@ main (join, build, generate, rank 0 prints)."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from pipetrain.session import close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM
 from pipetrain.workloads.hf.text import load_tokenizer
 
-__all__ = ["GenerateJob", "prepare_job", "build_stage", "generate_batch", "generate_with", "generate_rank", "eos_ids"]
+__all__ = ["GenerateJob", "prepare_job", "build_stage", "generate_batch", "generate_with", "generate_rank", "eos_ids",
+           "speed_line"]
 
 
 @dataclass(frozen=True)
@@ -110,27 +112,37 @@ def generate_with(stages: dict[int, GenerationStage], route: Route, batch: Promp
 
 
 def report(job: GenerateJob, batch: PromptBatch, done: Generated) -> str:
-    """What rank 0 prints: each prompt and its generated text, then the speed."""
+    """What rank 0 prints on standard output: each prompt and its generated text (the speed: `speed_line`)."""
     tokenizer = load_tokenizer(job.source.folder)
     lines = []
     for index, (text, row) in enumerate(zip(job.texts, done.tokens)):
         answer = tokenizer.decode(row.tolist(), skip_special_tokens=True)
         lines.append(f"[{index + 1}] {text}\n--> {answer}")
-    steps = done.tokens.shape[1]
-    lines.append(f"{done.tokens.numel()} tokens ({len(job.texts)} prompts x {steps} steps) in {done.seconds:.2f} s: "
-                 f"{done.tokens_per_s:.1f} tokens/s at pp={job.pp} tp={job.tp}")
     return "\n".join(lines)
+
+
+def speed_line(job: GenerateJob, done: Generated) -> str:
+    """What rank 0 prints on standard error: the tokens, prompts, steps and tokens/s of the generation."""
+    steps = done.tokens.shape[1]
+    return (f"{done.tokens.numel()} tokens ({len(job.texts)} prompts x {steps} steps) in {done.seconds:.2f} s: "
+            f"{done.tokens_per_s:.1f} tokens/s at pp={job.pp} tp={job.tp}")
+
+
+def _say(job: GenerateJob, batch: PromptBatch, done: Generated) -> None:
+    """The texts on standard output (what a script reads), the figures on standard error."""
+    print(report(job, batch, done), flush=True)
+    print(speed_line(job, done), file=sys.stderr, flush=True)
 
 
 def generate_rank(spec: RankSpec, job: GenerateJob) -> Generated:
     """One rank's whole job: join (unless it is the only rank), build its stage, generate; rank 0 prints the texts
-    and tokens/s."""
+    (standard output) and tokens/s (standard error)."""
     model, batch = prepare_job(job)
     if job.world_size == 1:
         device = pick_device(spec.local_rank, spec.device)
         stage = build_stage(model, Placement(0, 1), device, checkpoint=job.source.checkpoint)
         done = generate_batch(job, stage, Placement(0, 1), batch, model)
-        print(report(job, batch, done), flush=True)
+        _say(job, batch, done)
         return done
     device = join_job(spec)
     try:
@@ -140,7 +152,7 @@ def generate_rank(spec: RankSpec, job: GenerateJob) -> Generated:
                             tp_mesh=None if mesh is None else mesh.tp_mesh)
         done = generate_batch(job, stage, where, batch, model)
         if spec.rank == 0:
-            print(report(job, batch, done), flush=True)
+            _say(job, batch, done)
     except BaseException:
         close_session(after_error=True)
         raise

@@ -20,7 +20,7 @@ _QUIET_S = 20.0
 def describe_layout(parallel: ParallelConfig) -> str:
     """The layout in the words of the flags: dp, dp mode, pp, schedule, chunks, stages per rank, balance."""
     p = parallel.pipeline
-    text = f"dp={parallel.dp} ({parallel.dp_mode}) x pp={p.pp}, schedule {p.schedule}, chunks {p.n_microbatches}"
+    text = f"dp={parallel.dp} ({parallel.dp_text}) x pp={p.pp}, schedule {p.schedule}, chunks {p.n_microbatches}"
     if p.stages_per_rank is not None:
         text += f", {p.stages_per_rank} stages per rank"
     return text + (f", balance {list(p.balance)}" if p.balance else f", partition {p.partition}")

@@ -47,6 +47,8 @@ __all__ = [
     "slurm_port",
     "slurm_job_id",
     "shared_store_restarts",
+    "elastic_restarts_left",
+    "under_torchrun_agent",
 ]
 
 #: The variable a launcher (a job script, a test tier) sets to choose the device of every rank.
@@ -249,6 +251,21 @@ def shared_store_restarts(environ: Mapping[str, str] | None = None) -> int:
     if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return 0
     return _int(env, "TORCHELASTIC_MAX_RESTARTS", 0)
+
+
+def elastic_restarts_left(environ: Mapping[str, str] | None = None) -> int | None:
+    """The restarts torchrun's elastic agent may still make of this job (TORCHELASTIC_MAX_RESTARTS less
+    TORCHELASTIC_RESTART_COUNT); None when torchrun did not start this process."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_MAX_RESTARTS" not in env:
+        return None
+    return max(0, _int(env, "TORCHELASTIC_MAX_RESTARTS", 0) - _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def under_torchrun_agent(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun's elastic agent started this process (it is then the process's parent)."""
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env
 
 
 def free_port() -> int:

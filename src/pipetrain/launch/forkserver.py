@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.launch.env import device_override, start_method
+from pipetrain.launch.lifeline import watch_fd
 
-__all__ = ["PRELOAD", "context", "warm_up", "Inherited", "RANK_NAME_PREFIX"]
+__all__ = ["PRELOAD", "context", "warm_up", "Inherited", "RANK_NAME_PREFIX", "server_pid"]
 
 #: What the server imports before it forks: the bulk of a rank's start-up (not `__main__`: see the module doc).
 PRELOAD = (
@@ -53,6 +54,11 @@ def context(device: str = "cpu", method: str | None = None) -> BaseContext:
     return ctx
 
 
+def server_pid() -> int | None:
+    """The pid of this process's fork server, when one runs (None: none, or a Python that does not say)."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
 def warm_up() -> None:
     """Start the server now (it imports in the background), so that ranks started later fork at once. It ends
     when this process does (at once if idle, else once its imports are done). Not where PIPETRAIN_DEVICE=cuda
@@ -63,16 +69,21 @@ def warm_up() -> None:
 
 class Inherited:
     """What a spawned rank would inherit from its launcher at start and a fork server's child does not: the
-    environment and the standard output and error, taken when the rank is started (pickled into it)."""
+    environment and the standard output and error, taken when the rank is started (pickled into it), and the read
+    end of the launcher's lifeline (`lifeline`: its descriptor; `launcher`: its pid; see launch/lifeline.py)."""
 
-    def __init__(self, environ: dict[str, str] | None = None, streams: dict[int, Any] | None = None) -> None:
+    def __init__(self, environ: dict[str, str] | None = None, streams: dict[int, Any] | None = None,
+                 lifeline: Any = None, launcher: int | None = None) -> None:
         self.environ = dict(os.environ) if environ is None else environ
         self.streams = streams or {}
+        self.lifeline = lifeline
+        self.launcher = os.getpid() if launcher is None else launcher
 
     def __reduce__(self) -> tuple:
         # pickled while the rank's process is being started: DupFd hands the descriptors to that process
         open_streams = {fd: reduction.DupFd(fd) for fd in _STREAMS if _is_open(fd)}
-        return Inherited, (self.environ, open_streams)
+        lifeline = None if self.lifeline is None else reduction.DupFd(self.lifeline)
+        return Inherited, (self.environ, open_streams, lifeline, self.launcher)
 
     def apply(self, rank: int) -> None:
         """In rank `rank`: take the launcher's environment and standard streams as its own, and its name."""
@@ -91,6 +102,12 @@ class Inherited:
             if fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
+
+    def watch_launcher(self, rank: int, *, say: bool) -> None:
+        """In rank `rank`: end it once its launcher is gone (launch/lifeline.py); `say`: this rank says so."""
+        if self.lifeline is not None:
+            fd = self.lifeline.detach() if hasattr(self.lifeline, "detach") else self.lifeline
+            watch_fd(fd, rank=rank, launcher=self.launcher, say=say)
 
 
 def _fresh_random_state() -> None:

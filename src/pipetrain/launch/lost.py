@@ -4,6 +4,10 @@ When a host dies (its processes killed, the machine lost), every rank that talke
 closed at once; each would print the same unhelpful "connection closed by peer", none naming who is gone. The
 ranks still alive keep beating in the job's store (launch/watchdog.py), the lost ones stopped: the first rank to
 claim the report compares two readings of the heartbeats and names the silent ranks; the others stay quiet.
+
+The claim and the "saw it" marks carry the wall-clock time they were made and count for `_CLAIM_LIFE_S` only:
+torchrun's agent store outlives a restart, and a claim left by an earlier round would silence the report of the
+next loss (a later elastic round's).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pipetrain.errors import RankFailedError
+from pipetrain.launch.env import elastic_restarts_left
 from pipetrain.launch.failures import error_text
 from pipetrain.launch.spawn import RankSpec, fail_now
 from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, STORE_TIMEOUT_S, beat_period, bounded
 
-__all__ = ["LOST_CONNECTION", "lost_ranks_message", "report_lost_connection", "silent_ranks"]
+__all__ = ["LOST_CONNECTION", "lost_hint", "lost_ranks_message", "report_lost_connection", "silent_ranks"]
 
 _CLAIM = "pipetrain/lost/reporter"
 #: Key prefix: rank r saw a lost connection itself (it is alive; its watchdog stops beating as it ends).
@@ -28,6 +33,9 @@ _SAW = "pipetrain/lost/saw/"
 LOST_CONNECTION = ("Connection closed by peer", "Connection reset by peer")
 #: Seconds a rank that leaves the report to another waits before ending quietly (the launcher ends it sooner).
 _QUIET_S = 20.0
+#: Seconds a claim or a "saw it" mark counts for: longer than one report takes (a few heartbeat periods and store
+#: timeouts), shorter than a restart of the job takes (a new rendezvous, the model built again).
+_CLAIM_LIFE_S = 30.0
 
 
 def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s: float | None) -> RankFailedError | None:
@@ -42,8 +50,40 @@ def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s
     if message is None:
         time.sleep(_QUIET_S)
         fail_now("")
-    return RankFailedError(message, hint="restart the lost host (or leave it out), then run again with --resume "
-                                         "to continue from the last complete checkpoint")
+    return RankFailedError(message, hint=lost_hint(elastic_restarts_left()))
+
+
+def lost_hint(restarts_left: int | None) -> str:
+    """What to do after a lost host: run again with --resume, or, under torchrun's elastic agent with restarts left,
+    nothing (it restarts the job by itself; `restarts_left` None: not under torchrun)."""
+    if restarts_left:
+        return (f"torchrun restarts the job by itself ({restarts_left} restart{'s' if restarts_left > 1 else ''} "
+                "left): started with --resume, it continues from the last complete checkpoint")
+    if restarts_left == 0:
+        return ("torchrun has no restart left (--max-restarts): restart the lost host (or leave it out), then run "
+                "again with --resume to continue from the last complete checkpoint")
+    return "restart the lost host (or leave it out), then run again with --resume to continue from the last complete " \
+           "checkpoint"
+
+
+def _claim(store: dist.TCPStore, me: int, now: float) -> bool:
+    """Whether this rank wins the report: the claim is free, or left by an earlier round (older than
+    `_CLAIM_LIFE_S`)."""
+    mine = f"{me} {now!r}"
+    held = store.compare_set(_CLAIM, "", mine).decode()
+    if held == mine:
+        return True
+    if _age(held, now) <= _CLAIM_LIFE_S:
+        return False
+    return store.compare_set(_CLAIM, held, mine).decode() == mine  # a stale claim: take it (one rank wins)
+
+
+def _age(mark: str, now: float) -> float:
+    """Seconds since a claim or mark ("RANK TIME" or "TIME") was made; inf for one without a time (older code)."""
+    try:
+        return now - float(mark.split()[-1])
+    except (ValueError, IndexError):
+        return float("inf")
 
 
 def silent_ranks(before: dict[int, str], after: dict[int, str], *, world_size: int, me: int,
@@ -65,14 +105,16 @@ def lost_ranks_message(*, me: int, world_size: int, master_addr: str, master_por
     def survey() -> tuple[dict[int, str], dict[int, str]] | None:
         store = dist.TCPStore(master_addr, master_port, is_master=False,
                               timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
-        store.set(f"{_SAW}{me}", "1")  # alive, and ending: a rank that failed stops beating, it is not lost
-        if store.compare_set(_CLAIM, "", str(me)).decode() != str(me):
+        now = time.time()
+        store.set(f"{_SAW}{me}", repr(now))  # alive, and ending: a rank that failed stops beating, it is not lost
+        if not _claim(store, me, now):
             return None
         keys = {r: f"{HEARTBEAT_PREFIX}{r}" for r in range(world_size)}
         first = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
         time.sleep(3 * beat_period_s)
         second = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        saw = {r for r in range(world_size) if store.check([f"{_SAW}{r}"])}
+        marks = {r: store.get(f"{_SAW}{r}").decode() for r in range(world_size) if store.check([f"{_SAW}{r}"])}
+        saw = {r for r, mark in marks.items() if _age(mark, time.time()) <= _CLAIM_LIFE_S}
         return first, second, saw
 
     answer = bounded(lambda: [survey()], 3 * beat_period_s + 2 * STORE_TIMEOUT_S)

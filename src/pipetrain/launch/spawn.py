@@ -1,4 +1,5 @@
-"""Local launcher: starts ranks as child processes and ends them all as soon as one fails."""
+"""Local launcher: starts ranks as child processes and ends them all as soon as one fails, or the fork server that
+started them dies; each rank ends by itself when the launcher is gone (launch/lifeline.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
 from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
 from pipetrain.launch.failures import signal_hint
-from pipetrain.launch.forkserver import Inherited, context
+from pipetrain.launch.forkserver import Inherited, context, server_pid
+from pipetrain.launch.lifeline import Lifeline, process_runs, signal_pids
 from pipetrain.launch.ranks import RankSpec, process_start_s
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS", "spawned_rank"]
@@ -63,6 +65,7 @@ def spawned_rank() -> int | None:
 def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connection, inherited: Inherited) -> None:
     global _REPORT
     inherited.apply(spec.rank)
+    inherited.watch_launcher(spec.rank, say=spec.local_rank == 0)
     _REPORT = (report, spec.rank)
     report.send(_STARTED)
     try:
@@ -92,16 +95,22 @@ def _exit_after_success() -> NoReturn:
 
 
 def _stop(processes: Sequence[mp.process.BaseProcess], grace_s: float = 1.0) -> None:
-    """SIGTERM, then SIGKILL after `grace_s` (a rank that saves on SIGTERM only records it; a stopped one ignores it)."""
+    """SIGTERM, then SIGKILL after `grace_s` (a rank that saves on SIGTERM only records it; a stopped one ignores it).
+    Ranks whose fork server died are no children of anyone here: they are signalled by pid."""
+    orphans = [process.pid for process in processes if process.exitcode is not None and process_runs(process.pid)]
     for process in processes:
         if process.is_alive():
             process.terminate()
+    signal_pids(orphans, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
             process.join()
+    while any(process_runs(pid) for pid in orphans) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    signal_pids([pid for pid in orphans if process_runs(pid)], signal.SIGKILL)
 
 
 def spawn(
@@ -137,14 +146,16 @@ def spawn(
     readers: list[Connection] = []  # one pipe per rank, for its failure report
     running: dict[int, tuple[int, mp.process.BaseProcess]] = {}  # sentinel -> (rank, process)
     started: set[Connection] = set()  # the readers of ranks that have started running
-    with _forwarding(processes):
+    server = server_pid() if ctx.get_start_method() == "forkserver" else None
+    with _forwarding(processes), Lifeline() as lifeline:
         try:
             for local, rank in enumerate(ranks):
                 spec = RankSpec(rank, first_local_rank + local, world_size, master_addr, master_port, device, nodes,
                                 launched_at)
                 reader, writer = ctx.Pipe(duplex=False)
                 readers.append(reader)
-                process = ctx.Process(target=_child, args=(fn, spec, args, writer, Inherited()), name=f"pipetrain-rank{rank}")
+                inherited = Inherited(lifeline=lifeline.reader)
+                process = ctx.Process(target=_child, args=(fn, spec, args, writer, inherited), name=f"pipetrain-rank{rank}")
                 with _sigint_held():  # a rank half-started by a Ctrl-C could not be stopped, and would print a traceback
                     process.start()
                     processes.append(process)
@@ -172,6 +183,8 @@ def spawn(
                     if handle in running:
                         rank, process = running.pop(handle)
                         process.join()
+                        if process.exitcode != 0 and process_runs(process.pid):  # its fork server died, not the rank
+                            raise _server_died(server or server_pid(), processes)
                         if process.exitcode != 0:
                             reader = readers[processes.index(process)]
                             if reader not in started and not _drain_started(reader):
@@ -223,6 +236,16 @@ def _forwarding(processes: list[mp.process.BaseProcess]) -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+def _server_died(pid: int | None, processes: Sequence[mp.process.BaseProcess]) -> RankFailedError:
+    """The error when the fork server that started the ranks died while they ran (they are then stopped)."""
+    alive = [process.name for process in processes if process_runs(process.pid)]
+    return RankFailedError(f"the fork server{'' if pid is None else f' (pid {pid})'} that started the ranks died while "
+                           f"they ran, without a report; {', '.join(alive) or 'no rank'} still ran and "
+                           f"{'were' if len(alive) > 1 else 'was'} stopped",
+                           hint=signal_hint("SIGKILL") + "; the fork server holds torch preloaded, a likely pick of "
+                                "the out-of-memory killer (PIPETRAIN_START_METHOD=spawn starts ranks without it)")
 
 
 def _drain_started(reader: Connection) -> bool:

@@ -1,4 +1,10 @@
-"""Step watchdog: a rank that sees no step finish within the timeout names the stuck ranks and ends the job."""
+"""Step watchdog: a rank that sees no step finish within the timeout names the stuck ranks and ends the job.
+
+Long work that is no step (a checkpoint's save, a resume's load, the first step, which builds the schedules and
+compiles) runs under a longer limit of its own (`during`, `until_next_step`: `--save-timeout`), named in the message
+when even that runs out; while it lasts, a rank whose heartbeat stops for `--step-timeout` (stopped, frozen, dead)
+still ends the job after that shorter time.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
@@ -15,7 +23,8 @@ import torch.distributed as dist
 
 from pipetrain.launch.hangs import DUMP_SIGNAL, HangReport, decode, encode, hang_message
 
-__all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "StepWatchdog", "beat_period", "bounded", "stuck_message"]
+__all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "Allowance", "StepWatchdog", "beat_period", "bounded", "waited_text",
+           "stuck_message"]
 
 T = TypeVar("T")
 
@@ -31,10 +40,28 @@ def beat_period(timeout_s: float) -> float:
     return min(1.0, timeout_s / 10)
 
 
-def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], silent: dict[int, float]) -> str:
+@dataclass(frozen=True)
+class Allowance:
+    """A longer limit for long work: `seconds`, the `flag` that sets it, and `what` the work is (for the message)."""
+
+    seconds: float
+    what: str
+    flag: str = "--save-timeout"
+
+
+def waited_text(me: int, step: int, timeout_s: float, allowance: Allowance | None = None) -> str:
+    """"rank R waited T s (--step-timeout) for step N to finish", or for the long work of `allowance`."""
+    if allowance is not None:
+        return f"rank {me} waited {allowance.seconds:g} s ({allowance.flag}) for {allowance.what} to finish"
+    return f"rank {me} waited {timeout_s:g} s (--step-timeout) for step {step + 1} to finish"
+
+
+def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int], silent: dict[int, float],
+                  allowance: Allowance | None = None) -> str:
     """Which ranks hold the job back: `silent` maps the ranks whose heartbeat stopped to the seconds since their
-    last one; otherwise the ranks whose finished step (`steps`) is behind the others'."""
-    waited = f"rank {me} waited {timeout_s:g} s (--step-timeout) for step {step + 1} to finish"
+    last one; otherwise the ranks whose finished step (`steps`) is behind the others'. `allowance`: the long work
+    this rank waited for (None: a step)."""
+    waited = waited_text(me, step, timeout_s, allowance)
     if silent:
         names = ", ".join(f"rank {r} (last finished step {steps.get(r, 0)}, "
                           + (f"silent for {seconds:.0f} s)" if math.isfinite(seconds) else "never answered)")
@@ -44,7 +71,8 @@ def stuck_message(*, me: int, step: int, timeout_s: float, steps: dict[int, int]
     behind = sorted(r for r, s in steps.items() if s == lowest)
     if steps and lowest < max(steps.values()):
         return f"rank(s) {', '.join(map(str, behind))} stuck at step {lowest + 1} while others finished it; {waited}"
-    return f"every rank is stuck in step {step + 1} (a collective that never completes?); {waited}"
+    where = f"step {step + 1}" if allowance is None else allowance.what
+    return f"every rank is stuck in {where} (a collective that never completes?); {waited}"
 
 
 class StepWatchdog:
@@ -67,6 +95,8 @@ class StepWatchdog:
                                     timeout=timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
         self._step = 0
         self._last = time.monotonic()
+        self._allowance: Allowance | None = None
+        self._until_step = False  # the allowance ends with the next finished step (not with a block)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pipetrain-watchdog", daemon=True)
 
@@ -82,11 +112,35 @@ class StepWatchdog:
         """This rank finished `step` (or made other progress: evaluation, a save)."""
         self._last = time.monotonic()
         if step != self._step:
+            if self._until_step:
+                self._allowance, self._until_step = None, False
             self._step = step
             try:
                 self._store.set(f"{_PREFIX}step/{self.rank}", str(step))
             except (RuntimeError, dist.DistStoreError):
                 pass
+
+    @property
+    def limit_s(self) -> float:
+        """The seconds this rank may go without progress now: the step timeout, or a long work's allowance."""
+        return self.timeout_s if self._allowance is None else max(self.timeout_s, self._allowance.seconds)
+
+    @contextmanager
+    def during(self, seconds: float, what: str, flag: str = "--save-timeout") -> Iterator[None]:
+        """Within the block (a save, a load), the limit is `seconds`; progress is counted from its start and end."""
+        previous, until_step = self._allowance, self._until_step
+        self._allowance, self._until_step = Allowance(seconds, what, flag), False
+        self._last = time.monotonic()
+        try:
+            yield
+        finally:
+            self._allowance, self._until_step = previous, until_step
+            self._last = time.monotonic()
+
+    def until_next_step(self, seconds: float, what: str, flag: str = "--save-timeout") -> None:
+        """The limit is `seconds` until the next step finishes (the first step: schedules built, compilation)."""
+        self._allowance, self._until_step = Allowance(seconds, what, flag), True
+        self._last = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -99,15 +153,36 @@ class StepWatchdog:
         bounded(lambda: self._store.set(key, value), 2 * _STORE_TIMEOUT_S)
 
     @property
+    def _waited(self) -> str:
+        return waited_text(self.rank, self._step, self.timeout_s, self._allowance)
+
+    @property
     def _period(self) -> float:
         return beat_period(self.timeout_s)
 
     def _watch(self) -> None:
+        looked = 0.0  # when the heartbeats of the others were last read during long work
         while not self._stop.wait(self._period):
             self._beat()
-            if time.monotonic() - self._last > self.timeout_s:
+            now = time.monotonic()
+            if now - self._last > self.limit_s:
                 self._fire()
                 return
+            allowance = self._allowance
+            if allowance is not None and now - self._last > self.timeout_s and now - looked > self.timeout_s / 2:
+                looked = now  # long work may last while every rank beats; a rank that stopped beating ends it
+                if self._silent_peers():
+                    self._allowance = Allowance(self.timeout_s, allowance.what, "--step-timeout")
+                    self._fire()
+                    return
+
+    def _silent_peers(self) -> bool:
+        """Whether another rank's heartbeat is older than the step timeout (stopped, frozen or dead)."""
+        beats = bounded(lambda: self._read("beat"), 2 * _STORE_TIMEOUT_S)
+        if beats is None:
+            return True  # the store's host does not answer
+        now = time.time()
+        return any(now - float(beats.get(r, "-inf")) > self.timeout_s for r in range(self.world_size) if r != self.rank)
 
     def _beat(self) -> None:
         try:
@@ -135,8 +210,7 @@ class StepWatchdog:
         if answer is None:  # the store's host is frozen, gone, or cut off (a blackholed link blocks reads for good)
             winner = True
             message = (f"rank 0 (which holds the job's store) does not answer: it is stopped or frozen, or the link "
-                       f"to its host is down; rank {self.rank} waited {self.timeout_s:g} s (--step-timeout) for step "
-                       f"{self._step + 1} to finish")
+                       f"to its host is down; {self._waited}")
         else:
             winner, message = answer
         if winner:
@@ -162,7 +236,8 @@ class StepWatchdog:
         silent = {r: now - float(after[r]) if r in after else math.inf for r in range(self.world_size)
                   if r != self.rank and before.get(r) == after.get(r) and r not in fired}
         steps = {r: int(value) for r, value in self._read("step").items()}
-        message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, silent=silent)
+        message = stuck_message(me=self.rank, step=self._step, timeout_s=self.timeout_s, steps=steps, silent=silent,
+                                allowance=self._allowance)
         if self._hang is None:
             return True, message
         live = set(range(self.world_size)) - set(silent)
@@ -174,8 +249,7 @@ class StepWatchdog:
         self._signal_mute(live - set(wheres))
         said = hang_message(wheres)
         if said and not silent and not all(waiting for waiting, _ in wheres.values()):  # one rank is elsewhere
-            message = (f"{said}; rank {self.rank} waited {self.timeout_s:g} s (--step-timeout) for step "
-                       f"{self._step + 1} to finish")
+            message = f"{said}; {self._waited}"
         elif said:
             message = f"{message}; {said}"
         folder = self._hang.folder

@@ -20,7 +20,7 @@ from torch import nn
 from pipetrain.blocks import BlockModel, Tensors, tp_ability, tp_plan_hook
 from pipetrain.errors import ConfigError
 from pipetrain.lora.config import ADAPTER_NAME, LoraSettings, require_peft
-from pipetrain.lora.identity import config_identity, folder_identity
+from pipetrain.lora.identity import WHOLE, config_identity, folder_identity
 from pipetrain.lora.tp import lora_tp_plan
 from pipetrain.parallel.tensor import TPPlan
 
@@ -61,7 +61,7 @@ class LoraBlocks:
                                    "drop --lora-rank to train every parameter")
         self.inner, self.settings = model, settings
         self.targets: tuple[str, ...] = settings.targets or tuple(hook())
-        self._identity: dict[str, Any] | None = None
+        self._identity: dict[str, dict[str, Any]] = {}  # by hashing method
         self._check_targets()
 
     def _check_targets(self) -> None:
@@ -104,19 +104,20 @@ class LoraBlocks:
         return [name for name, module in block.named_modules() if hasattr(module, "lora_A") and
                 ADAPTER_NAME in getattr(module, "lora_A", {})]
 
-    def base_identity(self) -> dict[str, Any]:
-        """The base model's folder and a digest of its config and weights (`pipetrain.lora.identity`), recorded in
-        a checkpoint of the adapters and compared on resume and export; computed once."""
-        if self._identity is None:
+    def base_identity(self, method: str = WHOLE) -> dict[str, Any]:
+        """The base model's folder and a digest of its config and weights (`pipetrain.lora.identity`; `method`: how
+        the files are hashed, EDGES only to compare with an older checkpoint), recorded in a checkpoint of the
+        adapters and compared on resume and export; computed once per method."""
+        if method not in self._identity:
             source = getattr(self.inner, "checkpoint", None)
             folder = getattr(source, "folder", None)
             if folder is not None:
-                self._identity = folder_identity(folder)
+                self._identity[method] = folder_identity(folder, method)
             else:
                 config = getattr(self.inner, "config", None)
                 text = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
-                self._identity = config_identity(text)
-        return self._identity
+                self._identity[method] = config_identity(text)
+        return self._identity[method]
 
     def tied_parameters(self) -> list:
         hook = getattr(self.inner, "tied_parameters", None)

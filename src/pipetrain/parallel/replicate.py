@@ -1,12 +1,13 @@
-"""Data parallelism over the mesh's `dp` axis: DDP replicas or FSDP2 shards of each stage module."""
+"""Data parallelism over the mesh's `dp` axis: DDP replicas, or FSDP2 shards (HSDP: replicas of shard groups)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from pipetrain.parallel.mesh import Mesh
@@ -14,6 +15,7 @@ from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
 from pipetrain.compat.dtensor import is_strided
 from pipetrain.pipeline.precision import AutocastStage, compute_dtype
 from pipetrain.pipeline.recompute import RecomputeWrapper
+from pipetrain.plan.reshard import reshard_after_forward
 
 __all__ = ["data_parallel_wrapper"]
 
@@ -33,22 +35,51 @@ def _shard_placement(param: nn.Parameter) -> Shard | None:
     return Shard(1) if strided_rows else None
 
 
+def _reduce_each_microbatch(stage: FSDPModule) -> None:
+    """Make every backward of `stage` reduce-scatter its gradients block by block and reshard its weights.
+
+    torch's pipeline stages (2.13) set `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)`
+    before each micro-batch's backward, so gradients accumulate unsharded and weights stay gathered until the step's
+    last backward. A hook on the stage's outputs, run when the backward reaches them (after torch set its flags,
+    before any block's gradients are reduced), turns both back on: the gradients accumulate in the fp32 shards."""
+
+    def turn_on(_grad: torch.Tensor) -> None:
+        stage.set_requires_gradient_sync(True)
+        stage.set_reshard_after_backward(True)
+
+    def after_forward(_module: nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for tensor in output if isinstance(output, tuple) else (output,):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(turn_on)
+
+    stage.register_forward_hook(after_forward)
+
+
 def data_parallel_wrapper(
-    mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32"
+    mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32", reshard: str | int = "never",
+    split_backward: bool = False,
 ) -> Callable[[nn.Module], nn.Module] | None:
-    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
+    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1; with context
+    parallelism the group spans the data and context ranks, see `Mesh`).
 
     `ddp`: gradients all-reduced (averaged) after the last micro-batch; DDP skips frozen parameters (LoRA's base),
     and a stage with none to train is left unwrapped. With several stages per rank the
     stages' backward passes interleave, so DDP must not assume a static graph (torch 2.13 crashes at step 2
     with default flags and gives wrong gradients with `static_graph=True`); `find_unused_parameters=True`
     makes it correct. `fsdp`: FSDP2 `fully_shard` per block and per stage (parameters, gradients and
-    optimizer state sharded: the ZeRO-3 equivalent), parameters kept gathered between micro-batches.
+    optimizer state sharded: the ZeRO-3 equivalent); `hsdp`: the same on the 2-D (replicate, shard) mesh, sharded
+    within each group of `mesh.dp_shard` ranks, gradients all-reduced across the groups.
+    `reshard` (`--fsdp-reshard`, see `plan.reshard`): "never" keeps a stage's weights gathered from its forward to
+    its backward; "always" (or a group size N, FSDP2's int form) frees them after each block's forward, and then
+    each micro-batch's gradients are reduce-scattered at once and accumulated sharded (`ParallelConfig` refuses it
+    under the schedules that split a backward in two, `split_backward`, where "auto" is never).
     With a reduced `precision` (bf16), FSDP2's `MixedPrecisionPolicy` gathers parameters in bf16 (half the
     traffic and unsharded memory) and reduces gradients in fp32; the shards, hence the optimizer, stay fp32.
     The stage still runs under autocast (see `AutocastStage`), so ops autocast keeps in fp32 stay fp32.
     """
-    if mesh.dp == 1:
+    if mesh.replicas == 1:  # no data nor context parallelism
         return None
     if mode == "ddp":
         device = mesh.device_mesh.device_type
@@ -68,13 +99,18 @@ def data_parallel_wrapper(
     low = compute_dtype(precision)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None,
                                   cast_forward_inputs=True, output_dtype=torch.float32 if low else None)
+    after_forward = reshard_after_forward(reshard, pp=mesh.pp, split_backward=split_backward)
+    shard_mesh = mesh.shard_mesh
 
     def fsdp(module: nn.Module) -> nn.Module:
         for block in _blocks(module).children():
-            fully_shard(block, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy,
+            fully_shard(block, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=policy,
                         shard_placement_fn=_shard_placement)
-        return fully_shard(module, mesh=mesh.dp_mesh, reshard_after_forward=False, mp_policy=policy,
-                           shard_placement_fn=_shard_placement)
+        # the root's own parameters (none: every one is in a block) need no resharding; its forward ends the stage's
+        stage = fully_shard(module, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=policy,
+                            shard_placement_fn=_shard_placement)
+        if after_forward:
+            _reduce_each_microbatch(stage)
+        return stage
 
     return fsdp
-

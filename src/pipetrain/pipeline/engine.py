@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from pipetrain.partition import balance_bounds, resolve_balance
 from pipetrain.pipeline.compiled import compile_blocks
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
 from pipetrain.pipeline.runs import Run, plan_runs
+from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule
@@ -31,6 +33,19 @@ from pipetrain.pipeline.timeline import span
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SequenceCut(Protocol):
+    """What the engine asks of a sequence cut (context parallelism): this rank's inputs and targets of a batch, its
+    rank in the cut (rank 0 counts the samples), and the loss to run on the cut."""
+
+    rank: int
+
+    def inputs(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    def targets(self, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def loss(self, loss: Loss) -> Loss: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,10 @@ class PipelineEngine:
     most `config.shape_cache` of them (least recently used dropped). `split_block(index, block)` (tensor
     parallelism, see `pipetrain.parallel.tensor`) is applied to each block as it is built, before `wrap`; a rank
     with `counts_metrics=False` (a tensor-parallel peer of one that counts) adds nothing to the step's metrics.
+    `sequence_split` (context parallelism, `pipetrain.context.SequenceSplit`) cuts every batch's sequences to this
+    rank's tokens before the run, and adapts the loss to the cut; `dp` and `dp_group` then span the data- and
+    context-parallel ranks (each holds other tokens of the same parameters), and `StepResult.outputs` holds this
+    rank's tokens.
 
     BatchNorm layers (docs/batchnorm.md): each micro-batch is normalised by its own statistics; the running
     statistics move once per micro-batch forward (never in a recomputed forward), or once per step with
@@ -88,11 +107,13 @@ class PipelineEngine:
         dp_group: dist.ProcessGroup | None = None,
         split_block: Callable[[int, nn.Module], nn.Module] | None = None,
         counts_metrics: bool = True,
+        sequence_split: SequenceCut | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.device = device
-        self.loss = as_loss(loss_fn)
+        self.sequence_split = sequence_split
+        self.loss = as_loss(loss_fn) if sequence_split is None else sequence_split.loss(as_loss(loss_fn))
         #: the tensors the loss reads from the last block (`Loss.outputs`, 1 unless it says more: logits and a
         #: MoE model's auxiliary losses); `StepResult.outputs` holds the first
         self._reads = getattr(self.loss, "outputs", 1)
@@ -125,7 +146,9 @@ class PipelineEngine:
                 compile_blocks(blocks, dynamic=config.compile_dynamic)
             stage = BlockSequential(*blocks)
             norms = StageNorms(stage, deferred=config.deferred_batchnorm)
-            wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing)
+            wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing,
+                                       unit=config.recompute_unit, every=config.recompute_every, first_block=start,
+                                       offload=ActivationOffload(device) if config.offload_activations else None)
             self._norms.append(norms)
             self._recompute.append(wrapper)
             self.modules.append(wrap(wrapper) if wrap else wrapper)
@@ -178,6 +201,11 @@ class PipelineEngine:
                 index, _, rest = name.partition(".")
                 yield f"{first_block + int(index)}.{rest}", buffer
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of activations the last step moved to host memory (`PipelineConfig.offload_activations`)."""
+        return sum(w.offload.offloaded_bytes for w in self._recompute if w.offload is not None)
+
     def train(self, mode: bool = True) -> None:
         for module in self.modules:
             module.train(mode)
@@ -225,6 +253,9 @@ class PipelineEngine:
     def _run(self, inputs: Tensors | None, targets: torch.Tensor | None, *, train: bool,
              global_count: int | None) -> StepResult:
         inputs = as_tuple(inputs) if inputs is not None else None
+        if self.sequence_split is not None:  # context parallelism: this rank's tokens of every sequence
+            inputs = self.sequence_split.inputs(inputs) if inputs is not None else None
+            targets = self.sequence_split.targets(targets) if targets is not None else None
         reference = inputs[0] if inputs else targets
         if reference is None:
             raise ConfigError("step() got neither inputs nor targets", hint="pass the batch on every rank")
@@ -298,7 +329,7 @@ class PipelineEngine:
             outputs_ = tuple(t.detach() for t in outputs) if isinstance(outputs, tuple) else outputs.detach()
             totals[0] = self.loss.total(outputs_, targets).double()
             totals[1] = self.loss.count(targets)
-            totals[2] = batch_size
+            totals[2] = batch_size if self.sequence_split is None or self.sequence_split.rank == 0 else 0
             correct = self.loss.correct(outputs_, targets)
             if correct is not None:
                 totals[3], totals[4] = correct, 1
@@ -323,7 +354,11 @@ class PipelineEngine:
 
     def _schedule(self, run: Run, train: bool, inputs: tuple[torch.Tensor, ...] | None):
         """The schedule of this run's micro-batch shape (built, and cached, on its first use)."""
-        example = self.model.example_input(run.size) if inputs is None else tuple(t[: run.size] for t in inputs)
+        if inputs is None:
+            example = as_tuple(self.model.example_input(run.size))
+            example = self.sequence_split.inputs(example) if self.sequence_split is not None else example
+        else:
+            example = tuple(t[: run.size] for t in inputs)
         key = (train, run, signature(as_tuple(example)))
         return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
 

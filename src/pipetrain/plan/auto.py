@@ -26,7 +26,7 @@ from pipetrain.plan.predict import Layout, Prediction, predict
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.plan.search import SearchSpace, enumerate_layouts
 
-__all__ = ["Fixed", "AutoChoice", "MARGIN", "choose_layout", "layout_flags", "plainness"]
+__all__ = ["Fixed", "AutoChoice", "MARGIN", "choose_layout", "layout_flags", "memory_flags", "plainness"]
 
 _MB = 2**20
 #: Layouts predicted within this fraction of the fastest count as equally fast (the planner's median error).
@@ -34,9 +34,11 @@ MARGIN = 0.10
 
 
 def plainness(layout: Layout) -> tuple[bool, ...]:
-    """Sort key: False first for DDP (or one replica), no recomputation, a whole backward, one stage per rank."""
+    """Sort key: False first for DDP (or one replica), no recomputation, a whole backward, one stage per rank, then
+    weights kept gathered, whole-stage recomputation, no offloading (the memory modes pay only where they must)."""
     return (layout.dp > 1 and layout.dp_mode != "ddp", layout.checkpoint != "never",
-            layout.schedule in SPLIT_BACKWARD_SCHEDULES, layout.virtual > 1)
+            layout.schedule in SPLIT_BACKWARD_SCHEDULES, layout.virtual > 1, layout.fsdp_reshard,
+            layout.recompute_unit != "stage", layout.offload)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,12 +58,14 @@ class Fixed:
         """Whether `layout` keeps every fixed choice."""
         return all(want is None or getattr(layout, name) == want for name, want in vars(self).items())
 
-    def space(self, max_chunks: int) -> SearchSpace:
-        """The search space these choices leave."""
+    def space(self, max_chunks: int, offload: bool = False) -> SearchSpace:
+        """The search space these choices leave: with both FSDP resharding choices, selective recomputation, and
+        activation offloading where it moves something (`offload`: a GPU)."""
         base = SearchSpace()
         return SearchSpace(
             schedules=(self.schedule,) if self.schedule else SIMULATED_SCHEDULES,
-            checkpoints=(self.checkpoint,) if self.checkpoint else base.checkpoints,
+            checkpoints=(self.checkpoint,) if self.checkpoint else (*base.checkpoints, "selective"),
+            fsdp_reshard="both", offload=(False, True) if offload else (False,),
             dp_modes=(self.dp_mode,) if self.dp_mode else base.dp_modes,
             balances=(self.balance,) if self.balance else base.balances,
             virtual=(self.virtual,) if self.virtual else base.virtual,
@@ -83,7 +87,7 @@ def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device
     """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
     `device.memory_bytes`, among those `fixed` allows and `accepts` takes; `precision` the job's ("bf16": FSDP
     gathers its weights in bf16, see `Layout.precision`)."""
-    space = replace(fixed.space(max_chunks), precision=precision)
+    space = replace(fixed.space(max_chunks, offload=not device.cores), precision=precision)
     layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, space, gpus_per_node)
                if getattr(layout, "tp", 1) == 1 and fixed.allows(layout) and accepts(layout)]  # no TP yet
     if not layouts:
@@ -121,4 +125,20 @@ def layout_flags(prediction: Prediction) -> list[str]:
         flags += ["--stages-per-rank", str(lay.virtual)]
     if lay.pp * lay.virtual > 1:
         flags += ["--balance", ",".join(map(str, prediction.balance))]
+    return flags + memory_flags(lay)
+
+
+def memory_flags(layout: Layout) -> list[str]:
+    """The `pipetrain train` flags of `layout`'s memory modes (none for the plain layout)."""
+    flags = []
+    if layout.recompute_unit != "stage" and layout.checkpoint != "never":
+        flags += ["--recompute-unit", layout.recompute_unit]
+        if layout.recompute_every > 1:
+            flags += ["--recompute-every", str(layout.recompute_every)]
+    if layout.dp_mode == "hsdp":
+        flags += ["--dp-shard", str(layout.dp_shard)]
+    if layout.fsdp_reshard and layout.shards > 1 and layout.dp > 1:
+        flags += ["--fsdp-reshard", "always"]
+    if layout.offload:
+        flags.append("--offload-activations")
     return flags

@@ -54,6 +54,9 @@ class Device:
     pipeline_slowdown: float = 0.0
     #: extra seconds of an optimizer step per DTensor parameter (TP-split or FSDP-sharded; bench/calibrate_tp.py)
     optimizer_s_per_dtensor: float = 0.0
+    #: device <-> pinned host copy rate of activation offloading (a PCIe 4.0 x16 link's practical rate unless
+    #: calibrated; on a CPU device nothing moves)
+    host_bytes_per_s: float = 25e9
 
     def flops_at(self, samples: float) -> float:
         """The effective FLOP rate on a micro-batch of `samples`: `rate_by_samples` (measured sizes, ascending)

@@ -114,6 +114,9 @@ class BlockCost:
     #: parameters of `params` that train no more (a LoRA run's frozen base): no gradient, no optimizer state, no
     #: data-parallel reduction
     frozen_params: int = 0
+    #: of `activation_bytes`, what selective recomputation keeps (the block's input and its matrix products' and
+    #: attention's outputs); None: unknown (a profile), counted as all of them
+    selective_bytes: float | None = None
     #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
     experts: ExpertSplit | None = None
     #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)
@@ -179,6 +182,7 @@ def transformer_blocks(*, vocab_size: int, seq_len: int, emsize: int, nhead: int
             name=f"TransformerEncoderLayer{index}", params=layer_params, param_bytes=e * layer_params,
             activation_bytes=layer_act, output_bytes=float(e * sh), forward_flops=float(layer_flops),
             forward_traffic=float(layer_traffic), kernels=24, tensors=12, tensor=split,
+            selective_bytes=float(e * s * (7 * h + f)),  # input, QKV, attention, projection, MLP's two products
         ))
     head_params = 2 * h + h * num_classes + num_classes
     blocks.append(BlockCost(

@@ -5,8 +5,10 @@ the block costs and the device, point-to-point transfers and the data-parallel g
 the network) + the optimizer step (AdamW over the rank's parameters) + one small collective (the step's
 metrics). Memory per rank = parameters, gradients and the two AdamW moments (4 copies of the parameter
 bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharded over dp; DDP adds its
-gradient buckets; bf16 and Float8 under FSDP: `static_bytes`) + the simulated activation peak (a recomputing
-micro-batch keeps its stage's input, or with `recompute_unit="layer"` every block's input) + the receive buffers
+gradient buckets; bf16 and Float8 under FSDP: `static_bytes`; FSDP resharding after forward: two blocks'
+weights gathered and one block's gradient unsharded) + the simulated activation peak (a recomputing micro-batch
+keeps its stage's input, with `recompute_unit="layer"` every (K-th) block's input, with "selective" every block's
+`selective_bytes`; offloading: at most three micro-batches' activations on the device) + the receive buffers
 torch's stages allocate per micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory
 before the model).
 A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
@@ -41,8 +43,8 @@ from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatc
 from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
                                    tp_params, tp_problem, tp_traffic)
 
-__all__ = ["Layout", "Prediction", "predict", "static_bytes", "stage_costs", "block_times", "optimizer_s",
-           "rank_speeds", "order_of", "reduce_s", "clear_caches"]
+__all__ = ["Layout", "Prediction", "SELECTIVE_RECOMPUTE_SHARE", "predict", "static_bytes", "stage_costs",
+           "block_times", "optimizer_s", "rank_speeds", "order_of", "reduce_s", "clear_caches"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +70,9 @@ class Layout:
     #: what-if: Float8 projections whose FSDP all-gather is in float8 (gathered at 1 byte; torchtitan's
     #: `enable_fsdp_float8_all_gather`); pipetrain's engine has no Float8
     float8: bool = False
-    #: what recomputation checkpoints: "stage" (pipetrain: the whole stage, keeping its input) or, what-if,
-    #: "layer" (each block alone, keeping every block's input: torchtitan's and Megatron's full recomputation)
+    #: what recomputation checkpoints: "stage" (the whole stage, keeping its input), "layer" (each block alone,
+    #: keeping every block's input: torchtitan's and Megatron's full recomputation) or "selective" (each block
+    #: keeping its matrix products' and attention's outputs, `BlockCost.selective_bytes`)
     recompute_unit: str = "stage"
     #: expert parallelism: each MoE block's routed experts divided over `ep` ranks of its stage's dp group
     ep: int = 1
@@ -78,6 +81,22 @@ class Layout:
     #: context parallelism: each sequence split over `cp` ranks of a stage (beside tp), and their attention
     cp: int = 1
     cp_attention: str = "ring"
+    #: with unit "layer" or "selective": only every K-th block recomputes (the others keep all their activations)
+    recompute_every: int = 1
+    #: FSDP only: weights resharded after each block's forward (gathered again for its backward) and gradients
+    #: reduce-scattered per micro-batch, accumulated sharded (`--fsdp-reshard always`; see plan/reshard.py)
+    fsdp_reshard: bool = False
+    #: activations of micro-batches waiting for their backward held in host memory (`--offload-activations`)
+    offload: bool = False
+    #: with dp_mode "hsdp": ranks of one shard group (FSDP within, replicas across: `--dp-shard`)
+    dp_shard: int = 0
+
+    @property
+    def shards(self) -> int:
+        """Ranks a parameter is sharded over: dp under FSDP, the shard group under HSDP, else 1."""
+        if self.dp_mode == "hsdp":
+            return self.dp_shard or self.dp
+        return self.dp if self.dp_mode == "fsdp" else 1
 
     @property
     def world_size(self) -> int:
@@ -187,16 +206,27 @@ def _crosses_node(stage: int, layout: Layout) -> bool:
 
 
 def reduce_s(param_bytes: float, layout: Layout, network: Network, groups: int = 0) -> float:
-    """Ring all-reduce (DDP) or reduce-scatter + two all-gathers (FSDP) of one stage over dp replicas; FSDP
-    also pays `network.fsdp_group_s` for each of its `groups` (parameter groups: the stage's blocks and root)."""
+    """Ring all-reduce (DDP) or reduce-scatter + two all-gathers (FSDP) of one stage over dp replicas, once per
+    micro-batch when FSDP reshards (`Layout.fsdp_reshard`); FSDP also pays `network.fsdp_group_s` for each of its
+    `groups` (parameter groups: the stage's blocks and root) each time."""
     n = layout.dp
     if n == 1:
         return 0.0
     across = layout.gpus_per_node > 0 and layout.world_size > layout.gpus_per_node
     latency, bandwidth = (network.across_collective() if across
                           else (network.collective_latency_s, network.collective_bytes_per_s))
-    volume = (3.0 if layout.dp_mode == "fsdp" else 2.0) * (n - 1) / n * param_bytes
-    fixed = groups * network.fsdp_group_s if layout.dp_mode == "fsdp" else 0.0
+    sharded = layout.dp_mode in ("fsdp", "hsdp")
+    if layout.dp_mode == "hsdp":  # FSDP within a shard group (a node), then an all-reduce of the shards across
+        inner = replace(layout, dp_mode="fsdp", dp=layout.shards, gpus_per_node=0)
+        replicas = n // layout.shards
+        return (reduce_s(param_bytes, inner, network, groups) +
+                (2.0 * (replicas - 1) / replicas * param_bytes / layout.shards / bandwidth + 2 * (replicas - 1)
+                 * latency if replicas > 1 else 0.0))
+    # FSDP resharding after forward: each micro-batch gathers the weights twice (forward, backward) and
+    # reduce-scatters its gradients; else the weights are gathered and the gradients reduced once per step
+    rounds = layout.chunks if sharded and layout.fsdp_reshard else 1
+    volume = rounds * (3.0 if sharded else 2.0) * (n - 1) / n * param_bytes
+    fixed = rounds * groups * network.fsdp_group_s if sharded else 0.0
     return volume / bandwidth + 2 * (n - 1) * latency + fixed
 
 
@@ -223,15 +253,27 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         bandwidth = network.inter_bytes_per_s if across else network.p2p_bytes_per_s
         backward = sum(t[1] for t in times)
         held = again = None
-        if layout.recompute_unit == "layer":  # every block keeps its input; the stage's output stays for backward
-            inputs = [tp_output_bytes(blocks[i - 1], tp, sp) if i else 0.0 for i in range(start, stop)]
-            held = samples * (sum(inputs) + tp_output_bytes(part[-1], tp, sp))
-            again = held + samples * device.activation_factor * max(tp_activation_bytes(b, tp, sp) for b in part)
+        acts = [device.activation_factor * tp_activation_bytes(b, tp, sp) for b in part]
+        chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0]
+        if layout.recompute_unit in ("layer", "selective"):
+            kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
+            # the stage's output stays for its backward too, unless its last block keeps all its activations anyway
+            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] else 0.0
+            held = samples * (sum(kept) + output)
+            # recomputing one block at a time brings back its activations (selective: those it had dropped)
+            dropped = [acts[i - start] - (kept[i - start] if layout.recompute_unit == "selective" else 0.0)
+                       for i in chosen]
+            again = held + samples * max(dropped, default=0.0)
         elif layout.recompute_unit != "stage":
-            raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}", hint="use 'stage' or 'layer'")
+            raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}",
+                              hint="use 'stage', 'layer' or 'selective'")
+        forward = sum(t[0] for t in times)
+        share = SELECTIVE_RECOMPUTE_SHARE if layout.recompute_unit == "selective" else 1.0
+        redo = forward if layout.recompute_unit == "stage" else share * sum(times[i - start][0] for i in chosen)
+        moved = samples * sum(acts) / device.host_bytes_per_s if layout.offload else 0.0  # each way, overlapped
         costs.append(StageCost(
-            forward_s=sum(t[0] for t in times) + comm + moe_forward,
-            backward_s=backward + comm + moe_backward,
+            forward_s=forward + comm + moe_forward + max(0.0, moved - forward),
+            backward_s=backward + comm + moe_backward + max(0.0, moved - backward),
             activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
@@ -240,9 +282,29 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
             + (reduce_s(sum(b.param_bytes * b.trained_share for b in shares), expert_layout(grads), network,
                         groups=len(shares)) if shares else 0.0),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
-            held_bytes=held, recompute_bytes=again,
+            held_bytes=held, recompute_bytes=again, recompute_s=redo + comm,
         ))
     return costs
+
+
+#: the share of a block's forward time selective recomputation runs again (its cheap ops: norms, activations,
+#: elementwise; the matrix products and attention are kept): their share of a transformer layer's time at scale
+SELECTIVE_RECOMPUTE_SHARE = 0.1
+
+
+def _kept_bytes(blocks: Sequence[BlockCost], index: int, layout: Layout, acts: float, chosen: bool) -> float:
+    """Per sample, what block `index` keeps for its backward under a per-block unit: all its activations when not
+    `chosen` to recompute; its input ("layer"); its selectively kept tensors ("selective", the input among them)."""
+    if not chosen:
+        return acts
+    tp, sp = layout.tp, layout.sequence_parallel
+    entry = tp_output_bytes(blocks[index - 1], tp, sp) if index else 0.0
+    if layout.recompute_unit == "layer":
+        return entry
+    block = blocks[index]
+    if block.selective_bytes is None or not block.activation_bytes:
+        return acts  # nothing known to recompute cheaply: counted as kept
+    return max(entry, acts * block.selective_bytes / block.activation_bytes)
 
 
 def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
@@ -254,19 +316,28 @@ def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
     2 + 4/dp copies of the parameter bytes; in bf16 the gathered weights take 2 bytes per parameter (1 for Float8
     projections, `float8`), the accumulated gradients 4 (FSDP2 accumulates in its fp32 reduce dtype), the shards
     16 / dp. Frozen parameters (`BlockCost.frozen_params`, a LoRA run's base) hold their weights only: no gradient,
-    no moments, no DDP bucket."""
+    no moments, no DDP bucket. With `fsdp_reshard` only two blocks' weights are gathered at once (the one computing,
+    the one prefetched) and one block's unsharded gradient (reduce-scattered per micro-batch), beside the shards."""
     param_bytes = sum(tp_param_bytes(b, layout.tp) for b in blocks)
     trained_bytes = sum(tp_param_bytes(b, layout.tp) * b.trained_share for b in blocks)
     if layout.precision not in ("fp32", "bf16"):
         raise ConfigError(f"unknown precision {layout.precision!r} for memory", hint="use 'fp32' or 'bf16'")
-    if layout.dp_mode != "fsdp" or layout.dp == 1:
-        return param_bytes + (4 if layout.dp > 1 else 3) * trained_bytes
+    if layout.shards == 1 or layout.dp == 1:
+        return param_bytes + (4 if layout.dp > 1 and layout.dp_mode == "ddp" else 3) * trained_bytes
+    shards_of = layout.shards
     if layout.precision == "fp32":
-        return param_bytes + trained_bytes + (param_bytes + 3 * trained_bytes) / layout.dp
-    params = sum(tp_params(b, layout.tp) for b in blocks)
-    trained = sum(tp_params(b, layout.tp) * b.trained_share for b in blocks)
-    fp8 = sum(b.matmul_params / (layout.tp if b.tensor is not None else 1) for b in blocks) if layout.float8 else 0.0
-    return 2 * (params - fp8) + fp8 + 4 * trained + (4 * params + 12 * trained) / layout.dp
+        gathered, grads = [tp_param_bytes(b, layout.tp) for b in blocks], [tp_param_bytes(b, layout.tp) *
+                                                                             b.trained_share for b in blocks]
+        shards = (param_bytes + 3 * trained_bytes) / shards_of
+    else:
+        fp8 = [b.matmul_params / (layout.tp if b.tensor is not None else 1) if layout.float8 else 0.0 for b in blocks]
+        gathered = [2 * (tp_params(b, layout.tp) - f) + f for b, f in zip(blocks, fp8)]
+        grads = [4 * tp_params(b, layout.tp) * b.trained_share for b in blocks]
+        shards = sum(4 * tp_params(b, layout.tp) * (1 + 3 * b.trained_share) for b in blocks) / shards_of
+    if not layout.fsdp_reshard:
+        return sum(gathered) + sum(grads) + shards
+    # resharded: the block computing and the one prefetched gathered, one block's unsharded gradient being reduced
+    return sum(sorted(gathered)[-2:]) + max(grads, default=0.0) + shards
 
 
 def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> Prediction:
@@ -303,14 +374,17 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         held = rank_stages(rank, layout.pp, layout.virtual, placement(layout.schedule))
         mine = [blocks[i] for s in held for i in range(*bounds[s])]
         grads = layout.gradient_layout()
-        sharded = grads.dp_mode == "fsdp" and grads.dp > 1
+        sharded = grads.shards > 1 and grads.dp > 1
         dense, shares = rank_parts(mine, layout.ep)
         experts = expert_layout(grads)
         static = static_bytes(dense, grads) + (static_bytes(shares, experts) if shares else 0.0)
         buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
-        memory.append(device.baseline_bytes + static + timeline.peak_activation_bytes[rank] + buffers)
+        activations = timeline.peak_activation_bytes[rank]
+        if layout.offload:  # on the device: the micro-batch computing, the one coming back, the step's last
+            activations = min(activations, 3 * sum(costs[s].activation_bytes for s in held))
+        memory.append(device.baseline_bytes + static + activations + buffers)
         expert_shards = experts.dp if layout.dp_mode == "fsdp" and experts.dp > 1 else 1
-        optimizer = max(optimizer, optimizer_s(dense, device, grads.dp if sharded else 1, layout.tp)
+        optimizer = max(optimizer, optimizer_s(dense, device, grads.shards if sharded else 1, layout.tp)
                         + (optimizer_s(shares, device, expert_shards) if shares else 0.0))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
     step = timeline.span_s + optimizer + network.collective_latency_s

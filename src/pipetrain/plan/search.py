@@ -31,7 +31,9 @@ from pipetrain.plan.context import context_samples, cp_problem
 from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.predict import Layout, Prediction, block_times, optimizer_s, predict, reduce_s
+from pipetrain.plan.predict import (SELECTIVE_RECOMPUTE_SHARE, Layout, Prediction, block_times, optimizer_s, predict,
+                                    reduce_s)
+from pipetrain.plan.reshard import reshard_after_forward
 from pipetrain.plan.schedules import MULTI_STAGE_SCHEDULES, SIMULATED_SCHEDULES, V_SCHEDULES, min_microbatches
 from pipetrain.plan.tensor import tp_comm_s, tp_param_bytes, tp_problem
 
@@ -58,6 +60,12 @@ class SearchSpace:
     precision: str = "fp32"
     float8: bool = False
     recompute_unit: str = "stage"
+    recompute_every: int = 1
+    #: FSDP's resharding after forward: "never", "always", "auto" (plan/reshard.py: at pp 1 always; in a pipeline
+    #: only where the layout would not fit with its weights gathered) or "both" (each FSDP layout both ways)
+    fsdp_reshard: str = "never"
+    #: whether to consider activation offloading (False, True or both)
+    offload: tuple[bool, ...] = (False,)
     #: consider only this many micro-batches per replica (None: every power of 2 up to `max_chunks`)
     only_chunks: int | None = None
     #: expert-parallel degrees to try (a mixture-of-experts model), and the router's imbalance (`Layout`'s)
@@ -131,20 +139,31 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                     if chunks < min_microbatches(schedule, pp) or (multi and schedule not in V_SCHEDULES
                                                                    and chunks % pp):
                         continue
-                    for checkpoint in space.checkpoints:
+                    for checkpoint, offload in ((c, o) for c in space.checkpoints for o in space.offload):
                         if checkpoint == "except_last" and chunks == 1:
                             continue  # the last (only) micro-batch does not recompute: same as "never"
+                        if offload and (chunks == 1 or checkpoint != "never"):
+                            continue  # nothing waits for its backward, or little is kept: offloading moves nothing
+                        # "selective": shorthand for always with the selective unit (as `--checkpoint selective`)
+                        policy, unit = ("always", "selective") if checkpoint == "selective" else (
+                            checkpoint, space.recompute_unit)
                         for mode in space.dp_modes if dp > 1 else ("ddp",):
+                            shard = _shard_group(mode, dp, pp, tp, gpus_per_node)
+                            if mode == "hsdp" and not shard:
+                                continue  # HSDP needs shard groups of a node's ranks, more than one of them
                             if dp > 1 and mode == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
                                 continue  # refused by ParallelConfig: DDP gets such a backward wrong
                             if dp > 1 and mode == "ddp" and tp > 1:
                                 continue  # refused by ParallelConfig: tensor parallelism composes with FSDP2
-                            for balance in space.balances if pp * v > 1 else ("uniform",):
+                            for balance, reshard in ((b, r) for b in (space.balances if pp * v > 1 else ("uniform",))
+                                                     for r in _reshards(space, mode, dp, pp, schedule)):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
-                                                      virtual=v, checkpoint=checkpoint, dp_mode=mode, balance=balance,
+                                                      virtual=v, checkpoint=policy, dp_mode=mode, balance=balance,
                                                       gpus_per_node=gpus_per_node, tp=tp, sequence_parallel=sp,
                                                       precision=space.precision, float8=space.float8,
-                                                      recompute_unit=space.recompute_unit))
+                                                      recompute_unit=unit, fsdp_reshard=reshard, offload=offload,
+                                                      recompute_every=space.recompute_every if unit != "stage"
+                                                      else 1, dp_shard=shard))
     return layouts
 
 
@@ -172,10 +191,12 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
     work = total + 2 * comm
     if layout.checkpoint != "never":
         again = layout.chunks if layout.checkpoint == "always" else layout.chunks - 1
-        work += again / layout.chunks * (forward + comm)
+        redo = SELECTIVE_RECOMPUTE_SHARE * forward if layout.recompute_unit == "selective" else forward
+        work += again / layout.chunks * (redo + comm) / (layout.recompute_every if layout.recompute_unit != "stage"
+                                                         else 1)
     actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
     grads = layout.gradient_layout()
-    shards = grads.dp if layout.dp_mode == "fsdp" else 1
+    shards = grads.shards
     experts = expert_layout(grads)
     expert_shards = experts.dp if layout.dp_mode == "fsdp" else 1
     if cache is None or (shards, tp, layout.ep) not in cache:
@@ -209,6 +230,9 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
         layout = layouts[index]
         prediction = predict(blocks, layout, device, network)
         result.simulated += 1
+        if _reshards_to_fit(layout, prediction, space, device):  # "auto" inside a pipeline: only where it must
+            prediction = predict(blocks, replace(layout, fsdp_reshard=True), device, network)
+            result.simulated += 1
         key = (replace(layout, balance="uniform"), prediction.balance)
         if key in seen_balance:
             continue  # "time" gave the uniform split: the same layout twice
@@ -228,6 +252,35 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
         )
     result.too_big.sort(key=lambda p: p.step_s)
     return result
+
+
+def _shard_group(mode: str, dp: int, pp: int, tp: int, gpus_per_node: int) -> int:
+    """HSDP's shard group: the dp ranks of one node (rank = (dp_rank * pp + pp_rank) * tp + tp_rank), when there are
+    several of them and several nodes' worth of replicas; 0 otherwise (and for the other modes)."""
+    if mode != "hsdp" or not gpus_per_node or gpus_per_node % (pp * tp):
+        return 0
+    shard = gpus_per_node // (pp * tp)
+    return shard if 1 < shard < dp and dp % shard == 0 else 0
+
+
+def _reshards(space: SearchSpace, mode: str, dp: int, pp: int, schedule: str) -> tuple[bool, ...]:
+    """Whether FSDP reshards after forward in the layouts of this mode, dp, pp and schedule: one or both ways."""
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
+    if mode not in ("fsdp", "hsdp") or dp == 1 or split and space.fsdp_reshard != "never":
+        return (False,)  # resharding is refused under the split-backward schedules (ParallelConfig)
+    if space.fsdp_reshard == "both":
+        return (False, True)
+    return (reshard_after_forward(space.fsdp_reshard, pp=pp) is True,)
+
+
+def _reshards_to_fit(layout: Layout, prediction: Prediction, space: SearchSpace, device: Device) -> bool:
+    """Whether `--fsdp-reshard auto` reshards this FSDP layout in a pipeline: its gathered weights do not fit."""
+    if space.fsdp_reshard != "auto" or layout.fsdp_reshard or layout.shards == 1 or layout.dp == 1:
+        return False
+    if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        return False
+    over = max(prediction.memory_bytes) - device.memory_bytes
+    return reshard_after_forward("auto", pp=layout.pp, gathered_bytes=over, budget_bytes=0.0) is True
 
 
 def _no_layout(num_blocks: int, gpus: int, batch: int) -> str:

@@ -55,6 +55,8 @@ class StageCost:
     #: `activation_bytes`, every block's activations at once)
     held_bytes: float | None = None
     recompute_bytes: float | None = None
+    #: seconds a recomputing micro-batch's backward runs again (None: `forward_s`, the whole forward)
+    recompute_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,8 @@ def _duration(row: tuple[int, ...], costs: Sequence[StageCost], recomputed: Coll
     if kind == 4:
         return cost.reduce_s
     share = 1.0 if kind == 1 else (1.0 - cost.weight_share if kind == 2 else cost.weight_share)
-    again = cost.forward_s if mb in recomputed and kind != 3 else 0.0
+    redo = cost.forward_s if cost.recompute_s is None else cost.recompute_s
+    again = redo if mb in recomputed and kind != 3 else 0.0
     return cost.backward_s * share + overhead_s + again
 
 

@@ -168,6 +168,13 @@ class DecoderSizes:
         replicated = 4 * e * s * self.hidden + (2 * s * self.hidden if self.dropout else 0)
         return float(replicated + split), float(split)
 
+    def layer_selective_bytes(self, seq_len: int, element: int = 2) -> float:
+        """Bytes one layer keeps per sample under selective recomputation (`SAVED_OPS`): its input, the q, k, v
+        projections, the attention output, the output projection, the MLP's gate and up (or first) products and
+        its down product; the norms, rotary, activation and residual sums are recomputed."""
+        h, q, k, f = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return float(element * seq_len * (3 * h + 2 * q + 2 * k + (2 if self.gated else 1) * f))
+
     def blocks(self, seq_len: int, *, element: int = 2, vocab_parallel: bool = False) -> list[BlockCost]:
         """The planner's costs of pipetrain's blocks (embedding, layers, head) at `seq_len`, activations of
         `element` bytes (2 under bf16 autocast, 4 in fp32), parameters counted in fp32."""
@@ -208,6 +215,7 @@ class DecoderSizes:
                 name=f"DecoderLayer{index}", params=layer, param_bytes=4.0 * layer, activation_bytes=kept,
                 output_bytes=float(e * sh), forward_flops=float(flops), forward_traffic=float(traffic), kernels=20,
                 tensors=tensors, tensor=split, matmul_params=self.matmul_params(), context=context,
+                selective_bytes=self.layer_selective_bytes(s, e),
             ))
         head = self.head_params()
         logits = 8 * s * V  # fp32 logits and their log-probabilities, kept for the loss's backward

@@ -61,7 +61,7 @@ class Tracer:
         self.title = title or (f"{config.schedule}, pp={config.pp}, chunks={config.n_microbatches}, "
                                f"{config.virtual_stages} stage(s) per rank")
         wrappers = [m for module in engine.modules for m in module.modules() if isinstance(m, RecomputeWrapper)]
-        self._recorder = Recorder([w.module for w in wrappers], clock_for(engine.device))
+        self._recorder = Recorder([m for w in wrappers for m in w.recompute_modules], clock_for(engine.device))
         self._seen = 0
 
     @property

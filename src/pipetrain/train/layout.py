@@ -138,10 +138,11 @@ def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
     def accepts(layout: Layout) -> bool:
         try:
             pipeline = PipelineConfig(pp=layout.pp, schedule=layout.schedule, n_microbatches=layout.chunks,
-                                      checkpoint=layout.checkpoint,
+                                      checkpoint=layout.checkpoint, recompute_unit=layout.recompute_unit,
                                       stages_per_rank=layout.virtual if layout.virtual > 1 else None)
             pipeline.check_blocks(num_blocks)
-            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline)
+            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline,
+                           dp_shard=layout.dp_shard if layout.dp_mode == "hsdp" else None)
         except ConfigError:
             return False
         return True
@@ -189,7 +190,9 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
     best = choice.prediction
     lay = best.layout
     pipeline = replace(config.parallel.pipeline, pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks,
-                       checkpoint=lay.checkpoint, stages_per_rank=lay.virtual if lay.virtual > 1 else None,
+                       checkpoint=lay.checkpoint, recompute_unit=lay.recompute_unit,
+                       recompute_every=lay.recompute_every, offload_activations=lay.offload,
+                       stages_per_rank=lay.virtual if lay.virtual > 1 else None,
                        balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform")
     if say:
         if resize is not None:
@@ -199,7 +202,10 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
         log.info("pipetrain: predicted %.3f s/step, memory per rank %s MB (budget %.0f MB); block costs: %s; "
                  "device and network: %s", best.step_s, "/".join(f"{m / _MB:.0f}" for m in best.memory_bytes),
                  memory / _MB, blocks_source, calib_source)
-    return replace(config, parallel=replace(config.parallel, dp=lay.dp, dp_mode=lay.dp_mode, pipeline=pipeline),
+    reshard = "always" if lay.fsdp_reshard and lay.shards > 1 and lay.dp > 1 else "never"
+    return replace(config, parallel=replace(config.parallel, dp=lay.dp, dp_mode=lay.dp_mode, pipeline=pipeline,
+                                            fsdp_reshard=reshard,
+                                            dp_shard=lay.dp_shard if lay.dp_mode == "hsdp" else None),
                    layout=LayoutRequest(),  # the split is chosen: nothing left to balance
                    logs=replace(config.logs, predicted=(best.step_s, best.memory_bytes[0] / _MB)))
 

@@ -69,9 +69,9 @@ def _banner(config: TrainConfig, workload: Workload, session: Session, train: Da
     window = "" if config.window is None else f", window {config.window}"
     data = (f"{train.source} (evaluation: {len(test):,} {workload.eval_split(test)} samples{window}"
             f"{', bucketed' if config.bucket else ''})")
-    return (f"{data} | workload {workload.name}, preset {config.preset} | dp={parallel.dp} ({parallel.dp_mode}) x "
+    return (f"{data} | workload {workload.name}, preset {config.preset} | dp={parallel.dp} ({parallel.dp_text}) x "
             f"pp={parallel.mesh_text} | schedule {pipeline.schedule}, chunks {pipeline.n_microbatches}, recompute "
-            f"{pipeline.checkpoint} | balance {session.engine.balance} | {config.precision} | device {session.device}"
+            f"{pipeline.recompute_text} | balance {session.engine.balance} | {config.precision} | device {session.device}"
             f" | {_length(config, workload, train)}")
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pipetrain.checkpoint.folders import read_meta
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.checkpoint.state import find_checkpoint
+from pipetrain.context import check_context
 from pipetrain.errors import ConfigError
 from pipetrain.launch.device import check_local_ranks
 from pipetrain.launch.env import ClusterEnv
@@ -41,6 +42,7 @@ def check_model(config: TrainConfig) -> None:
     config.parallel.pipeline.check_blocks(model.num_blocks)
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
+    check_context(model, config.parallel.cp, config.parallel.cp_attention, config.seq_len)
 
 
 def settled(config: TrainConfig) -> TrainConfig:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.context.attention import context_config
 from pipetrain.errors import ConfigError
 from pipetrain.moe.router import load_balancing_loss, router_statistics
 from pipetrain.pipeline.recompute import is_recomputing
@@ -134,6 +135,18 @@ class DecoderLayer(HFBlock):
                 self._routed.at = at
                 router.register_forward_hook(self._routed)
             self.top_k = config.num_experts_per_tok
+        self.context: Any = None  # a `pipetrain.context.ContextParallel` once attached (`use_context`)
+
+    def use_context(self, context: Any) -> None:
+        """Run attention over the sequence cut by context parallelism: the layer's attention modules take
+        transformers' "pipetrain_context" attention function (a config copy local to this block), and the mask is
+        the context's (`ContextMask`), built from the positions that cross the stage boundary."""
+        context.check_config(self.config)
+        config = context_config(self.config)
+        for module in self.layer.modules():
+            if getattr(module, "config", None) is self.config:
+                module.config = config
+        self.config, self.context = config, context
 
     def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
         """The layer's output; with per-token `positions` (packed documents: they restart at each document),
@@ -169,7 +182,9 @@ class DecoderLayer(HFBlock):
 
     def _layer(self, hidden: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         packed = positions is not None
-        if packed:
+        if self.context is not None and packed:  # context parallelism: positions are global (or per document)
+            mask = self.context.mask(hidden, positions)
+        elif packed:
             mask = document_mask(self.mask, self.config, hidden, positions, self.index)
         else:
             mask = self.mask(self.config, hidden, self.index)

@@ -54,6 +54,8 @@ class CausalLMLoss:
     Calling it gives the mean (transformers' loss)."""
 
     perplexity = True
+    #: position t is scored against target t + 1: context parallelism shifts the targets before cutting sequences
+    shifts_targets = True
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index
@@ -104,6 +106,7 @@ def _choose_kernels(config: Any) -> None:
 
 class HFCausalLM:
     """A transformers causal LM as a `BlockModel`: embedding, `num_hidden_layers` decoder layers, head.
+    Context parallelism (`--cp`) runs: the first block takes `(ids, positions)`, the decoder layers `use_context`.
 
     `config` is a transformers config (e.g. `LlamaConfig(...)`, `GPT2Config(...)`), `checkpoint` a local
     folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
@@ -115,6 +118,9 @@ class HFCausalLM:
     `from_folder` reads the config from the folder too, and proves the blocks against transformers' class on a tiny
     copy of it.
     """
+
+    #: the sequence may be cut over context-parallel ranks (`pipetrain.context`)
+    context_parallel = True
 
     def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64,
                  documents: bool = False) -> None:

@@ -1,0 +1,249 @@
+"""Benchmark: what each memory mode holds per rank on the CPU, measured beside the planner's prediction.
+
+Layouts: pp 1 x dp 2 (2 ranks), pp 1 x dp 4 and pp 2 x dp 2 (4 ranks); models: the `lm` workload's `cpu` preset
+(priced from a profile measured here, as `--layout auto` prices it) and a tiny Hugging Face Llama folder
+(`llama-cpu`, priced from its config.json, as `--model DIR` is). Modes: DDP; FSDP keeping weights gathered; FSDP
+resharding after forward (`--fsdp-reshard always`: gradients accumulate sharded); HSDP 2 x 2; whole-stage, every
+2nd layer and selective recomputation (`--checkpoint always`); offloading (on the CPU through its host-copy path:
+what it moves is reported, nothing leaves the process). One spawned job per world size runs every case in turn;
+per rank and case, after a warm-up step, one measured AdamW step records: the bytes of this rank's parameters,
+gradients and optimizer state (counted tensor by tensor: FSDP's local shards), the peak of the activations saved
+for backward (a saved-tensor hook around the step that counts each storage while autograd holds it: what the
+recomputation and offloading hooks keep out of it is not counted, and selective recomputation's kept products,
+held by torch's policy, are not seen: the process peak shows them), and the process's peak RSS above what it held
+before the case. The planner's figures for the same layout and mode (`plan.predict`, no device baseline): its
+static bytes (weights, gradients, AdamW) and activation peak (with receive buffers), and their sum.
+Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.launch.env import free_port
+from pipetrain.launch.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
+from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.partition.measure import profile_model
+from pipetrain.pipeline import TokenCrossEntropy
+from pipetrain.pipeline.offload import ActivationOffload
+from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan.model import profile_blocks
+from pipetrain.plan.predict import Layout, predict, static_bytes
+from pipetrain.plan.schedules import rank_stages
+from pipetrain.plan.transformer import load_sizes
+from pipetrain.session import build_session, close_session, join_job
+from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
+from pipetrain.workloads.hf.workload import HF_PRESETS
+from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
+
+MB = 2**20
+#: mode -> (dp_mode, fsdp_reshard, dp_shard, checkpoint, recompute_unit, recompute_every, offload)
+MODES = {
+    "ddp": ("ddp", "never", None, "never", "stage", 1, False),
+    "fsdp": ("fsdp", "never", None, "never", "stage", 1, False),
+    "fsdp-reshard": ("fsdp", "always", None, "never", "stage", 1, False),
+    "hsdp-2x2": ("hsdp", "never", 2, "never", "stage", 1, False),
+    "fsdp-ckpt-stage": ("fsdp", "never", None, "always", "stage", 1, False),
+    "fsdp-ckpt-layer-2": ("fsdp", "never", None, "always", "layer", 2, False),
+    "fsdp-selective": ("fsdp", "never", None, "always", "selective", 1, False),
+    "fsdp-offload": ("fsdp", "never", None, "never", "stage", 1, True),
+}
+#: world -> [(pp, dp, modes)]
+LAYOUTS = {
+    2: [(1, 2, ("ddp", "fsdp", "fsdp-reshard", "fsdp-ckpt-stage", "fsdp-ckpt-layer-2", "fsdp-selective"))],
+    4: [(1, 4, ("fsdp", "fsdp-reshard", "hsdp-2x2")),
+        (2, 2, ("ddp", "fsdp", "fsdp-reshard", "fsdp-ckpt-stage", "fsdp-ckpt-layer-2", "fsdp-selective",
+                "fsdp-offload"))],
+}
+
+
+def _parallel(pp: int, dp: int, mode: str) -> ParallelConfig:
+    dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
+    pipeline = PipelineConfig(pp=pp, schedule="1f1b" if pp > 1 else "gpipe", n_microbatches=4, checkpoint=checkpoint,
+                              recompute_unit=unit, recompute_every=every, offload_activations=offload)
+    return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, fsdp_reshard=reshard, dp_shard=shard)
+
+
+def _model(name: str, seq_len: int):
+    if name == "lm":
+        return GPTModel(replace(GPT_PRESETS["cpu"], seq_len=seq_len, dropout=0.0)), TokenCrossEntropy()
+    return HFCausalLM(HF_PRESETS["llama-cpu"].config(), seq_len=seq_len), causal_lm_loss
+
+
+class _SavedPeak:
+    """Counts the storages autograd holds for backward (each once), and their peak, while installed."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
+        self.bytes = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        if isinstance(tensor, (torch.nn.Parameter, DTensor)):
+            return tensor
+        key, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        entry = self.live.setdefault(key, [size, 0])
+        if entry[1] == 0:
+            self.bytes += size
+            self.peak = max(self.peak, self.bytes)
+        entry[1] += 1
+        return _Held(tensor, self, key)
+
+    @staticmethod
+    def unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def drop(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[key]
+
+
+class _Held:
+    __slots__ = ("tensor", "owner", "key")
+
+    def __init__(self, tensor: torch.Tensor, owner: _SavedPeak, key: int) -> None:
+        self.tensor, self.owner, self.key = tensor, owner, key
+
+    def __del__(self) -> None:
+        self.owner.drop(self.key)
+
+
+def _local_bytes(tensors) -> int:
+    out = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if isinstance(t, DTensor) else t
+        out += t.numel() * t.element_size()
+    return out
+
+
+def _release() -> None:
+    """Give freed memory back to the system, so that RSS counts what the next case holds (glibc keeps it else)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the process peak then includes earlier cases' freed memory
+        pass
+
+
+def _case(name: str, pp: int, dp: int, mode: str, device, batch: int, seq_len: int) -> dict:
+    _release()
+    reset_peak_memory(device)
+    before = current_memory_mb(device)
+    model, loss = _model(name, seq_len)
+    parallel = _parallel(pp, dp, mode)
+    session = build_session(model, parallel, device, seed=0, loss_fn=loss)
+    engine, mesh = session.engine, session.mesh
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(mesh.dp_rank)
+    counter = _SavedPeak()
+    for step in range(2):
+        ids = torch.randint(1, vocab, (batch // dp, seq_len + (1 if name == "lm" else 0)), generator=gen)
+        inputs, targets = (ids[:, :-1], ids[:, 1:]) if name == "lm" else (ids, ids)
+        optimizer.zero_grad(set_to_none=True)
+        if step == 1:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                engine.step(inputs, targets)
+        else:
+            engine.step(inputs, targets)
+        grads = _local_bytes(p.grad for p in engine.parameters())
+        optimizer.step()
+    record = {
+        "params": _local_bytes(engine.parameters()), "grads": grads,
+        "optimizer": _local_bytes(t for s in optimizer.state.values() for t in s.values()
+                                  if isinstance(t, torch.Tensor) and t.dim() > 0),
+        "saved_peak": counter.peak, "offloaded": engine.offloaded_bytes,
+        "process_peak_mb": peak_memory_mb(device) - before, "pp_rank": mesh.pp_rank,
+    }
+    del session, engine, optimizer
+    _release()
+    return record
+
+
+def _job(spec: RankSpec, cases: list[tuple], batch: int, seq_len: int, out: str) -> None:
+    ActivationOffload.HOST_COPY_ON_CPU = True  # the offloading path runs (host-to-host) and reports what it moved
+    device = join_job(spec)
+    try:
+        records = {f"{n}|{pp}|{dp}|{m}": _case(n, pp, dp, m, device, batch, seq_len) for n, pp, dp, m in cases}
+        (Path(out) / f"rank{spec.rank}.json").write_text(json.dumps(records))
+    finally:
+        close_session()
+
+
+def _blocks(name: str, seq_len: int, batch: int):
+    if name == "lm":
+        model, _ = _model(name, seq_len)
+        return profile_blocks(profile_model(model, max(1, batch // 8), repeats=1))
+    with tempfile.TemporaryDirectory() as folder:
+        HF_PRESETS["llama-cpu"].config().save_pretrained(folder)
+        return load_sizes(folder).blocks(seq_len, element=4)
+
+
+def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[tuple[float, float]]:
+    """(static bytes, total bytes) the planner predicts for each pipeline rank (no device baseline)."""
+    dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
+    layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
+                    checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,
+                    recompute_unit=unit, recompute_every=every, fsdp_reshard=reshard == "always", offload=offload)
+    if dp_mode == "hsdp":  # per rank, as FSDP over one shard group with the same local batch
+        layout = replace(layout, dp=shard, batch=batch * shard // dp)
+    device = replace(default_device("fp32"), baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
+    prediction = predict(blocks, layout, device, DEFAULT_NETWORK)
+    bounds, start = [], 0
+    for count in prediction.balance:
+        bounds.append((start, start + count))
+        start += count
+    out = []
+    for rank in range(pp):
+        mine = [blocks[i] for s in rank_stages(rank, pp, 1, "loop") for i in range(*bounds[s])]
+        out.append((static_bytes(mine, layout), prediction.memory_bytes[rank]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32, help="global batch (default: 32)")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--models", default="lm,hf")
+    parser.add_argument("--worlds", default="2,4")
+    args = parser.parse_args()
+    names = args.models.split(",")
+    print(f"global batch {args.batch} x {args.seq_len} tokens, 4 micro-batches per replica, fp32, AdamW; per rank: "
+          "measured (counted tensors; saved-activation peak; process peak RSS above the case's start) | planned")
+    print(f"{'model':<5} {'pp':>2} {'dp':>2} {'mode':<18} {'rk':>2} {'params':>7} {'grads':>7} {'optim':>7} "
+          f"{'static':>7} {'plan st':>7} {'saved':>7} {'process':>8} {'plan':>7} {'offl':>6}   (MB)")
+    for world in map(int, args.worlds.split(",")):
+        cases = [(n, pp, dp, m) for n in names for pp, dp, modes in LAYOUTS[world] for m in modes]
+        with tempfile.TemporaryDirectory() as out:
+            spawn(_job, ranks=range(world), world_size=world, master_addr="127.0.0.1", master_port=free_port(),
+                  args=(cases, args.batch, args.seq_len, out), timeout_s=3000)
+            ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
+        blocks = {n: _blocks(n, args.seq_len, args.batch) for n in names}
+        for n, pp, dp, m in cases:
+            planned = _planned(blocks[n], pp, dp, m, args.batch)
+            for r in range(pp):  # the first replica's ranks: one per pipeline rank
+                rec = ranks[r]["|".join(map(str, (n, pp, dp, m)))]
+                static = rec["params"] + rec["grads"] + rec["optimizer"]
+                plan_static, plan_total = planned[rec["pp_rank"]]
+                print(f"{n:<5} {pp:>2} {dp:>2} {m:<18} {r:>2} {rec['params'] / MB:>7.2f} {rec['grads'] / MB:>7.2f} "
+                      f"{rec['optimizer'] / MB:>7.2f} {static / MB:>7.2f} {plan_static / MB:>7.2f} "
+                      f"{rec['saved_peak'] / MB:>7.2f} {rec['process_peak_mb']:>8.1f} {plan_total / MB:>7.2f} "
+                      f"{rec['offloaded'] / MB:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()
