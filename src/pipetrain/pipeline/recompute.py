@@ -74,6 +74,22 @@ def recomputed_blocks(first: int, count: int, every: int) -> list[int]:
     return [i for i in range(count) if (first + i + 1) % every == 0]
 
 
+class _Both:
+    """Several contexts entered as one, in order, left in reverse (what `context_fn` returns for each forward);
+    reusable when they are (a split backward recomputes once per half)."""
+
+    def __init__(self, *contexts: AbstractContextManager[Any]) -> None:
+        self.contexts = contexts
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+
+
 class RecomputeWrapper(nn.Module):
     """Runs the wrapped stage module under `checkpoint` for the micro-batches the policy selects.
 
@@ -135,22 +151,5 @@ class RecomputeWrapper(nn.Module):
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
         if self.unit == "selective":
             first, again = create_selective_checkpoint_contexts(_keep_expensive)
-            return first, _Both(again, _Both(self._recompute_context(), _Recomputing()))
+            return first, _Both(again, self._recompute_context(), _Recomputing())
         return nullcontext(), _Both(self._recompute_context(), _Recomputing())
-
-
-class _Both:
-    """Two contexts entered as one (what `context_fn` may return for each forward), the first entered first."""
-
-    def __init__(self, first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> None:
-        self.first, self.second = first, second
-
-    def __enter__(self) -> None:
-        self.first.__enter__()
-        self.second.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self.second.__exit__(*exc)
-        finally:
-            self.first.__exit__(*exc)
