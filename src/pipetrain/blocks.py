@@ -39,7 +39,7 @@ class BlockModel(Protocol):
     the batch's input(s) the same way (a tuple of inputs is several arguments). Integer and boolean tensors
     (masks, positions) cross stages without gradients; float tensors carry gradients when they depend on
     parameters. Every tensor's first dimension is the batch (micro-batches are cut along it). The last
-    block returns the one tensor the loss reads. Only tensors cross a stage: a block returning anything
+    block returns the one tensor the loss reads (or as many as the loss's `outputs` says, see `pipeline.loss.Loss`). Only tensors cross a stage: a block returning anything
     else (a Python number, None, a dict) is refused with an error naming it.
 
     Optional hook: `tied_parameters()` returns groups of `(block index, name in block)` that are one tensor

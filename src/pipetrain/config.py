@@ -16,6 +16,7 @@ __all__ = [
     "schedule_is_multi_stage",
     "V_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
+    "CP_ATTENTIONS",
     "RECOMPUTE_UNITS",
     "FSDP_RESHARD",
     "SHARDED_DP_MODES",
@@ -35,6 +36,8 @@ V_SCHEDULES = ("zbv", "dualpipev")
 #: The schedules that split a backward into its input and weight parts (and DDP cannot run: see ParallelConfig).
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 CHECKPOINT_POLICIES = ("never", "except_last", "always")
+#: `--cp-attention`: how attention sees a sequence cut over the context-parallel ranks (pipetrain.context)
+CP_ATTENTIONS = ("ring", "ulysses")
 DP_MODES = ("ddp", "fsdp", "hsdp")
 #: the data-parallel modes that shard parameters with FSDP2 (hsdp: replicated across groups, sharded within)
 SHARDED_DP_MODES = ("fsdp", "hsdp")
@@ -236,6 +239,10 @@ class ParallelConfig:
     `sequence_parallel` (needs tp > 1) also splits the norm and dropout regions along the sequence;
     `loss_parallel` (needs tp > 1) splits a language model's head over the vocabulary, with the cross-entropy
     computed on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
+    `ep` (expert parallelism, docs/moe-ep.md) splits each MoE layer's experts over `ep` of a stage's `dp` ranks
+    (it borrows them: the world size stays dp * pp * tp); `ep` divides dp.
+    `cp` (context parallelism, docs/long-context.md) cuts each sequence over `cp` ranks of every stage, attention
+    by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp.
     """
 
     dp: int = 1
@@ -249,10 +256,34 @@ class ParallelConfig:
     fsdp_reshard: str | int = "never"
     #: with `dp_mode="hsdp"`: ranks of one shard group (`--dp-shard`; dp / dp_shard replicas of it)
     dp_shard: int | None = None
+    cp: int = 1
+    cp_attention: str = "ring"
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _positive("dp", self.dp)
         _positive("tp", self.tp)
+        _positive("cp", self.cp)
+        _choice("--cp-attention", self.cp_attention, CP_ATTENTIONS)
+        if self.cp > 1:
+            _check_cp(self)
+        _positive("ep", self.ep)
+        if self.ep > 1 and self.dp % self.ep:
+            raise ConfigError(
+                f"--ep {self.ep} does not divide the {self.dp} data-parallel ranks of each stage (dp={self.dp}): "
+                "expert parallelism borrows a stage's data-parallel ranks",
+                hint=f"pass --dp {self.ep * max(1, self.dp // self.ep)} with --ep {self.ep}, or --ep among the "
+                     f"divisors of {self.dp}",
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ConfigError(f"--ep {self.ep} with tp={self.tp}: expert parallelism borrows data-parallel ranks "
+                              "only, not yet tensor-parallel ones", hint="pass --tp 1 with --ep")
+        if self.ep > 1 and self.dp_mode == "hsdp":
+            raise ConfigError(f"--ep {self.ep} with --dp-mode hsdp: expert parallelism is built on DDP and FSDP2 "
+                              "data parallelism only", hint="pass --dp-mode ddp or fsdp with --ep")
+        if self.ep > 1 and self.cp > 1:
+            raise ConfigError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism borrows data-parallel ranks "
+                              "and is not built beside context parallelism yet", hint="pass --cp 1 with --ep")
         _choice("dp mode", self.dp_mode, DP_MODES)
         self._check_sharding()
         if self.sequence_parallel and self.tp == 1:
@@ -336,16 +367,22 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pipeline.pp * self.tp
+        return self.dp * self.pipeline.pp * self.cp * self.tp
 
     @property
     def mesh_text(self) -> str:
-        """"P", or "P x tp=T" with tensor parallelism (what banners print after "pp=")."""
+        """"P", or "P x tp=T" with tensor parallelism, "... x cp=C (ring)" with context parallelism, then ", experts
+        over ep=E" with expert parallelism (what banners print after "pp=")."""
         return f"{self.pp}" + (f" x tp={self.tp}" + (" (sequence-parallel)" if self.sequence_parallel else "")
-                               if self.tp > 1 else "")
+                               if self.tp > 1 else "") + (f" x cp={self.cp} ({self.cp_attention})" if self.cp > 1 else "") + (
+                                   f", experts over ep={self.ep}" if self.ep > 1 else "")
 
     def check_world(self, world_size: int) -> None:
         """Raise if the job has a different number of ranks than the mesh uses."""
+        if world_size != self.world_size and self.cp > 1:
+            raise ConfigError(
+                f"dp={self.dp} x pp={self.pp} x cp={self.cp} x tp={self.tp} = {self.world_size} ranks, but the job "
+                f"has {world_size}", hint=f"launch {self.world_size} ranks, or choose dp * pp * cp * tp = {world_size}")
         if world_size != self.world_size:
             if self.tp == 1:
                 raise ConfigError(
@@ -374,3 +411,23 @@ class ParallelConfig:
                 hint=f"pass --batch-size {self.dp * max(1, batch_size // self.dp)}",
             )
         self.pipeline.check_batch(batch_size // self.dp)
+
+
+def _check_cp(parallel: ParallelConfig) -> None:
+    """Raise for what context parallelism (cp > 1) does not compose with."""
+    if parallel.tp > 1:
+        raise ConfigError(f"cp={parallel.cp} with tp={parallel.tp}: context and tensor parallelism both split the "
+                          "attention, and pipetrain does not compose them yet", hint="use --tp 1 with --cp")
+    if parallel.dp_mode == "hsdp" or parallel.fsdp_reshard not in ("never", "always"):
+        raise ConfigError(f"cp={parallel.cp} with --dp-mode {parallel.dp_mode}, --fsdp-reshard "
+                          f"{parallel.fsdp_reshard}: the data-parallel groups span the context ranks, and pipetrain "
+                          "does not split them into HSDP or reshard groups yet",
+                          hint="use --dp-mode ddp or fsdp with --fsdp-reshard never or always with --cp")
+    if parallel.pipeline.compile:
+        raise ConfigError(f"--compile with cp={parallel.cp}: the ring's and all-to-all's exchanges inside each "
+                          "attention would break every compiled block's graph", hint="drop --compile, or use --cp 1")
+    if parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            f"schedule {parallel.pipeline.schedule!r} with cp={parallel.cp}: it splits each backward into input and "
+            "weight parts, and the exchanges of context-parallel attention inside them are not parity-tested",
+            hint="use --schedule 1f1b, gpipe or interleaved-1f1b with --cp")

@@ -11,12 +11,15 @@ import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
+from pipetrain.context import ContextParallel, SequenceSplit, check_context_model
 from pipetrain.launch.agree import agree_on_layout
 from pipetrain.launch.env import apply_socket_interface, join_timeout
 from pipetrain.launch.reach import wait_reachable
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.startup import Startup
+from pipetrain.moe.split import expert_parallel_blocks
 from pipetrain.parallel import Mesh, build_mesh, data_parallel_wrapper, init_process_group, pick_device
+from pipetrain.parallel.experts import ExpertGradients, ExpertGroups, build_expert_groups, is_expert
 from pipetrain.parallel.mesh import leave_after_error
 from pipetrain.parallel.tensor import tensor_parallel_blocks
 from pipetrain.pipeline import Loss, PipelineEngine
@@ -81,7 +84,8 @@ def build_session(
     startup: Startup | None = None,
 ) -> Session:
     """Build the dp × pp × tp mesh over the joined world and this rank's stages of `model` (split by its TP plan
-    when `parallel.tp` > 1, before DDP/FSDP2 wraps them).
+    when `parallel.tp` > 1, its experts over the stage's expert-parallel group when `parallel.ep` > 1, before
+    DDP/FSDP2 wraps them).
 
     `precision` "bf16" runs each stage under bf16 autocast with fp32 weights (see `AutocastStage`); on CUDA,
     fp32 matmuls are TF32 except under "fp32-strict" (see `set_fp32_matmuls`). `startup`: where the mesh's and
@@ -93,18 +97,31 @@ def build_session(
     startup = startup or Startup()
     with startup.phase("mesh"):
         mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp,
-                          dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None)
-    wrap = _stage_wrapper(parallel, mesh, device, precision)
+                          dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None,
+                          cp=parallel.cp)
+        experts = build_expert_groups(mesh, parallel.ep) if parallel.ep > 1 else None
+    wrap = _stage_wrapper(parallel, mesh, device, precision, experts)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
                                     loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
+    cut = None
+    if parallel.cp > 1:  # context parallelism (`_check_cp` refused it with tp > 1): attention over the cut sequence
+        check_context_model(model, parallel.cp)
+        split = ContextParallel(mesh.cp_group, parallel.cp_attention).attach
+        cut = SequenceSplit(parallel.cp, mesh.cp_rank)
+    if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1 or cp > 1: one split or the other
+        split = expert_parallel_blocks(experts.ep_group)
     with startup.phase("stages"):
-        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split)
+        engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
+    if experts is not None:
+        engine.expert_group, engine.expert_mesh = experts.ep_group, experts.ep_mesh
+    if experts is not None and parallel.dp_mode == "ddp":  # FSDP2 reduces them over their own mesh
+        engine.expert_grads = ExpertGradients([p for p in engine.parameters() if is_expert(p)], experts)
     return Session(device=device, mesh=mesh, engine=engine, startup=startup)
 
 
 def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, mesh: Mesh, loss_fn, seed: int, wrap,
-            split) -> PipelineEngine:
+            split, cut: SequenceSplit | None = None) -> PipelineEngine:
     """This rank's stages of `model` and their schedule."""
     return PipelineEngine(
         model,
@@ -113,21 +130,23 @@ def _engine(model: BlockModel, parallel: ParallelConfig, device: torch.device, m
         pp_group=mesh.pp_group,
         loss_fn=loss_fn,
         seed=seed,
-        dp=parallel.dp,
+        dp=mesh.replicas,
         dp_group=mesh.dp_group,
         wrap=wrap,
         split_block=split,
         counts_metrics=mesh.tp_rank == 0,
+        sequence_split=cut,
     )
 
 
 def _stage_wrapper(
-    parallel: ParallelConfig, mesh: Mesh, device: torch.device, precision: str
+    parallel: ParallelConfig, mesh: Mesh, device: torch.device, precision: str, experts: ExpertGroups | None = None
 ) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
     """Autocast (for a reduced precision) inside data parallelism (DDP/FSDP), applied to each stage module."""
     replicate = data_parallel_wrapper(
         parallel.dp_mode, mesh, stages_per_rank=parallel.pipeline.virtual_stages, precision=precision,
         reshard=parallel.fsdp_reshard, split_backward=parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES,
+        experts=experts,
     )
     if compute_dtype(precision) is None:
         return replicate

@@ -103,3 +103,33 @@ def test_long_work_has_its_own_limit_and_is_named_when_it_runs_out():
     assert said == ["every rank is stuck in the save of checkpoint step 1 (a collective that never completes?); rank 0 "
                     "waited 0.8 s "
                     "(--save-timeout) for the save of checkpoint step 1 to finish"], said
+
+
+def test_a_silent_rank_ends_long_work_after_the_step_timeout():
+    """A save may last past --step-timeout while every rank beats; a rank whose heartbeat stopped (SIGSTOP, a dead
+    host) ends it after the step timeout, not after --save-timeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, StepWatchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set(HEARTBEAT_PREFIX + "1", repr(time.time()))  # rank 1 beat once, then stopped
+    said: list[str] = []
+    fired = threading.Event()
+    dog = StepWatchdog(timeout_s=0.5, rank=0, world_size=2, master_addr="127.0.0.1", master_port=store.port,
+                       on_stuck=lambda message: (said.append(message), fired.set()))
+    dog.start()
+    try:
+        start = time.monotonic()
+        with dog.during(60.0, "the save of checkpoint step 4"):
+            assert fired.wait(20.0)
+        assert time.monotonic() - start < 20.0
+    finally:
+        dog.stop()
+    assert len(said) == 1 and said[0].startswith("rank 1 (last finished step 0, silent for "), said
+    assert said[0].endswith("stopped responding (stopped or frozen process?); rank 0 waited 0.5 s (--step-timeout) "
+                            "for the save of checkpoint step 4 to finish"), said

@@ -22,9 +22,10 @@ from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.workloads.hf import families  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
 from pipetrain.workloads.hf import proof  # noqa: E402
-from pipetrain.workloads.hf.families import FAMILIES, Family, generic, outside  # noqa: E402
+from pipetrain.workloads.hf.families import FAMILIES, MOE_FAMILIES, Family, generic, outside  # noqa: E402
 from tests.distributed.test_hf_parity import SEQ, VOCAB, tiny_configs  # noqa: E402
 from tests.hf_folders import family_configs  # noqa: E402
+from tests.moe_folders import moe_configs  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "pipetrain"
 RTOL, ATOL = 1e-5, 4e-5
@@ -32,7 +33,7 @@ TIED = {"gemma", "gemma2", "gemma3_text", "cohere", "cohere2"}  # the families w
 
 
 def _configs() -> dict:
-    return {**tiny_configs(), **family_configs(VOCAB)}
+    return {**tiny_configs(), **family_configs(VOCAB), **moe_configs()}
 
 
 def _logits(family: Family | None, config, tmp_path, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,8 @@ def test_a_description_names_what_the_transformers_model_holds(name):
     model = HFCausalLM(config, seq_len=SEQ)
     ours = {key for index in range(model.num_blocks) for key in model.parameter_keys(index).values()}
     assert ours == set(reference.state_dict())
-    assert family.tp_plan is not None and family.base == reference.base_model_prefix
+    # every dense family has a TP plan; the mixtures of experts none (tests/unit/test_moe.py checks their logits)
+    assert (family.tp_plan is None) == (name in MOE_FAMILIES) and family.base == reference.base_model_prefix
     assert model.tied == config.tie_word_embeddings == (name in TIED)  # as each class ties by default
 
 
@@ -79,7 +81,7 @@ def _layer_size(family: Family, config) -> int:
     return size + norms * hidden  # before (or, with post_norms, after) attention and MLP
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"gpt2"}))
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"gpt2"} - set(MOE_FAMILIES)))
 def test_a_description_says_what_its_layer_holds(name):
     family, config = FAMILIES[name], _configs()[name]
     layer = family.resolve(family.layer_class)(config, 0)

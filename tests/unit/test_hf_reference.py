@@ -125,14 +125,13 @@ def test_neutral_values_of_listed_flags_are_not_refused():
     assert not outside.unapplied(transformers.LlamaConfig(**SIZES), FAMILIES["llama"])  # not listed: nothing
 
 
-@pytest.mark.parametrize("cls", ["MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "DeepseekV3Config",
-                                 "OlmoeConfig", "GptOssConfig", "GraniteMoeConfig"])
-def test_a_mixture_of_experts_is_refused_up_front_saying_why(cls, fresh, monkeypatch):
+@pytest.mark.parametrize("cls", ["GraniteMoeConfig", "PhimoeConfig"])  # the six described ones: tests/unit/test_moe.py
+def test_a_mixture_of_experts_without_a_description_is_refused_up_front_saying_why(cls, fresh, monkeypatch):
     monkeypatch.setattr(generic, "_described", lambda config: pytest.fail("built the layers"))
-    with pytest.raises(ConfigError, match=r": a mixture of experts \(\w+=\d+\), which pipetrain does not support "
-                                          "yet") as err:
+    with pytest.raises(ConfigError, match=r": a mixture of experts \(\w+=\d+\) with no description in pipetrain: "
+                                          "its description names") as err:
         family_of(getattr(transformers, cls)())
-    assert "\n" not in err.value.message and "dense causal LM" in err.value.hint
+    assert "\n" not in err.value.message and "families/moe.py" in err.value.hint
 
 
 def test_a_config_that_says_it_is_not_a_mixture_is_not_refused_as_one():

@@ -3,7 +3,7 @@
 Ranks get the job's `TrainConfig` (they load the workload again from its name or import path) and the global
 batches as tensors; each replica takes its contiguous share of every batch. Each rank writes
 `rank<N>.pt`: its losses, and after each step the gradients and parameters it holds under the unsplit
-model's names (DTensor shards gathered), and the names of those its tensor-parallel plan split.
+model's names (DTensor shards and expert-parallel slices gathered), and the names of those its tensor-parallel plan split.
 """
 
 from __future__ import annotations
@@ -11,20 +11,32 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipetrain.check.reference import QuietModel
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
+from pipetrain.parallel.experts import gather_experts, is_expert
 from pipetrain.session import build_session, close_session, join_job
 
 __all__ = ["layout_runs"]
 
 
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+def _full(t: torch.Tensor | None, experts: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """`t` whole on the CPU: a DTensor's full tensor; with `experts` (an expert parameter's expert-parallel group)
+    every rank's slice of the layer's experts."""
     if t is None:
         return None
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+    t = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    return (gather_experts(t, experts) if experts is not None else t).cpu().clone()
+
+
+def _whole(engine, tensors) -> dict[str, torch.Tensor | None]:
+    """name -> each parameter's `tensors(param)` whole (expert slices gathered over the expert-parallel group)."""
+    group = engine.expert_group
+    return {name: _full(tensors(p), group if group is not None and is_expert(p) else None)
+            for name, p in engine.named_parameters()}
 
 
 def _on_tp(param: torch.Tensor) -> bool:
@@ -63,9 +75,9 @@ def _record(config, batches: list, lr: float, device: torch.device) -> dict:
         part = slice(dp_rank * share, (dp_rank + 1) * share)
         optimizer.zero_grad(set_to_none=True)
         record["losses"].append(engine.step(_share(x, part), y[part]).loss)
-        record["grads"].append({name: _full(p.grad) for name, p in engine.named_parameters()})
+        record["grads"].append(_whole(engine, lambda p: p.grad))
         optimizer.step()
-        record["params"].append({name: _full(p) for name, p in engine.named_parameters()})
+        record["params"].append(_whole(engine, lambda p: p))
     return record
 
 

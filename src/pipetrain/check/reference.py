@@ -22,6 +22,7 @@ from pipetrain.compat.modules import is_batch_norm, is_dropout
 from pipetrain.check.compare import tensor_rel
 from pipetrain.check.findings import Hazard
 from pipetrain.pipeline.loss import as_loss
+from pipetrain.pipeline.runs import plan_runs
 from pipetrain.pipeline.precision import autocast
 
 __all__ = ["QuietModel", "quiet", "reference_run", "probe_hazards", "static_hazards"]
@@ -66,21 +67,42 @@ class QuietModel:
         return getattr(self.inner, name)
 
 
+def _micro_batches(batch: int, replicas: int, chunks: int) -> list[slice]:
+    """The micro-batches of a batch as the layout cuts it: equal contiguous replica shares, each cut by the
+    engine's `plan_runs`."""
+    share, out = batch // replicas, []
+    for replica in range(replicas):
+        at = replica * share
+        for run in plan_runs(share, chunks):
+            for _ in range(run.count):
+                out.append(slice(at, at + run.size))
+                at += run.size
+    return out
+
+
 def reference_run(model: BlockModel, batches: list, loss_fn: Callable, *, seed: int, lr: float, precision: str,
-                  device: torch.device) -> dict:
-    """The unsplit model in one process on the whole batches, SGD at `lr`: the ground truth of a check."""
+                  device: torch.device, split: tuple[int, int] = (1, 1)) -> dict:
+    """The unsplit model in one process on the whole batches, SGD at `lr`: the ground truth of a check. A loss
+    defined per micro-batch (it reads more than the logits: a mixture of experts' load-balancing loss) runs on the
+    micro-batches the layout cuts, `split` = (replicas, micro-batches per replica), its totals over the batch's count."""
     net = build_sequential(QuietModel(model), seed=seed, device=device)
     loss = as_loss(loss_fn)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     losses, grads, params = [], [], []
     for x, y in batches:
         optimizer.zero_grad(set_to_none=True)
-        with autocast(device, precision):
-            out = net(*(t.to(device) for t in as_tuple(x)))
         target = y.to(device)
-        value = loss.total(out.float(), target) / loss.count(target)
-        value.backward()
-        losses.append(value.item())
+        count = loss.count(target)
+        pieces = _micro_batches(target.shape[0], *split) if getattr(loss, "outputs", 1) > 1 else [slice(None)]
+        value = 0.0
+        for part in pieces:
+            with autocast(device, precision):
+                out = net(*(t[part].to(device) for t in as_tuple(x)))
+            out = tuple(t.float() for t in out) if isinstance(out, tuple) else out.float()
+            piece = loss.total(out, target[part]) / count
+            piece.backward()
+            value += piece.item()
+        losses.append(value)
         named = list(net.named_parameters(remove_duplicate=False))  # every copy of a tied weight, by its name
         grads.append({n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in named})
         optimizer.step()

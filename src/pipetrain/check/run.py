@@ -73,7 +73,8 @@ def _reference_side(config, train, steps: int, lr: float) -> _Side:
     batches = check_batches(config, train, steps)
     workload, model = config.task(), config.model()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kwargs = dict(seed=config.seed, lr=lr, precision=config.precision, device=device)
+    kwargs = dict(seed=config.seed, lr=lr, precision=config.precision, device=device,
+                  split=(config.parallel.dp, config.parallel.pipeline.n_microbatches))
     ref = reference_run(model, batches, workload.loss(), **kwargs)
     again = reference_run(model, batches, workload.loss(), **kwargs)
     net = build_sequential(model, seed=config.seed)  # the model's declared ties are one tensor here

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +30,7 @@ from pipetrain.checkpoint.folders import (
     read_meta,
     write_meta,
 )
+from pipetrain.checkpoint.experts import expert_slices, local_experts, shard_experts
 from pipetrain.checkpoint.keys import StageNames, fingerprint
 from pipetrain.checkpoint.rng import restore_rng, rng_state, rng_targets
 from pipetrain.checkpoint.strided import full_targets, gather_strided
@@ -77,14 +79,23 @@ def _model_options(engine: PipelineEngine) -> StateDictOptions:
 def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict]:
     """(container of the stage modules, its key renamer, this rank's layout-free state dict)."""
     container = nn.ModuleList(engine.modules)
+    mesh = getattr(engine, "expert_mesh", None)
+    slices = expert_slices(container, _clean) if mesh is not None else {}
+    if any(isinstance(p, DTensor) for name, p in container.named_parameters() if _clean(name) in slices):
+        raise ConfigError("checkpoints of experts split over expert-parallel ranks and sharded by FSDP2 (--ep > 1 "
+                          "with --dp-mode fsdp) are not written yet", hint="save under --dp-mode ddp with --ep")
     names = StageNames(engine.stage_ids, engine.balance, tied_aliases(engine.model, engine.model.num_blocks))
     model = get_model_state_dict(container, options=_model_options(engine))
+    if slices:  # expert-parallel slices written as their rows of the whole tensor (see checkpoint.experts)
+        model = shard_experts(model, slices, mesh, _clean)
     if frozen_model(engine.model):  # the base's buffers (rotary tables, masks) are rebuilt from the base folder
         trained = {_clean(n) for n, p in container.named_parameters() if p.requires_grad}
         model = {k: v for k, v in model.items() if _clean(k) in trained}
     state: dict[str, Any] = {f"model.{k}": v for k, v in names.model_state(model).items()}
     if _holds_parameters(optimizer):  # a LoRA stage of frozen blocks only has an empty optimizer: nothing to save
         optim = get_optimizer_state_dict(container, optimizer, options=_OPTIONS)
+        if slices:
+            optim = shard_experts(optim, slices, mesh, _clean, optimizer=True)
         state.update({f"optim.{k}": v for k, v in names.optimizer_state(optim).items()})
     return container, names, state
 
@@ -259,6 +270,8 @@ def load_checkpoint(
         raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {_cause(err)}",
                               hint=damaged_hint(folder)) from None
     state = split(state)
+    if getattr(engine, "expert_mesh", None) is not None:
+        state = local_experts(state, engine.expert_mesh)
     model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     set_model_state_dict(container, names.local_model_state(model_state), options=_model_options(engine))
     if _holds_parameters(optimizer):

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
-from pipetrain.config import (CHECKPOINT_POLICIES, DP_MODES, FSDP_RESHARD, PARTITION_METHODS, RECOMPUTE_UNITS,
-                              SCHEDULES, ParallelConfig, PipelineConfig)
+from pipetrain.config import (CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, PARTITION_METHODS,
+                              RECOMPUTE_UNITS, SCHEDULES, ParallelConfig, PipelineConfig)
 from pipetrain.errors import ConfigError
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.layout import balanced
@@ -57,12 +57,21 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel ranks splitting each layer (innermost: within one node; with --dp > 1 "
                             "use --dp-mode fsdp) (default: 1)")
+    group.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks: each MoE layer's experts split over this many of a stage's "
+                            "--dp ranks (a divisor of --dp and of the experts; docs/moe-ep.md) (default: 1)")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: also split the norm and dropout regions along the sequence (the sequence "
                             "length, and every --bucket length, a multiple of tp)")
     group.add_argument("--loss-parallel", action="store_true",
                        help="with --tp, for the lm: split the head over the vocabulary and compute the cross-entropy "
                             "on the shards (the vocabulary a multiple of tp)")
+    group.add_argument("--cp", type=int, default=1,
+                       help="context-parallel ranks cutting each sequence (zig-zag: its length a multiple of 2 x cp; "
+                            "the hf workload) (default: 1)")
+    group.add_argument("--cp-attention", default="ring", choices=CP_ATTENTIONS,
+                       help="with --cp: ring (key/value blocks passed round the ranks, any cp) or ulysses (one "
+                            "all-to-all to split the heads: query and key/value heads divisible by cp) (default: ring)")
     group.add_argument("--schedule", default="1f1b", help=f"{' | '.join(SCHEDULES)} (default: 1f1b)")
     group.add_argument("--chunks", "--n-microbatches", dest="chunks", type=int, default=4,
                        help="micro-batches per batch; 1 is naive model parallelism (default: 4)")
@@ -119,7 +128,9 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
                           sequence_parallel=getattr(args, "sequence_parallel", False),
                           loss_parallel=getattr(args, "loss_parallel", False),
-                          fsdp_reshard=getattr(args, "fsdp_reshard", "never"), dp_shard=getattr(args, "dp_shard", None))
+                          fsdp_reshard=getattr(args, "fsdp_reshard", "never"), dp_shard=getattr(args, "dp_shard", None),
+                          cp=getattr(args, "cp", 1), cp_attention=getattr(args, "cp_attention", "ring"),
+                          ep=getattr(args, "ep", 1))
 
 
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:

@@ -3,8 +3,9 @@ lists them all (tests/unit/test_compat.py fails loudly, naming the one, when a t
 
 `pipelining`: schedule orders as data, the V placement's breadth-first schedule, timed P2P waits; `dtensor`: the
 strided placement and the placement methods that run collectives; `tensor_styles`: tensor-parallel styles
-built on torch's private style hooks; `modules`: the dropout and batch-norm base classes, `_foreach_mul_`, aborting
-a process group; `mesh`: flattening two mesh dimensions into one (HSDP's dp axis).
+built on torch's private style hooks; `grouped`: the experts' grouped matmul; `modules`: the dropout and batch-norm
+base classes, `_foreach_mul_`, aborting a process group, the parameters DDP ignores; `mesh`: flattening two mesh
+dimensions into one (HSDP's dp axis).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules.dropout", "_DropoutNd"),
     ("torch", "_foreach_mul_"),
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
+    ("torch.nn.parallel", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"),
     ("torch._C._distributed_c10d", "_dump_fr_trace"),  # the flight recorder's dump (CUDA builds: _dump_nccl_trace)
+    # grouped.py: the grouped matmul where torch has no public `torch.nn.functional.grouped_mm` (before 2.10)
+    ("torch", "_grouped_mm"),
     # mesh.py: HSDP's dp axis, the flattened (dp_replicate, dp_shard)
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
 )

@@ -1,5 +1,6 @@
 """Private names of torch's modules, tensor functions and process groups: the base classes of dropout and batch norm,
-`torch._foreach_mul_` (one fused multiply of many tensors), and aborting the default process group."""
+`torch._foreach_mul_` (one fused multiply of many tensors), aborting the default process group, and the parameters
+DDP is told to leave alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group", "flight_record"]
+__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group", "flight_record", "ddp_ignore"]
 
 
 def is_dropout(module: nn.Module) -> bool:
@@ -48,3 +49,11 @@ def flight_record(backend: str) -> bytes | None:
         return None if dump is None else dump()
     except RuntimeError:
         return None
+
+
+def ddp_ignore(module: nn.Module, names: Sequence[str]) -> None:
+    """Tell DDP, before it wraps `module`, to neither broadcast nor reduce the parameters `names` (names in `module`):
+    torch's own switch for it (pytorch/pytorch#43690 keeps it private)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))

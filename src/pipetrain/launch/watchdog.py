@@ -2,7 +2,8 @@
 
 Long work that is no step (a checkpoint's save, a resume's load, the first step, which builds the schedules and
 compiles) runs under a longer limit of its own (`during`, `until_next_step`: `--save-timeout`), named in the message
-when even that runs out.
+when even that runs out; while it lasts, a rank whose heartbeat stops for `--step-timeout` (stopped, frozen, dead)
+still ends the job after that shorter time.
 """
 
 from __future__ import annotations
@@ -160,11 +161,28 @@ class StepWatchdog:
         return beat_period(self.timeout_s)
 
     def _watch(self) -> None:
+        looked = 0.0  # when the heartbeats of the others were last read during long work
         while not self._stop.wait(self._period):
             self._beat()
-            if time.monotonic() - self._last > self.limit_s:
+            now = time.monotonic()
+            if now - self._last > self.limit_s:
                 self._fire()
                 return
+            allowance = self._allowance
+            if allowance is not None and now - self._last > self.timeout_s and now - looked > self.timeout_s / 2:
+                looked = now  # long work may last while every rank beats; a rank that stopped beating ends it
+                if self._silent_peers():
+                    self._allowance = Allowance(self.timeout_s, allowance.what, "--step-timeout")
+                    self._fire()
+                    return
+
+    def _silent_peers(self) -> bool:
+        """Whether another rank's heartbeat is older than the step timeout (stopped, frozen or dead)."""
+        beats = bounded(lambda: self._read("beat"), 2 * _STORE_TIMEOUT_S)
+        if beats is None:
+            return True  # the store's host does not answer
+        now = time.time()
+        return any(now - float(beats.get(r, "-inf")) > self.timeout_s for r in range(self.world_size) if r != self.rank)
 
     def _beat(self) -> None:
         try:

@@ -85,17 +85,31 @@ class Mesh:
     tensor-parallel group is `tp` neighbouring ranks (one node) and a pipeline's ranks are `tp` apart.
 
     With tp == 1 the device mesh is 2-D (dp, pp), else 3-D (dp, pp, tp). Under HSDP (`dp_shard` > 0) the dp axis
-    is itself two, (dp_replicate, dp_shard), shard groups innermost, with "dp" their flattened whole."""
+    is itself two, (dp_replicate, dp_shard), shard groups innermost, with "dp" their flattened whole.
+
+    Context parallelism (cp > 1): each data replica's `cp` ranks of a stage hold other tokens of the same
+    parameters, so the mesh's "dp" dimension spans dp * cp ranks (replica = dp_rank * cp + cp_rank): `dp_group` and
+    `dp_mesh` reduce gradients over data and context ranks alike, `dp` counts the data replicas, `cp_group` is the
+    `cp` ranks that share one stage's sequences."""
 
     device_mesh: DeviceMesh
     dp_rank: int
     pp_rank: int
     tp_rank: int = 0
+    cp_rank: int = 0
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None
     #: ranks of one HSDP shard group (0: no HSDP split of the dp axis)
     dp_shard: int = 0
 
     @property
     def dp(self) -> int:
+        """Data replicas (each reads its own share of the batch)."""
+        return self.replicas // self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters of a stage: dp * cp (their gradients are reduced together)."""
         return self.device_mesh["dp"].size() if self.dp_shard else self.device_mesh.size(0)
 
     @property
@@ -130,9 +144,13 @@ class Mesh:
         return self.device_mesh["tp"] if "tp" in (self.device_mesh.mesh_dim_names or ()) else None
 
 
-def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, dp_shard: int | None = None) -> Mesh:
+def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, dp_shard: int | None = None,
+               cp: int = 1) -> Mesh:
     """The dp × pp × tp mesh over the initialised world (whose size must be dp * pp * tp), tp innermost; with
-    `dp_shard` (HSDP) the dp axis is made of dp / dp_shard replicas of shard groups of `dp_shard` neighbours."""
+    `dp_shard` (HSDP) the dp axis is made of dp / dp_shard replicas of shard groups of `dp_shard` neighbours; with
+    context parallelism, dp × cp × pp × tp (the mesh's "dp" dimension of dp * cp ranks, see `Mesh`)."""
+    if cp > 1:
+        return _context_mesh(dp, pp, device, tp, cp)
     rank = dist.get_rank()
     if dp_shard:
         names = ("dp_replicate", "dp_shard", "pp") + (("tp",) if tp > 1 else ())
@@ -146,3 +164,16 @@ def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, dp_shard: in
         return Mesh(device_mesh=mesh, dp_rank=rank // pp, pp_rank=rank % pp)
     mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     return Mesh(device_mesh=mesh, dp_rank=rank // (pp * tp), pp_rank=(rank // tp) % pp, tp_rank=rank % tp)
+
+
+def _context_mesh(dp: int, pp: int, device: torch.device, tp: int, cp: int) -> Mesh:
+    """The mesh with cp > 1: rank = ((dp_rank * cp + cp_rank) * pp + pp_rank) * tp + tp_rank."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh(device.type, (dp * cp, pp, tp) if tp > 1 else (dp * cp, pp),
+                            mesh_dim_names=("dp", "pp", "tp") if tp > 1 else ("dp", "pp"))
+    groups = [[((d * cp + c) * pp + p) * tp + t for c in range(cp)]
+              for d in range(dp) for p in range(pp) for t in range(tp)]
+    cp_group, _ = dist.new_subgroups_by_enumeration(groups)
+    replica = rank // (pp * tp)
+    return Mesh(device_mesh=mesh, dp_rank=replica // cp, pp_rank=(rank // tp) % pp, tp_rank=rank % tp,
+                cp_rank=replica % cp, cp=cp, cp_group=cp_group)

@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from pipetrain.compat.modules import ddp_ignore
+from pipetrain.parallel.experts import ExpertGroups, is_expert, mark_expert
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.quiet_ddp import QuietDistributedDataParallel
 from pipetrain.compat.dtensor import is_strided
@@ -33,6 +35,11 @@ def _shard_placement(param: nn.Parameter) -> Shard | None:
     for one split by strided columns, GPT-2's `Conv1D` c_attn)."""
     strided_rows = is_strided(param) and any(getattr(p, "dim", None) == 0 for p in param.placements)
     return Shard(1) if strided_rows else None
+
+
+def _expert_modules(module: nn.Module) -> list[nn.Module]:
+    """The submodules of `module` that directly hold expert parameters (`parallel.experts.mark_expert`)."""
+    return [m for m in module.modules() if any(is_expert(p) for p in m.parameters(recurse=False))]
 
 
 def _reduce_each_microbatch(stage: FSDPModule) -> None:
@@ -59,9 +66,10 @@ def _reduce_each_microbatch(stage: FSDPModule) -> None:
 
 def data_parallel_wrapper(
     mode: str, mesh: Mesh, *, stages_per_rank: int, precision: str = "fp32", reshard: str | int = "never",
-    split_backward: bool = False,
+    split_backward: bool = False, experts: ExpertGroups | None = None,
 ) -> Callable[[nn.Module], nn.Module] | None:
-    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1).
+    """The function that makes a stage module data-parallel over `mesh.dp_group` (None when dp == 1; with context
+    parallelism the group spans the data and context ranks, see `Mesh`).
 
     `ddp`: gradients all-reduced (averaged) after the last micro-batch; DDP skips frozen parameters (LoRA's base),
     and a stage with none to train is left unwrapped. With several stages per rank the
@@ -77,15 +85,20 @@ def data_parallel_wrapper(
     With a reduced `precision` (bf16), FSDP2's `MixedPrecisionPolicy` gathers parameters in bf16 (half the
     traffic and unsharded memory) and reduces gradients in fp32; the shards, hence the optimizer, stay fp32.
     The stage still runs under autocast (see `AutocastStage`), so ops autocast keeps in fp32 stay fp32.
+
+    With expert parallelism (`experts`), the expert parameters are not the dp group's: DDP ignores them (the engine
+    reduces them over their expert-data-parallel group, `parallel.experts.ExpertGradients`); FSDP2 shards each
+    experts module over the expert-data-parallel mesh first, its gradients summed there and divided by dp.
     """
-    if mesh.dp == 1:
+    if mesh.replicas == 1:  # no data nor context parallelism
         return None
     if mode == "ddp":
         device = mesh.device_mesh.device_type
 
         def ddp(module: nn.Module) -> nn.Module:
-            if not any(p.requires_grad for p in module.parameters()):
+            if not any(p.requires_grad and not is_expert(p) for p in module.parameters()):
                 return module  # a frozen stage (LoRA's first or last): no gradient to reduce, DDP refuses it
+            ddp_ignore(module, [name for name, p in module.named_parameters() if is_expert(p)])
             return QuietDistributedDataParallel(
                 module,
                 device_ids=None if device == "cpu" else [next(module.parameters()).device],
@@ -102,6 +115,12 @@ def data_parallel_wrapper(
     shard_mesh = mesh.shard_mesh
 
     def fsdp(module: nn.Module) -> nn.Module:
+        if experts is not None:
+            for holder in _expert_modules(module):
+                fully_shard(holder, mesh=experts.edp_mesh, reshard_after_forward=False, mp_policy=policy)
+                holder.set_gradient_divide_factor(float(experts.dp))
+                for param in holder.parameters(recurse=False):  # FSDP2's new DTensor parameters: marked again
+                    mark_expert(param)
         for block in _blocks(module).children():
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=after_forward, mp_policy=policy,
                         shard_placement_fn=_shard_placement)

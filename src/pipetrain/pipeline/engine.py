@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,19 @@ from pipetrain.pipeline.timeline import span
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SequenceCut(Protocol):
+    """What the engine asks of a sequence cut (context parallelism): this rank's inputs and targets of a batch, its
+    rank in the cut (rank 0 counts the samples), and the loss to run on the cut."""
+
+    rank: int
+
+    def inputs(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    def targets(self, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def loss(self, loss: Loss) -> Loss: ...
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,10 @@ class PipelineEngine:
     most `config.shape_cache` of them (least recently used dropped). `split_block(index, block)` (tensor
     parallelism, see `pipetrain.parallel.tensor`) is applied to each block as it is built, before `wrap`; a rank
     with `counts_metrics=False` (a tensor-parallel peer of one that counts) adds nothing to the step's metrics.
+    `sequence_split` (context parallelism, `pipetrain.context.SequenceSplit`) cuts every batch's sequences to this
+    rank's tokens before the run, and adapts the loss to the cut; `dp` and `dp_group` then span the data- and
+    context-parallel ranks (each holds other tokens of the same parameters), and `StepResult.outputs` holds this
+    rank's tokens.
 
     BatchNorm layers (docs/batchnorm.md): each micro-batch is normalised by its own statistics; the running
     statistics move once per micro-batch forward (never in a recomputed forward), or once per step with
@@ -92,11 +110,16 @@ class PipelineEngine:
         dp_group: dist.ProcessGroup | None = None,
         split_block: Callable[[int, nn.Module], nn.Module] | None = None,
         counts_metrics: bool = True,
+        sequence_split: SequenceCut | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.device = device
-        self.loss = as_loss(loss_fn)
+        self.sequence_split = sequence_split
+        self.loss = as_loss(loss_fn) if sequence_split is None else sequence_split.loss(as_loss(loss_fn))
+        #: the tensors the loss reads from the last block (`Loss.outputs`, 1 unless it says more: logits and a
+        #: MoE model's auxiliary losses); `StepResult.outputs` holds the first
+        self._reads = getattr(self.loss, "outputs", 1)
         self.dp = dp
         self.pp_group = pp_group
         self.dp_group = dp_group
@@ -137,7 +160,7 @@ class PipelineEngine:
         self._loss_parallel = getattr(split_block, "loss_parallel", False)
         self.schedules = ScheduleCache(config.shape_cache)
         self._meta_blocks = meta_blocks(model)
-        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1))
+        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1), reads=self._reads)
         self._loss_denominator = 1.0
         rank_of_stage = {stage: rank for rank in range(config.pp) for stage in config.stage_ids(rank)}  # V or looped
         rank_of_block = [rank_of_stage[stage] for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
@@ -145,6 +168,14 @@ class PipelineEngine:
         self.tied = TiedWeights(model_ties(model, model.num_blocks), dict(self.named_parameters()), rank_of_block,
                                 pp_group)
         self.tied.sync_values()
+        #: expert parallelism's gradients (`parallel.experts.ExpertGradients`, set by the session): an object whose
+        #: `take()` takes the gradients held before a step and whose `reduce(kept)` reduces the step's over the
+        #: ranks holding the same experts, then adds the kept ones back; None without expert parallelism
+        self.expert_grads = None
+        #: the stage's expert-parallel group (whose ranks hold the other slices of each MoE layer's experts: the
+        #: global gradient norm adds theirs), set by the session; None without expert parallelism
+        self.expert_group: dist.ProcessGroup | None = None
+        self.expert_mesh = None  #: that group's 1-D device mesh (checkpoints write expert slices as its shards)
 
     # ---- what the user's optimizer loop needs -------------------------------------------------------
 
@@ -208,7 +239,10 @@ class PipelineEngine:
             global_count = global_batch_size
         self.train(True)
         kept = self.tied.take_grads()
+        experts_kept = self.expert_grads.take() if self.expert_grads is not None else None
         result = self._run(inputs, targets, train=True, global_count=global_count)
+        if self.expert_grads is not None:
+            self.expert_grads.reduce(experts_kept)
         self.tied.reduce_grads(kept)  # tied copies: this step's gradients summed over every copy
         self._settle_statistics()
         return result
@@ -233,6 +267,9 @@ class PipelineEngine:
     def _run(self, inputs: Tensors | None, targets: torch.Tensor | None, *, train: bool,
              global_count: int | None) -> StepResult:
         inputs = as_tuple(inputs) if inputs is not None else None
+        if self.sequence_split is not None:  # context parallelism: this rank's tokens of every sequence
+            inputs = self.sequence_split.inputs(inputs) if inputs is not None else None
+            targets = self.sequence_split.targets(targets) if targets is not None else None
         reference = inputs[0] if inputs else targets
         if reference is None:
             raise ConfigError("step() got neither inputs nor targets", hint="pass the batch on every rank")
@@ -256,7 +293,10 @@ class PipelineEngine:
                 out = schedule.step(*args, target=target) if train else schedule.eval(*args)
             if self.has_last_stage:
                 outputs.append(out)
-        merged = torch.cat(outputs) if outputs else None
+        if self._reads > 1:  # several tensors: each merged over the runs, the loss reads them together
+            merged = tuple(torch.cat(parts) for parts in zip(*outputs)) if outputs else None
+        else:
+            merged = torch.cat(outputs) if outputs else None
         if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
             merged = merged.full_tensor()
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None)
@@ -294,17 +334,17 @@ class PipelineEngine:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
         return self.loss.total(output, target) / self._loss_denominator
 
-    def _metrics(self, outputs: torch.Tensor | None, targets: torch.Tensor | None, batch_size: int, *,
+    def _metrics(self, outputs: Tensors | None, targets: torch.Tensor | None, batch_size: int, *,
                  refuse_empty: bool = False) -> StepResult:
         """The step's loss, counts and accuracy on every rank, from device-side sums: one host sync per step
         (`tolist`; the built-in losses count on the device)."""
         names = tuple(getattr(self.loss, "extra_names", ()))  # a loss's own figures (sums over what it counts)
         totals = torch.zeros(5 + len(names), dtype=torch.float64, device=self.device)
         if outputs is not None and targets is not None and self.counts_metrics:
-            outputs_ = outputs.detach()
+            outputs_ = tuple(t.detach() for t in outputs) if isinstance(outputs, tuple) else outputs.detach()
             totals[0] = self.loss.total(outputs_, targets).double()
             totals[1] = self.loss.count(targets)
-            totals[2] = batch_size
+            totals[2] = batch_size if self.sequence_split is None or self.sequence_split.rank == 0 else 0
             correct = self.loss.correct(outputs_, targets)
             if correct is not None:
                 totals[3], totals[4] = correct, 1
@@ -324,7 +364,7 @@ class PipelineEngine:
             loss=loss,
             accuracy=correct / max(count, 1.0) if classified else None,
             samples=int(samples),
-            outputs=outputs if self.keep_outputs else None,
+            outputs=(outputs[0] if isinstance(outputs, tuple) else outputs) if self.keep_outputs else None,
             count=int(count),
             perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
             extras={name: value / max(count, 1.0) for name, value in zip(names, extra)},
@@ -334,7 +374,11 @@ class PipelineEngine:
 
     def _schedule(self, run: Run, train: bool, inputs: tuple[torch.Tensor, ...] | None):
         """The schedule of this run's micro-batch shape (built, and cached, on its first use)."""
-        example = self.model.example_input(run.size) if inputs is None else tuple(t[: run.size] for t in inputs)
+        if inputs is None:
+            example = as_tuple(self.model.example_input(run.size))
+            example = self.sequence_split.inputs(example) if self.sequence_split is not None else example
+        else:
+            example = tuple(t[: run.size] for t in inputs)
         key = (train, run, signature(as_tuple(example)))
         return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
 

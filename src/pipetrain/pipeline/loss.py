@@ -27,7 +27,11 @@ IGNORE_INDEX = -100
 
 @runtime_checkable
 class Loss(Protocol):
-    """A loss the engine can normalise: `total` sums over what `count` counts."""
+    """A loss the engine can normalise: `total` sums over what `count` counts.
+
+    Optional: a class attribute `outputs` (default 1), how many tensors it reads from the model's last block; above 1,
+    `total` and `correct` get them as a tuple (e.g. a mixture of experts' logits and per-micro-batch auxiliary
+    losses, `pipetrain.moe.router.RouterAuxLoss`) and `StepResult.outputs` holds the first."""
 
     #: whether exp(mean loss) is a perplexity (cross-entropies)
     perplexity: bool

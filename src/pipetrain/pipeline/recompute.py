@@ -3,8 +3,9 @@ of the whole stage, of every (K-th) block, or selective (torch's op-level checkp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -14,7 +15,25 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from pipetrain.blocks import as_tuple
 from pipetrain.pipeline.offload import ActivationOffload
 
-__all__ = ["recomputes", "recomputed_blocks", "RecomputeWrapper", "SAVED_OPS"]
+__all__ = ["recomputes", "recomputed_blocks", "RecomputeWrapper", "SAVED_OPS", "is_recomputing"]
+
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """Whether the forward running in this thread is a recomputation (activation checkpointing's second forward):
+    a block that counts what passes through it (a router's tokens per expert) counts only the first one."""
+    return getattr(_state, "depth", 0) > 0
+
+
+class _Recomputing:
+    """The flag `is_recomputing` reads, raised inside; reusable (a split backward recomputes once per half)."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.depth -= 1
 
 
 def _ops(*names: str) -> tuple[Any, ...]:
@@ -55,12 +74,20 @@ def recomputed_blocks(first: int, count: int, every: int) -> list[int]:
     return [i for i in range(count) if (first + i + 1) % every == 0]
 
 
-@contextmanager
-def _both(first: AbstractContextManager[Any], second: AbstractContextManager[Any]) -> Iterator[None]:
-    with ExitStack() as stack:
-        stack.enter_context(first)
-        stack.enter_context(second)
-        yield
+class _Both:
+    """Several contexts entered as one, in order, left in reverse (what `context_fn` returns for each forward);
+    reusable when they are (a split backward recomputes once per half)."""
+
+    def __init__(self, *contexts: AbstractContextManager[Any]) -> None:
+        self.contexts = contexts
+
+    def __enter__(self) -> None:
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
 
 
 class RecomputeWrapper(nn.Module):
@@ -124,5 +151,5 @@ class RecomputeWrapper(nn.Module):
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
         if self.unit == "selective":
             first, again = create_selective_checkpoint_contexts(_keep_expensive)
-            return first, _both(again, self._recompute_context())
-        return nullcontext(), self._recompute_context()
+            return first, _Both(again, self._recompute_context(), _Recomputing())
+        return nullcontext(), _Both(self._recompute_context(), _Recomputing())

@@ -116,14 +116,16 @@ def _shape_run(block: nn.Module, index: int, values: tuple[torch.Tensor, ...], t
         ) from None
 
 
-def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors) -> None:
+def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors, *,
+                        reads: int = 1) -> None:
     """Raise ConfigError, before any step, if a block returns something that cannot cross a stage or the last
-    block returns more than the one tensor the loss reads (a meta run of `inputs`)."""
+    block returns another number of tensors than the `reads` the loss reads (a meta run of `inputs`)."""
     last = boundary_tensors(blocks, bounds, inputs, train=False)[-1]
-    if len(last) != 1:
+    if len(last) != reads:
         index = bounds[-1][1] - 1
         raise ConfigError(
             f"the last block ({index}, {type(blocks[index]).__name__}) returns {len(last)} tensors, "
-            "but the loss reads one",
-            hint="make the last block return only the tensor the loss compares with the targets",
+            f"but the loss reads {reads}",
+            hint="make the last block return only the tensor the loss compares with the targets" if reads == 1 else
+            "pass the loss this model's last block is made for (its outputs, e.g. logits and auxiliary losses)",
         )

@@ -7,7 +7,9 @@ the norm of the whole stage. DDP gradients are equal on every replica after DDP'
 summed again. A tied weight (see `pipetrain.pipeline.tied`) counts once: its canonical copy only. Then the
 pipeline's ranks add their `norm ** p` (the largest for the inf-norm) over the pp
 group. The result is the same number on every rank of the job, computed from global values only, so every
-rank takes the same decision from it (clip, skip, stop).
+rank takes the same decision from it (clip, skip, stop). With expert parallelism, a rank holds only its slice of
+each MoE layer's experts: the experts' `norm ** p` (largest for the inf-norm) is first added over the stage's
+expert-parallel group (`engine.expert_group`), whose ranks hold the other slices.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipetrain.compat.modules import foreach_mul_
+from pipetrain.parallel.experts import is_expert
 from pipetrain.pipeline import PipelineEngine
 
 __all__ = ["grad_norm", "clip_grad_norm_", "clip_grads_with_norm_"]
@@ -62,7 +65,19 @@ def grad_norm(engine: PipelineEngine, norm_type: float = 2.0) -> float:
     """The `norm_type` norm of every gradient of the whole model (all stages, replicas and shards), on every
     rank; a collective call (every rank of the job calls it). nan or inf when a gradient is not finite."""
     norm_type = float(norm_type)
-    local = _local_norm([p.grad for p in _with_grads(engine, once=True)], norm_type).to(engine.device)
+    params = _with_grads(engine, once=True)
+    experts = getattr(engine, "expert_group", None)
+    local = _local_norm([p.grad for p in params if experts is None or not is_expert(p)], norm_type).to(engine.device)
+    if experts is not None and dist.get_world_size(experts) > 1:  # every rank of the group calls, experts or not
+        part = _local_norm([p.grad for p in params if is_expert(p)], norm_type).to(engine.device).reshape(1)
+        if math.isinf(norm_type):
+            part = torch.nan_to_num(part, nan=math.inf)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=experts)
+            local = torch.maximum(local, part[0])
+        else:
+            part = part ** norm_type
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=experts)
+            local = (local ** norm_type + part[0]) ** (1.0 / norm_type)
     group = engine.pp_group
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         if math.isinf(norm_type):

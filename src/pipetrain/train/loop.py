@@ -21,6 +21,7 @@ from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.records import EpochReport, EvalRecord, MetricTotals, perplexity, report_dicts
 from pipetrain.logs.runlog import RunLog, open_run_log
 from pipetrain.logs.stragglers import StragglerWatch
+from pipetrain.moe.balance import ExpertBalancer, routed_blocks
 from pipetrain.logs.startup import StartupSink
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.pipeline import PipelineEngine
@@ -140,6 +141,25 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         close_session(after_error=sys.exc_info()[1] is not None)
 
 
+def _balancer(engine: PipelineEngine, mesh: Mesh, config: TrainConfig) -> ExpertBalancer | None:
+    """The expert load of a mixture of experts (its MoE layer blocks on this rank; None for a dense model)."""
+    if not getattr(engine.model, "routed", False):
+        return None
+    return ExpertBalancer(routed_blocks(engine.modules), mesh.dp_group if config.parallel.dp > 1 else None)
+
+
+def _expert_load(balancer: ExpertBalancer, step: int, every: int, main: bool) -> None:
+    """After a step: the counts summed over the replicas, the biases moved; every `every` steps the main rank says
+    each layer's load imbalance (gathered from every pipeline rank: each holds other layers)."""
+    imbalance = balancer.after_step()
+    if step % every:
+        return
+    gathered: list[dict[int, float]] = [{} for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(gathered, imbalance)
+    if main:
+        log.info("step %d: %s", step, balancer.line({k: v for part in gathered for k, v in part.items()}))
+
+
 def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe, train: Dataset,
                   test: Dataset, mesh: Mesh, durable: DurableRun, tracer: Tracer | None,
                   run_log: RunLog, samples: TrainingSamples | None = None) -> list[EpochReport]:
@@ -153,6 +173,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                            dp=config.parallel.dp, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
     reports = [EpochReport(**report) for report in at.reports]
     rollouts, sampled = getattr(workload, "step_metrics", None), getattr(workload, "rollout_sample", None)
+    balancer = _balancer(engine, mesh, config)
     run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
     for epoch in range(at.epoch, epochs + 1):
         if config.max_steps is not None and at.step >= config.max_steps:
@@ -175,6 +196,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
             if rollouts is not None:  # an objective's own figures of the step (GRPO: rewards, lengths)
                 result = replace(result, extras={**result.extras, **rollouts()})
+            if balancer is not None:  # expert load: biases moved, imbalance said every log_every steps
+                _expert_load(balancer, at.step + 1, config.logs.log_every, run_log.main)
             if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
                 totals.add(result)
             here = min(at.start(config.batch_size), size)  # (a checkpoint without `sample`: full batches before)

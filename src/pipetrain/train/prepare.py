@@ -11,10 +11,12 @@ from dataclasses import dataclass, replace
 from pipetrain.checkpoint.folders import read_meta
 from pipetrain.checkpoint.keys import fingerprint
 from pipetrain.checkpoint.state import find_checkpoint
+from pipetrain.context import check_context
 from pipetrain.errors import ConfigError
 from pipetrain.launch.device import check_local_ranks
 from pipetrain.launch.env import ClusterEnv
 from pipetrain.logs.config import check_log_folders, check_metrics_file
+from pipetrain.moe.split import check_expert_parallel
 from pipetrain.parallel.tensor import check_tensor_parallel
 from pipetrain.plan.resize import Saved, decide
 from pipetrain.trace.files import check_trace_dir
@@ -36,11 +38,19 @@ class Prepared:
 
 
 def check_model(config: TrainConfig) -> None:
-    """The model against the layout: enough blocks for the stages, and a tensor-parallel plan that splits it."""
+    """The model against the layout: enough blocks for the stages, a tensor-parallel plan that splits it, experts
+    that `--ep` divides."""
     model = config.model()
     config.parallel.pipeline.check_blocks(model.num_blocks)
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
+    check_context(model, config.parallel.cp, config.parallel.cp_attention, config.seq_len)
+    check_expert_parallel(model, config.parallel.ep)
+    if (config.parallel.ep > 1 and config.parallel.dp_mode == "fsdp"
+            and (config.durable.save_dir is not None or config.durable.resume)):
+        raise ConfigError(f"--ep {config.parallel.ep} --dp-mode fsdp with --save-dir or --resume: checkpoints of "
+                          "experts split over expert-parallel ranks and sharded by FSDP2 are not written yet",
+                          hint="use --dp-mode ddp with --ep, or drop --save-dir and --resume")
 
 
 def settled(config: TrainConfig) -> TrainConfig:

@@ -7,21 +7,46 @@ block rebuilds the attention mask (and the rotary tables) from the sequence leng
 them once. With packed documents (`--pack documents`) the per-token positions cross with them, a second tensor,
 and each layer block builds the block-diagonal causal mask from them (`document_mask`). A block's parameters keep
 the names of the transformers model through `prefixes` (local -> checkpoint).
+
+Mixtures of experts (docs/moe.md): each MoE layer block hooks its router (the module transformers records
+"router_logits" from) and, when the load-balancing loss is on (`carries_router_statistics`), adds its layer's
+per-sample router sums to a float tensor `[batch, 2, E]` that the embedding starts at zero and that crosses every
+stage boundary last, after the hidden states (and the positions); the head turns it into the micro-batch's
+load-balancing loss and returns `(logits, aux)` (`pipetrain.moe.router`). In training, each MoE layer block also
+counts its tokens per expert (`tokens_per_expert`, never in a recomputed forward): the step's load imbalance and
+DeepSeek-V3's bias balancing read them (`pipetrain.moe.balance`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipetrain.context.attention import context_config
 from pipetrain.errors import ConfigError
+from pipetrain.moe.router import load_balancing_loss, router_statistics
+from pipetrain.pipeline.recompute import is_recomputing
 from pipetrain.workloads.hf.families import Family, causal_mask, require_transformers
 
-__all__ = ["HFBlock", "Embedding", "DecoderLayer", "Head", "document_mask", "init_like_transformers"]
+__all__ = ["HFBlock", "Embedding", "DecoderLayer", "Head", "document_mask", "init_like_transformers",
+           "carries_router_statistics", "num_experts"]
+
+
+def num_experts(config: Any, family: Family) -> int:
+    """The routed experts of each MoE layer (0: a dense family)."""
+    return int(getattr(config, family.experts)) if family.experts else 0
+
+
+def carries_router_statistics(config: Any, family: Family) -> bool:
+    """Whether the load-balancing loss is on: a MoE family whose transformers causal LM adds it, with
+    `config.output_router_logits` (as transformers' forward decides) and a non-zero `router_aux_loss_coef`."""
+    return bool(family.experts and family.aux_loss and getattr(config, "output_router_logits", False)
+                and getattr(config, "router_aux_loss_coef", 0.0))
 
 
 class HFBlock(nn.Module):
@@ -55,12 +80,16 @@ class Embedding(HFBlock):
         self.drop = nn.Dropout(getattr(config, family.embed_dropout)) if family.embed_dropout else nn.Identity()
         self.scale = math.sqrt(config.hidden_size) if family.embed_scale else None
         self.multiplier = getattr(config, family.embed_multiplier) if family.embed_multiplier else None
+        self.experts = num_experts(config, family) if carries_router_statistics(config, family) else 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
-        """The hidden states; with per-token `positions` (packed documents), `(hidden states, positions)`."""
+        """The hidden states; with per-token `positions` (packed documents), `(hidden states, positions)`; with the
+        load-balancing loss on, the router statistics (zero) after them."""
         at = torch.arange(input_ids.shape[1], device=input_ids.device)[None] if positions is None else positions
-        hidden = self.embed(input_ids, at)
-        return hidden if positions is None else (hidden, positions)
+        out = (self.embed(input_ids, at),) + (() if positions is None else (positions,))
+        if self.experts:
+            out += (torch.zeros(input_ids.shape[0], 2, self.experts, device=input_ids.device),)
+        return out[0] if len(out) == 1 else out
 
     def embed(self, input_ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """The hidden states of `input_ids` at positions `at`: the token embedding, scaled and multiplied as the
@@ -85,13 +114,78 @@ class DecoderLayer(HFBlock):
         self.layer = family.resolve(family.layer_class)(config, index)
         self.rotary = None if family.rotary_class is None else family.resolve(family.rotary_class)(config)
         self.prefixes = {"layer.": f"{family.layers}.{index}."}
+        self.carries = carries_router_statistics(config, family)
+        self.routed = False  #: whether this layer routes to experts (a MoE family's dense layers do not)
+        self._bias: str | None = None
+        #: this layer's routed tokens per expert since the last `reset` (training forwards, none recomputed)
+        self.tokens_per_expert: torch.Tensor | None = None
+        self._routed = _RouterOutputs()
+        if family.experts:
+            router_class, at = family.router_class()
+            router = next((m for m in self.layer.modules() if isinstance(m, router_class)), None)
+            self.routed = router is not None
+            self._bias = family.router_bias if router is not None and family.router_bias else None
+            self._router = [router]  # a list: not a second path to the router's parameters
+            #: the module holding the router and the experts beside it (transformers' `experts(hidden, top_k_index,
+            #: top_k_weights)`), read at each meta forward: expert parallelism replaces the experts module there
+            self._moe_blocks = [parent for parent in self.layer.modules()
+                                if router is not None and any(c is router for c in parent.children())
+                                and hasattr(parent, "experts")]
+            if router is not None:  # an output hook, as transformers records `output_router_logits`: the
+                # logits, and the experts the router chose (its last output, `top_k_index`)
+                self._routed.at = at
+                router.register_forward_hook(self._routed)
+            self.top_k = config.num_experts_per_tok
+        self.context: Any = None  # a `pipetrain.context.ContextParallel` once attached (`use_context`)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> Any:
+    def use_context(self, context: Any) -> None:
+        """Run attention over the sequence cut by context parallelism: the layer's attention modules take
+        transformers' "pipetrain_context" attention function (a config copy local to this block), and the mask is
+        the context's (`ContextMask`), built from the positions that cross the stage boundary."""
+        context.check_config(self.config)
+        config = context_config(self.config)
+        for module in self.layer.modules():
+            if getattr(module, "config", None) is self.config:
+                module.config = config
+        self.config, self.context = config, context
+
+    def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
         """The layer's output; with per-token `positions` (packed documents: they restart at each document),
         `(output, positions)`, the mask then block-diagonal by document (`document_mask`), built here per
-        micro-batch from the positions that crossed the stage boundary with the hidden states."""
+        micro-batch from the positions that crossed the stage boundary with the hidden states; with the router
+        statistics last (the load-balancing loss on), this layer's added to them."""
+        statistics = extra[-1] if self.carries else None
+        positions = extra[0] if len(extra) > self.carries else None
+        if hidden.device.type == "meta" and self.routed:
+            with _shapes_only([parent.experts for parent in self._moe_blocks]):
+                out = self._layer(hidden, positions)
+        else:
+            out = self._layer(hidden, positions)
+        if self.routed:
+            logits, chosen = self._routed.pop()
+            self._routed.clear()
+            if self.training and not is_recomputing() and hidden.device.type != "meta":
+                self._count(chosen, logits.shape[-1])
+            if statistics is not None:
+                statistics = statistics + router_statistics(logits, self.top_k, hidden.shape[0])
+        rest = (() if positions is None else (positions,)) + (() if statistics is None else (statistics,))
+        return (out, *rest) if rest else out
+
+    def balancing_bias(self) -> torch.Tensor | None:
+        """The router's balancing bias buffer (DeepSeek-V3's `e_score_correction_bias`), or None."""
+        return None if self._bias is None else getattr(self._router[0], self._bias)
+
+    def _count(self, chosen: torch.Tensor, experts: int) -> None:
+        """Add this forward's routed tokens per expert (the experts the router chose, with its bias if any)."""
+        with torch.no_grad():
+            counts = torch.bincount(chosen.flatten(), minlength=experts).to(torch.float32)
+            self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+
+    def _layer(self, hidden: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         packed = positions is not None
-        if packed:
+        if self.context is not None and packed:  # context parallelism: positions are global (or per document)
+            mask = self.context.mask(hidden, positions)
+        elif packed:
             mask = document_mask(self.mask, self.config, hidden, positions, self.index)
         else:
             mask = self.mask(self.config, hidden, self.index)
@@ -101,8 +195,35 @@ class DecoderLayer(HFBlock):
             inputs["position_ids"] = positions
         if self.rotary is not None:
             inputs["position_embeddings"] = self.rotary_tables(hidden, positions)
-        out = self.layer(hidden, **inputs)
-        return (out, positions) if packed else out
+        return self.layer(hidden, **inputs)
+
+    def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        """The rotary tables (cos, sin) at `positions`, of this layer's type where the family has one per type."""
+        by_type = () if self.layer_type is None else (self.layer_type,)  # Gemma 3: local or global tables
+        return self.rotary(hidden, positions, *by_type)
+
+
+class _RouterOutputs(list):
+    """A router's forward hook keeping (logits, chosen experts) of each call (an object, not a closure: a deep copy
+    of the block, as `pipetrain check` makes, hooks its own copy)."""
+
+    at = 0  #: the index of the logits in the router's output
+
+    def __call__(self, module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> None:
+        self.append((out[self.at], out[-1]))
+
+
+@contextmanager
+def _shapes_only(experts: list[nn.Module]) -> Iterator[None]:
+    """On the meta device (shape inference): each experts module returns zeros of its input's shape, which is its
+    output's (transformers' expert kernels group tokens by the router's choice, values the meta device has not)."""
+    for module in experts:
+        module.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
+    try:
+        yield
+    finally:
+        for module in experts:
+            del module.forward
 
     def rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
         """The rotary tables (cos, sin) at `positions`, of this layer's type where the family has one per type."""
@@ -123,8 +244,17 @@ class Head(HFBlock):
             None if field is None else getattr(config, field)
             for field in (family.logit_multiplier, family.logit_divisor, family.logit_softcap))
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.logits(hidden)  # the positions (packed documents) end here: the loss reads logits
+        self.carries = carries_router_statistics(config, family)
+        self.top_k = getattr(config, "num_experts_per_tok", 0)
+
+    def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
+        """The logits (the positions of packed documents end here); with the router statistics, `(logits, aux)`:
+        the micro-batch's load-balancing loss, one copy per sample (`pipetrain.moe.router.RouterAuxLoss`)."""
+        logits = self.logits(hidden)
+        if not self.carries:
+            return logits
+        aux = load_balancing_loss(extra[-1], self.top_k)
+        return logits, aux.expand(hidden.shape[0]).contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of `hidden`: normed, projected, then multiplied, divided and soft-capped as the family says."""
@@ -169,7 +299,8 @@ def document_mask(family_mask: Any, config: Any, hidden: torch.Tensor, positions
 def init_like_transformers(block: nn.Module, config: Any, family: Family) -> None:
     """transformers' initialisation: normal(0, initializer_range) weights, zero biases, norms at the family's
     `norm_init` (1; Gemma's zero-centred norms 0, as `GemmaPreTrainedModel._init_weights` does); the family's
-    `scaled_init` modules (GPT-2's residual projections) with std / sqrt(2 * layers)."""
+    `scaled_init` modules (GPT-2's residual projections) with std / sqrt(2 * layers); another module's own matrices
+    (fused experts, a router's) and GPT-OSS's sinks normal(0, std), its own biases zero."""
     conv1d = require_transformers().pytorch_utils.Conv1D
     std = config.initializer_range
     with torch.no_grad():
@@ -185,3 +316,10 @@ def init_like_transformers(block: nn.Module, config: Any, family: Family) -> Non
                 module.weight.fill_(family.norm_init)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+            else:  # parameters of their own (a MoE layer's fused experts and router, GPT-OSS's sinks) as
+                # transformers' `_init_weights` draws them: matrices and sinks normal(0, std), biases zero
+                for name, param in module.named_parameters(recurse=False):
+                    if param.dim() >= 2 or name == "sinks":
+                        param.normal_(0.0, std)
+                    elif name.endswith("bias"):
+                        param.zero_()

@@ -5,7 +5,8 @@ Cohere 1/2, Gemma 2/3; others with the common layout) as pipetrain blocks, each 
 (`blocks.py`: embedding, one block per decoder layer, head) are transformers' own modules, named as in the
 transformers model. Batches are right-padded or unpadded; padding is ignored through the labels (`ignore_index`).
 Weights come from transformers' initialisation scheme, or from a local safetensors checkpoint folder
-(`config.json` + `model.safetensors` or a sharded index), from which a rank reads only its own tensors.
+(`config.json` + `model.safetensors` or a sharded index), from which a rank reads only its own tensors, converted
+as `from_pretrained` converts them (`checkpoint.py`: per-expert files -> fused experts).
 Tied input/output embeddings (GPT-2's default, SmolLM2's) stay tied (`tied_parameters`): the head holds a copy
 of the embedding matrix (loaded from the same tensor) and the engine sums the two copies' gradients every
 step (`pipetrain.pipeline.tied`), so they update as the one tensor of the unsplit model.
@@ -26,7 +27,10 @@ from pipetrain.blocks import tp_plan_hook
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.pipeline.loss import IGNORE_INDEX
-from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head, HFBlock, init_like_transformers
+from pipetrain.workloads.hf.checkpoint import HFCheckpoint
+from pipetrain.moe.router import RouterAuxLoss
+from pipetrain.workloads.hf.blocks import (DecoderLayer, Embedding, Head, HFBlock, carries_router_statistics,
+                                           init_like_transformers)
 from pipetrain.workloads.hf.families import FAMILIES, Family, family_of, require_transformers
 from pipetrain.workloads.hf.families.family import default_attention
 from pipetrain.workloads.hf.proof import prove
@@ -50,6 +54,8 @@ class CausalLMLoss:
     Calling it gives the mean (transformers' loss)."""
 
     perplexity = True
+    #: position t is scored against target t + 1: context parallelism shifts the targets before cutting sequences
+    shifts_targets = True
 
     def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index
@@ -73,59 +79,48 @@ class CausalLMLoss:
 causal_lm_loss = CausalLMLoss()
 
 
-class _Checkpoint:
-    """Reads single tensors of a local safetensors checkpoint folder (one file or a sharded index)."""
+#: the old name of the checkpoint reader (tests patch its `read`)
+_Checkpoint = HFCheckpoint
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            self.files = {key: folder / name for key, name in json.loads(index.read_text())["weight_map"].items()}
-        elif (folder / "model.safetensors").is_file():
-            from safetensors import safe_open
 
-            with safe_open(folder / "model.safetensors", framework="pt") as f:
-                self.files = {key: folder / "model.safetensors" for key in f.keys()}
-        else:
-            raise ConfigError(
-                f"checkpoint folder {str(folder)!r} has no model.safetensors nor model.safetensors.index.json",
-                hint="pass a folder written by save_pretrained(..., safe_serialization=True)",
-            )
-
-    def find(self, key: str, family: Family) -> str | None:
-        """The stored name of `key` (a checkpoint of the base model, as GPT-2's original files, omits its prefix)."""
-        if key in self.files:
-            return key
-        bare = key.removeprefix(f"{family.base}.")
-        return bare if bare != key and bare in self.files else None
-
-    def shapes(self) -> dict[str, list[int]]:
-        """Every stored tensor's shape, read from the safetensors headers (no tensor is read)."""
-        shapes: dict[str, list[int]] = {}
-        for file in sorted(set(self.files.values())):
-            with open(file, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            shapes.update({key: entry["shape"] for key, entry in header.items() if key != "__metadata__"})
-        return shapes
-
-    def read(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.files[key], framework="pt") as f:
-            return f.get_tensor(key)
+def _choose_kernels(config: Any) -> None:
+    """Set the attention and experts implementations transformers chooses when it builds the whole model (read
+    from the model built on the meta device: "sdpa" where the class supports it, else "eager"; its experts'
+    "grouped_mm" or "eager"), unless the config names them."""
+    if config._attn_implementation is not None and getattr(config, "_experts_implementation", "") is not None:
+        return
+    transformers = require_transformers()
+    logging_ = transformers.utils.logging
+    verbosity = logging_.get_verbosity()
+    logging_.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            built = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).config
+    finally:
+        logging_.set_verbosity(verbosity)
+    if config._attn_implementation is None:
+        config._attn_implementation = built._attn_implementation
+    if getattr(config, "_experts_implementation", "") is None:
+        config._experts_implementation = built._experts_implementation
 
 
 class HFCausalLM:
     """A transformers causal LM as a `BlockModel`: embedding, `num_hidden_layers` decoder layers, head.
+    Context parallelism (`--cp`) runs: the first block takes `(ids, positions)`, the decoder layers `use_context`.
 
     `config` is a transformers config (e.g. `LlamaConfig(...)`, `GPT2Config(...)`), `checkpoint` a local
     folder holding that model's safetensors weights (nothing is downloaded), `seq_len` the token length of
     every sample (pipeline stages need static shapes); `documents`: the input is `(token ids, positions)` of packed
     documents (`pipetrain.data.packing`), attention masked by document. Attention runs as `config._attn_implementation`
-    says, when unset "sdpa" (or "eager" for a class that cannot use sdpa: Gemma 2), as transformers chooses. Use
-    `causal_lm_loss` as the engine's loss, with the input ids (padding set to -100) as targets. `from_folder` reads the
-    config from the folder too, and proves the blocks against transformers' class on a tiny copy of it.
+    says and a MoE layer's experts as `config._experts_implementation` says; when unset, as transformers chooses them
+    building the whole model ("sdpa", or "eager" for a class that cannot use sdpa: Gemma 2, GPT-OSS; "grouped_mm").
+    Use `causal_lm_loss` (`loss()`) as the engine's loss, with the input ids (padding set to -100) as targets.
+    `from_folder` reads the config from the folder too, and proves the blocks against transformers' class on a tiny
+    copy of it.
     """
+
+    #: the sequence may be cut over context-parallel ranks (`pipetrain.context`)
+    context_parallel = True
 
     def __init__(self, config: Any, *, checkpoint: str | Path | None = None, seq_len: int = 64,
                  documents: bool = False) -> None:
@@ -134,10 +129,9 @@ class HFCausalLM:
             raise ConfigError(f"seq_len {seq_len} is outside 1..{config.max_position_embeddings} for this model",
                               hint=f"pass seq_len <= max_position_embeddings ({config.max_position_embeddings})")
         config = copy.deepcopy(config)
-        if config._attn_implementation is None:  # what transformers picks when it builds the whole model
-            config._attn_implementation = default_attention(config)
+        _choose_kernels(config)  # what transformers picks when it builds the whole model
         self.config, self.family, self.seq_len, self.documents = config, family, seq_len, documents
-        self.checkpoint = None if checkpoint is None else _Checkpoint(Path(checkpoint))
+        self.checkpoint = None if checkpoint is None else HFCheckpoint(Path(checkpoint), config)
         if self.checkpoint is not None:
             self._check_folder_config(Path(checkpoint))
             self._check_weights()
@@ -178,9 +172,9 @@ class HFCausalLM:
                 block = self.build_block(index)
             state = block.state_dict()
             for name, key in block.checkpoint_keys():
-                found = self.checkpoint.find(key, self.family)
+                found = self.checkpoint.find(key, self.family.base)
                 if found is None and key == f"{self.family.head}.weight" and self.tied:
-                    found = self.checkpoint.find(f"{self.family.embed}.weight", self.family)
+                    found = self.checkpoint.find(f"{self.family.embed}.weight", self.family.base)
                 sizes = ", ".join(f"{field}={getattr(self.config, field)}" for field in _SIZE_FIELDS
                                   if isinstance(getattr(self.config, field, None), int))
                 if found is None:
@@ -224,6 +218,19 @@ class HFCausalLM:
         ids = torch.zeros(batch_size, self.seq_len, dtype=torch.long)
         return (ids, torch.arange(self.seq_len).expand(batch_size, -1).contiguous()) if self.documents else ids
 
+    def loss(self, base: Any = None) -> Any:
+        """The loss to train this model with: `base` (`causal_lm_loss` by default), plus the load-balancing loss per
+        micro-batch when the model carries it (`RouterAuxLoss`: a MoE family with `output_router_logits`)."""
+        base = causal_lm_loss if base is None else base
+        if not carries_router_statistics(self.config, self.family):
+            return base
+        return RouterAuxLoss(base, self.config.router_aux_loss_coef)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the model is a mixture of experts (its family names experts): docs/moe.md."""
+        return self.family.experts is not None
+
     @property
     def tied(self) -> bool:
         """Whether the output head is the input embedding matrix (`config.tie_word_embeddings`)."""
@@ -264,15 +271,15 @@ class HFCausalLM:
             raise ValueError("no checkpoint folder to load from")
         state = block.state_dict()
         for name, key in block.checkpoint_keys():
-            stored = self.checkpoint.find(key, self.family)
+            stored = self.checkpoint.find(key, self.family.base)
             if stored is None and key == "lm_head.weight":  # tied embeddings: the head reads the embedding matrix
-                stored = self.checkpoint.find(f"{self.family.embed}.weight", self.family)
+                stored = self.checkpoint.find(f"{self.family.embed}.weight", self.family.base)
             if stored is None:
                 raise ConfigError(
                     f"checkpoint folder {str(self.checkpoint.folder)!r} has no tensor {key!r}: it holds another model",
                     hint=f"pass the folder of this {self.family.name} model",
                 )
-            tensor = self.checkpoint.read(stored)
+            tensor = self.checkpoint.tensor(stored)
             if tensor.shape != state[name].shape:
                 raise ConfigError(
                     f"checkpoint folder {str(self.checkpoint.folder)!r}: tensor {stored!r} has shape "

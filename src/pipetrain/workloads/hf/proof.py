@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.blocks import as_tuple
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head
 from pipetrain.workloads.hf.families import FAMILIES, family_of, require_transformers
@@ -124,8 +125,9 @@ def logit_difference(reference: Callable[[torch.Tensor], torch.Tensor], blocks: 
         theirs = reference(ids).float()
         hidden = ids
         for block in blocks:
-            hidden = block(hidden)
-        return (hidden.float() - theirs).abs().max().item(), theirs.abs().max().item()
+            hidden = block(*as_tuple(hidden))
+        logits = hidden[0] if isinstance(hidden, tuple) else hidden  # a mixture of experts: (logits, aux)
+        return (logits.float() - theirs).abs().max().item(), theirs.abs().max().item()
 
 
 def compare(config: Any, *, seed: int = 0) -> Proof:

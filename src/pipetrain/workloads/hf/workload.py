@@ -29,6 +29,8 @@ from pipetrain.workloads.lm.corpus import (HOLD_OUT_EVERY, check_text_only, load
                                            text_documents)
 from pipetrain.workloads.text.gutenberg import GUTENBERG, gutenberg_books
 from pipetrain.workloads.hf.causal_lm import SUPPORTED_FAMILIES, HFCausalLM, require_transformers
+from pipetrain.moe.router import RouterAuxLoss
+from pipetrain.workloads.hf.blocks import carries_router_statistics
 from pipetrain.workloads.hf.families import family_of
 from pipetrain.workloads.hf.proof import prove
 from pipetrain.workloads.hf.text import (TokenWindows, check_tokenizer, check_vocabulary, ends_with_eos,
@@ -119,6 +121,17 @@ class HFWorkload(LanguageModelWorkload):
         self.check_preset(preset)
         spec = HF_PRESETS[preset]
         return HFCausalLM(spec.config(), seq_len=seq_len or spec.seq_len, documents=documents)
+
+    def loss(self) -> Any:
+        """The token loss; for a mixture of experts with the load-balancing loss on (`output_router_logits`, a
+        non-zero `router_aux_loss_coef`), plus it, per micro-batch (`pipetrain.moe.router.RouterAuxLoss`)."""
+        base = super().loss()
+        if self.folder is None:
+            return base
+        config = require_transformers().AutoConfig.from_pretrained(self.folder, local_files_only=True)
+        if not carries_router_statistics(config, family_of(config)):
+            return base
+        return RouterAuxLoss(base, config.router_aux_loss_coef)
 
     def load_data(self, request: DataRequest) -> tuple[Dataset, Dataset]:
         train, test = self._splits(request)

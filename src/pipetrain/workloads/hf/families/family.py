@@ -157,6 +157,12 @@ class Family:
     tp_plan: Callable[[Any, int], TPPlan] | None = None  #: (config, tp) -> a decoder layer's plan; raises when tp
     #: does not divide what it splits (whole heads, GQA's key/value heads too, the MLP width); a "head" q/k norm
     #: is added by `layer_tp_plan`
+    # -- a mixture of experts (docs/moe.md); None: a dense family --
+    experts: str | None = None  #: the config field of the routed experts' count ("num_experts", "num_local_experts");
+    #: the router is the module transformers records "router_logits" from (`_can_record_outputs`), the experts its
+    #: sibling `experts` module (`forward(hidden, top_k_index, top_k_weights)`)
+    aux_loss: bool = True  #: the family's causal LM adds the load-balancing loss (`output_router_logits`)
+    router_bias: str | None = None  #: the router's balancing bias buffer (DeepSeek-V3's "e_score_correction_bias")
 
     @property
     def base(self) -> str:
@@ -182,6 +188,19 @@ class Family:
         if plan is not None and self.qk_norm == "head":
             plan = {**plan, **{f"layer.self_attn.{name}": heads_replicated() for name in ("q_norm", "k_norm")}}
         return plan
+
+    def router_class(self) -> tuple[type[nn.Module], int]:
+        """The router's class and the index of its logits in its output: what the family's pretrained model records
+        as "router_logits" (`_can_record_outputs`, transformers' output hooks); ConfigError when it records none."""
+        require_transformers()
+        module = importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
+        for value in vars(module).values():
+            recorder = (getattr(value, "_can_record_outputs", None) or {}).get("router_logits") \
+                if isinstance(value, type) else None
+            if recorder is not None:
+                return recorder.target_class, recorder.index or 0
+        raise ConfigError(f"the {self.name} family names experts ({self.experts}) but transformers' "
+                          f"{module.__name__} records no router_logits", hint="describe the family without experts")
 
     def resolve(self, name: str) -> type[nn.Module]:
         """The class `name` of this family's modeling module (a dotted name: that module's class)."""

@@ -10,7 +10,8 @@ scaled embedding or logits, a soft cap) is taken from the list of what transform
 a flag of that list that no pipetrain block applies is refused by `family_of`, and the proof that the blocks compute
 what transformers' class computes (`pipetrain.workloads.hf.proof`) runs when a model is built from a folder. The
 adapter says in one line that the generic description is used; a class without that layout is refused naming the
-parts that are missing, and a mixture-of-experts model up front (`refuse_mixture_of_experts`). The line is said once
+parts that are missing, and a mixture of experts without a description (`moe.py` describes six) up front
+(`refuse_mixture_of_experts`, naming what a description says). The line is said once
 per job: by the process that starts the local ranks, or by rank 0 of a launcher (`speaks`).
 """
 
@@ -65,15 +66,19 @@ def _get(model: nn.Module, path: str) -> nn.Module | None:
 
 
 def refuse_mixture_of_experts(config: Any) -> None:
-    """One ConfigError for a mixture-of-experts config (a positive expert count, unless it says `is_moe=False`):
-    the generic description would build its layers, whose experts pipetrain neither loads nor splits yet."""
+    """One ConfigError for a mixture-of-experts config without a description (a positive expert count, unless it
+    says `is_moe=False`): the generic description would build its layers without the router's statistics and
+    loss, so it names what a description of it says (`families/moe.py`)."""
     counts = {name: getattr(config, name) for name in EXPERT_COUNTS if isinstance(getattr(config, name, None), int)}
     experts = {name: count for name, count in counts.items() if count > 0}
     if experts and getattr(config, "is_moe", True) is not False:
         name, count = next(iter(experts.items()))
-        raise ConfigError(f"Hugging Face model type {config.model_type!r}: a mixture of experts ({name}={count}), "
-                          "which pipetrain does not support yet (its experts are stored, routed and split in ways no "
-                          "pipetrain block describes)", hint="pass a dense causal LM (MoE support is a separate issue)")
+        raise ConfigError(f"Hugging Face model type {config.model_type!r}: a mixture of experts ({name}={count}) with "
+                          "no description in pipetrain: its description names the decoder layer, norm and rotary "
+                          f"classes, the experts' count field ({name}), whether its causal LM adds the "
+                          "load-balancing loss, and any router balancing bias",
+                          hint="describe it in pipetrain/workloads/hf/families/moe.py as MIXTRAL is (docs/moe.md); "
+                               "described mixtures: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, gpt_oss")
 
 
 def _misfit(config: Any, model: nn.Module) -> list[str]:

@@ -1,0 +1,141 @@
+"""Ring attention: exact attention over a sequence whose zig-zag parts lie on the N ranks of a context-parallel group.
+
+Each rank keeps its queries and passes its keys and values around the ring (point-to-point, one step per rank);
+at each step it attends its two query parts to the two key/value parts it holds, and the partial results are
+combined exactly through their log-sum-exp. Blocks that the mask hides wholly (a key part after a query part, or
+parts with no document in common) are skipped; a step whose blocks are all skipped still passes a zero gradient back,
+since the peers of the ring wait for every exchange's backward. The block attention is an autograd function that keeps only q, k, v, its
+output and log-sum-exp, and recomputes the scores in its backward (with the log-sum-exp's own gradient, which the
+merge needs); the ring's exchange is an autograd function whose backward sends the gradients the other way round,
+so forward and backward are exact, recomputation included. (torch 2.13's CPU flash kernel,
+`aten._scaled_dot_product_flash_attention_for_cpu`, returns the log-sum-exp without a gradient: a merge through it
+would drop that term of the backward, so it is not used here.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ring_attention", "ring_exchange", "block_attention", "merge"]
+
+#: the score of a masked pair: exp() of it against any real score is 0, and a wholly masked row stays finite
+_MASKED = -1e30
+
+
+class _Exchange(torch.autograd.Function):
+    """Send a tensor to the next rank of the ring and receive the previous rank's; backward: the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
+        ctx.group, ctx.send_to, ctx.recv_from = group, send_to, recv_from
+        return _send_recv(tensor, group, send_to, recv_from)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _send_recv(grad.contiguous(), ctx.group, ctx.recv_from, ctx.send_to), None, None, None
+
+
+def _send_recv(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
+    tensor = tensor.contiguous()  # first: empty_like keeps a permuted tensor's strides
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, send_to, group),
+           dist.P2POp(dist.irecv, received, recv_from, group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The previous rank's `tensor` (this rank's goes to the next one); differentiable."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    send_to = dist.get_global_rank(group, (rank + 1) % size)
+    recv_from = dist.get_global_rank(group, (rank - 1) % size)
+    return _Exchange.apply(tensor, group, send_to, recv_from)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Softmax attention of one query part over one key/value part, returning its output and log-sum-exp; the
+    backward recomputes the scores (FlashAttention's way) and takes the log-sum-exp's gradient too, so that only
+    q, k, v, the output and the log-sum-exp are kept between forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = _scores(q, k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        out = torch.matmul(torch.exp(scores - lse), v.float())
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        probs = torch.exp(_scores(q, k, mask, ctx.scale) - lse)
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+        grad_probs = torch.matmul(grad_out, v.float().transpose(-1, -2))
+        # d out / d scores: P * (dP - rowsum(dO * O)); d lse / d scores: P
+        grad_scores = probs * (grad_probs - (grad_out * out).sum(dim=-1, keepdim=True) + grad_lse) * ctx.scale
+        grad_q = torch.matmul(grad_scores, k.float())
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float())
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return scores if mask is None else scores.masked_fill(~mask, _MASKED)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of `q` [B, H, Lq, D] over `k`, `v` [B, H, Lk, D] (`mask` [B, 1, Lq, Lk], True = attend):
+    the output (fp32) and each query's log-sum-exp of scores [B, H, Lq, 1]; differentiable in both."""
+    return _BlockAttention.apply(q, k, v, mask, scale)
+
+
+def merge(acc: tuple[torch.Tensor, torch.Tensor] | None,
+          block: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries over disjoint keys, combined exactly by their log-sum-exps."""
+    if acc is None:
+        return block
+    (out, lse), (block_out, block_lse) = acc, block
+    total = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - total) + block_out * torch.exp(block_lse - total), total
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, scale: float) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence: `q` [B, H, L, D], `k`, `v` [B, Hkv, L, D] (GQA:
+    H a multiple of Hkv) of this rank's two zig-zag parts; `layout` (a `ContextMask`) gives each part pair's mask.
+    Returns [B, L, H, D] in `q`'s dtype, as transformers' attention functions do."""
+    group, rank, size = layout.group, layout.rank, layout.size
+    repeat = q.shape[1] // k.shape[1]
+    half = q.shape[2] // 2
+    queries = (q[:, :, :half], q[:, :, half:])
+    held = torch.stack([k, v])
+    acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+    unused: list[torch.Tensor] = []
+    for step in range(size):
+        source = (rank - step) % size
+        if step:
+            held = ring_exchange(held, group)
+        keys, values = (held[0], held[1]) if repeat == 1 else (held[0].repeat_interleave(repeat, dim=1),
+                                                               held[1].repeat_interleave(repeat, dim=1))
+        used = False
+        for a in (0, 1):
+            for b in (0, 1):
+                mask = layout.block_mask(source, a, b)
+                if mask is False:
+                    continue  # wholly masked: skipped
+                used = True
+                part = slice(b * half, (b + 1) * half)
+                acc[a] = merge(acc[a], block_attention(queries[a], keys[:, :, part], values[:, :, part],
+                                                       None if mask is True else mask, scale))
+        if not used and held.requires_grad:
+            unused.append(held)
+    out = torch.cat([acc[0][0], acc[1][0]], dim=2)
+    for tensor in unused:  # every rank must run every exchange's backward (its peers wait for it): a zero gradient
+        out = out + 0.0 * tensor.sum()
+    return out.to(q.dtype).transpose(1, 2).contiguous()

@@ -1,0 +1,79 @@
+"""A model's MoE layers split over the expert-parallel ranks: which blocks hold experts, the check before any rank
+starts, and the function the engine applies to each block it builds.
+
+A block's experts are the transformers fused experts modules in it (`moe.experts.is_fused_experts`: `mlp.experts` of
+Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3; `mlp.experts` or `block_sparse_moe.experts` of Mixtral). Each is replaced
+by an `ExpertParallelExperts` holding this rank's slice, its parameters marked as experts' (`parallel.experts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.blocks import BlockModel
+from pipetrain.errors import ConfigError
+from pipetrain.moe.experts import ExpertParallelExperts, is_fused_experts
+from pipetrain.parallel.experts import mark_expert
+from pipetrain.pipeline.shapes import meta_blocks
+
+__all__ = ["ExpertSplit", "experts_in", "check_expert_parallel", "expert_parallel_blocks"]
+
+
+def experts_in(block: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every experts module of `block`: a 3-D `gate_up_proj` (transformers' fused experts, of the
+    layout this room splits or not: `is_fused_experts` says) or an `ExpertParallelExperts`."""
+    for name, module in block.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(module, ExpertParallelExperts) or (isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3):
+            yield name, module
+
+
+def check_expert_parallel(model: BlockModel, ep: int) -> None:
+    """Raise the one `ConfigError` `--ep ep` meets on `model`: no experts to split (a dense model), experts of
+    another layout (GPT-OSS's, with biases), or `ep` not dividing a layer's experts. No-op at ep == 1; needs no process group (the blocks
+    are built on the meta device): the CLI calls it before it starts ranks."""
+    if ep == 1:
+        return
+    found = [module for block in meta_blocks(model) for _, module in experts_in(block)]
+    other = next((module for module in found if not is_fused_experts(module)), None)
+    if other is not None:
+        raise ConfigError(f"--ep {ep} splits transformers' fused gated experts (gate_up_proj [E, 2I, H] without "
+                          f"biases, down_proj [E, H, I]); the model's {type(other).__name__} has another layout",
+                          hint="drop --ep (or pass --ep 1) for this model")
+    counts = {module.gate_up_proj.shape[0] for module in found}
+    if not counts:
+        raise ConfigError(f"--ep {ep} splits the experts of MoE layers, but the model {type(model).__name__} has "
+                          "none (a dense model, or experts without transformers' fused gate_up_proj/down_proj)",
+                          hint="drop --ep (or pass --ep 1)")
+    for total in sorted(counts):
+        if total % ep:
+            raise ConfigError(f"--ep {ep} does not divide the {total} experts of the model's MoE layers",
+                              hint=f"pass --ep among the divisors of {total}")
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """`(index, block) -> block`: each fused experts module of the block replaced by its slice on this rank of
+    `group` (the stage's expert-parallel group); `grouped` as `ExpertParallelExperts` takes it."""
+
+    group: dist.ProcessGroup
+    grouped: bool | None = None
+
+    def __call__(self, index: int, block: nn.Module) -> nn.Module:
+        for name, module in list(experts_in(block)):
+            split = ExpertParallelExperts(module, self.group, grouped=self.grouped)
+            for param in split.parameters():
+                mark_expert(param)
+            owner, _, leaf = name.rpartition(".")
+            setattr(block.get_submodule(owner) if owner else block, leaf, split)
+        return block
+
+
+def expert_parallel_blocks(group: dist.ProcessGroup, *, grouped: bool | None = None) -> ExpertSplit:
+    """The function the engine applies to each block it builds: its experts split over `group`."""
+    return ExpertSplit(group, grouped)

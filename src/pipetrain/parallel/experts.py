@@ -1,0 +1,103 @@
+"""Expert parallelism's groups inside each stage, and the reduction of the experts' gradients.
+
+`--ep N` borrows ranks of each stage's data-parallel group, as torchtitan and Megatron do: the dp ranks of one
+pipeline rank form dp/ep expert-parallel (EP) groups of `ep` neighbours (dp ranks d with the same d // ep), and each
+EP group splits every MoE layer's experts over its ranks. The ranks holding the same experts (the same d % ep, one in
+each EP group) form the expert-data-parallel (EDP) group of dp/ep ranks. Every stage has its own groups; with the
+mesh's order (rank = dp_rank * pp + pp_rank) they are the axes of a (dp/ep, ep, pp) device mesh named
+("edp", "ep", "pp").
+
+An expert's gradient on a rank already sums what every token of its EP group contributed (the backward of the
+combine all-to-all brings them); summed over the EDP group it covers every replica's tokens, and divided by dp it is
+the average DDP gives every other parameter (the engine's loss is scaled for that division). Expert parameters are
+marked (`mark_expert`) so that DDP skips them and `ExpertGradients` reduces them instead, once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pipetrain.parallel.mesh import Mesh
+
+__all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert", "gather_experts"]
+
+#: the attribute that marks a parameter held by one rank of an expert-parallel group (its slice of the experts)
+EXPERT_MARK = "expert_parallel"
+
+
+def mark_expert(param: nn.Parameter) -> nn.Parameter:
+    """Mark `param` as an expert parameter: reduced over the expert-data-parallel group, not by DDP."""
+    setattr(param, EXPERT_MARK, True)
+    return param
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether `param` was marked by `mark_expert`."""
+    return getattr(param, EXPERT_MARK, False)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert-parallel group (`ep_group`, `ep` ranks; `ep_mesh` its 1-D mesh, for checkpoints) and
+    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its 1-D mesh, for
+    FSDP2)."""
+
+    ep: int
+    dp: int
+    ep_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup
+    edp_mesh: DeviceMesh
+    ep_rank: int
+    ep_mesh: DeviceMesh
+
+
+def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
+    """The EP and EDP groups of every stage over `mesh` (tp == 1; `ep` divides dp); a collective call."""
+    device = mesh.device_mesh.device_type
+    experts = init_device_mesh(device, (mesh.dp // ep, ep, mesh.pp), mesh_dim_names=("edp", "ep", "pp"))
+    return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
+                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"])
+
+
+class ExpertGradients:
+    """Reduces the gradients of a rank's expert parameters after each step: summed over the EDP group, divided by
+    dp (None counts as zero: a rank whose experts got no token). Gradients a caller accumulates over steps are
+    taken before the step (`take`) and added back after the reduction (`reduce`), as the engine does for tied
+    weights, so that each step's gradients are reduced once."""
+
+    def __init__(self, params: list[nn.Parameter], groups: ExpertGroups) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.groups = groups
+
+    def take(self) -> list[torch.Tensor | None]:
+        """The gradients held before the step (left None on the parameters)."""
+        kept = [p.grad for p in self.params]
+        for param in self.params:
+            param.grad = None
+        return kept
+
+    def reduce(self, kept: list[torch.Tensor | None]) -> None:
+        """This step's gradients summed over the EDP group and divided by dp, plus what `take` kept."""
+        if not self.params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if dist.get_world_size(self.groups.edp_group) > 1:
+            dist.all_reduce(flat, group=self.groups.edp_group)
+        flat /= self.groups.dp
+        for param, grad, before in zip(self.params, flat.split([p.numel() for p in self.params]), kept, strict=True):
+            grad = grad.view_as(param)
+            param.grad = grad if before is None else before + grad
+
+
+def gather_experts(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor of a layer's experts from each rank's slice `local` (its rows, in the group's rank order):
+    a collective over the expert-parallel `group` (not differentiable)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)

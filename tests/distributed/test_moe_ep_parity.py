@@ -1,0 +1,358 @@
+"""Expert parallelism under the pipeline: ep=2 x pp=2 on 4 gloo ranks equals the unsplit model (one spawned job).
+
+The model is a minimal MoE `BlockModel` built here from transformers' own Qwen3-MoE decoder layer (pipetrain's HF
+blocks around `Qwen3MoeDecoderLayer`: 4 experts, top-2, hidden 32, 4 layers): an embedding, 4 MoE layers, a head.
+Its experts are transformers' fused `Qwen3MoeExperts` (its "batched_mm" implementation) in the reference (the unsplit `BlockSequential`, one process,
+the whole batch, mean token loss, SGD) and `ExpertParallelExperts` on the ranks: dp=2 (one expert-parallel group of
+the two dp ranks of each stage: experts 0-1 on dp rank 0, 2-3 on dp rank 1) x pp=2. Layouts: 1F1B with DDP,
+interleaved 1F1B (4 stages) with DDP, 1F1B with `--checkpoint always` (the recomputed forward dispatches again),
+GPipe with FSDP2 (experts sharded over their own expert-data-parallel mesh, here of one rank); and dp=4 x pp=1
+at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it). Over three SGD steps
+(the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
+parameters equal the reference's within rtol 1e-5 / atol 4e-5, a forward-only evaluation gives its loss, and the
+global gradient norm (`Session.grad_norm`, what clipping uses) equals the unsplit model's (each expert slice once). A
+second family of checks: the same job at ep=1 (dp=2 DDP) has the experts replicated (each rank all 4). Checkpoints
+move between ep=2 and ep=1 (model and AdamW state; `test_checkpoints_move_between_ep2_and_ep1`).
+
+The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Qwen3-MoE with 8 experts and a dense
+first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
+(DDP), against transformers' unsplit model from the same folder, run per micro-batch as test_moe_parity's
+reference: losses, every gradient (each rank's expert slices against the same rows of transformers' fused
+tensors) and the final parameters, rtol 1e-5 / atol 4e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch.nn.functional as F  # noqa: E402
+
+from pipetrain.blocks import build_sequential  # noqa: E402
+from pipetrain.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
+from pipetrain.errors import ConfigError  # noqa: E402
+from pipetrain.launch.env import free_port  # noqa: E402
+from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
+from pipetrain.moe.experts import ExpertParallelExperts  # noqa: E402
+from pipetrain.moe.split import check_expert_parallel  # noqa: E402
+from pipetrain.parallel.experts import gather_experts, is_expert  # noqa: E402
+from pipetrain.pipeline import TokenCrossEntropy  # noqa: E402
+from pipetrain.session import build_session, close_session, join_job  # noqa: E402
+from pipetrain.workloads.hf.blocks import DecoderLayer, Embedding, Head  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
+from pipetrain.workloads.hf.families import family_of  # noqa: E402
+from tests.distributed import test_moe_parity as moe_parity  # noqa: E402
+from tests.hf_folders import transformers_names  # noqa: E402
+from tests.moe_folders import SEQ as FOLDER_SEQ, moe_folder  # noqa: E402
+
+RTOL, ATOL = 1e-5, 4e-5
+SEED, LR, VOCAB, SEQ, EXPERTS = 3, 0.05, 64, 6, 4
+BATCHES = [8, 8, 4]
+
+
+def moe_config(**overrides):
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
+                                         max_position_embeddings=64, **overrides)
+    config._attn_implementation = "sdpa"
+    # transformers' batched experts: its eager loop cannot run on the meta device (`nonzero`), where the engine
+    # infers the shapes between stages; its grouped one asks bf16 there
+    config._experts_implementation = "batched_mm"
+    return config
+
+
+class TinyMoE:
+    """Embedding | 4 Qwen3-MoE decoder layers | norm + head, initialised per block from the block's seed."""
+
+    def __init__(self, **overrides) -> None:
+        self.config = moe_config(**overrides)
+        self.family = family_of(self.config)
+        self.num_blocks = self.config.num_hidden_layers + 2
+
+    def build_block(self, index: int) -> torch.nn.Module:
+        if index == 0:
+            block = Embedding(self.config, self.family)
+        elif index == self.num_blocks - 1:
+            block = Head(self.config, self.family)
+        else:
+            block = DecoderLayer(self.config, self.family, index - 1)
+        with torch.no_grad():
+            for name, param in block.named_parameters():
+                if param.dim() == 1:
+                    param.fill_(1.0)  # norms
+                else:  # routers wide apart (no near-ties in the top-k), the rest small
+                    param.normal_(0.0, 1.0 if name.endswith("gate.weight") else 0.1)
+        return block
+
+    def example_input(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, SEQ, dtype=torch.long)
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    return [(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen))
+            for n in BATCHES]
+
+
+def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(0, VOCAB, (4, SEQ), generator=gen), torch.randint(0, VOCAB, (4, SEQ), generator=gen)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def reference() -> dict:
+    model = build_sequential(TinyMoE(), seed=SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads, norms = [], [], []
+    for x, y in make_batches():
+        opt.zero_grad()
+        loss = _loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        opt.step()
+    with torch.no_grad():
+        x, y = eval_batch()
+        evaluation = _loss(model(x), y).item()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "eval": evaluation, "norms": norms}
+
+
+def layouts() -> dict[str, ParallelConfig]:
+    def layout(schedule: str, *, ep: int = 2, mode: str = "ddp", checkpoint: str = "never") -> ParallelConfig:
+        return ParallelConfig(dp=2, dp_mode=mode, ep=ep, pipeline=PipelineConfig(
+            pp=2, schedule=schedule, n_microbatches=2, checkpoint=checkpoint))
+    return {
+        "ep2-pp2-1f1b": layout("1f1b"),
+        "ep2-pp2-interleaved": layout("interleaved-1f1b"),
+        "ep2-pp2-1f1b-recompute": layout("1f1b", checkpoint="always"),
+        "ep2-pp2-gpipe-fsdp": layout("gpipe", mode="fsdp"),
+        "ep2-pp2-zbv-fsdp": layout("zbv", mode="fsdp"),  # the backward split in input and weight parts
+        "ep1-dp2-pp2-1f1b": layout("1f1b", ep=1),
+        # two expert-parallel groups: each expert's gradient also summed over its expert-data-parallel pair
+        "ep2-dp4-pp1": ParallelConfig(dp=4, ep=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=1)),
+    }
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(parallel: ParallelConfig, device: torch.device) -> dict:
+    session = build_session(TinyMoE(), parallel, device, seed=SEED, loss_fn=TokenCrossEntropy())
+    engine, mesh = session.engine, session.mesh
+    firsts = {}
+    for module in engine.modules:
+        for name, sub in module.named_modules():
+            if isinstance(sub, ExpertParallelExperts):
+                firsts[id(sub.gate_up_proj)] = firsts[id(sub.down_proj)] = (sub.first_expert, sub.local_experts)
+    slices = {name: firsts.get(id(p)) for name, p in engine.named_parameters()}
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    losses, grads, norms = [], [], []
+    for x, y in make_batches():
+        share = y.shape[0] // parallel.dp  # dp ranks of one expert-parallel group get different tokens
+        part = slice(mesh.dp_rank * share, (mesh.dp_rank + 1) * share)
+        opt.zero_grad()
+        losses.append(engine.step(x[part], y[part]).loss)
+        norms.append(session.grad_norm())
+        grads.append({name: _full(p.grad).clone() for name, p in engine.named_parameters()})
+        opt.step()
+    params = {name: _full(p.detach()).clone() for name, p in engine.named_parameters()}
+    evaluation = engine.evaluate(*eval_batch()).loss
+    return {"losses": losses, "grads": grads, "params": params, "slices": slices, "eval": evaluation, "norms": norms}
+
+
+#: the MoE folders trained at dp=2 x ep=2 x pp=2, and the schedules (stages per rank)
+FOLDER_FAMILIES = ("qwen3_moe", "mixtral")
+FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2}
+
+
+def _expert_slices(engine) -> dict[int, tuple[int, int]]:
+    """id(expert parameter) -> (first expert, local experts) of every `ExpertParallelExperts` of the engine."""
+    firsts = {}
+    for module in engine.modules:
+        for sub in module.modules():
+            if isinstance(sub, ExpertParallelExperts):
+                firsts[id(sub.gate_up_proj)] = firsts[id(sub.down_proj)] = (sub.first_expert, sub.local_experts)
+    return firsts
+
+
+def _train_folder(folder: str, schedule: str, device: torch.device) -> dict:
+    model = HFCausalLM.from_folder(folder, seq_len=FOLDER_SEQ)
+    pipeline = PipelineConfig(pp=2, schedule=schedule, n_microbatches=moe_parity.CHUNKS,
+                              stages_per_rank=FOLDER_SCHEDULES[schedule])
+    session = build_session(model, ParallelConfig(dp=2, ep=2, pipeline=pipeline), device, seed=moe_parity.SEED,
+                            loss_fn=model.loss())
+    keys, firsts = transformers_names(model), _expert_slices(session.engine)
+    record = moe_parity._steps(session.engine, model, 2, session.mesh.dp_rank)
+    record["slices"] = {keys[n]: firsts.get(id(p)) for n, p in session.engine.named_parameters()}
+    return record
+
+
+def _whole_params(engine) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine, expert slices gathered over the expert-parallel group."""
+    group = engine.expert_group
+    return {name: (gather_experts(p.detach(), group) if group is not None and is_expert(p) else p.detach()).clone()
+            for name, p in engine.named_parameters()}
+
+
+def _adamw_step(ep: int, device: torch.device, batch: int, load: Path | None = None, save: Path | None = None):
+    """A dp=2 x pp=2 1F1B session at `ep` with AdamW: (after `load`), one step on batch `batch`, (then `save`);
+    returns the parameters after the load and after the step."""
+    parallel = ParallelConfig(dp=2, ep=ep, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2))
+    session = build_session(TinyMoE(), parallel, device, seed=SEED, loss_fn=TokenCrossEntropy())
+    engine = session.engine
+    opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
+    if load is not None:
+        load_checkpoint(load, engine, opt)
+    loaded = _whole_params(engine)
+    x, y = make_batches()[batch]
+    share = y.shape[0] // 2
+    part = slice(session.mesh.dp_rank * share, (session.mesh.dp_rank + 1) * share)
+    opt.zero_grad()
+    engine.step(x[part], y[part])
+    opt.step()
+    if save is not None:
+        save_checkpoint(save, engine, opt, step=batch + 1)
+    return loaded, _whole_params(engine)
+
+
+def _checkpoint_round_trips(device: torch.device, out: Path) -> dict:
+    """ep2 -> ep1 and ep1 -> ep2: a step, a checkpoint (model and AdamW state), then the next step under each
+    layout from it."""
+    _, saved = _adamw_step(2, device, 0, save=out / "ckpt-ep2")
+    _, ep2_next = _adamw_step(2, device, 1, load=out / "ckpt-ep2")
+    ep1_loaded, ep1_next = _adamw_step(1, device, 1, load=out / "ckpt-ep2", save=out / "ckpt-ep1")
+    ep2_loaded, _ = _adamw_step(2, device, 2, load=out / "ckpt-ep1")
+    return {"saved": saved, "ep1_loaded": ep1_loaded, "ep2_next": ep2_next, "ep1_next": ep1_next,
+            "ep2_loaded": ep2_loaded}
+
+
+def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
+    device = join_job(spec)
+    try:
+        records = {name: _train(parallel, device) for name, parallel in layouts().items()}
+        records["checkpoints"] = _checkpoint_round_trips(device, Path(out))
+        for family, folder in folders.items():
+            for schedule in FOLDER_SCHEDULES:
+                records[f"{family}-{schedule}"] = _train_folder(folder, schedule, device)
+        torch.save(records, Path(out) / f"rank{spec.rank}.pt")
+    finally:
+        close_session()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe-ep-folders")
+    for family in FOLDER_FAMILIES:
+        moe_folder(root / family, family, seed=moe_parity.SEED)
+    return {family: str(root / family) for family in FOLDER_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, folders) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("moe-ep")
+    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+          args=(str(out), folders), timeout_s=900)
+    per_rank = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    return {name: [records[name] for records in per_rank] for name in per_rank[0]}
+
+
+def test_checkpoints_move_between_ep2_and_ep1(runs):
+    """A checkpoint of split experts (ep=2) loads at ep=1 (each rank then holds every expert) and back: the loaded
+    parameters equal the saved ones, and the next AdamW step from the checkpoint (its moments loaded too) gives the
+    same parameters at ep=2 and at ep=1."""
+    for record in runs["checkpoints"]:
+        for name, value in record["saved"].items():
+            torch.testing.assert_close(record["ep1_loaded"][name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        for name, value in record["ep2_next"].items():
+            torch.testing.assert_close(record["ep1_next"][name], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(record["ep2_loaded"][name], record["ep1_next"][name], rtol=0, atol=0,
+                                       msg=lambda m: f"{name}: {m}")
+        assert any("experts" in name for name in record["saved"])
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return reference()
+
+
+def _expected(value: torch.Tensor, where: tuple[int, int] | None) -> torch.Tensor:
+    return value if where is None else value[where[0]:where[0] + where[1]]
+
+
+@pytest.mark.parametrize("layout", list(layouts()))
+def test_expert_parallel_pipeline_matches_the_unsplit_model(layout, runs, ref):
+    seen, experts_split = set(), False
+    for record in runs[layout]:
+        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(record["eval"], ref["eval"], rtol=RTOL, atol=ATOL)
+        # the global gradient norm (what --clip-grad clips by) counts every expert slice once
+        torch.testing.assert_close(torch.tensor(record["norms"]), torch.tensor(ref["norms"]), rtol=RTOL, atol=ATOL)
+        for step, grads in enumerate(record["grads"]):
+            for name, grad in grads.items():
+                expected = _expected(ref["grads"][step][name], record["slices"][name])
+                torch.testing.assert_close(grad, expected, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"step {step} gradient of {name}: {m}")
+        for name, value in record["params"].items():
+            torch.testing.assert_close(value, _expected(ref["params"][name], record["slices"][name]), rtol=RTOL,
+                                       atol=ATOL, msg=lambda m: f"parameter {name}: {m}")
+            where = record["slices"][name]
+            seen.add(name if where is None else f"{name}[{where[0]}]")
+            experts_split |= where is not None and where[1] < EXPERTS
+    expected_names = {n if "experts" not in n or layout.startswith("ep1") else f"{n}[{first}]"
+                      for n in ref["params"] for first in (0, 2)}
+    assert seen == expected_names  # every parameter (each expert slice) held somewhere
+    assert experts_split == layout.startswith("ep2")
+
+
+def test_ep_on_a_dense_model_is_refused():
+    class Dense(TinyMoE):
+        def __init__(self) -> None:
+            super().__init__(mlp_only_layers=[0, 1, 2, 3])
+
+    with pytest.raises(ConfigError, match="--ep 2 splits the experts of MoE layers, but the model Dense has none"):
+        check_expert_parallel(Dense(), 2)
+
+
+def test_ep_not_dividing_the_experts_is_refused_before_any_rank_starts():
+    with pytest.raises(ConfigError, match="--ep 3 does not divide the 4 experts"):
+        check_expert_parallel(TinyMoE(), 3)
+    check_expert_parallel(TinyMoE(), 2)
+
+
+def test_ep_not_dividing_the_stage_ranks_is_refused():
+    with pytest.raises(ConfigError, match=r"--ep 2 does not divide the 3 data-parallel ranks of each stage"):
+        ParallelConfig(dp=3, ep=2, pipeline=PipelineConfig(pp=2))
+
+
+@pytest.mark.parametrize("family", FOLDER_FAMILIES)
+@pytest.mark.parametrize("schedule", list(FOLDER_SCHEDULES))
+def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, folders):
+    ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), 2)
+    seen, split = set(), 0
+    for record in runs[f"{family}-{schedule}"]:
+        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+        slices = record["slices"]
+        for step, grads in enumerate(record["grads"]):
+            for name, grad in grads:
+                torch.testing.assert_close(grad, _expected(ref["grads"][step][name], slices[name]), rtol=RTOL,
+                                           atol=ATOL, msg=lambda m: f"step {step} gradient of {name}: {m}")
+        for name, value in record["params"]:
+            torch.testing.assert_close(value, _expected(ref["params"][name], slices[name]), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"parameter {name}: {m}")
+            seen.add(name)
+            split += slices[name] is not None
+    assert seen == set(ref["params"])
+    assert split  # experts were split

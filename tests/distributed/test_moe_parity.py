@@ -1,0 +1,197 @@
+"""Mixture-of-experts parity: each MoE family's tiny folder (tests/moe_folders.py, experts stored one by one),
+pipelined, equals transformers' unsplit model loaded from the same folder, with the load-balancing loss on.
+
+One spawned job of 4 ranks runs every case: pp=2 layouts on two pairs of ranks (each pair its own family at the
+same time) under 1F1B (all six families), interleaved 1F1B, ZBV, DualPipeV (two stages per rank), 1F1B and ZBV with
+`--checkpoint always`, and dp=2 x pp=2 with FSDP2 over all four; and a checkpoint written at dp=2 x pp=2 after
+step 1, resumed at pp=4 for step 2 (layout-free keys: the experts, the routers). Two SGD steps (a full batch, then a right-padded
+one: micro-batches of unequal token counts). The reference is transformers' model run per micro-batch
+(`output_router_logits=True`, `router_aux_loss_coef` 0.1): each micro-batch's `loss` (cross-entropy + coef x
+aux_loss) weighted by its counted tokens over the global count (the definition of `pipetrain.moe.router`).
+Losses, every gradient (experts, routers, shared experts included) at each step and every final parameter
+agree within rtol 1e-5 / atol 4e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torch.distributed as dist  # noqa: E402
+
+from pipetrain.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
+from pipetrain.launch.env import free_port  # noqa: E402
+from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
+from pipetrain.pipeline import PipelineEngine  # noqa: E402
+from pipetrain.session import build_session, close_session, join_job  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
+from tests.distributed.test_hf_parity import _full, compare_records  # noqa: E402
+from tests.hf_folders import transformers_names  # noqa: E402
+from tests.moe_folders import SEQ, VOCAB, moe_configs, moe_folder  # noqa: E402
+
+SEED, LR, SIZE, CHUNKS = 0, 0.1, 8, 4  # samples per replica, micro-batches per replica
+#: pp=2 rounds: (schedule, stages per rank, recomputation) -> (family on ranks 0-1, family on ranks 2-3)
+PAIR_ROUNDS = {
+    ("1f1b", 1, "never"): [("qwen3_moe", "mixtral"), ("qwen2_moe", "olmoe"), ("deepseek_v3", "gpt_oss")],
+    ("interleaved-1f1b", 2, "never"): [("qwen3_moe", "deepseek_v3")],
+    ("zbv", 2, "never"): [("mixtral", "qwen2_moe")],
+    ("dualpipev", 2, "never"): [("qwen3_moe", "gpt_oss")],
+    ("1f1b", 1, "always"): [("qwen3_moe", "deepseek_v3")],
+    ("zbv", 2, "always"): [("olmoe", "qwen3_moe")],  # recomputed in a split backward (once per half)
+}
+#: dp=2 x pp=2 with FSDP2, all four ranks
+DP_CASES = ["qwen3_moe"]
+#: saved after step 1 at dp=2 x pp=2 (DDP), resumed for step 2 at pp=4 (8 micro-batches: the same micro-batches)
+RESUMED = "qwen3_moe"
+
+
+def case_name(layout: tuple, family: str) -> str:
+    schedule, stages, recompute = layout
+    return f"{family}-pp2-{schedule}-x{stages}" + ("-checkpoint" if recompute != "never" else "")
+
+
+def make_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input ids, labels) of each step for `dp` replicas: a full batch, then a right-padded one."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(2):
+        ids = torch.randint(1, VOCAB, (SIZE * dp, SEQ), generator=gen)
+        labels = ids.clone()
+        if step == 1:
+            labels[torch.arange(SEQ)[None] >= torch.randint(4, SEQ + 1, (SIZE * dp, 1), generator=gen)] = -100
+        out.append((ids, labels))
+    return out
+
+
+def reference(model: torch.nn.Module, dp: int) -> dict:
+    """transformers' model per micro-batch (the pipeline's split: `CHUNKS` per replica), each micro-batch's loss
+    weighted by its counted tokens over the global count."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for x, labels in make_batches(dp):
+        opt.zero_grad()
+        size = SIZE // CHUNKS
+        total_count = (labels[:, 1:] != -100).sum()
+        step_loss = 0.0
+        for part in range(0, x.shape[0], size):
+            ids, lab = x[part:part + size], labels[part:part + size]
+            weight = (lab[:, 1:] != -100).sum() / total_count
+            loss = model(input_ids=ids, labels=lab, output_router_logits=True).loss * weight
+            loss.backward()
+            step_loss += loss.item()
+        losses.append(step_loss)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _steps(engine, model: HFCausalLM, dp: int, replica: int) -> dict:
+    keys = transformers_names(model)
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    losses, grads = [], []
+    for x, labels in make_batches(dp):
+        share = slice(replica * SIZE, (replica + 1) * SIZE)
+        opt.zero_grad()
+        losses.append(engine.step(x[share], labels[share]).loss)
+        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
+        opt.step()
+    return {"losses": losses, "grads": grads,
+            "params": [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]}
+
+
+def _resumed(folder: str, device: torch.device, out: Path) -> dict:
+    """Step 1 at dp=2 x pp=2, a checkpoint, step 2 at pp=4 from it: step 2's loss, gradients, final parameters."""
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ)
+    keys = transformers_names(model)
+    (x1, labels1), (x2, labels2) = make_batches(2)
+    pipeline = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=CHUNKS)
+    session = build_session(model, ParallelConfig(dp=2, dp_mode="ddp", pipeline=pipeline), device, seed=SEED,
+                            loss_fn=model.loss())
+    opt = torch.optim.SGD(session.engine.parameters(), lr=LR)
+    share = slice(session.mesh.dp_rank * SIZE, (session.mesh.dp_rank + 1) * SIZE)
+    session.engine.step(x1[share], labels1[share])
+    opt.step()
+    save_checkpoint(out / "resume", session.engine, opt, step=1)
+    pipeline = PipelineConfig(pp=4, schedule="1f1b", n_microbatches=2 * CHUNKS)
+    engine = build_session(model, ParallelConfig(pipeline=pipeline), device, seed=SEED + 1,
+                           loss_fn=model.loss()).engine
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    load_checkpoint(out / "resume", engine, opt)
+    loss = engine.step(x2, labels2).loss
+    grads = [(keys[n], p.grad.clone()) for n, p in engine.named_parameters()]
+    opt.step()
+    return {"losses": [loss], "grads": [grads], "params": [(keys[n], p.detach().clone())
+                                                          for n, p in engine.named_parameters()]}
+
+
+def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
+    device = join_job(spec)
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        pair = pairs[dist.get_rank() // 2]
+        records = {}
+        for layout, rounds in PAIR_ROUNDS.items():
+            schedule, stages, recompute = layout
+            for families in rounds:
+                family = families[dist.get_rank() // 2]
+                model = HFCausalLM.from_folder(folders[family], seq_len=SEQ)
+                config = PipelineConfig(pp=2, schedule=schedule, n_microbatches=CHUNKS, stages_per_rank=stages,
+                                        checkpoint=recompute)
+                engine = PipelineEngine(model, config, device=device, pp_group=pair, loss_fn=model.loss(),
+                                        seed=SEED, metrics_group=pair)
+                records[case_name(layout, family)] = _steps(engine, model, 1, 0)
+        for family in DP_CASES:
+            model = HFCausalLM.from_folder(folders[family], seq_len=SEQ)
+            pipeline = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=CHUNKS)
+            session = build_session(model, ParallelConfig(dp=2, dp_mode="fsdp", pipeline=pipeline), device,
+                                    seed=SEED, loss_fn=model.loss())
+            records[f"{family}-dp2xpp2-fsdp"] = _steps(session.engine, model, 2, session.mesh.dp_rank)
+        records[f"{RESUMED}-resumed-pp4"] = _resumed(folders[RESUMED], device, Path(out))
+        torch.save(records, Path(out) / f"rank{spec.rank}.pt")
+    finally:
+        close_session()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    folders, references = {}, {}
+    for name in moe_configs():
+        folders[name] = str(root / name)
+        moe_folder(root / name, name, seed=SEED)
+        for dp in (1, 2) if name in DP_CASES else (1,):
+            references[name, dp] = reference(transformers.AutoModelForCausalLM.from_pretrained(folders[name]), dp)
+    spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+          args=(folders, str(root)), timeout_s=900)
+    return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
+
+
+def _check(per_rank: list[dict], case: str, ref: dict, ranks: range) -> None:
+    seen = compare_records([per_rank[r][case] for r in ranks if case in per_rank[r]], ref)
+    assert seen == set(ref["params"]), f"{case}: parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+
+
+@pytest.mark.parametrize(("layout", "family", "pair"), [
+    (layout, family, index) for layout, rounds in PAIR_ROUNDS.items() for families in rounds
+    for index, family in enumerate(families)])
+def test_pipelined_moe_family_matches_unsplit_transformers(layout, family, pair, runs):
+    per_rank, references = runs
+    _check(per_rank, case_name(layout, family), references[family, 1], range(2 * pair, 2 * pair + 2))
+
+
+def test_a_checkpoint_of_dp2_pp2_resumes_at_pp4(runs):
+    per_rank, references = runs
+    ref = references[RESUMED, 2]
+    _check(per_rank, f"{RESUMED}-resumed-pp4", {**ref, "losses": ref["losses"][1:], "grads": ref["grads"][1:]},
+           range(4))
+
+
+@pytest.mark.parametrize("family", DP_CASES)
+def test_data_parallel_fsdp_pipelined_moe_matches_unsplit_transformers(family, runs):
+    per_rank, references = runs
+    _check(per_rank, f"{family}-dp2xpp2-fsdp", references[family, 2], range(4))

@@ -1,0 +1,62 @@
+"""`--ep` on the command line: bad values are refused with one line and exit 2 before any rank starts (the CLI runs
+in this process with the launcher patched to fail, as tests/unit/test_cli_errors.py does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from tests.hf_folders import tiny_tokenizer  # noqa: E402
+from tests.moe_folders import moe_configs  # noqa: E402
+from tests.unit.test_cli_errors import cli  # noqa: E402,F401  (the fixture)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE folder (8 experts) with a tokenizer, as `pipetrain train --workload hf` reads it."""
+    import torch
+
+    path = tmp_path_factory.mktemp("moe-ep-cli") / "qwen3"
+    tok = tiny_tokenizer()
+    config = moe_configs()["qwen3_moe"]
+    config.vocab_size = len(tok)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _hf(folder: str, *flags: str) -> list[str]:
+    return ["train", "--workload", "hf", "--model", folder, "--data", "synthetic", "--train-samples", "16",
+            "--test-samples", "8", "--batch-size", "8", "--seq-len", "16", "--epochs", "1", "--no-progress",
+            "--pp", "2", "--chunks", "2", *flags]
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("pipetrain: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--dp", "2", "--ep", "3"), "--ep 3 does not divide the 2 data-parallel ranks of each stage"),
+    (("--dp", "3", "--ep", "3", "--batch-size", "6"), "--ep 3 does not divide the 8 experts of the model's MoE layers"),
+    (("--dp", "2", "--ep", "2", "--dp-mode", "fsdp", "--save-dir", "ckpt"),
+     "--ep 2 --dp-mode fsdp with --save-dir or --resume"),
+    (("--dp", "2", "--ep", "2", "--tp", "2", "--dp-mode", "fsdp"), "--ep 2 with tp=2"),
+])
+def test_bad_ep_is_one_line_and_exit_2(cli, folder, flags, message):
+    code, _, err, _ = cli(_hf(folder, *flags))
+    assert code == 2
+    assert message in _one_line(err)
+
+
+def test_ep_on_a_dense_model_is_one_line_and_exit_2(cli):
+    code, _, err, _ = cli(["train", "--preset", "tiny", "--epochs", "1", "--no-progress", "--data", "synthetic",
+                           "--train-samples", "64", "--test-samples", "32", "--dp", "2", "--ep", "2"])
+    assert code == 2
+    assert "--ep 2 splits the experts of MoE layers, but the model" in _one_line(err)
+    assert "has none" in err
