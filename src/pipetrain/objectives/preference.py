@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
+from pipetrain.objectives.folder import FolderObjective
 from pipetrain.objectives.dpo_loss import DPOSettings, PreferenceLoss
 from pipetrain.objectives.pairs import PreferencePairs, pair_batches, pair_count, read_pairs
 from pipetrain.objectives.reference import attach_reference
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.workloads.hf.text import load_tokenizer
-from pipetrain.workloads.hf.workload import HFWorkload
-from pipetrain.workloads.registry import Batch, Dataset, DataRequest, Workload
+from pipetrain.workloads.registry import Batch, Dataset, DataRequest
 
 __all__ = ["PreferenceWorkload", "check_pair_batches"]
 
@@ -35,33 +35,14 @@ def check_pair_batches(batch_size: int, dp: int, chunks: int) -> None:
                                f"fewer --chunks")
 
 
-class PreferenceWorkload(Workload):
+class PreferenceWorkload(FolderObjective):
     """The `hf` workload of a model folder trained on preference pairs with a DPO-family loss (`settings`)."""
 
     metrics = ("accuracy",)
     windows = True
-
-    def __init__(self, inner: HFWorkload, settings: DPOSettings) -> None:
-        if inner.folder is None:
-            raise ConfigError("--objective dpo trains a pretrained model folder on preference rows",
-                              hint="pass --workload hf --model DIR --data pairs.jsonl")
-        self.inner, self.settings = inner, settings
-        self.name, self.summary, self.presets = inner.name, inner.summary, inner.presets
-
-    def check_preset(self, preset: str) -> None:
-        self.inner.check_preset(preset)
-
-    def model(self, preset: str, *, seq_len: int | None = None) -> Any:
-        return self.inner.model(preset, seq_len=seq_len)
-
-    def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
-        return self.inner.window(preset, seq_len=seq_len, synthetic=synthetic)
-
-    def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
-        return self.inner.job_defaults(synthetic=synthetic)
-
-    def recipe_defaults(self, *, synthetic: bool, max_steps: int | None = None) -> dict[str, Any]:
-        return self.inner.recipe_defaults(synthetic=synthetic, max_steps=max_steps)
+    needs_folder = ("--objective dpo trains a pretrained model folder on preference rows",
+                    "pass --workload hf --model DIR --data pairs.jsonl")
+    settings: DPOSettings
 
     def load_data(self, request: DataRequest) -> tuple[PreferencePairs, PreferencePairs]:
         if request.synthetic or request.path is None:

@@ -31,6 +31,7 @@ from pipetrain.generate.prompts import left_pad
 from pipetrain.generate.sampling import Sampling
 from pipetrain.lora import adapters_disabled
 from pipetrain.objectives.columns import with_columns
+from pipetrain.objectives.folder import FolderObjective
 from pipetrain.objectives.grpo_loss import SurrogateLoss
 from pipetrain.objectives.prompt_rows import GRPOSettings, PromptRows, check_generations, read_prompt_rows
 from pipetrain.objectives.logps import token_logps
@@ -40,41 +41,25 @@ from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.hf.text import load_tokenizer
 from pipetrain.workloads.hf.workload import HFWorkload
 from pipetrain.workloads.position import replica_shares
-from pipetrain.workloads.registry import Batch, DataRequest, Workload
+from pipetrain.workloads.registry import Batch, DataRequest
 from pipetrain.workloads.text.batching import batch_order
 
 __all__ = ["GRPOWorkload"]
 
 
-class GRPOWorkload(Workload):
+class GRPOWorkload(FolderObjective):
     """The `hf` workload of a model folder trained by GRPO (`settings`) on the prompts of its data."""
 
     metrics = ()
     windows = True
+    needs_folder = ("--objective grpo trains a pretrained model folder on prompt rows",
+                    "pass --workload hf --model DIR --data prompts.jsonl")
+    settings: GRPOSettings
 
     def __init__(self, inner: HFWorkload, settings: GRPOSettings) -> None:
-        if inner.folder is None:
-            raise ConfigError("--objective grpo trains a pretrained model folder on prompt rows",
-                              hint="pass --workload hf --model DIR --data prompts.jsonl")
-        self.inner, self.settings = inner, settings
-        self.name, self.summary, self.presets = inner.name, inner.summary, inner.presets
+        super().__init__(inner, settings)
         self._metrics: dict[str, float] = {}
         self._sample: tuple[str, str] | None = None
-
-    def check_preset(self, preset: str) -> None:
-        self.inner.check_preset(preset)
-
-    def model(self, preset: str, *, seq_len: int | None = None) -> Any:
-        return self.inner.model(preset, seq_len=seq_len)
-
-    def window(self, preset: str, *, seq_len: int | None, synthetic: bool) -> int | None:
-        return self.inner.window(preset, seq_len=seq_len, synthetic=synthetic)
-
-    def job_defaults(self, *, synthetic: bool) -> dict[str, Any]:
-        return self.inner.job_defaults(synthetic=synthetic)
-
-    def recipe_defaults(self, *, synthetic: bool, max_steps: int | None = None) -> dict[str, Any]:
-        return self.inner.recipe_defaults(synthetic=synthetic, max_steps=max_steps)
 
     def load_data(self, request: DataRequest) -> tuple[PromptRows, PromptRows]:
         if request.synthetic or request.path is None:
