@@ -25,7 +25,8 @@ from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
 from pipetrain.plan.tensor import tp_problem
-from pipetrain.plan.transformer import describe, read_config, sizes_from_config
+from pipetrain.plan.describe import describe
+from pipetrain.plan.transformer import read_config, sizes_from_config
 from pipetrain.workloads.classifier.presets import PRESETS
 
 __all__ = ["add_parser", "run", "add_plan_arguments", "planned", "train_args", "measure_across_nodes"]
