@@ -125,7 +125,7 @@ def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int,
         index = bounds[-1][1] - 1
         raise ConfigError(
             f"the last block ({index}, {type(blocks[index]).__name__}) returns {len(last)} tensors, "
-            f"but the loss reads {reads}",
+            f"but the loss reads {'one' if reads == 1 else reads}",
             hint="make the last block return only the tensor the loss compares with the targets" if reads == 1 else
             "pass the loss this model's last block is made for (its outputs, e.g. logits and auxiliary losses)",
         )
