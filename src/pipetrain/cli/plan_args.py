@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pipetrain.cli.device_args import add_device_argument
-from pipetrain.config import CHECKPOINT_POLICIES, DP_MODES, FSDP_RESHARD, RECOMPUTE_UNITS
+from pipetrain.config import CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, RECOMPUTE_UNITS
 from pipetrain.plan.gpus import GPUS
 from pipetrain.plan.hardware import DEFAULT_RATES, default_calibration_path, gpu_names
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
@@ -93,7 +93,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "a balanced router; with an auxiliary loss 1.1-1.3 is common)")
     limits.add_argument("--cp", type=int, default=1,
                         help="context parallelism: each sequence split over this many ranks of a stage (default: 1)")
-    limits.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring",
+    limits.add_argument("--cp-attention", choices=CP_ATTENTIONS, default="ring",
                         help="the attention of a context-parallel split: ring (key/value passes overlapped with "
                              "attention) or ulysses (all-to-all to whole heads) (default: ring)")
     limits.add_argument("--max-chunks", type=int, default=64, help="most micro-batches per replica (default: 64)")

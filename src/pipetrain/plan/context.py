@@ -22,13 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from pipetrain.config import CP_ATTENTIONS
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 
 __all__ = ["CP_ATTENTIONS", "cp_problem", "context_samples", "context_replicas", "context_comm_s"]
 
-#: the attention kinds context parallelism can use
-CP_ATTENTIONS = ("ring", "ulysses")
 
 
 class _Layout(Protocol):
