@@ -67,6 +67,14 @@ def _records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == "step"]
 
 
+def _restart(records: list[dict], at_kill: int) -> int:
+    """Where the restarted run's records begin: at the first step that does not follow the one before (the run went
+    back to its checkpoint), or, no step lost, after the `at_kill` records of the run that was killed. The log's
+    resume line marks nothing here: it may reach its file after the new run's first records reach theirs."""
+    back = next((i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]), None)
+    return at_kill if back is None else back
+
+
 def test_a_killed_host_and_the_survivor_relays_itself_out_then_grows_back(cluster: Cluster, reference, tmp_path):
     run_dir, saves = tmp_path / "run", tmp_path / "saves"
     args = [*JOB, *ELASTIC, "--run-dir", str(run_dir), "--save-dir", str(saves)]
@@ -81,16 +89,16 @@ def test_a_killed_host_and_the_survivor_relays_itself_out_then_grows_back(cluste
     assert all(n.poll() is None for n in nodes), show()
     assert "--layout auto chose --pp 2 --dp 2" in cluster.output("node0.log"), show()  # both hosts: 4 ranks
     cluster.kill(1)
-    killed_at = time.monotonic()
-    # the restarted ranks start once the old ones have ended: from the resume line on, the old records are all there
+    killed_at, at_kill = time.monotonic(), len(_records(run_dir))
     resumed = re.compile(r"pipetrain: resumed from \S+/step-(\d+) ")
     assert wait_for(lambda: resumed.search(cluster.output("node0.log")), RECOVERY_BOUND_S + 30.0, 0.05), show()
     resumed_s = time.monotonic() - killed_at
-    before = _records(run_dir)
-    assert wait_for(lambda: len(_records(run_dir)) > len(before), 60.0, 0.05), show()
+    assert wait_for(lambda: len(_records(run_dir)) > at_kill, 60.0, 0.05), show()
     recovery_s = time.monotonic() - killed_at
-    first = _records(run_dir)[len(before)]
-    done_before, saved = max(r["step"] for r in before), int(resumed.search(cluster.output("node0.log")).group(1))
+    records = _records(run_dir)
+    start = _restart(records, at_kill)
+    first, done_before = records[start], records[start - 1]["step"]
+    saved = int(resumed.search(cluster.output("node0.log")).group(1))
     lost = done_before - saved
     print(f"host 1 killed after step {done_before}: the survivor resumed step {saved} {resumed_s:.1f} s after the "
           f"kill and trained its first new step (step {first['step']}) {recovery_s:.1f} s after it; steps lost "

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from scripts.netns_cluster import Cluster, environ, wait_for
-from tests.multihost.test_elastic import ATOL, EVERY, FIXTURES, JOB, STEPS, _records
+from tests.multihost.test_elastic import ATOL, EVERY, FIXTURES, JOB, STEPS, _records, _restart
 from tests.multihost.test_slurm_two_nodes import PROBLEM, SCRIPT
 
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
@@ -83,16 +83,16 @@ def test_a_lost_node_requeues_the_job_on_the_node_left_which_relays_itself_out(c
                         240.0), show()
         assert "--layout auto chose --pp 2 --dp 2" in log.read_text(), show()  # both nodes: 4 ranks
         cluster.kill(1)  # nsb's slurmd, its slurmstepd and its two ranks
-        killed_at = time.monotonic()
+        killed_at, at_kill = time.monotonic(), len(_records(run_dir))
         resumed = re.compile(r"pipetrain: resumed from \S+/step-(\d+) ")
         assert wait_for(lambda: log.exists() and resumed.search(log.read_text()), RECOVERY_BOUND_S, 0.1), show()
         resumed_s = time.monotonic() - killed_at
-        before = _records(run_dir)
-        assert wait_for(lambda: len(_records(run_dir)) > len(before), 60.0, 0.05), show()
+        assert wait_for(lambda: len(_records(run_dir)) > at_kill, 60.0, 0.05), show()
         recovery_s = time.monotonic() - killed_at
-        first = _records(run_dir)[len(before)]
-        output = log.read_text()
-        done_before, saved = max(r["step"] for r in before), int(resumed.search(output).group(1))
+        records = _records(run_dir)
+        start = _restart(records, at_kill)
+        first, done_before = records[start], records[start - 1]["step"]
+        saved = int(resumed.search(log.read_text()).group(1))
         print(f"node nsb lost after step {done_before}: the requeued job resumed step {saved} on nsa "
               f"{resumed_s:.1f} s after the kill and trained its first new step (step {first['step']}) "
               f"{recovery_s:.1f} s after it; steps lost {done_before - saved} (--save-every {EVERY})")
