@@ -61,7 +61,7 @@ def test_a_lost_node_requeues_the_job_on_the_node_left_which_relays_itself_out(c
         conf = slurm_dir / "slurm.conf"
         render = subprocess.run(
             [sys.executable, "-m", "pipetrain", "sbatch", "--nodes", "1-2", "--ntasks-per-node", "2",
-             "--cpus-per-task", "2", "--time", "00:10:00", "--pp", "2", "--job-name", "pipetrain-heal", "--log",
+             "--cpus-per-task", "1", "--time", "00:10:00", "--pp", "2", "--job-name", "pipetrain-heal", "--log",
              "job-%j.out", "--output", "script.sh", "--", *TRAIN, "--run-dir", str(run_dir), "--save-dir",
              str(tmp_path / "saves")],
             cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
