@@ -79,12 +79,14 @@ def test_bad_limits() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 def test_cpu_peak_and_reset() -> None:
-    assert reset_peak_memory("cpu")
+    reset = reset_peak_memory("cpu")  # False where the kernel keeps the old peak (CI's sandbox did)
     before = peak_memory_mb("cpu")
+    assert reset == (before <= current_memory_mb("cpu") + 8)
     block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
     peak = peak_memory_mb("cpu")
-    assert peak >= before + 50
-    assert current_memory_mb("cpu") > 0
+    assert peak >= current_memory_mb("cpu") - 1 and current_memory_mb("cpu") > 0
+    if reset:
+        assert peak >= before + 50
     del block
     if reset_peak_memory("cpu"):
         assert peak_memory_mb("cpu") < peak - 30

@@ -171,6 +171,9 @@ def oom_reason(exc: BaseException, device: torch.device | str) -> str:
     return f"out of memory on {dev}: {first}"
 
 
+_RESET_SLACK_MB = 8.0  # the resident set may grow between the reset and the read
+
+
 def peak_memory_mb(device: torch.device | str) -> float:
     """Peak since the last reset, MB: CUDA max allocated by tensors; CPU peak RSS of the process (VmHWM)."""
     dev = _device(device)
@@ -210,7 +213,8 @@ def current_memory_mb(device: torch.device | str) -> float:
 
 
 def reset_peak_memory(device: torch.device | str) -> bool:
-    """Restart the peak measurement; False when the platform cannot (CPU without /proc/self/clear_refs)."""
+    """Restart the peak measurement; False when the platform cannot: a CPU without /proc/self/clear_refs, or one
+    whose kernel takes the write and keeps the old peak (some sandboxes: the peak stays above the resident set)."""
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -219,4 +223,5 @@ def reset_peak_memory(device: torch.device | str) -> bool:
         _CLEAR_REFS.write_text("5")
     except OSError:
         return False
-    return True
+    peak, now = _proc_status_mb("VmHWM"), _proc_status_mb("VmRSS")
+    return peak is not None and now is not None and peak <= now + _RESET_SLACK_MB
