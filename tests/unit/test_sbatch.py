@@ -78,6 +78,9 @@ def test_one_task_per_node_passes_ranks_per_node() -> None:
     script = render_sbatch(cpu)
     assert "SLURM_CPUS_PER_TASK / 2" in script
     assert srun_argv(script)[-2:] == ["--ranks-per-node", "2"] and cpu.world_size == 6
+    spawning = SbatchRequest(command=TRAIN, nodes=3, one_task_per_node=True, ranks_per_node=2, pp=6)
+    assert directives(render_sbatch(spawning))["--cpus-per-task"] == "2"  # a core for each rank the task spawns
+    assert directives(render_sbatch(SbatchRequest(command=TRAIN, tasks_per_node=2, pp=2)))["--cpus-per-task"] == "1"
 
 
 @pytest.mark.parametrize(

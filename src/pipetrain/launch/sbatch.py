@@ -155,9 +155,12 @@ class SbatchRequest:
 
     @property
     def cpus(self) -> int:
-        """CPU cores each task asks for: --cpus-per-task, else `cpus_per_gpu` per GPU of the task (1 on CPU)."""
+        """CPU cores each task asks for: --cpus-per-task, else `cpus_per_gpu` per GPU of the task (on CPU one per rank
+        of the task: 1, or the node's ranks for one task per node)."""
         if self.cpus_per_task is not None:
             return self.cpus_per_task
+        if not self.gpus_per_node:
+            return self.local_world_size if self.one_task_per_node else 1
         return max(1, self.cpus_per_gpu * self.gpus_per_task)
 
     def cpus_comment(self) -> str:
@@ -165,7 +168,8 @@ class SbatchRequest:
         if self.cpus_per_task is not None:
             return f"# CPUs: {self.cpus_per_task} per task, as asked (--cpus-per-task)."
         if not self.gpus_per_node:
-            return "# CPUs: 1 per task (CPU job: one core per rank; change with --cpus-per-task)."
+            return (f"# CPUs: {self.cpus} per task (CPU job: one core per rank of the task; "
+                    "change with --cpus-per-task).")
         return (f"# CPUs: {self.cpus} per task = {self.cpus_per_gpu} per GPU x {self.gpus_per_task} GPU(s) per task "
                 f"(assumed share of a GPU node; change with --cpus-per-gpu or --cpus-per-task).")
 
