@@ -138,3 +138,4 @@ def test_the_plainest_layout_within_the_margin_of_the_fastest_is_chosen(world, b
     # on these files FSDP is predicted a hair faster than DDP (the tie gloo measured 2.5x against FSDP): DDP chosen
     assert chosen.layout.dp > 1 and chosen.layout.dp_mode == "ddp"
     assert any(p.layout.dp_mode == "fsdp" and p.step_s <= chosen.step_s for p in near)
+

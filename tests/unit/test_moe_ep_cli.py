@@ -60,3 +60,20 @@ def test_ep_on_a_dense_model_is_one_line_and_exit_2(cli):
     assert code == 2
     assert "--ep 2 splits the experts of MoE layers, but the model" in _one_line(err)
     assert "has none" in err
+
+
+def test_layout_auto_chooses_or_keeps_the_expert_parallel_degree(folder, monkeypatch, capsys, tmp_path):
+    """`--layout auto` on a MoE folder: a given --ep is kept (and the layout chosen around it), else ep is searched."""
+    from pipetrain.cli import main as cli_main
+    from pipetrain.cli import train as train_cli
+
+    spawned = []
+    monkeypatch.setattr(train_cli, "spawn", lambda *a, **k: spawned.append(k["args"][0]))
+    monkeypatch.chdir(tmp_path)
+    calibration = Path(__file__).resolve().parent.parent / "fixtures" / "cpu-calibration.json"
+    argv = [*_hf(folder, "--layout", "auto", "--calibration", str(calibration), "--nproc", "4", "--dp-mode", "ddp")]
+    assert cli_main.main([*argv, "--ep", "2"]) == 0, capsys.readouterr().err
+    config = spawned[-1]
+    assert (config.parallel.ep, config.parallel.dp, config.parallel.pipeline.pp) == (2, 2, 2)
+    assert cli_main.main(argv) == 0
+    assert spawned[-1].parallel.ep in (1, 2) and spawned[-1].parallel.dp == 2

@@ -148,3 +148,25 @@ def test_ep_on_a_dense_model_is_one_line(tmp_path, capsys):
     assert main(["plan", "--model", str(folder), "--gpus", "4", "--seq-len", "32", "--batch", "16", "--ep", "2"]) == 2
     err = capsys.readouterr().err
     assert "the model has none (a dense model)" in err and "drop --ep" in err
+
+
+def test_layout_auto_searches_ep_for_a_moe_model_and_keeps_a_given_ep():
+    from pipetrain.plan.auto import MARGIN, Fixed, choose_layout, layout_flags
+    from pipetrain.plan.experts import expert_degrees
+
+    qwen3 = load_sizes(QWEN3_30B).blocks(4096, element=2)
+    assert expert_degrees(qwen3, 64) == (1, 2, 4, 8, 16, 32, 64) and expert_degrees(qwen3, 8) == (1, 2, 4, 8)
+    assert expert_degrees([replace(b, experts=None) for b in qwen3], 64) == (1,)
+    device, network = named_gpu("h100-sxm", "bf16")
+    kw = dict(world=16, batch=32, device=device, network=network, gpus_per_node=8, precision="bf16")
+    replicas = Fixed(pp=2, dp_mode="ddp")  # 8 whole replicas of each half: only ep divides the experts' memory
+    best = choose_layout(qwen3, fixed=replicas, **kw).prediction
+    assert best.layout.ep > 1 and best.layout.dp == 8
+    flags = layout_flags(best)
+    assert flags[flags.index("--ep") + 1] == str(best.layout.ep)
+    assert choose_layout(qwen3, fixed=replace(replicas, ep=8), **kw).prediction.layout.ep == 8
+    with pytest.raises(ConfigError, match="no layout of 16 ranks fits"):
+        choose_layout(qwen3, fixed=replace(replicas, ep=1), **kw)
+    small = choose_layout(qwen3[:4], **kw).prediction  # 3 layers: the experts fit unsplit
+    unsplit = choose_layout(qwen3[:4], fixed=Fixed(ep=1), **kw).prediction
+    assert small.layout.ep == 1 or small.step_s < unsplit.step_s / (1 + MARGIN)  # ep's all-to-alls only for a gain

@@ -20,7 +20,7 @@ from pipetrain.plan.gpus import ALIASES
 from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calibration_path, default_device,
                                      load_calibration, named_gpu, save_calibration)
 from pipetrain.plan.context import cp_problem
-from pipetrain.plan.experts import ep_problem, moe_blocks
+from pipetrain.plan.experts import ep_problem, expert_degrees, moe_blocks
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
@@ -215,9 +215,7 @@ def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -
         return {"eps": (ep,), "moe_imbalance": imbalance}
     if not moe:
         return {}
-    experts = min(b.experts.experts for b in moe)
-    return {"eps": tuple(e for e in (1 << k for k in range(0, 16)) if e <= min(experts, gpus) and experts % e == 0),
-            "moe_imbalance": imbalance}
+    return {"eps": expert_degrees(blocks, gpus), "moe_imbalance": imbalance}
 
 
 def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
+from pipetrain.plan.experts import expert_degrees
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout, Prediction, predict
@@ -34,9 +35,9 @@ MARGIN = 0.10
 
 
 def plainness(layout: Layout) -> tuple[bool, ...]:
-    """Sort key: False first for DDP (or one replica), no recomputation, a whole backward, one stage per rank, then
+    """Sort key: False first for DDP (or one replica), experts unsplit (no all-to-all), no recomputation, a whole backward, one stage per rank, then
     weights kept gathered, whole-stage recomputation, no offloading (the memory modes pay only where they must)."""
-    return (layout.dp > 1 and layout.dp_mode != "ddp", layout.checkpoint != "never",
+    return (layout.dp > 1 and layout.dp_mode != "ddp", layout.ep > 1, layout.checkpoint != "never",
             layout.schedule in SPLIT_BACKWARD_SCHEDULES, layout.virtual > 1, layout.fsdp_reshard,
             layout.recompute_unit != "stage", layout.offload)
 
@@ -53,14 +54,16 @@ class Fixed:
     checkpoint: str | None = None
     virtual: int | None = None
     balance: str | None = None  # "uniform" or "time"
+    ep: int | None = None
 
     def allows(self, layout: Layout) -> bool:
         """Whether `layout` keeps every fixed choice."""
         return all(want is None or getattr(layout, name) == want for name, want in vars(self).items())
 
-    def space(self, max_chunks: int, offload: bool = False) -> SearchSpace:
-        """The search space these choices leave: with both FSDP resharding choices, selective recomputation, and
-        activation offloading where it moves something (`offload`: a GPU)."""
+    def space(self, max_chunks: int, offload: bool = False, eps: tuple[int, ...] = (1,)) -> SearchSpace:
+        """The search space these choices leave: with both FSDP resharding choices, selective recomputation,
+        activation offloading where it moves something (`offload`: a GPU), and the expert-parallel degrees `eps` (a
+        mixture-of-experts model) unless --ep is fixed."""
         base = SearchSpace()
         return SearchSpace(
             schedules=(self.schedule,) if self.schedule else SIMULATED_SCHEDULES,
@@ -69,7 +72,8 @@ class Fixed:
             dp_modes=(self.dp_mode,) if self.dp_mode else base.dp_modes,
             balances=(self.balance,) if self.balance else base.balances,
             virtual=(self.virtual,) if self.virtual else base.virtual,
-            max_chunks=max(max_chunks, self.chunks or 1), only_pp=self.pp)
+            max_chunks=max(max_chunks, self.chunks or 1), only_pp=self.pp,
+            eps=(self.ep,) if self.ep else eps)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,8 @@ def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device
     """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
     `device.memory_bytes`, among those `fixed` allows and `accepts` takes; `precision` the job's ("bf16": FSDP
     gathers its weights in bf16, see `Layout.precision`)."""
-    space = replace(fixed.space(max_chunks, offload=not device.cores), precision=precision)
+    space = replace(fixed.space(max_chunks, offload=not device.cores, eps=expert_degrees(blocks, world)),
+                    precision=precision)
     layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, space, gpus_per_node)
                if getattr(layout, "tp", 1) == 1 and fixed.allows(layout) and accepts(layout)]  # no TP yet
     if not layouts:
@@ -123,6 +128,8 @@ def layout_flags(prediction: Prediction) -> list[str]:
              "--chunks", str(lay.chunks), "--checkpoint", lay.checkpoint]
     if lay.virtual > 1:
         flags += ["--stages-per-rank", str(lay.virtual)]
+    if lay.ep > 1:
+        flags += ["--ep", str(lay.ep)]
     if lay.pp * lay.virtual > 1:
         flags += ["--balance", ",".join(map(str, prediction.balance))]
     return flags + memory_flags(lay)

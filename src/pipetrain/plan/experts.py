@@ -20,7 +20,7 @@ from typing import Protocol
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 
-__all__ = ["ep_problem", "dense_part", "expert_share", "rank_parts", "expert_layout", "ep_extra_s", "moe_blocks"]
+__all__ = ["ep_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts", "expert_layout", "ep_extra_s", "moe_blocks"]
 
 
 class _Layout(Protocol):
@@ -53,6 +53,17 @@ def ep_problem(blocks: Sequence[BlockCost], ep: int, dp: int | None = None) -> s
     if dp is not None and dp % ep:
         return f"ep={ep} does not divide dp={dp} (expert parallelism borrows ranks of a stage's data-parallel group)"
     return None
+
+
+def expert_degrees(blocks: Sequence[BlockCost], most: int) -> tuple[int, ...]:
+    """The expert-parallel degrees worth searching: every power of 2 up to `most` that divides every MoE block's
+    experts ((1,) for a dense model)."""
+    moe = moe_blocks(blocks)
+    if not moe:
+        return (1,)
+    experts = min(b.experts.experts for b in moe)
+    return tuple(e for e in (1 << k for k in range(0, 16))
+                 if e <= min(experts, most) and all(b.experts.experts % e == 0 for b in moe))
 
 
 def dense_part(block: BlockCost) -> BlockCost:

@@ -85,7 +85,7 @@ def _ranks(count: int) -> str:
 
 def _given(fixed: Fixed) -> str:
     flags = {"pp": "--pp", "dp": "--dp", "dp_mode": "--dp-mode", "schedule": "--schedule", "chunks": "--chunks",
-             "checkpoint": "--checkpoint", "virtual": "--stages-per-rank", "balance": "--partition"}
+             "checkpoint": "--checkpoint", "virtual": "--stages-per-rank", "balance": "--partition", "ep": "--ep"}
     return " ".join(f"{flags[name]} {value}" for name, value in vars(fixed).items() if value is not None)
 
 

@@ -141,7 +141,7 @@ def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
                                       checkpoint=layout.checkpoint, recompute_unit=layout.recompute_unit,
                                       stages_per_rank=layout.virtual if layout.virtual > 1 else None)
             pipeline.check_blocks(num_blocks)
-            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline,
+            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline, ep=layout.ep,
                            dp_shard=layout.dp_shard if layout.dp_mode == "hsdp" else None)
         except ConfigError:
             return False
@@ -204,7 +204,7 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
                  memory / _MB, blocks_source, calib_source)
     reshard = "always" if lay.fsdp_reshard and lay.shards > 1 and lay.dp > 1 else "never"
     return replace(config, parallel=replace(config.parallel, dp=lay.dp, dp_mode=lay.dp_mode, pipeline=pipeline,
-                                            fsdp_reshard=reshard,
+                                            fsdp_reshard=reshard, ep=lay.ep,
                                             dp_shard=lay.dp_shard if lay.dp_mode == "hsdp" else None),
                    layout=LayoutRequest(),  # the split is chosen: nothing left to balance
                    logs=replace(config.logs, predicted=(best.step_s, best.memory_bytes[0] / _MB)))
