@@ -45,7 +45,7 @@ SHARDED_DP_MODES = ("fsdp", "hsdp")
 RECOMPUTE_UNITS = ("stage", "layer", "selective")
 #: `--fsdp-reshard` words (an integer N >= 2 is also accepted: reshard to groups of N ranks after forward)
 FSDP_RESHARD = ("never", "always", "auto")
-PARTITION_METHODS = ("parameters", "uniform", "time", "memory")
+PARTITION_METHODS = ("parameters", "uniform", "time", "memory", "priced")
 
 
 def schedule_is_multi_stage(schedule: str) -> bool:

@@ -77,3 +77,22 @@ def test_layout_auto_chooses_or_keeps_the_expert_parallel_degree(folder, monkeyp
     assert (config.parallel.ep, config.parallel.dp, config.parallel.pipeline.pp) == (2, 2, 2)
     assert cli_main.main(argv) == 0
     assert spawned[-1].parallel.ep in (1, 2) and spawned[-1].parallel.dp == 2
+
+
+def test_a_moe_folder_is_split_by_its_priced_cost_by_default(folder, monkeypatch, capsys, tmp_path):
+    """Without --partition a MoE folder's stages balance the planner's FLOPs (dense embedding and head weigh unlike
+    MoE layers); --partition uniform keeps the count split; a dense folder stays uniform."""
+    from pipetrain.cli import main as cli_main
+    from pipetrain.cli import train as train_cli
+    from pipetrain.plan.transformer import load_sizes
+    from pipetrain.partition.solver import solve_balance, uniform_balance
+
+    spawned = []
+    monkeypatch.setattr(train_cli, "spawn", lambda *a, **k: spawned.append(k["args"][0]))
+    monkeypatch.chdir(tmp_path)
+    assert cli_main.main(_hf(folder, "--pp", "4", "--chunks", "4")) == 0, capsys.readouterr().err
+    blocks = load_sizes(folder).blocks(16, element=4)
+    priced = tuple(solve_balance([b.forward_flops for b in blocks], 4))
+    assert spawned[-1].parallel.pipeline.balance == priced != tuple(uniform_balance(len(blocks), 4))
+    assert cli_main.main(_hf(folder, "--pp", "4", "--chunks", "4", "--partition", "uniform")) == 0
+    assert spawned[-1].parallel.pipeline.balance is None and spawned[-1].parallel.pipeline.partition == "uniform"

@@ -10,6 +10,7 @@ from pipetrain.cli.device_args import device_choice
 from pipetrain.config import (CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, PARTITION_METHODS,
                               RECOMPUTE_UNITS, SCHEDULES, ParallelConfig, PipelineConfig)
 from pipetrain.errors import ConfigError
+from pipetrain.plan.transformer import load_sizes
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.layout import balanced
 
@@ -90,7 +91,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--balance", type=_balance, default=None, help="blocks per stage, e.g. 3,5")
     group.add_argument("--partition", default=None,
                        help=f"split without --balance: {' | '.join(PARTITION_METHODS)} (default: uniform; time "
-                            "with --mem-cap); time and memory use measured per-block costs")
+                            "with --mem-cap; priced for a mixture-of-experts --model DIR); time and memory use "
+                            "measured per-block costs, priced the FLOPs the planner prices from the folder's config")
     group.add_argument("--mem-cap", type=float, default=None, metavar="MB",
                        help="with --partition time: the fastest balance whose predicted memory per rank fits MB")
     group.add_argument("--profile", type=Path, default=None, metavar="FILE",
@@ -107,6 +109,19 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "micro-batch (torchgpipe's deferred batch norm)")
 
 
+def default_partition(args: argparse.Namespace) -> str:
+    """`--partition` when not given: `priced` for a mixture-of-experts `--model DIR` split over stages (its dense first
+    layers, embedding and head weigh unlike its MoE layers), else `uniform`."""
+    folder = getattr(args, "model", None)
+    if folder is None or args.pp * (args.stages_per_rank or 1) < 2 or getattr(args, "balance", None) is not None:
+        return "uniform"
+    try:
+        sizes = load_sizes(folder)
+    except ConfigError:  # not a folder the planner prices: the engine's count split
+        return "uniform"
+    return "priced" if any(sizes.is_moe(i) for i in range(sizes.layers)) else "uniform"
+
+
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """The validated mesh configuration of parsed arguments."""
     checkpoint, unit = recomputation(args.checkpoint, getattr(args, "recompute_unit", None))
@@ -120,7 +135,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         offload_activations=getattr(args, "offload_activations", False),
         stages_per_rank=args.stages_per_rank,
         balance=args.balance,
-        partition=args.partition or ("time" if args.mem_cap is not None else "uniform"),
+        partition=args.partition or ("time" if args.mem_cap is not None else default_partition(args)),
         shape_cache=args.shape_cache,
         compile=getattr(args, "compile", False),
         deferred_batchnorm=getattr(args, "deferred_batchnorm", False),

@@ -46,9 +46,9 @@ def resolve_balance(model: BlockModel, pipeline_config: PipelineConfig) -> list[
     pipeline_config.check_blocks(num_blocks)
     if pipeline_config.balance is not None:
         return list(pipeline_config.balance)
-    if pipeline_config.partition in COST_METHODS:
+    if pipeline_config.partition in (*COST_METHODS, "priced"):
         raise ConfigError(
-            f"partition {pipeline_config.partition!r} needs the blocks' measured costs",
+            f"partition {pipeline_config.partition!r} needs the blocks' measured costs (priced: the folder's)",
             hint="pass balance= from pipetrain.partition.cost_balance(...), or use the CLI's --partition",
         )
     if pipeline_config.partition == "uniform":

@@ -24,6 +24,7 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import cost_balance
 from pipetrain.partition.profile import load_profile
+from pipetrain.partition.solver import solve_balance
 from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.runs import plan_runs
 from pipetrain.plan.auto import AutoChoice, choose_layout, layout_flags
@@ -210,6 +211,27 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
                    logs=replace(config.logs, predicted=(best.step_s, best.memory_bytes[0] / _MB)))
 
 
+def _priced(config: TrainConfig, say: bool) -> TrainConfig:
+    """`config` split by `--partition priced`: the stages' forward FLOPs balanced (`solve_balance`), as the planner
+    prices the folder's blocks from its config.json (the same on every rank: nothing is measured)."""
+    pipeline = config.parallel.pipeline
+    if pipeline.balance is not None:
+        raise ConfigError(f"--balance {','.join(map(str, pipeline.balance))} and --partition priced both choose the "
+                          "split", hint="pass one of them")
+    priced = _analytic_blocks(config, config.model())
+    if priced is None:
+        raise ConfigError(f"--partition priced needs a --model DIR whose family the planner prices and whose blocks "
+                          f"it counts as the model does ({config.model_dir or 'no folder'})",
+                          hint="pass --partition time (measured costs) or uniform")
+    blocks, source = priced
+    balance = tuple(solve_balance([b.forward_flops for b in blocks], pipeline.num_stages))
+    if say:
+        log.info("pipetrain: --partition priced: blocks per stage %s (forward FLOPs of %s)",
+                 ",".join(map(str, balance)), source)
+    return replace(config, parallel=replace(config.parallel, pipeline=replace(pipeline, balance=balance,
+                                                                              partition="uniform")))
+
+
 def check_resize_files(config: TrainConfig) -> None:
     """`--on-resize auto` on launched ranks: the files a restart's re-layout needs are there before training starts
     (a restart would else stop on them, hours later)."""
@@ -234,6 +256,8 @@ def balanced(config: TrainConfig, *, device: str, launched: bool, say: bool = Tr
     must split the model the same way, so ranks started by torchrun or srun need `--profile`).
     """
     pipeline, request = config.parallel.pipeline, config.layout
+    if pipeline.partition == "priced":
+        return _priced(config, say)
     if pipeline.partition not in COST_METHODS:
         profile = request.profile if request.on_resize != "auto" else None  # kept for a re-layout
         for flag, value in (("--mem-cap", request.mem_cap), ("--profile", profile)):
