@@ -37,6 +37,7 @@ from pipetrain.partition.measure import profile_model
 from pipetrain.pipeline import TokenCrossEntropy
 from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan.loss import with_loss
 from pipetrain.plan.model import profile_blocks
 from pipetrain.plan.predict import Layout, predict, static_bytes
 from pipetrain.plan.schedules import rank_stages
@@ -186,8 +187,8 @@ def _job(spec: RankSpec, cases: list[tuple], batch: int, seq_len: int, out: str)
 
 def _blocks(name: str, seq_len: int, batch: int):
     if name == "lm":
-        model, _ = _model(name, seq_len)
-        return profile_blocks(profile_model(model, max(1, batch // 8), repeats=1))
+        model, loss = _model(name, seq_len)
+        return with_loss(profile_blocks(profile_model(model, max(1, batch // 8), repeats=1)), loss)
     with tempfile.TemporaryDirectory() as folder:
         HF_PRESETS["llama-cpu"].config().save_pretrained(folder)
         return load_sizes(folder).blocks(seq_len, element=4)

@@ -1,0 +1,96 @@
+"""The loss's saved log-softmax in the planner's memory (`pipetrain.plan.loss`): a logits-sized fp32 tensor per
+micro-batch in flight on the last stage, for every cross-entropy over the vocabulary, recomputation or not. Exact
+arithmetic: the figures below are compared with `==` or to 1e-9 relative."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan.loss import add_loss, keeps_log_softmax, log_softmax_bytes, with_loss
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.predict import Layout, predict
+from pipetrain.plan.simulate import StageCost
+from pipetrain.plan.transformer import sizes_from_config
+
+SEQ, VOCAB = 128, 1024
+LOGITS = 4.0 * SEQ * VOCAB  # one sample's fp32 logits (the profile's last block's output)
+DEVICE = replace(default_device("fp32"), baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
+
+
+class _TokenLoss:
+    perplexity = True
+
+
+class _ClassLoss:
+    perplexity = False
+
+
+class _WithAux:  # a mixture of experts' load-balancing term around a token loss
+    perplexity = False
+    base = _TokenLoss()
+
+
+def _blocks() -> list[BlockCost]:
+    layer = dict(params=1000, param_bytes=4000.0, activation_bytes=5000.0, output_bytes=2000.0, forward_s=1e-4,
+                 backward_s=2e-4)
+    return ([BlockCost(name=f"layer{i}", **layer) for i in range(3)]
+            + [BlockCost(name="head", params=1000, param_bytes=4000.0, activation_bytes=3000.0,
+                         output_bytes=LOGITS, forward_s=1e-4, backward_s=2e-4)])
+
+
+def test_the_log_softmax_is_tokens_times_vocabulary_in_fp32():
+    assert log_softmax_bytes(SEQ, VOCAB) == LOGITS
+    assert log_softmax_bytes(SEQ, VOCAB, element=2) == LOGITS / 2
+
+
+def test_only_vocabulary_cross_entropies_keep_one():
+    assert keeps_log_softmax(_TokenLoss()) and keeps_log_softmax(_WithAux())
+    assert not keeps_log_softmax(_ClassLoss()) and not keeps_log_softmax(None)
+    assert with_loss(_blocks(), _TokenLoss())[-1].loss_bytes == LOGITS
+    assert with_loss(_blocks(), _TokenLoss(), output_element=2)[-1].loss_bytes == 2 * LOGITS  # bf16 logits
+    assert with_loss(_blocks(), _ClassLoss()) == _blocks()
+
+
+def test_add_loss_holds_it_whether_or_not_the_micro_batch_recomputes():
+    cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
+    out = add_loss(cost, 7.0)
+    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes) == (107.0, 17.0, 107.0)
+    kept = add_loss(replace(cost, held_bytes=30.0, recompute_bytes=60.0), 7.0)
+    assert (kept.held_bytes, kept.recompute_bytes) == (37.0, 67.0)
+    assert add_loss(cost, 0.0) is cost
+
+
+@pytest.mark.parametrize("pp, schedule, checkpoint, in_flight", [
+    (1, "gpipe", "never", 4),    # all 4 micro-batches' forwards before the first backward
+    (1, "gpipe", "always", 4),   # recomputing the stage does not drop the loss's tensor
+    (2, "1f1b", "never", 1),     # the last stage runs each backward right after its forward
+])
+def test_the_last_stage_holds_one_log_softmax_per_micro_batch_in_flight(pp, schedule, checkpoint, in_flight):
+    layout = Layout(dp=2, pp=pp, batch=32, chunks=4, schedule=schedule, checkpoint=checkpoint, dp_mode="fsdp")
+    samples = 32 // 2 // 4
+    without = predict(_blocks(), layout, DEVICE, DEFAULT_NETWORK).memory_bytes
+    with_it = predict(with_loss(_blocks(), _TokenLoss()), layout, DEVICE, DEFAULT_NETWORK).memory_bytes
+    assert with_it[:-1] == without[:-1]  # only the last stage computes the loss
+    assert with_it[-1] - without[-1] == pytest.approx(in_flight * samples * LOGITS, rel=1e-9)
+
+
+def test_a_config_priced_head_keeps_its_logits_and_the_loss_its_log_probabilities():
+    sizes = sizes_from_config({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
+                               "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2})
+    head = sizes.blocks(SEQ, element=4)[-1]
+    assert head.loss_bytes == LOGITS  # fp32 log-probabilities
+    assert head.activation_bytes == 2 * 4 * SEQ * 64 + LOGITS  # norm and projection inputs, the fp32 logits
+    split = sizes.blocks(SEQ, element=2, vocab_parallel=True)[-1]
+    layout = Layout(dp=1, pp=1, batch=1, chunks=1, tp=2)
+    whole = Layout(dp=1, pp=1, batch=1, chunks=1, tp=1)
+    blocks = sizes.blocks(SEQ, element=2, vocab_parallel=True)
+    drop = replace(split, loss_bytes=0.0)
+    # under a vocabulary-parallel head each tp rank keeps its shard of the log-probabilities
+    for lay, share in ((layout, 2), (whole, 1)):
+        gained = (predict(blocks, lay, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+                  - predict(blocks[:-1] + [drop], lay, DEVICE, DEFAULT_NETWORK).memory_bytes[0])
+        assert gained == pytest.approx(LOGITS / share, rel=1e-9)
