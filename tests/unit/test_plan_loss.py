@@ -1,5 +1,6 @@
-"""The loss's saved log-softmax in the planner's memory (`pipetrain.plan.loss`): a logits-sized fp32 tensor per
-micro-batch in flight on the last stage, for every cross-entropy over the vocabulary, recomputation or not. Exact
+"""What the last stage holds besides its blocks' activations (`pipetrain.plan.loss`): the loss's saved log-softmax,
+a logits-sized fp32 tensor per micro-batch in flight, for every cross-entropy over the vocabulary, recomputation or
+not; and its outputs, kept by torch's schedule to the step's end and merged there into one more copy. Exact
 arithmetic: the figures below are compared with `==` or to 1e-9 relative."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from dataclasses import replace
 import pytest
 
 from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
-from pipetrain.plan.loss import add_loss, keeps_log_softmax, log_softmax_bytes, with_loss
+from pipetrain.plan.loss import keeps_log_softmax, last_stage, log_softmax_bytes, with_loss
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout, predict
-from pipetrain.plan.simulate import StageCost
+from pipetrain.plan.schedules import schedule_order
+from pipetrain.plan.simulate import StageCost, simulate
 from pipetrain.plan.transformer import sizes_from_config
 
 SEQ, VOCAB = 128, 1024
@@ -54,13 +56,28 @@ def test_only_vocabulary_cross_entropies_keep_one():
     assert with_loss(_blocks(), _ClassLoss()) == _blocks()
 
 
-def test_add_loss_holds_it_whether_or_not_the_micro_batch_recomputes():
+def test_the_last_stage_holds_the_loss_whether_or_not_the_micro_batch_recomputes():
     cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
-    out = add_loss(cost, 7.0)
-    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes) == (107.0, 17.0, 107.0)
-    kept = add_loss(replace(cost, held_bytes=30.0, recompute_bytes=60.0), 7.0)
-    assert (kept.held_bytes, kept.recompute_bytes) == (37.0, 67.0)
-    assert add_loss(cost, 0.0) is cost
+    head = replace(_blocks()[-1], loss_bytes=7.0, output_bytes=3.0)
+    out = last_stage(cost, head, samples=2)
+    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes, out.kept_bytes) == (114.0, 24.0, 114.0, 6.0)
+    kept = last_stage(replace(cost, held_bytes=30.0, recompute_bytes=60.0), head, samples=2)
+    assert (kept.held_bytes, kept.recompute_bytes) == (44.0, 74.0)
+    assert last_stage(cost, replace(head, loss_bytes=0.0, output_bytes=0.0), samples=2) == cost
+
+
+def test_kept_outputs_stay_to_the_step_end_and_are_merged_there():
+    """One stage, 4 micro-batches: GPipe holds all activations and outputs after the forwards; 1F1B's peak is the
+    end of the step when outputs outweigh activations (all 4 kept, and their merged copy)."""
+    order = schedule_order("gpipe", 1, 4)
+    big = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0, kept_bytes=1.0)
+    assert simulate(order, [big]).peak_activation_bytes == (4 * 10.0 + 4 * 1.0,)
+    small = replace(big, activation_bytes=1.0, kept_bytes=5.0)
+    assert simulate(order, [small]).peak_activation_bytes == (2 * 4 * 5.0,)
+    stages = [StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0),
+              StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0, kept_bytes=1.0)]
+    peaks = simulate(schedule_order("1f1b", 2, 4), stages).peak_activation_bytes
+    assert peaks == (20.0, 10.0 + 4.0)  # the last stage: one micro-batch in flight, all four outputs at its last
 
 
 @pytest.mark.parametrize("pp, schedule, checkpoint, in_flight", [
@@ -71,26 +88,27 @@ def test_add_loss_holds_it_whether_or_not_the_micro_batch_recomputes():
 def test_the_last_stage_holds_one_log_softmax_per_micro_batch_in_flight(pp, schedule, checkpoint, in_flight):
     layout = Layout(dp=2, pp=pp, batch=32, chunks=4, schedule=schedule, checkpoint=checkpoint, dp_mode="fsdp")
     samples = 32 // 2 // 4
-    without = predict(_blocks(), layout, DEVICE, DEFAULT_NETWORK).memory_bytes
-    with_it = predict(with_loss(_blocks(), _TokenLoss()), layout, DEVICE, DEFAULT_NETWORK).memory_bytes
+    blocks = _blocks()[:-1] + [replace(_blocks()[-1], output_bytes=100.0)]  # outputs too small to set the peak
+    without = predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes
+    lossy = blocks[:-1] + [replace(blocks[-1], loss_bytes=LOGITS)]
+    with_it = predict(lossy, layout, DEVICE, DEFAULT_NETWORK).memory_bytes
     assert with_it[:-1] == without[:-1]  # only the last stage computes the loss
     assert with_it[-1] - without[-1] == pytest.approx(in_flight * samples * LOGITS, rel=1e-9)
 
 
-def test_a_config_priced_head_keeps_its_logits_and_the_loss_its_log_probabilities():
+def test_a_config_priced_head_outputs_fp32_logits_and_the_loss_keeps_their_log_probabilities():
     sizes = sizes_from_config({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
                                "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
                                "num_key_value_heads": 2})
     head = sizes.blocks(SEQ, element=4)[-1]
-    assert head.loss_bytes == LOGITS  # fp32 log-probabilities
-    assert head.activation_bytes == 2 * 4 * SEQ * 64 + LOGITS  # norm and projection inputs, the fp32 logits
-    split = sizes.blocks(SEQ, element=2, vocab_parallel=True)[-1]
-    layout = Layout(dp=1, pp=1, batch=1, chunks=1, tp=2)
-    whole = Layout(dp=1, pp=1, batch=1, chunks=1, tp=1)
+    assert (head.loss_bytes, head.output_bytes) == (LOGITS, LOGITS)  # fp32 log-probabilities and logits
+    assert head.activation_bytes == 2 * 4 * SEQ * 64  # the norm's and the projection's inputs
     blocks = sizes.blocks(SEQ, element=2, vocab_parallel=True)
-    drop = replace(split, loss_bytes=0.0)
-    # under a vocabulary-parallel head each tp rank keeps its shard of the log-probabilities
-    for lay, share in ((layout, 2), (whole, 1)):
-        gained = (predict(blocks, lay, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
-                  - predict(blocks[:-1] + [drop], lay, DEVICE, DEFAULT_NETWORK).memory_bytes[0])
-        assert gained == pytest.approx(LOGITS / share, rel=1e-9)
+    bare = blocks[:-1] + [replace(blocks[-1], loss_bytes=0.0, output_bytes=0.0)]
+    # one micro-batch of one sample: its log-probabilities and logits, then the logits and their merged copy; under a
+    # vocabulary-parallel head each tp rank holds its shard of each
+    for tp in (1, 2):
+        layout = Layout(dp=1, pp=1, batch=1, chunks=1, tp=tp)
+        gained = (predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+                  - predict(bare, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0])
+        assert gained == pytest.approx(2 * LOGITS / tp, rel=1e-9)

@@ -37,7 +37,7 @@ from pipetrain.partition.solver import solve_balance, uniform_balance
 from pipetrain.plan.context import context_comm_s, context_replicas, context_samples, cp_problem
 from pipetrain.plan.experts import ep_extra_s, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
-from pipetrain.plan.loss import add_loss
+from pipetrain.plan.loss import last_stage
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
@@ -363,8 +363,8 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     balance = _balance(blocks, layout, samples, device)
     ends = [sum(balance[:i + 1]) for i in range(len(balance))]
     bounds = [(end - count, end) for end, count in zip(ends, balance)]
-    costs = stage_costs(blocks, layout, device, network, bounds)  # the loss's log-softmax: plan/loss.py
-    costs[-1] = add_loss(costs[-1], samples * blocks[-1].loss_bytes / (layout.tp if blocks[-1].tensor else 1))
+    costs = stage_costs(blocks, layout, device, network, bounds)
+    costs[-1] = last_stage(costs[-1], blocks[-1], samples, layout.tp)  # the loss and the kept outputs: plan/loss.py
     order = order_of(layout.schedule, layout.pp, layout.chunks, layout.virtual)
     speeds = rank_speeds(device, layout)
     timeline = simulate(order, costs, recomputed=recomputed_microbatches(layout.checkpoint, layout.chunks),

@@ -19,9 +19,9 @@ Per token of a sequence of s (h hidden, q = heads × head_dim query width, k = k
   up, their product) | 2f plain) + q/k norm inputs e·(q + k) where the family has them + one byte per element of
   each dropout mask (GPT-2's two residual dropouts, when the config's rate is above 0). Tensor parallelism
   (Megatron's split, `TensorSplit`) divides everything but the 4h part and the masks, sequence parallelism that too.
-- the head keeps the final norm's and the projection's inputs (2eh) and its fp32 logits (4V per token: pipetrain
-  casts a stage's outputs to fp32); the loss keeps their log-probabilities in fp32 (4V per token, `loss_bytes`:
-  plan/loss.py, outside any recomputation).
+- the head keeps the final norm's and the projection's inputs (2eh); its output, fp32 logits (4V per token:
+  pipetrain casts a stage's outputs to fp32), is kept by the schedule to the step's end, and the loss keeps their
+  log-probabilities in fp32 (4V per token, `loss_bytes`): both counted by plan/loss.py.
 
 Mixtures of experts (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss): a MoE layer's MLP is a router (h·E), E routed
 experts of width f_e (each as a gated MLP) of which each token uses top-k, and, for Qwen2-MoE, an always-on shared
@@ -220,13 +220,13 @@ class DecoderSizes:
                 selective_bytes=self.layer_selective_bytes(s, e),
             ))
         head = self.head_params()
-        logits = 4 * s * V  # the fp32 logits the stage outputs (held for the loss); the loss's log-softmax as much
+        logits = 4 * s * V  # the fp32 logits the stage outputs (kept to the step's end); the loss's log-softmax as much
         blocks.append(BlockCost(
-            name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh + logits),
+            name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh),
             output_bytes=float(logits), forward_flops=float(2 * s * h * V),
             forward_traffic=float(e * 3 * sh + 2 * logits), loss_bytes=log_softmax_bytes(s, V),
             kernels=6, tensors=3 if self.layer_norm else 2,
-            tensor=TensorSplit(flops=float(2 * s * h * V), traffic=float(2 * logits), activation_bytes=float(logits),
+            tensor=TensorSplit(flops=float(2 * s * h * V), traffic=float(2 * logits), activation_bytes=0.0,
                                **vocab_split) if vocab_parallel else None,
         ))
         return blocks
