@@ -3,7 +3,7 @@
 Step time = the simulated schedule (`simulate` on the schedule's real order, with per-stage compute from
 the block costs and the device, point-to-point transfers and the data-parallel gradient reduction from
 the network) + the optimizer step (AdamW over the rank's parameters) + one small collective (the step's
-metrics). Memory per rank = parameters, gradients and the two AdamW moments (4 copies of the parameter
+metrics) + the device's fixed host cost per step (`Device.step_overhead_s`, plan/overheads.py). Memory per rank = parameters, gradients and the two AdamW moments (4 copies of the parameter
 bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharded over dp; DDP adds its
 gradient buckets; bf16 and Float8 under FSDP: `static_bytes`; FSDP resharding after forward: two blocks'
 weights gathered and one block's gradient unsharded) + the simulated activation peak (a recomputing micro-batch
@@ -387,5 +387,5 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         optimizer = max(optimizer, optimizer_s(dense, device, grads.shards if sharded else 1, layout.tp)
                         + (optimizer_s(shares, device, expert_shards) if shares else 0.0))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
-    step = timeline.span_s + optimizer + network.collective_latency_s
+    step = timeline.span_s + optimizer + network.collective_latency_s + device.step_overhead_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))
