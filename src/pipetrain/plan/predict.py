@@ -8,9 +8,9 @@ bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharde
 gradient buckets; bf16 and Float8 under FSDP: `static_bytes`; FSDP resharding after forward: two blocks'
 weights gathered and one block's gradient unsharded) + the simulated activation peak (a recomputing micro-batch
 keeps its stage's input, with `recompute_unit="layer"` every (K-th) block's input, with "selective" every block's
-`selective_bytes`; offloading: at most three micro-batches' activations on the device) + the receive buffers
-torch's stages allocate per micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory
-before the model).
+`selective_bytes`; offloading: at most three micro-batches' activations on the device; the last stage's loss
+and kept outputs: plan/loss.py) + the receive buffers torch's stages allocate per micro-batch (input and
+gradient) + the device's baseline (CPU: the rank's memory before the model).
 A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
 (r and 2pp-1-r); the activation peak is the simulated one of the rank's own order (both its stages).
 With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
