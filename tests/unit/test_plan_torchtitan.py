@@ -1,5 +1,5 @@
 """External validation: `pipetrain plan --model` of Llama 3.1 405B beside torchtitan's published H100 figures
-(docs/performance.md of pytorch/torchtitan, Table 5: 512 H100 96 GB, FSDP 8 × TP 8 × PP 8, local batch 32, global
+(docs/performance.md of pytorch/torchtitan at 9dec370, now benchmarks/llama3_h100_202412_torchtitan.md; Table 5: 512 H100 96 GB, FSDP 8 × TP 8 × PP 8, local batch 32, global
 256, full recomputation, bf16 with Float8 linears, torch.compile, async TP). See docs/planning.md for what is
 assumed; the planned layouts are torchtitan's defaults at the commit it names (8 micro-batches = pp, 2 stages per
 rank for the interleaved schedule, seq len 8192)."""
@@ -41,19 +41,40 @@ def test_the_interleaved_to_1f1b_throughput_ratio_within_10_percent(predicted):
     assert ratio == pytest.approx(128 / 100, rel=0.10)
 
 
-def test_interleaved_peak_memory_within_15_percent(predicted):
-    assert max(predicted["interleaved-1f1b"].memory_bytes) / 2**30 == pytest.approx(72.7, rel=0.15)
+def test_interleaved_peak_memory_within_10_percent(predicted):
+    """Planned 75.9 GiB on the last rank (+4.4 %): the step's end, its fp32 logits kept and merged (plan/loss.py)."""
+    assert max(predicted["interleaved-1f1b"].memory_bytes) / 2**30 == pytest.approx(72.7, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: the plan holds 60.8 GiB where torchtitan reports 82.5 GiB "
-                                       "reserved for 1F1B (-26 %); see docs/planning.md")
-def test_1f1b_peak_memory_within_15_percent(predicted):
-    assert max(predicted["1f1b"].memory_bytes) / 2**30 == pytest.approx(82.5, rel=0.15)
+@pytest.mark.xfail(strict=True, reason="known miss: 73.2 GiB planned for 1F1B, 11 % under torchtitan's 82.5; its "
+                                       "Table 6 measured 75.3 for the same allocations (docs/planning.md)")
+def test_1f1b_peak_memory_within_10_percent(predicted):
+    assert max(predicted["1f1b"].memory_bytes) / 2**30 == pytest.approx(82.5, rel=0.10)
 
 
-def test_1f1b_is_predicted_below_the_published_peak_not_above(predicted):
-    """What the miss is: the plan counts allocated bytes, torchtitan the allocator's reserved peak."""
-    assert 0.70 * 82.5 < max(predicted["1f1b"].memory_bytes) / 2**30 < 82.5
+def test_the_1f1b_miss_is_the_one_the_docs_state(predicted):
+    """73.2 GiB on the last rank, 11.2 % under the published 82.5 (docs/planning.md says why it is left)."""
+    assert 0.87 < max(predicted["1f1b"].memory_bytes) / 2**30 / 82.5 < 0.90
+
+
+def test_table_6_1f1b_row_with_the_same_allocations_within_10_percent():
+    """Kept back to judge the planner: Table 6 of the same page, FSDP 8 × TP 8 × PP 8 (CP 1), 1F1B, local batch 8 of
+    32768 tokens, full recomputation: 8 micro-batches of 32768 tokens, as Table 5's 1F1B (4 × 8192), so the same
+    allocations (flash attention keeps no s² tensor); torchtitan measured 75.3 GiB there, 7.2 below Table 5's."""
+    argv = list(ARGV)
+    for flag, value in (("--seq-len", "32768"), ("--batch", "64"), ("--schedules", "1f1b")):
+        argv[argv.index(flag) + 1] = value
+    result, _ = planned(build_parser(argv).parse_args(argv))
+    (prediction,) = result.best + result.too_big
+    assert max(prediction.memory_bytes) / 2**30 == pytest.approx(75.3, rel=0.10)
+
+
+def test_both_peaks_are_the_last_rank_at_the_step_end(predicted):
+    """The term that moved the plan: the last stage's outputs (fp32 logits, vocabulary-parallel: 1.96 GiB per
+    micro-batch on each rank), kept to the step's end and merged there, and the loss's log-softmax."""
+    for schedule in PUBLISHED:
+        memory = predicted[schedule].memory_bytes
+        assert memory.index(max(memory)) == len(memory) - 1
 
 
 def test_planning_405b_loads_nothing_and_takes_seconds_at_most():

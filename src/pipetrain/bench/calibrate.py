@@ -16,7 +16,8 @@ Two ranks are spawned (on the same node) and measure:
   fixed cost per parameter group beyond the ring (`calibrate_fsdp.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`_pipeline`): the slowdown of work handed
-  from rank to rank, and the host cost of one schedule action;
+  from rank to rank, the host cost of one schedule action and the engine's fixed cost per step (its 1- and
+  16-micro-batch steps, `plan/overheads.py`);
 - the rank's memory before any model (CPU: RSS), and the activation factor: a layer's peak memory growth
   per sample over the bytes the analytic model says it keeps for backward (CPU: resident memory, whose
   peak also holds backward transients and freed blocks).
@@ -53,6 +54,7 @@ from pipetrain.pipeline.clock import Clock, clock_for
 from pipetrain.pipeline.precision import set_fp32_matmuls
 from pipetrain.plan.hardware import DEFAULT_NETWORK, Calibration, Device, Network
 from pipetrain.plan.model import config_blocks
+from pipetrain.plan.overheads import StepSample, fit_overheads
 from pipetrain.plan.predict import block_times
 from pipetrain.plan.schedules import schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
@@ -218,7 +220,8 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
     handed from rank to rank (`pipeline_slowdown`). 16 micro-batches of 4, alternately with 1 of 64: how
     much longer they take than the simulated compute (the layer at the measured rates) says, per extra
     schedule action on the critical path, is the host cost of an action (`action_overhead_s`: torch's
-    schedule, the transfers, caches refilled as micro-batches interleave)."""
+    schedule, the transfers, caches refilled as micro-batches interleave); with the 1-micro-batch step's own
+    seconds, what remains once per step is `step_overhead_s` (plan/overheads.py fits the two)."""
     reference = _reference(shape)
     blocks = [*(reference.layer() for _ in range(4)), reference.head()]
     model = ModuleListModel(blocks, example_input=torch.zeros(1, shape["seq_len"], shape["emsize"]))
@@ -253,9 +256,11 @@ def _pipeline(shape: LayerShape, device: torch.device, rates: list[tuple[int, fl
         stage = StageCost(forward_s=2 * forward * (1 + slowdown), backward_s=2 * backward * (1 + slowdown))
         return simulate(schedule_order("gpipe", 2, chunks), [stage, stage], overhead_s=overhead_s).span_s
 
-    actions = span(16, 1.0) - span(16, 0.0) - (span(1, 1.0) - span(1, 0.0))  # extra actions on the critical path
-    overhead = ((longer or 1.0) * span(1, 0.0) - span(16, 0.0)) / actions
-    return {"pipeline_slowdown": slowdown, "action_overhead_s": max(overhead, 0.0)}
+    one = _median_time(lambda: whole.step(x, y), repeats, clock)  # 1 micro-batch: the paired ratio's base
+    few, many = (StepSample(measured, span(c, 0.0), span(c, 1.0) - span(c, 0.0))  # actions on the critical path
+                 for c, measured in ((1, one), (16, (longer or 1.0) * one)))
+    per_action, per_step = fit_overheads(few, many)
+    return {"pipeline_slowdown": slowdown, "action_overhead_s": per_action, "step_overhead_s": per_step}
 
 
 def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: str, precision: str = "fp32") -> None:
@@ -314,7 +319,8 @@ def calibrate(shape: LayerShape, *, samples: int = 256, repeats: int = 9, timeou
                     rate_by_samples=tuple((float(b), r) for b, r in m["rate_by_samples"]),
                     cores=0.0 if on_gpu else float(len(os.sched_getaffinity(0))),
                     baseline_bytes=m["baseline_bytes"],  # CUDA: context, NCCL buffers (device_baseline_bytes)
-                    optimizer_s_per_dtensor=m.get("optimizer_s_per_dtensor", 0.0))
+                    optimizer_s_per_dtensor=m.get("optimizer_s_per_dtensor", 0.0),
+                    step_overhead_s=m.get("step_overhead_s", 0.0))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     across = NOT_MEASURED if inter is None else inter_node_description(inter)
     return Calibration(device=device, network=measured_network(m, inter), backend=m["backend"], precision=precision,

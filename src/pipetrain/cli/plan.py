@@ -21,6 +21,7 @@ from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calib
                                      load_calibration, named_gpu, save_calibration)
 from pipetrain.plan.context import cp_problem
 from pipetrain.plan.experts import ep_problem, expert_degrees, moe_blocks
+from pipetrain.plan.loss import with_loss
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
@@ -90,11 +91,23 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
 
         profile = load_profile(args.profile)
         args.profile_model = profile.model
-        return profile_blocks(profile), f"profile {args.profile} ({profile.model}, {profile.describe()})"
+        return (with_loss(profile_blocks(profile), _profile_loss(profile.model)),
+                f"profile {args.profile} ({profile.model}, {profile.describe()})")
     preset = args.preset or "cpu"
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}", hint=f"choose one of: {', '.join(PRESETS)}, or pass --profile")
     return config_blocks(PRESETS[preset]), f"analytic reference Transformer, preset {preset!r}"
+
+
+def _profile_loss(model: str) -> object:
+    """The loss of the workload a profile names ("workload:preset"), or None (a model of no known workload)."""
+    from pipetrain.workloads.registry import get_workload
+
+    workload = model.rpartition(":")[0]
+    try:
+        return get_workload(workload).loss() if workload else None
+    except (ConfigError, ImportError, OSError, ValueError):  # not a workload here: its loss is not counted
+        return None
 
 
 def _named_gpu(args: argparse.Namespace) -> str | None:

@@ -293,10 +293,12 @@ class PipelineEngine:
                 out = schedule.step(*args, target=target) if train else schedule.eval(*args)
             if self.has_last_stage:
                 outputs.append(out)
+        # one run: the schedule's merged output as it is (a copy more of the step's outputs would be held for nothing)
         if self._reads > 1:  # several tensors: each merged over the runs, the loss reads them together
-            merged = tuple(torch.cat(parts) for parts in zip(*outputs)) if outputs else None
+            merged = tuple(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*outputs)) \
+                if outputs else None
         else:
-            merged = torch.cat(outputs) if outputs else None
+            merged = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
         if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
             merged = merged.full_tensor()
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None)

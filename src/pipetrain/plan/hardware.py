@@ -57,6 +57,10 @@ class Device:
     #: device <-> pinned host copy rate of activation offloading (a PCIe 4.0 x16 link's practical rate unless
     #: calibrated; on a CPU device nothing moves)
     host_bytes_per_s: float = 25e9
+    #: host seconds once per training step that neither the model nor the schedule's actions set (the batch split,
+    #: the loss's global count, the metrics reduced and read back, zero-grad): fitted with `action_overhead_s` from
+    #: two measured pipeline steps (plan/overheads.py); 0 unless calibrated
+    step_overhead_s: float = 0.0
 
     def flops_at(self, samples: float) -> float:
         """The effective FLOP rate on a micro-batch of `samples`: `rate_by_samples` (measured sizes, ascending)

@@ -121,6 +121,9 @@ class BlockCost:
     experts: ExpertSplit | None = None
     #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)
     context: ContextSplit | None = None
+    #: bytes per sample the loss keeps for backward of this block's output (the model's last block; a cross-entropy
+    #: over the vocabulary: its fp32 log-softmax, plan/loss.py), outside any recomputation
+    loss_bytes: float = 0.0
 
     @property
     def trained_share(self) -> float:

@@ -1,16 +1,16 @@
 """Predict one layout's step time, throughput, per-stage peak memory and bubble (pure: plain data in and out).
 
-Step time = the simulated schedule (`simulate` on the schedule's real order, with per-stage compute from
-the block costs and the device, point-to-point transfers and the data-parallel gradient reduction from
-the network) + the optimizer step (AdamW over the rank's parameters) + one small collective (the step's
-metrics). Memory per rank = parameters, gradients and the two AdamW moments (4 copies of the parameter
-bytes; FSDP keeps the stage's parameters and gradients gathered, the rest sharded over dp; DDP adds its
-gradient buckets; bf16 and Float8 under FSDP: `static_bytes`; FSDP resharding after forward: two blocks'
-weights gathered and one block's gradient unsharded) + the simulated activation peak (a recomputing micro-batch
-keeps its stage's input, with `recompute_unit="layer"` every (K-th) block's input, with "selective" every block's
-`selective_bytes`; offloading: at most three micro-batches' activations on the device) + the receive buffers
-torch's stages allocate per micro-batch (input and gradient) + the device's baseline (CPU: the rank's memory
-before the model).
+Step time = the simulated schedule (`simulate` on the schedule's real order, with per-stage compute from the block
+costs and the device, point-to-point transfers and the data-parallel gradient reduction from the network) + the
+optimizer step (AdamW over the rank's parameters) + one small collective (the step's metrics) + the device's fixed
+host cost per step (`Device.step_overhead_s`, plan/overheads.py). Memory per rank = parameters, gradients and the
+two AdamW moments (4 copies of the parameter bytes; FSDP keeps the stage's parameters and gradients gathered, the
+rest sharded over dp; DDP adds its gradient buckets; bf16 and Float8 under FSDP: `static_bytes`; FSDP resharding
+after forward: two blocks' weights gathered and one block's gradient unsharded) + the simulated activation peak (a
+recomputing micro-batch keeps its stage's input, with `recompute_unit="layer"` every (K-th) block's input, with
+"selective" every block's `selective_bytes`; offloading: at most three micro-batches' activations on the device; the
+last stage's loss and kept outputs: plan/loss.py) + the receive buffers torch's stages allocate per micro-batch
+(input but on the first stage, gradient but on the last) + the device's baseline (CPU: memory before the model).
 A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
 (r and 2pp-1-r); the activation peak is the simulated one of the rank's own order (both its stages).
 With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
@@ -37,6 +37,7 @@ from pipetrain.partition.solver import solve_balance, uniform_balance
 from pipetrain.plan.context import context_comm_s, context_replicas, context_samples, cp_problem
 from pipetrain.plan.experts import ep_extra_s, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
+from pipetrain.plan.loss import last_stage
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
@@ -360,11 +361,9 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         raise ConfigError(f"tp={layout.tp} would put a tensor-parallel group across nodes of {layout.gpus_per_node} "
                           "GPUs", hint=f"choose a tp that divides {layout.gpus_per_node}")
     balance = _balance(blocks, layout, samples, device)
-    bounds, start = [], 0
-    for count in balance:
-        bounds.append((start, start + count))
-        start += count
+    bounds = [(sum(balance[:i]), sum(balance[:i + 1])) for i in range(len(balance))]
     costs = stage_costs(blocks, layout, device, network, bounds)
+    costs[-1] = last_stage(costs[-1], blocks[-1], samples, layout.tp)  # the loss and the kept outputs: plan/loss.py
     order = order_of(layout.schedule, layout.pp, layout.chunks, layout.virtual)
     speeds = rank_speeds(device, layout)
     timeline = simulate(order, costs, recomputed=recomputed_microbatches(layout.checkpoint, layout.chunks),
@@ -378,7 +377,8 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         dense, shares = rank_parts(mine, layout.ep)
         experts = expert_layout(grads)
         static = static_bytes(dense, grads) + (static_bytes(shares, experts) if shares else 0.0)
-        buffers = layout.chunks * sum(2 * costs[s].input_bytes for s in held)
+        buffers = layout.chunks * sum(costs[s].input_bytes + (costs[s + 1].input_bytes if s + 1 < len(costs) else 0)
+                                      for s in held)
         activations = timeline.peak_activation_bytes[rank]
         if layout.offload:  # on the device: the micro-batch computing, the one coming back, the step's last
             activations = min(activations, 3 * sum(costs[s].activation_bytes for s in held))
@@ -387,5 +387,5 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         optimizer = max(optimizer, optimizer_s(dense, device, grads.shards if sharded else 1, layout.tp)
                         + (optimizer_s(shares, device, expert_shards) if shares else 0.0))
     optimizer /= speeds[-1] if speeds else 1.0  # every rank steps its optimizer at once
-    step = timeline.span_s + optimizer + network.collective_latency_s
+    step = timeline.span_s + optimizer + network.collective_latency_s + device.step_overhead_s
     return Prediction(layout, step, layout.batch / step, tuple(memory), timeline.bubble, tuple(balance))

@@ -194,7 +194,7 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
         redo = SELECTIVE_RECOMPUTE_SHARE * forward if layout.recompute_unit == "selective" else forward
         work += again / layout.chunks * (redo + comm) / (layout.recompute_every if layout.recompute_unit != "stage"
                                                          else 1)
-    actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s
+    actions = 2 * layout.virtual * layout.chunks * device.action_overhead_s + device.step_overhead_s
     grads = layout.gradient_layout()
     shards = grads.shards
     experts = expert_layout(grads)

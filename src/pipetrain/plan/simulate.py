@@ -17,11 +17,12 @@ starts when its rank is free and its inputs have arrived:
 - W(s, i) needs I(s, i); R(s) (gradient reduction) needs the stage's last backward (its place in the order).
 
 Durations: F = forward; B = backward (+ forward again for a micro-batch that recomputes); I and W split the
-backward by `weight_share`; every compute action pays `overhead_s` (host-side cost of one schedule
-action). Ranks on their own devices run these durations as they are; ranks sharing CPU cores slow down
-while several compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds
-the micro-batch's held activations (the stage input only when it recomputes), B (or W under zero-bubble)
-frees them; while a recomputing backward runs, its activations exist again.
+backward by `weight_share`; every compute action pays `overhead_s` (host-side cost of one schedule action).
+Ranks on their own devices run these durations as they are; ranks sharing CPU cores slow down while several
+compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds the micro-batch's held
+activations (the stage input only when it recomputes) and its kept output, B (or W under zero-bubble) frees the
+activations; while a recomputing backward runs, its activations exist again; the kept outputs stay to the step's
+end, where they are merged (held twice).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class StageCost:
     recompute_bytes: float | None = None
     #: seconds a recomputing micro-batch's backward runs again (None: `forward_s`, the whole forward)
     recompute_s: float | None = None
+    #: bytes each forward leaves held until the step ends, then merged into one more copy (the last stage's outputs,
+    #: which the schedule keeps for the step's merged output: plan/loss.py)
+    kept_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) ->
     A micro-batch's activations go with its full backward (B) or its weight backward (W, after an I)."""
     peaks, inflights = [], []
     for rows in program:
-        live = peak = 0.0
+        live = peak = outputs = 0.0  # outputs: what the rank's forwards keep until the step ends
         inflight = peak_inflight = 0
         for stage, kind, mb, *_ in rows:
             cost = costs[stage]
@@ -170,15 +174,16 @@ def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) ->
             held = kept if again else cost.activation_bytes
             if kind == 0:
                 live += held
+                outputs += cost.kept_bytes
                 inflight += 1
             elif again and kind in (1, 2):
-                peak = max(peak, live - held + (cost.activation_bytes if cost.recompute_bytes is None
-                                                else cost.recompute_bytes))
-            peak, peak_inflight = max(peak, live), max(peak_inflight, inflight)
+                peak = max(peak, live + outputs - held + (cost.activation_bytes if cost.recompute_bytes is None
+                                                          else cost.recompute_bytes))
+            peak, peak_inflight = max(peak, live + outputs), max(peak_inflight, inflight)
             if kind in (1, 3):
                 live -= held
                 inflight -= 1
-        peaks.append(peak)
+        peaks.append(max(peak, 2 * outputs))  # the step's end: the kept outputs and their merged copy
         inflights.append(peak_inflight)
     return peaks, inflights
 

@@ -19,8 +19,9 @@ Per token of a sequence of s (h hidden, q = heads × head_dim query width, k = k
   up, their product) | 2f plain) + q/k norm inputs e·(q + k) where the family has them + one byte per element of
   each dropout mask (GPT-2's two residual dropouts, when the config's rate is above 0). Tensor parallelism
   (Megatron's split, `TensorSplit`) divides everything but the 4h part and the masks, sequence parallelism that too.
-- the head keeps the final norm's and the projection's inputs (2eh) and, for the loss, the logits and their
-  log-probabilities in fp32 (8V per token): pipetrain casts a stage's outputs to fp32.
+- the head keeps the final norm's and the projection's inputs (2eh); its output, fp32 logits (4V per token:
+  pipetrain casts a stage's outputs to fp32), is kept by the schedule to the step's end, and the loss keeps their
+  log-probabilities in fp32 (4V per token, `loss_bytes`): both counted by plan/loss.py.
 
 Mixtures of experts (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss): a MoE layer's MLP is a router (h·E), E routed
 experts of width f_e (each as a gated MLP) of which each token uses top-k, and, for Qwen2-MoE, an always-on shared
@@ -46,6 +47,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 from pipetrain.plan.config_names import CONFIG_NAMES, FAMILY_FIELDS, ConfigNames
+from pipetrain.plan.loss import log_softmax_bytes
 from pipetrain.plan.model import BlockCost, ContextSplit, ExpertSplit, TensorSplit
 
 __all__ = ["DecoderSizes", "ConfigNames", "CONFIG_NAMES", "FAMILY_FIELDS", "sizes_from_config", "load_sizes", "read_config"]
@@ -218,13 +220,13 @@ class DecoderSizes:
                 selective_bytes=self.layer_selective_bytes(s, e),
             ))
         head = self.head_params()
-        logits = 8 * s * V  # fp32 logits and their log-probabilities, kept for the loss's backward
+        logits = 4 * s * V  # the fp32 logits the stage outputs (kept to the step's end); the loss's log-softmax as much
         blocks.append(BlockCost(
-            name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh + logits),
-            output_bytes=float(4 * s * V), forward_flops=float(2 * s * h * V),
-            forward_traffic=float(e * 3 * sh + logits),
+            name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh),
+            output_bytes=float(logits), forward_flops=float(2 * s * h * V),
+            forward_traffic=float(e * 3 * sh + 2 * logits), loss_bytes=log_softmax_bytes(s, V),
             kernels=6, tensors=3 if self.layer_norm else 2,
-            tensor=TensorSplit(flops=float(2 * s * h * V), traffic=float(logits), activation_bytes=float(logits),
+            tensor=TensorSplit(flops=float(2 * s * h * V), traffic=float(2 * logits), activation_bytes=0.0,
                                **vocab_split) if vocab_parallel else None,
         ))
         return blocks

@@ -29,6 +29,7 @@ from pipetrain.partition.stagecost import COST_METHODS, check_mem_cap
 from pipetrain.pipeline.runs import plan_runs
 from pipetrain.plan.auto import AutoChoice, choose_layout, layout_flags
 from pipetrain.plan.hardware import Calibration, default_calibration_path, load_calibration, save_calibration
+from pipetrain.plan.loss import with_loss
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Layout, predict
 from pipetrain.plan.resize import Saved, decide
@@ -98,7 +99,7 @@ def _blocks(config: TrainConfig, model: BlockModel, launched: bool, device: str,
         start = time.perf_counter()
         profile = profile_model_sizes(model, sizes, device=device, repeats=3)
         source = f"measured now in {time.perf_counter() - start:.1f} s ({profile.describe()})"
-    return profile_blocks(profile), source
+    return with_loss(profile_blocks(profile), config.task().loss()), source
 
 
 def _analytic_blocks(config: TrainConfig, model: BlockModel) -> tuple[list[BlockCost], str] | None:

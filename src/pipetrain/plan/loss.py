@@ -1,0 +1,65 @@
+"""What the last stage holds besides its blocks' activations: the loss's saved tensors and the kept outputs (pure).
+
+A cross-entropy over the vocabulary (`F.cross_entropy` = log-softmax + NLL) keeps the log-softmax of the logits,
+a logits-sized tensor per micro-batch, from the loss's forward to its backward. It is computed in fp32 (pipetrain
+casts a stage's outputs to fp32; the Hugging Face loss calls `.float()`; autocast runs log-softmax in fp32) and
+lives outside the stage module, so no recomputation drops it and a measured profile, which times the blocks alone,
+does not see it. The planner adds it to the last stage's activations of every micro-batch in flight
+(`BlockCost.loss_bytes` of the model's last block; `predict` calls `last_stage`).
+
+The last stage's outputs (the logits of a language model) are kept longer: torch's schedule appends each
+micro-batch's output to the stage's `output_chunks` (until the next step clears them) and merges them into the
+step's output at its end (`torch.cat`: one more copy), which pipetrain's engine reads for the step's metrics and
+torchtitan's training loop drops. The simulator holds them from each forward to the step's end, twice at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.simulate import StageCost
+
+__all__ = ["LOSS_ELEMENT", "log_softmax_bytes", "with_loss", "last_stage", "keeps_log_softmax"]
+
+#: bytes per element the loss computes its log-softmax in (fp32)
+LOSS_ELEMENT = 4
+
+
+def log_softmax_bytes(tokens: int, vocab: int, element: int = LOSS_ELEMENT) -> float:
+    """Bytes per sample a cross-entropy over `vocab` classes at each of `tokens` positions keeps for backward."""
+    return float(tokens * vocab * element)
+
+
+def keeps_log_softmax(loss: object) -> bool:
+    """Whether `loss` is a cross-entropy over the output's last dimension (a vocabulary): the losses whose
+    exp(mean) is a perplexity (`Loss.perplexity`: `TokenCrossEntropy`, the Hugging Face causal-LM loss), or one
+    adding a term to such a `base` (a mixture of experts' load-balancing loss)."""
+    base = getattr(loss, "base", None)
+    return bool(getattr(loss, "perplexity", False)) or (base is not None and keeps_log_softmax(base))
+
+
+def with_loss(blocks: Sequence[BlockCost], loss: object, output_element: int = 4) -> list[BlockCost]:
+    """`blocks` (a profile's: its last block outputs the logits, `output_element` bytes each) with the last block's
+    `loss_bytes` set to the log-softmax of its output when `loss` keeps one; unchanged otherwise."""
+    out = list(blocks)
+    if out and keeps_log_softmax(loss):
+        out[-1] = replace(out[-1], loss_bytes=out[-1].output_bytes * LOSS_ELEMENT / output_element)
+    return out
+
+
+def last_stage(cost: StageCost, block: BlockCost, samples: int, tp: int = 1) -> StageCost:
+    """The last stage's `cost` (its last block `block`, micro-batches of `samples`, one of `tp` ranks: a share of a
+    vocabulary-parallel head's) with what it holds besides its blocks' activations: the loss's `loss_bytes` from
+    each forward to its backward, whether the micro-batch recomputes or not (the loss runs outside the stage's
+    checkpoint), and its output, which torch's schedule keeps to the step's end (`output_chunks`) and merges into
+    one more copy there (`StageCost.kept_bytes`)."""
+    share = samples / (tp if block.tensor is not None else 1)
+    loss, output = share * block.loss_bytes, share * block.output_bytes
+    if not loss:
+        return replace(cost, kept_bytes=output)
+    held = cost.input_bytes if cost.held_bytes is None else cost.held_bytes
+    again = cost.activation_bytes if cost.recompute_bytes is None else cost.recompute_bytes
+    return replace(cost, activation_bytes=cost.activation_bytes + loss, held_bytes=held + loss,
+                   recompute_bytes=again + loss, kept_bytes=output)

@@ -1,0 +1,114 @@
+"""What the last stage holds besides its blocks' activations (`pipetrain.plan.loss`): the loss's saved log-softmax,
+a logits-sized fp32 tensor per micro-batch in flight, for every cross-entropy over the vocabulary, recomputation or
+not; and its outputs, kept by torch's schedule to the step's end and merged there into one more copy. Exact
+arithmetic: the figures below are compared with `==` or to 1e-9 relative."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan.loss import keeps_log_softmax, last_stage, log_softmax_bytes, with_loss
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.predict import Layout, predict
+from pipetrain.plan.schedules import schedule_order
+from pipetrain.plan.simulate import StageCost, simulate
+from pipetrain.plan.transformer import sizes_from_config
+
+SEQ, VOCAB = 128, 1024
+LOGITS = 4.0 * SEQ * VOCAB  # one sample's fp32 logits (the profile's last block's output)
+DEVICE = replace(default_device("fp32"), baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
+
+
+class _TokenLoss:
+    perplexity = True
+
+
+class _ClassLoss:
+    perplexity = False
+
+
+class _WithAux:  # a mixture of experts' load-balancing term around a token loss
+    perplexity = False
+    base = _TokenLoss()
+
+
+def _blocks() -> list[BlockCost]:
+    layer = dict(params=1000, param_bytes=4000.0, activation_bytes=5000.0, output_bytes=2000.0, forward_s=1e-4,
+                 backward_s=2e-4)
+    return ([BlockCost(name=f"layer{i}", **layer) for i in range(3)]
+            + [BlockCost(name="head", params=1000, param_bytes=4000.0, activation_bytes=3000.0,
+                         output_bytes=LOGITS, forward_s=1e-4, backward_s=2e-4)])
+
+
+def test_the_log_softmax_is_tokens_times_vocabulary_in_fp32():
+    assert log_softmax_bytes(SEQ, VOCAB) == LOGITS
+    assert log_softmax_bytes(SEQ, VOCAB, element=2) == LOGITS / 2
+
+
+def test_only_vocabulary_cross_entropies_keep_one():
+    assert keeps_log_softmax(_TokenLoss()) and keeps_log_softmax(_WithAux())
+    assert not keeps_log_softmax(_ClassLoss()) and not keeps_log_softmax(None)
+    assert with_loss(_blocks(), _TokenLoss())[-1].loss_bytes == LOGITS
+    assert with_loss(_blocks(), _TokenLoss(), output_element=2)[-1].loss_bytes == 2 * LOGITS  # bf16 logits
+    assert with_loss(_blocks(), _ClassLoss()) == _blocks()
+
+
+def test_the_last_stage_holds_the_loss_whether_or_not_the_micro_batch_recomputes():
+    cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
+    head = replace(_blocks()[-1], loss_bytes=7.0, output_bytes=3.0)
+    out = last_stage(cost, head, samples=2)
+    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes, out.kept_bytes) == (114.0, 24.0, 114.0, 6.0)
+    kept = last_stage(replace(cost, held_bytes=30.0, recompute_bytes=60.0), head, samples=2)
+    assert (kept.held_bytes, kept.recompute_bytes) == (44.0, 74.0)
+    assert last_stage(cost, replace(head, loss_bytes=0.0, output_bytes=0.0), samples=2) == cost
+
+
+def test_kept_outputs_stay_to_the_step_end_and_are_merged_there():
+    """One stage, 4 micro-batches: GPipe holds all activations and outputs after the forwards; 1F1B's peak is the
+    end of the step when outputs outweigh activations (all 4 kept, and their merged copy)."""
+    order = schedule_order("gpipe", 1, 4)
+    big = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0, kept_bytes=1.0)
+    assert simulate(order, [big]).peak_activation_bytes == (4 * 10.0 + 4 * 1.0,)
+    small = replace(big, activation_bytes=1.0, kept_bytes=5.0)
+    assert simulate(order, [small]).peak_activation_bytes == (2 * 4 * 5.0,)
+    stages = [StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0),
+              StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0, kept_bytes=1.0)]
+    peaks = simulate(schedule_order("1f1b", 2, 4), stages).peak_activation_bytes
+    assert peaks == (20.0, 10.0 + 4.0)  # the last stage: one micro-batch in flight, all four outputs at its last
+
+
+@pytest.mark.parametrize("pp, schedule, checkpoint, in_flight", [
+    (1, "gpipe", "never", 4),    # all 4 micro-batches' forwards before the first backward
+    (1, "gpipe", "always", 4),   # recomputing the stage does not drop the loss's tensor
+    (2, "1f1b", "never", 1),     # the last stage runs each backward right after its forward
+])
+def test_the_last_stage_holds_one_log_softmax_per_micro_batch_in_flight(pp, schedule, checkpoint, in_flight):
+    layout = Layout(dp=2, pp=pp, batch=32, chunks=4, schedule=schedule, checkpoint=checkpoint, dp_mode="fsdp")
+    samples = 32 // 2 // 4
+    blocks = _blocks()[:-1] + [replace(_blocks()[-1], output_bytes=100.0)]  # outputs too small to set the peak
+    without = predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes
+    lossy = blocks[:-1] + [replace(blocks[-1], loss_bytes=LOGITS)]
+    with_it = predict(lossy, layout, DEVICE, DEFAULT_NETWORK).memory_bytes
+    assert with_it[:-1] == without[:-1]  # only the last stage computes the loss
+    assert with_it[-1] - without[-1] == pytest.approx(in_flight * samples * LOGITS, rel=1e-9)
+
+
+def test_a_config_priced_head_outputs_fp32_logits_and_the_loss_keeps_their_log_probabilities():
+    sizes = sizes_from_config({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
+                               "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 2})
+    head = sizes.blocks(SEQ, element=4)[-1]
+    assert (head.loss_bytes, head.output_bytes) == (LOGITS, LOGITS)  # fp32 log-probabilities and logits
+    assert head.activation_bytes == 2 * 4 * SEQ * 64  # the norm's and the projection's inputs
+    blocks = sizes.blocks(SEQ, element=2, vocab_parallel=True)
+    bare = blocks[:-1] + [replace(blocks[-1], loss_bytes=0.0, output_bytes=0.0)]
+    # one micro-batch of one sample: its log-probabilities and logits, then the logits and their merged copy; under a
+    # vocabulary-parallel head each tp rank holds its shard of each
+    for tp in (1, 2):
+        layout = Layout(dp=1, pp=1, batch=1, chunks=1, tp=tp)
+        gained = (predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+                  - predict(bare, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0])
+        assert gained == pytest.approx(2 * LOGITS / tp, rel=1e-9)
