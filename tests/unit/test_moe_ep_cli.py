@@ -60,3 +60,22 @@ def test_ep_on_a_dense_model_is_one_line_and_exit_2(cli):
     assert code == 2
     assert "--ep 2 splits the experts of MoE layers, but the model" in _one_line(err)
     assert "has none" in err
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "--moe-capacity 0.0 is not a positive number"),
+    ("-1", "--moe-capacity -1.0 is not a positive number"),
+    ("nan", "--moe-capacity nan is not a positive number"),
+    ("abc", "--moe-capacity 'abc' is not a positive number"),
+])
+def test_bad_moe_capacity_is_one_line_and_exit_2(cli, folder, value, message):
+    code, _, err, _ = cli(_hf(folder, "--moe-capacity", value))
+    assert code == 2
+    assert message in _one_line(err)
+
+
+def test_moe_capacity_on_a_dense_model_is_one_line_and_exit_2(cli):
+    code, _, err, _ = cli(["train", "--preset", "tiny", "--epochs", "1", "--no-progress", "--data", "synthetic",
+                           "--train-samples", "64", "--test-samples", "32", "--moe-capacity", "1.25"])
+    assert code == 2
+    assert "--moe-capacity 1.25 caps the tokens each expert of a mixture of experts takes" in _one_line(err)
