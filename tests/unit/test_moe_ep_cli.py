@@ -79,3 +79,14 @@ def test_moe_capacity_on_a_dense_model_is_one_line_and_exit_2(cli):
                            "--train-samples", "64", "--test-samples", "32", "--moe-capacity", "1.25"])
     assert code == 2
     assert "--moe-capacity 1.25 caps the tokens each expert of a mixture of experts takes" in _one_line(err)
+
+
+def test_bad_ep_in_generate_and_eval_is_one_line_and_exit_2(cli, folder, tmp_path):
+    code, _, err, _ = cli(["generate", "--model", folder, "--prompt", "the cat", "--pp", "2", "--ep", "3"])
+    assert code == 2
+    assert "--ep 3 does not divide the 8 experts of the model's MoE layers" in _one_line(err)
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat\n" * 40)
+    code, _, err, _ = cli(["eval", "--model", folder, "--data", str(data), "--pp", "2", "--ep", "2"])
+    assert code == 2
+    assert "--ep 2 does not divide the 1 data-parallel ranks of each stage" in _one_line(err)
