@@ -4,7 +4,8 @@ with the all-to-alls replaced by a local copy of the same shape (ep 2, no all-to
 One spawned job of 4 gloo ranks (one thread each) builds three sessions of the same tiny-but-not-trivial Qwen3-MoE
 (`--hidden 256`, `--experts 8`, top 2, `--layers 4`, from its transformers config, random weights) under 1F1B with
 2 micro-batches, then times `--steps` steps of each, the three alternating, `--repeats` times (after one warm-up
-round), and prints the tokens/s of each: the median and the spread (min-max) over the repeats.
+round), and prints the tokens/s of each: the median and the spread (min-max) over the repeats, and the step-time
+ratios paired within each repeat (ep2 / ep1, ep2 / ep2 without all-to-all), which a loaded machine's drift moves less.
 
 "no all-to-all" is a measurement knob of this script only, not a pipetrain option: during its steps,
 `pipetrain.moe.dispatch`'s `all_to_all_single` is replaced by a copy of the rank's own rows (the counts a rank
@@ -122,6 +123,10 @@ def main() -> None:
               f"{min(rates):8.0f}-{max(rates):<8.0f}")
     ep2, local = statistics.median(times["ep2"]), statistics.median(times["ep2 no all-to-all"])
     print(f"all-to-alls: {ep2 - local:.3f} s of the ep2 step ({100 * (ep2 - local) / ep2:.0f} %)")
+    for a, b in (("ep2", "ep1"), ("ep2", "ep2 no all-to-all")):  # paired within each repeat: less of the drift
+        ratios = [x / y for x, y in zip(times[a], times[b])]
+        print(f"step time {a} / {b}, per repeat: median {statistics.median(ratios):.2f} "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
 if __name__ == "__main__":
