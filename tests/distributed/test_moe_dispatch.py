@@ -28,7 +28,9 @@ from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.moe.dispatch import combine, dispatch  # noqa: E402
 from pipetrain.moe.experts import ExpertParallelExperts  # noqa: E402
+from pipetrain.moe.balance import ExpertBalancer, routed_blocks  # noqa: E402
 from pipetrain.moe.split import expert_parallel_blocks  # noqa: E402
+from pipetrain.train.loop import _expert_load  # noqa: E402
 from pipetrain.blocks import build_blocks  # noqa: E402
 from pipetrain.session import close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
@@ -135,6 +137,8 @@ def _capacity_checks(rank: int) -> dict:
         y = block.train()(x)
         y.backward(torch.ones_like(y))
         out[ep] = (y.detach(), x.grad, block.dropped_slots.item())
+    # the step record's figures, as the training loop takes them: the two ranks as two replicas of the layer
+    out["record"] = _expert_load(ExpertBalancer(routed_blocks([block]), dist.group.WORLD), 1, 1, rank == 0, 0.5)
     return out
 
 
@@ -208,3 +212,12 @@ def test_capacity_drops_the_same_slots_at_ep1_and_ep2(records):
         assert dropped1 == dropped2 > 0  # decided on the routing rank, before the all-to-all
         torch.testing.assert_close(y2, y1, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(dx2, dx1, rtol=RTOL, atol=ATOL)
+
+
+def test_the_step_record_sums_the_dropped_slots_over_the_replicas(records):
+    dropped = sum(record["capacity"][2][2] for record in records)
+    routed = sum((2 + rank) * SEQ * 2 for rank in range(WORLD))  # each rank's tokens x top-2
+    for record in records:
+        figures = record["capacity"]["record"]
+        assert figures["dropped_fraction"] == pytest.approx(dropped / routed)
+        assert set(figures["expert_load"]) == {1} and figures["expert_load"][1] >= 1.0
