@@ -114,8 +114,8 @@ def main() -> None:
         times = torch.load(Path(out) / "times.pt")
     tokens = args.batch * args.seq
     print(f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts top-2, {args.layers} layers, vocab {args.vocab}; "
-          f"dp 2 x pp 2, 1F1B, 2 micro-batches, {tokens} tokens a step; gloo, 1 thread a rank; torch {torch.__version__};"
-          f" median (min-max) of {args.repeats} repeats of {args.steps} steps")
+          f"dp 2 x pp 2, 1F1B, 2 micro-batches, {tokens} tokens a step; gloo, 1 thread a rank; "
+          f"torch {torch.__version__}; median (min-max) of {args.repeats} repeats of {args.steps} steps")
     print(f"{'layout':>20} {'s/step':>8} {'tokens/s':>9} {'tokens/s min-max':>17}")
     for name, values in times.items():
         rates = [tokens / t for t in values]

@@ -32,6 +32,12 @@ def routed_blocks(modules: Iterable[nn.Module]) -> list[nn.Module]:
             if hasattr(m, "tokens_per_expert") and getattr(m, "routed", False)]
 
 
+def _dropped(block: nn.Module) -> torch.Tensor:
+    """The block's slots dropped by the capacity this step, as one element beside its counts (zero without)."""
+    counts = block.tokens_per_expert
+    return counts.new_zeros(1) if block.dropped_slots is None else block.dropped_slots.reshape(1).to(counts)
+
+
 class ExpertBalancer:
     """The expert load of this rank's MoE layer blocks after each step; moves their routers' balancing biases.
 
@@ -52,8 +58,7 @@ class ExpertBalancer:
         counted = [b for b in self.blocks if b.tokens_per_expert is not None]
         if not counted:
             return {}
-        loads = torch.stack([torch.cat([b.tokens_per_expert, torch.zeros(1) if b.dropped_slots is None
-                                        else b.dropped_slots.reshape(1)]) for b in counted])
+        loads = torch.stack([torch.cat([b.tokens_per_expert, _dropped(b)]) for b in counted])
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(loads, group=self.dp_group)
         loads, dropped = loads[:, :-1], loads[:, -1]

@@ -235,7 +235,8 @@ class HFCausalLM:
         check_capacity(factor)
         if factor is not None and not self.routed:
             raise ConfigError(f"--moe-capacity {factor} caps the tokens each expert takes, but the model "
-                              f"({self.config.model_type}) has no experts", hint="drop --moe-capacity for a dense model")
+                              f"({self.config.model_type}) has no experts",
+                              hint="drop --moe-capacity for a dense model")
         model = copy.copy(self)
         model.capacity = factor
         return model
