@@ -7,7 +7,9 @@ ids each local expert receives, against those all ranks routed to it); dispatch 
 gives back every token (weights summing to 1); the gradient through dispatch and combine; `ExpertParallelExperts`
 against transformers' own `Qwen3MoeExperts` holding all experts (each rank's outputs and input gradients; the
 expert gradients, summed over the ranks' tokens), with grouped matmuls and with the loop over local experts, within
-rtol 1e-5 / atol 4e-5 (fp32: only the order of the sums differs).
+rtol 1e-5 / atol 4e-5 (fp32: only the order of the sums differs). Expert capacity (`--moe-capacity`, defined per
+routing rank before the all-to-all): a Qwen3-MoE layer drops the same slots, and gives the same outputs and input
+gradients, with its experts whole (ep 1) and split over the 2 ranks (ep 2), each rank routing its own tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.moe.dispatch import combine, dispatch  # noqa: E402
 from pipetrain.moe.experts import ExpertParallelExperts  # noqa: E402
+from pipetrain.moe.balance import ExpertBalancer, routed_blocks  # noqa: E402
+from pipetrain.moe.split import expert_parallel_blocks  # noqa: E402
+from pipetrain.train.loop import _expert_load  # noqa: E402
+from pipetrain.blocks import build_blocks  # noqa: E402
 from pipetrain.session import close_session, join_job  # noqa: E402
+from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
+from tests.moe_folders import SEQ, moe_configs  # noqa: E402
 
 RTOL, ATOL = 1e-5, 4e-5
 EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 32, 16
@@ -113,6 +121,27 @@ def _experts_checks(case: str, rank: int, grouped: bool) -> dict:
             "down": (split.down_proj.grad, full.down_proj.grad[local])}
 
 
+def _capacity_checks(rank: int) -> dict:
+    """Layer 1 of the tiny Qwen3-MoE at capacity factor 0.5 on this rank's tokens (2 or 3 samples), at ep 1 and 2:
+    (output, input gradient, dropped slots) of each."""
+    config = moe_configs()["qwen3_moe"]
+    config.output_router_logits = False
+    model = HFCausalLM(config, seq_len=SEQ).with_capacity(0.5)
+    hidden = torch.randn(2 + rank, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(300 + rank))
+    out = {}
+    for ep in (1, 2):
+        (block,) = build_blocks(model, [2], seed=0)
+        if ep == 2:
+            block = expert_parallel_blocks(dist.group.WORLD)(2, block)
+        x = hidden.clone().requires_grad_(True)
+        y = block.train()(x)
+        y.backward(torch.ones_like(y))
+        out[ep] = (y.detach(), x.grad, block.dropped_slots.item())
+    # the step record's figures, as the training loop takes them: the two ranks as two replicas of the layer
+    out["record"] = _expert_load(ExpertBalancer(routed_blocks([block]), dist.group.WORLD), 1, 1, rank == 0, 0.5)
+    return out
+
+
 def _worker(spec: RankSpec, out: str) -> None:
     join_job(spec)
     try:
@@ -121,6 +150,7 @@ def _worker(spec: RankSpec, out: str) -> None:
         for case in ("uneven", "empty"):
             for grouped in (True, False):
                 records[f"experts-{case}-{'grouped' if grouped else 'loop'}"] = _experts_checks(case, rank, grouped)
+        records["capacity"] = _capacity_checks(rank)
         try:
             ExpertParallelExperts(_qwen_experts_of(3), dist.group.WORLD)
         except ConfigError as error:
@@ -174,3 +204,20 @@ def test_split_experts_equal_transformers_experts(records, case):
 
 def test_ep_not_dividing_the_experts_is_refused(records):
     assert records[0]["refused"].startswith("--ep 2 does not divide the 3 experts")
+
+
+def test_capacity_drops_the_same_slots_at_ep1_and_ep2(records):
+    for record in records:
+        (y1, dx1, dropped1), (y2, dx2, dropped2) = record["capacity"][1], record["capacity"][2]
+        assert dropped1 == dropped2 > 0  # decided on the routing rank, before the all-to-all
+        torch.testing.assert_close(y2, y1, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(dx2, dx1, rtol=RTOL, atol=ATOL)
+
+
+def test_the_step_record_sums_the_dropped_slots_over_the_replicas(records):
+    dropped = sum(record["capacity"][2][2] for record in records)
+    routed = sum((2 + rank) * SEQ * 2 for rank in range(WORLD))  # each rank's tokens x top-2
+    for record in records:
+        figures = record["capacity"]["record"]
+        assert figures["dropped_fraction"] == pytest.approx(dropped / routed)
+        assert set(figures["expert_load"]) == {1} and figures["expert_load"][1] >= 1.0

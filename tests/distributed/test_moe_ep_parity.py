@@ -18,11 +18,15 @@ The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Q
 first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
 (DDP), against transformers' unsplit model from the same folder, run per micro-batch as test_moe_parity's
 reference: losses, every gradient (each rank's expert slices against the same rows of transformers' fused
-tensors) and the final parameters, rtol 1e-5 / atol 4e-5.
+tensors) and the final parameters, rtol 1e-5 / atol 4e-5. Generation (`pipetrain generate --ep`, and `eval`'s answers)
+on the Qwen3-MoE folder: two replicas of a pp=2 pipeline, each its own prompts and number of new tokens, give the
+same greedy tokens with the experts whole on each rank (ep=1) and split over the two replicas (ep=2: the replica that
+ends first steps on with the other, `Route.lockstep`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -238,6 +242,37 @@ def _checkpoint_round_trips(device: torch.device, out: Path) -> dict:
             "ep2_loaded": ep2_loaded}
 
 
+def _generations(folder: str, device: torch.device) -> dict[int, torch.Tensor]:
+    """Greedy tokens of this rank's replica (rank = replica * 2 + stage) at ep 1 and ep 2: replica r generates
+    3 + 3r new tokens for its own two prompts of 5 - r tokens."""
+    import torch.distributed as dist
+
+    from pipetrain.generate.job import build_stage
+    from pipetrain.generate.loop import Placement, generate_tokens
+    from pipetrain.generate.prompts import left_pad
+    from pipetrain.generate.sampling import Sampling, Stopping
+    from pipetrain.parallel.experts import build_expert_groups
+    from pipetrain.parallel.mesh import build_mesh
+
+    model = HFCausalLM.from_folder(folder, seq_len=FOLDER_SEQ)
+    rank = dist.get_rank()
+    replica = rank // 2
+    groups = [dist.new_group([2 * r, 2 * r + 1]) for r in range(2)]
+    experts = build_expert_groups(build_mesh(2, 2, device), 2)
+    gen = torch.Generator().manual_seed(40 + replica)
+    batch = left_pad(torch.randint(1, 90, (2, 5 - replica), generator=gen).tolist(), 0)
+    where = Placement(rank, 2, 1, first=2 * replica)
+    out = {}
+    for ep in (1, 2):
+        group = experts.ep_group if ep == 2 else None
+        stage = build_stage(model, where, device, expert_group=group)
+        route = replace(where.route(groups[replica]), lockstep=group)
+        stopping = Stopping(2, eos=None, pad=0, max_new_tokens=3 + 3 * replica)
+        out[ep] = generate_tokens({where.stage: stage}, route, batch, Sampling(), stopping,
+                                  hidden_size=model.config.hidden_size).tokens
+    return out
+
+
 def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
     device = join_job(spec)
     try:
@@ -246,6 +281,7 @@ def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
         for family, folder in folders.items():
             for schedule in FOLDER_SCHEDULES:
                 records[f"{family}-{schedule}"] = _train_folder(folder, schedule, device)
+        records["generate"] = _generations(folders["qwen3_moe"], device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -356,3 +392,9 @@ def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedul
             split += slices[name] is not None
     assert seen == set(ref["params"])
     assert split  # experts were split
+
+
+def test_generation_with_experts_split_gives_the_tokens_of_ep1(runs):
+    for rank, record in enumerate(runs["generate"]):
+        assert record[1].shape == (2, 3 + 3 * (rank // 2))  # each replica its own length, though they stepped together
+        assert torch.equal(record[2], record[1])

@@ -96,3 +96,32 @@ def test_a_moe_folder_is_split_by_its_priced_cost_by_default(folder, monkeypatch
     assert spawned[-1].parallel.pipeline.balance == priced != tuple(uniform_balance(len(blocks), 4))
     assert cli_main.main(_hf(folder, "--pp", "4", "--chunks", "4", "--partition", "uniform")) == 0
     assert spawned[-1].parallel.pipeline.balance is None and spawned[-1].parallel.pipeline.partition == "uniform"
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "--moe-capacity 0.0 is not a positive number"),
+    ("-1", "--moe-capacity -1.0 is not a positive number"),
+    ("nan", "--moe-capacity nan is not a positive number"),
+    ("abc", "--moe-capacity 'abc' is not a positive number"),
+])
+def test_bad_moe_capacity_is_one_line_and_exit_2(cli, folder, value, message):
+    code, _, err, _ = cli(_hf(folder, "--moe-capacity", value))
+    assert code == 2
+    assert message in _one_line(err)
+
+
+def test_moe_capacity_on_a_dense_model_is_one_line_and_exit_2(cli):
+    code, _, err, _ = cli(["train", "--preset", "tiny", "--epochs", "1", "--no-progress", "--data", "synthetic",
+                           "--train-samples", "64", "--test-samples", "32", "--moe-capacity", "1.25"])
+    assert code == 2
+    assert "--moe-capacity 1.25 caps the tokens each expert of a mixture of experts takes" in _one_line(err)
+
+
+def test_bad_ep_in_generate_and_eval_is_one_line_and_exit_2(cli, folder, tmp_path):
+    code, _, err, _ = cli(["generate", "--model", folder, "--prompt", "the cat", "--pp", "2", "--ep", "3"])
+    assert code == 2
+    assert "--ep 3 does not divide the 8 experts of the model's MoE layers" in _one_line(err)
+    data = tmp_path / "text.txt"
+    data.write_text("the cat sat on the mat\n" * 40)
+    code, _, err, _ = cli(["eval", "--model", folder, "--data", str(data), "--pp", "2", "--ep", "2"])
+    assert code == 2
+    assert "--ep 2 does not divide the 1 data-parallel ranks of each stage" in _one_line(err)

@@ -22,6 +22,7 @@ from pipetrain.launch.lifeline import watch_agent
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.launch.spawn import spawn
 from pipetrain.lora import LoraSettings
+from pipetrain.moe.split import check_expert_parallel
 from pipetrain.objectives import DPOSettings
 from pipetrain.train.config import TrainConfig, load_data
 from pipetrain.workloads.hf.workload import DEFAULT_SEQ_LEN
@@ -60,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default: 1)")
     layout.add_argument("--dp", type=int, default=1, help="replicas, each evaluating its share (default: 1)")
+    layout.add_argument("--ep", type=int, default=1,
+                        help="a mixture of experts: each stage's experts split over this many of the --dp replicas "
+                             "(a divisor of --dp and of the experts; docs/moe-ep.md) (default: 1)")
     add_device_argument(layout)
     return parser
 
@@ -75,13 +79,14 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
         rows = type(rows)(**saved["row_format"])
     pack = args.pack if args.pack != "windows" or "pack" not in saved else saved["pack"]
     dp_mode = "fsdp" if args.tp > 1 and args.dp > 1 else "ddp"
-    parallel = ParallelConfig(dp=args.dp, dp_mode=dp_mode, tp=args.tp,
+    parallel = ParallelConfig(dp=args.dp, dp_mode=dp_mode, tp=args.tp, ep=args.ep,
                               pipeline=PipelineConfig(pp=args.pp, schedule="gpipe", n_microbatches=args.pp))
     config = TrainConfig(workload="hf", preset=saved.get("preset", "cpu"), model_dir=source.folder, pack=pack,
                          row_format=rows, data=args.data, seq_len=args.seq_len or saved.get("seq_len"),
                          batch_size=args.batch_size, parallel=parallel, progress=False,
                          lora=LoraSettings(**source.lora) if source.lora is not None else None,
                          objective=_objective(args, saved))
+    check_expert_parallel(config.model(), args.ep)
     return EvalJob(config, source.checkpoint, answers=not args.no_answers, max_new_tokens=args.max_new_tokens,
                    max_answers=args.max_answers, out=args.out)
 

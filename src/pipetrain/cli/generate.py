@@ -50,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     layout = parser.add_argument_group("layout")
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks), default 1")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage, default 1")
+    layout.add_argument("--ep", type=int, default=1,
+                        help="a mixture of experts: run this many replicas of the pipeline, each stage's experts split "
+                             "over them (each replica generates the same tokens; docs/moe-ep.md), default 1")
     add_device_argument(layout)
     decoding = parser.add_argument_group("decoding")
     add_sampling_arguments(decoding)
@@ -65,7 +68,7 @@ def job_of(args: argparse.Namespace) -> GenerateJob:
         raise ConfigError(f"--pp {args.pp} --tp {args.tp}: both must be at least 1", hint="pass --pp 2 or --tp 2")
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     job = GenerateJob(source, tuple(texts), pp=args.pp, tp=args.tp, chat=args.chat,
-                      max_new_tokens=args.max_new_tokens, sampling=sampling)
+                      max_new_tokens=args.max_new_tokens, sampling=sampling, ep=args.ep)
     prepare_job(job)
     return job
 
@@ -87,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     job = job_of(args)  # launched once per rank (torchrun, srun): every rank checks the same flags
     if env.world_size != job.world_size:
-        raise ConfigError(f"the launcher started {env.world_size} ranks, --pp {job.pp} x --tp {job.tp} needs "
-                          f"{job.world_size}", hint=f"start {job.world_size} ranks, or pass --pp/--tp to match")
+        raise ConfigError(f"the launcher started {env.world_size} ranks, --ep {job.ep} x --pp {job.pp} x --tp "
+                          f"{job.tp} needs {job.world_size}",
+                          hint=f"start {job.world_size} ranks, or pass --ep/--pp/--tp to match")
     device = device_choice(args, env)
     watch_agent(env)
     generate_rank(RankSpec(env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port, device,

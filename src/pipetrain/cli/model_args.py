@@ -16,7 +16,7 @@ from pipetrain.train.config import SYNTHETIC
 from pipetrain.workloads.registry import workload_names
 
 __all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "add_pack_arguments", "add_row_arguments",
-           "row_format", "model_fields"]
+           "add_moe_arguments", "row_format", "model_fields"]
 
 
 def data_path(text: str) -> Path | str:
@@ -43,6 +43,25 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_pack_arguments(group)
     rows = parser.add_argument_group("data rows")
     add_row_arguments(rows)
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--moe-capacity FACTOR` (`pipetrain train`'s; TrainConfig.moe_capacity)."""
+    group = parser.add_argument_group("mixture of experts (docs/moe.md)")
+    group.add_argument("--moe-capacity", type=_capacity, default=None, metavar="FACTOR",
+                       help="each expert takes at most ceil(FACTOR x tokens x top-k / experts) token-slots of a "
+                            "micro-batch on each data-parallel rank; the rest are dropped (their combine weight zero, "
+                            "the token keeps its residual path) and counted in steps.jsonl (default: none, nothing "
+                            "dropped, as transformers)")
+
+
+def _capacity(text: str) -> float | str:
+    """`--moe-capacity`: the number, or the text as given when it is none (TrainConfig refuses it in one line,
+    as it refuses a factor not above zero, not argparse's usage)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 class _NoPack(argparse.Action):

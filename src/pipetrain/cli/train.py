@@ -18,7 +18,7 @@ from pipetrain.cli.layout_args import add_layout_arguments
 from pipetrain.cli.log_args import add_log_arguments
 from pipetrain.cli.lora_args import add_lora_arguments
 from pipetrain.cli.objective_args import add_objective_arguments
-from pipetrain.cli.model_args import add_model_arguments, add_workload_arguments
+from pipetrain.cli.model_args import add_model_arguments, add_moe_arguments, add_workload_arguments
 from pipetrain.cli.parallel_args import add_parallel_arguments, cost_balanced, parallel_config
 from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments
@@ -103,6 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_device_argument(group)
     add_recipe_arguments(parser)
     add_model_arguments(parser)
+    add_moe_arguments(parser)
     add_lora_arguments(parser)
     add_objective_arguments(parser)
     tracing = parser.add_argument_group("tracing")

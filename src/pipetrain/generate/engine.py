@@ -4,7 +4,8 @@ each rank already holds, wrapped or sharded as they train, generate without a se
 The engine's stage modules (`BlockSequential` inside recomputation, autocast, DDP or FSDP2 wrappers) give each
 stage's blocks; FSDP2-sharded blocks are gathered (`unshard`) for the generation and sharded again after it. Each
 data-parallel replica generates on its own pipeline (the same weights, the same tokens), its tokens broadcast
-within the replica's ranks; rank `(dp_rank * pp + pp_rank) * tp + tp_rank` as the mesh numbers them.
+within the replica's ranks; rank `(dp_rank * pp + pp_rank) * tp + tp_rank` as the mesh numbers them. With experts
+split over expert-parallel ranks (`--ep`), the replicas of a group step together (`Route.lockstep`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class EngineGenerator:
         base = mesh.dp_rank * pp * tp
         owners = tuple(base + rank_of_stage[k] * tp + mesh.tp_rank for k in range(engine.num_stages))
         self.route = Route(dist.get_rank(), owners, base + rank_of_stage[engine.num_stages - 1] * tp,
-                           groups[mesh.dp_rank], tp)
+                           groups[mesh.dp_rank], tp, lockstep=getattr(engine, "expert_group", None))
         bounds = [sum(engine.balance[:k]) for k in range(len(engine.balance))]
         self.stages = {k: GenerationStage(config, list(_blocks(module)), bounds[k])
                        for k, module in zip(engine.stage_ids, engine.modules)}

@@ -1,11 +1,15 @@
 """A generation job: its description (checked once, before any rank starts), each rank's stage, and the rank's
-main (join, build, generate, rank 0 prints)."""
+main (join, build, generate, rank 0 prints).
+
+With `ep` > 1 (a mixture of experts) the job runs `ep` replicas of the pp × tp pipeline, rank
+`replica * pp + stage` (tp 1), each stage's experts split over its `ep` replicas (`pipetrain.moe.split`): every
+replica generates the same prompts (the same tokens), so that each rank holds 1/ep of its layers' experts."""
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,8 @@ from pipetrain.generate.stage import GenerationStage
 from pipetrain.generate.weights import ModelSource, load_block_weights
 from pipetrain.launch.ranks import RankSpec
 from pipetrain.parallel import pick_device
+from pipetrain.moe.split import check_expert_parallel, expert_parallel_blocks
+from pipetrain.parallel.experts import build_expert_groups
 from pipetrain.parallel.mesh import build_mesh
 from pipetrain.parallel.tensor import check_tensor_parallel, tensor_parallel_blocks
 from pipetrain.session import close_session, join_job
@@ -43,10 +49,11 @@ class GenerateJob:
     chat: bool = False
     max_new_tokens: int = 32
     sampling: Sampling = Sampling()
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp
+        return self.ep * self.pp * self.tp
 
 
 def eos_ids(folder: Path, config: Any, tokenizer: Any) -> list[int]:
@@ -65,8 +72,13 @@ def prepare_job(job: GenerateJob) -> tuple[HFCausalLM, PromptBatch]:
     model = job.source.model()
     stage_blocks(model.num_blocks, job.pp, 0)
     check_tensor_parallel(model, job.tp)
-    if job.pp < 1 or job.tp < 1:
-        raise ConfigError(f"--pp {job.pp} --tp {job.tp}: both must be at least 1", hint="pass --pp 2, --tp 2, ...")
+    if job.pp < 1 or job.tp < 1 or job.ep < 1:
+        raise ConfigError(f"--pp {job.pp} --tp {job.tp} --ep {job.ep}: each must be at least 1",
+                          hint="pass --pp 2, --tp 2, --ep 2, ...")
+    if job.ep > 1 and job.tp > 1:
+        raise ConfigError(f"--ep {job.ep} with --tp {job.tp}: expert parallelism splits the experts over replicas "
+                          "of whole layers", hint="pass --tp 1 with --ep")
+    check_expert_parallel(model, job.ep)
     tokenizer = load_tokenizer(job.source.folder)
     encoded = encode_prompts(tokenizer, list(job.texts), chat=job.chat)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids(job.source.folder, model.config,
@@ -77,9 +89,9 @@ def prepare_job(job: GenerateJob) -> tuple[HFCausalLM, PromptBatch]:
 
 
 def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, checkpoint: Path | None = None,
-                tp_mesh: DeviceMesh | None = None) -> GenerationStage:
+                tp_mesh: DeviceMesh | None = None, expert_group: dist.ProcessGroup | None = None) -> GenerationStage:
     """This rank's stage of `model`: its blocks built on `device`, loaded (from the model's folder, or from
-    `checkpoint`), split over `tp_mesh` by the model's TP plan."""
+    `checkpoint`), split over `tp_mesh` by the model's TP plan, or their experts over `expert_group`."""
     indices = stage_blocks(model.num_blocks, where.pp, where.stage)
     blocks = dict(zip(indices, build_blocks(model, indices, seed=0, device=device)))
     for block in blocks.values():
@@ -88,6 +100,9 @@ def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, ch
         load_block_weights(checkpoint, model, blocks)
     if tp_mesh is not None:
         split = tensor_parallel_blocks(model, tp_mesh)
+        blocks = {index: split(index, block) for index, block in blocks.items()}
+    if expert_group is not None:
+        split = expert_parallel_blocks(expert_group)
         blocks = {index: split(index, block) for index, block in blocks.items()}
     return GenerationStage(model.config, list(blocks.values()), indices.start)
 
@@ -125,7 +140,7 @@ def speed_line(job: GenerateJob, done: Generated) -> str:
     """What rank 0 prints on standard error: the tokens, prompts, steps and tokens/s of the generation."""
     steps = done.tokens.shape[1]
     return (f"{done.tokens.numel()} tokens ({len(job.texts)} prompts x {steps} steps) in {done.seconds:.2f} s: "
-            f"{done.tokens_per_s:.1f} tokens/s at pp={job.pp} tp={job.tp}")
+            f"{done.tokens_per_s:.1f} tokens/s at pp={job.pp} tp={job.tp}" + (f" ep={job.ep}" if job.ep > 1 else ""))
 
 
 def _say(job: GenerateJob, batch: PromptBatch, done: Generated) -> None:
@@ -146,11 +161,20 @@ def generate_rank(spec: RankSpec, job: GenerateJob) -> Generated:
         return done
     device = join_job(spec)
     try:
-        mesh = build_mesh(1, job.pp, device, job.tp) if job.tp > 1 else None
-        where = Placement(spec.rank, job.pp, job.tp)
+        mesh = build_mesh(job.ep, job.pp, device, job.tp) if job.tp > 1 or job.ep > 1 else None
+        experts = build_expert_groups(mesh, job.ep) if job.ep > 1 else None
+        replicas = [dist.new_group(list(range(r * job.pp, (r + 1) * job.pp))) for r in range(job.ep)] \
+            if job.ep > 1 else None
+        replica = 0 if mesh is None else mesh.dp_rank
+        where = Placement(spec.rank, job.pp, job.tp, first=replica * job.pp * job.tp)
         stage = build_stage(model, where, device, checkpoint=job.source.checkpoint,
-                            tp_mesh=None if mesh is None else mesh.tp_mesh)
-        done = generate_batch(job, stage, where, batch, model)
+                            tp_mesh=None if mesh is None else mesh.tp_mesh,
+                            expert_group=None if experts is None else experts.ep_group)
+        route = where.route(None if replicas is None else replicas[replica])
+        if experts is not None:
+            route = replace(route, lockstep=experts.ep_group)
+        done = generate_with({where.stage: stage}, route, batch, job.sampling, job.max_new_tokens,
+                             job.source.folder, model.config)
         if spec.rank == 0:
             _say(job, batch, done)
     except BaseException:

@@ -8,6 +8,10 @@ tensor-parallel rank broadcasts to every rank: every rank then knows the tokens,
 inputs. The shapes are known everywhere (batch, new tokens, hidden size), so nothing else crosses. A rank holding
 several stages (a training engine's interleaved or V stages) runs them in stage order, passing the hidden states
 in memory where two consecutive stages are its own.
+
+Expert parallelism (`--ep`): the replicas of an expert-parallel group exchange tokens at every MoE layer, so they
+must run as many steps. With `Route.lockstep` (that group) a replica whose sequences ended goes on stepping (its
+extra tokens discarded) until every replica of the group has ended: one all-reduce per step.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Route:
         return len(set(self.owners)) * max(1, self.tp)
 
     tp: int = 1
+    #: the ranks that must run as many steps as this one (its expert-parallel group; None: none)
+    lockstep: Any = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ def generate_tokens(stages: dict[int, GenerationStage], route: Route, batch: Pro
     if several:
         dist.barrier(group=route.group)
     start = time.perf_counter()
+    ended: int | None = None  # the steps of this replica's own generation, once it has ended
     while True:
         logits = _step(stages, route, inputs, mask, positions, hidden_size, dtype)
         if logits is not None and route.rank == route.sampler:
@@ -132,10 +139,21 @@ def generate_tokens(stages: dict[int, GenerationStage], route: Route, batch: Pro
             dist.broadcast(chosen, src=route.sampler, group=route.group)
         new.append(chosen)
         sequences = torch.cat([sequences, chosen[:, None]], dim=1)
-        if stopping.update(chosen):
+        if ended is None and stopping.update(chosen):
+            ended = len(new)
+        if _over(ended is not None, route.lockstep, device):
             break
         inputs = chosen[:, None]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         positions = positions[:, -1:] + 1
     seconds = time.perf_counter() - start
-    return Generated(torch.stack(new, dim=1).cpu(), seconds)
+    return Generated(torch.stack(new[:ended], dim=1).cpu(), seconds)
+
+
+def _over(ended: bool, lockstep: Any, device: torch.device) -> bool:
+    """Whether to stop stepping: this replica has ended and (with a `lockstep` group) so has every other."""
+    if lockstep is None:
+        return ended
+    going = torch.tensor([0 if ended else 1], device=device)
+    dist.all_reduce(going, op=dist.ReduceOp.MAX, group=lockstep)
+    return not bool(going.item())

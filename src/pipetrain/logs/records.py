@@ -32,6 +32,9 @@ class StepRecord:
     `stragglers`: at the end of a `--log-every` window, the ranks named slow (`logs.stragglers.Straggler` as
     dicts; left out of the JSON line when there are none). `extras`: the loss's own figures (a preference
     objective's `rewards/chosen`, ...; `StepResult.extras`), written as top-level fields of the JSON line.
+    A mixture of experts: `expert_load` each MoE layer's max / mean tokens per expert this step (by layer index),
+    `dropped_fraction` the fraction of its token-slots the expert capacity dropped (None without `--moe-capacity`);
+    both left out of the JSON line when absent.
     """
 
     step: int
@@ -52,6 +55,8 @@ class StepRecord:
     mfu: float | None = None
     skipped: bool = False
     stragglers: tuple[dict, ...] = ()
+    expert_load: dict[int, float] = field(default_factory=dict)
+    dropped_fraction: float | None = None
     extras: dict[str, float] = field(default_factory=dict)
 
 
@@ -75,8 +80,9 @@ def record_dict(record: StepRecord | EvalRecord) -> dict[str, Any]:
     """`record` as JSON data with a leading `"kind"`: "step" or "eval"."""
     kind = "step" if isinstance(record, StepRecord) else "eval"
     data = {"kind": kind, **asdict(record)}
-    if not data.get("stragglers", True):
-        del data["stragglers"]
+    for name in ("stragglers", "expert_load", "dropped_fraction"):  # left out when absent
+        if name in data and (data[name] is None or (isinstance(data[name], (tuple, list, dict)) and not data[name])):
+            del data[name]
     data.update(data.pop("extras", {}))  # TRL's names ("rewards/chosen") as fields of their own
     return data
 

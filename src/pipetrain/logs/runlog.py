@@ -106,7 +106,8 @@ class RunLog:
 
     def step(self, result: StepResult, *, step: int, epoch: int, lr: float, inputs: Tensors | None = None,
              grad_norm: float | None = None, skipped: bool = False,
-             stragglers: Sequence[Straggler] = ()) -> StepRecord | None:
+             stragglers: Sequence[Straggler] = (), expert_load: dict[int, float] | None = None,
+             dropped_fraction: float | None = None) -> StepRecord | None:
         """Record optimizer step `step` (its `result` from the engine, the `stragglers` named after it); returns the
         record on the main rank."""
         if not self.main:
@@ -115,6 +116,8 @@ class RunLog:
                                    skipped=skipped)
         if stragglers:
             record = replace(record, stragglers=tuple(s.as_dict() for s in stragglers))
+        if expert_load or dropped_fraction is not None:  # a mixture of experts: its load (and drops) this step
+            record = replace(record, expert_load=dict(expert_load or {}), dropped_fraction=dropped_fraction)
         for sink in self.sinks:
             sink.step(record)
         return record

@@ -19,6 +19,7 @@ from pipetrain.data.packing import pack_mode
 from pipetrain.data.settings import data_digest
 from pipetrain.errors import ConfigError
 from pipetrain.logs.config import LogConfig
+from pipetrain.moe.capacity import check_capacity
 from pipetrain.lora import LoraBlocks, LoraSettings
 from pipetrain.objectives import DPOSettings, GRPOSettings, GRPOWorkload, PreferenceWorkload
 from pipetrain.objectives.preference import check_pair_batches
@@ -100,6 +101,9 @@ class TrainConfig:
     #: what a step optimises beyond next-token loss (`--objective dpo`: `DPOSettings`, `grpo`: `GRPOSettings`; None:
     #: the workload's loss)
     objective: DPOSettings | GRPOSettings | None = None
+    #: a mixture of experts' expert capacity factor (`--moe-capacity`, `pipetrain.moe.capacity`; None: no token
+    #: dropped, as transformers)
+    moe_capacity: float | None = None
 
     def __post_init__(self) -> None:
         """Checks of the description alone (no model is built: `prepare` checks the model against the layout)."""
@@ -107,6 +111,7 @@ class TrainConfig:
             object.__setattr__(self, "data", Path(self.data))
         object.__setattr__(self, "pack", pack_mode(self.pack))
         check_precision(self.precision)
+        check_capacity(self.moe_capacity)
         workload = self.task()
         workload.check_preset(self.preset)
         self._check_data(workload)
@@ -215,6 +220,13 @@ class TrainConfig:
         """The workload's model for this preset and window (a `BlockModel`); with `lora`, its blocks carry PEFT's
         LoRA layers on a frozen base (`LoraBlocks`)."""
         model = self.task().model(self.preset, seq_len=self.window)
+        if self.moe_capacity is not None:
+            with_capacity = getattr(model, "with_capacity", None)
+            if with_capacity is None:
+                raise ConfigError(f"--moe-capacity {self.moe_capacity} caps the tokens each expert of a mixture of "
+                                  f"experts takes; workload {self.workload!r} has no experts",
+                                  hint="drop --moe-capacity, or train a MoE folder (--workload hf --model DIR)")
+            model = with_capacity(self.moe_capacity)
         return model if self.lora is None else LoraBlocks(model, self.lora, workload=self.workload)
 
     def model_name(self) -> str:

@@ -148,16 +148,21 @@ def _balancer(engine: PipelineEngine, mesh: Mesh, config: TrainConfig) -> Expert
     return ExpertBalancer(routed_blocks(engine.modules), mesh.dp_group if config.parallel.dp > 1 else None)
 
 
-def _expert_load(balancer: ExpertBalancer, step: int, every: int, main: bool) -> None:
-    """After a step: the counts summed over the replicas, the biases moved; every `every` steps the main rank says
-    each layer's load imbalance (gathered from every pipeline rank: each holds other layers)."""
+def _expert_load(balancer: ExpertBalancer, step: int, every: int, main: bool,
+                 capacity: float | None) -> dict[str, object]:
+    """After a step: the counts summed over the replicas, the biases moved; each layer's load imbalance and (with a
+    `capacity`) the fraction of token-slots dropped, gathered from every pipeline rank (each holds other layers):
+    the step record's fields (`expert_load`, `dropped_fraction`); every `every` steps the main rank says them."""
     imbalance = balancer.after_step()
-    if step % every:
-        return
-    gathered: list[dict[int, float]] = [{} for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather_object(gathered, imbalance)
-    if main:
-        log.info("step %d: %s", step, balancer.line({k: v for part in gathered for k, v in part.items()}))
+    gathered: list[tuple] = [({}, {}) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(gathered, (imbalance, balancer.dropped))
+    load = {k: v for part, _ in gathered for k, v in part.items()}
+    slots = {k: v for _, part in gathered for k, v in part.items()}  # the replicas of a layer: the same figures
+    routed = sum(total for _, total in slots.values())
+    dropped = None if capacity is None else sum(lost for lost, _ in slots.values()) / max(routed, 1.0)
+    if main and step % every == 0:
+        log.info("step %d: %s", step, balancer.line(load, dropped))
+    return {"expert_load": dict(sorted(load.items())), "dropped_fraction": dropped}
 
 
 def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngine, recipe: Recipe, train: Dataset,
@@ -196,8 +201,9 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                     outcome: StepOutcome = recipe.step(at.step, result)  # guard, clip, LR, optimizer step
             if rollouts is not None:  # an objective's own figures of the step (GRPO: rewards, lengths)
                 result = replace(result, extras={**result.extras, **rollouts()})
-            if balancer is not None:  # expert load: biases moved, imbalance said every log_every steps
-                _expert_load(balancer, at.step + 1, config.logs.log_every, run_log.main)
+            experts = {}
+            if balancer is not None:  # expert load: biases moved, imbalance (and drops) recorded, said every log_every
+                experts = _expert_load(balancer, at.step + 1, config.logs.log_every, run_log.main, config.moe_capacity)
             if not outcome.skipped:  # a skipped step's non-finite loss stays out of the epoch's means
                 totals.add(result)
             here = min(at.start(config.batch_size), size)  # (a checkpoint without `sample`: full batches before)
@@ -205,7 +211,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
             at = Position(at.step + 1, epoch, at.in_epoch + 1, vars(totals).copy(), at.reports, recipe.state_dict(),
                           sample=here + read, samples=at.samples + read)
             run_log.step(result, step=at.step, epoch=epoch, lr=outcome.lr, inputs=x, grad_norm=outcome.grad_norm,
-                         skipped=outcome.skipped, stragglers=watch.compare(at.step))
+                         skipped=outcome.skipped, stragglers=watch.compare(at.step), **experts)
             if sampled is not None and at.step % config.logs.log_every == 0 and sampled() is not None:
                 run_log.sample(at.step, *sampled())  # GRPO: a completion of this step and its reward
             if samples is not None and at.step % config.logs.sample_every == 0:  # text through the same stages

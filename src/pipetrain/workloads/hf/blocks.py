@@ -14,7 +14,9 @@ per-sample router sums to a float tensor `[batch, 2, E]` that the embedding star
 stage boundary last, after the hidden states (and the positions); the head turns it into the micro-batch's
 load-balancing loss and returns `(logits, aux)` (`pipetrain.moe.router`). In training, each MoE layer block also
 counts its tokens per expert (`tokens_per_expert`, never in a recomputed forward): the step's load imbalance and
-DeepSeek-V3's bias balancing read them (`pipetrain.moe.balance`).
+DeepSeek-V3's bias balancing read them (`pipetrain.moe.balance`). With an expert capacity (`--moe-capacity`,
+`pipetrain.moe.capacity`), the router's output hook zeroes the combine weights of the slots beyond it, and the
+block counts them (`dropped_slots`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 from pipetrain.context.attention import context_config
 from pipetrain.errors import ConfigError
+from pipetrain.moe.capacity import within_capacity
 from pipetrain.moe.router import load_balancing_loss, router_statistics
 from pipetrain.pipeline.recompute import is_recomputing
 from pipetrain.workloads.hf.families import Family, causal_mask, require_transformers
@@ -105,9 +108,10 @@ class Embedding(HFBlock):
 
 
 class DecoderLayer(HFBlock):
-    """One decoder layer (`layer`); rebuilds the attention mask and the rotary tables (`rotary`) from the length."""
+    """One decoder layer (`layer`); rebuilds the attention mask and the rotary tables (`rotary`) from the length.
+    `capacity`: the expert capacity factor of a MoE layer (None: no token dropped; `pipetrain.moe.capacity`)."""
 
-    def __init__(self, config: Any, family: Family, index: int) -> None:
+    def __init__(self, config: Any, family: Family, index: int, *, capacity: float | None = None) -> None:
         super().__init__()
         self.config, self.index, self.mask, self.position_ids = config, index, family.mask, family.position_ids
         self.layer_type = config.layer_types[index] if family.rotary_by_layer_type else None
@@ -119,6 +123,8 @@ class DecoderLayer(HFBlock):
         self._bias: str | None = None
         #: this layer's routed tokens per expert since the last `reset` (training forwards, none recomputed)
         self.tokens_per_expert: torch.Tensor | None = None
+        #: this layer's token-slots dropped by the expert capacity since the last reset (as `tokens_per_expert`)
+        self.dropped_slots: torch.Tensor | None = None
         self._routed = _RouterOutputs()
         if family.experts:
             router_class, at = family.router_class()
@@ -134,6 +140,8 @@ class DecoderLayer(HFBlock):
             if router is not None:  # an output hook, as transformers records `output_router_logits`: the
                 # logits, and the experts the router chose (its last output, `top_k_index`)
                 self._routed.at = at
+                if capacity is not None:
+                    self._routed.capacity, self._routed.experts = capacity, num_experts(config, family)
                 router.register_forward_hook(self._routed)
             self.top_k = config.num_experts_per_tok
         self.context: Any = None  # a `pipetrain.context.ContextParallel` once attached (`use_context`)
@@ -162,10 +170,10 @@ class DecoderLayer(HFBlock):
         else:
             out = self._layer(hidden, positions)
         if self.routed:
-            logits, chosen = self._routed.pop()
+            logits, chosen, dropped = self._routed.pop()
             self._routed.clear()
             if self.training and not is_recomputing() and hidden.device.type != "meta":
-                self._count(chosen, logits.shape[-1])
+                self._count(chosen, logits.shape[-1], dropped)
             if statistics is not None:
                 statistics = statistics + router_statistics(logits, self.top_k, hidden.shape[0])
         rest = (() if positions is None else (positions,)) + (() if statistics is None else (statistics,))
@@ -175,11 +183,15 @@ class DecoderLayer(HFBlock):
         """The router's balancing bias buffer (DeepSeek-V3's `e_score_correction_bias`), or None."""
         return None if self._bias is None else getattr(self._router[0], self._bias)
 
-    def _count(self, chosen: torch.Tensor, experts: int) -> None:
-        """Add this forward's routed tokens per expert (the experts the router chose, with its bias if any)."""
+    def _count(self, chosen: torch.Tensor, experts: int, dropped: torch.Tensor | None = None) -> None:
+        """Add this forward's routed tokens per expert (the experts the router chose, with its bias if any) and
+        the slots the capacity dropped (`dropped`; None: no capacity)."""
         with torch.no_grad():
             counts = torch.bincount(chosen.flatten(), minlength=experts).to(torch.float32)
             self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+            if dropped is not None:
+                dropped = dropped.to(torch.float32)
+                self.dropped_slots = dropped if self.dropped_slots is None else self.dropped_slots + dropped
 
     def _layer(self, hidden: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         packed = positions is not None
@@ -204,13 +216,23 @@ class DecoderLayer(HFBlock):
 
 
 class _RouterOutputs(list):
-    """A router's forward hook keeping (logits, chosen experts) of each call (an object, not a closure: a deep copy
-    of the block, as `pipetrain check` makes, hooks its own copy)."""
+    """A router's forward hook keeping (logits, chosen experts, dropped slots or None) of each call (an object, not
+    a closure: a deep copy of the block, as `pipetrain check` makes, hooks its own copy). With a `capacity`, the
+    router's output (logits, top-k weights, top-k experts) is returned with the weights of the slots beyond each
+    expert's capacity zeroed (`pipetrain.moe.capacity.within_capacity`)."""
 
     at = 0  #: the index of the logits in the router's output
+    capacity: float | None = None  #: the expert capacity factor (None: nothing dropped)
+    experts = 0  #: the layer's routed experts
 
-    def __call__(self, module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> None:
-        self.append((out[self.at], out[-1]))
+    def __call__(self, module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> Any:
+        chosen = out[-1]
+        if self.capacity is None or chosen.device.type == "meta":
+            self.append((out[self.at], chosen, None))
+            return None
+        keep = within_capacity(chosen, self.experts, self.capacity)
+        self.append((out[self.at], chosen, (~keep).sum()))
+        return (*out[:-2], out[-2] * keep.to(out[-2].dtype), chosen)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.hf.checkpoint import HFCheckpoint
+from pipetrain.moe.capacity import check_capacity
 from pipetrain.moe.router import RouterAuxLoss
 from pipetrain.workloads.hf.blocks import (DecoderLayer, Embedding, Head, HFBlock, carries_router_statistics,
                                            init_like_transformers)
@@ -131,6 +132,8 @@ class HFCausalLM:
         config = copy.deepcopy(config)
         _choose_kernels(config)  # what transformers picks when it builds the whole model
         self.config, self.family, self.seq_len, self.documents = config, family, seq_len, documents
+        #: the expert capacity factor of the MoE layers (`with_capacity`; None: no token dropped)
+        self.capacity: float | None = None
         self.checkpoint = None if checkpoint is None else HFCheckpoint(Path(checkpoint), config)
         if self.checkpoint is not None:
             self._check_folder_config(Path(checkpoint))
@@ -204,7 +207,7 @@ class HFCausalLM:
         elif index == self.num_blocks - 1:
             block = Head(self.config, self.family)
         else:
-            block = DecoderLayer(self.config, self.family, index - 1)
+            block = DecoderLayer(self.config, self.family, index - 1, capacity=self.capacity)
         if next(block.parameters()).device.type == "meta":
             return block  # shape inference
         if self.checkpoint is None:
@@ -225,6 +228,18 @@ class HFCausalLM:
         if not carries_router_statistics(self.config, self.family):
             return base
         return RouterAuxLoss(base, self.config.router_aux_loss_coef)
+
+    def with_capacity(self, factor: float | None) -> HFCausalLM:
+        """This model with each MoE layer's expert capacity `factor` (`pipetrain.moe.capacity`; None: none): a
+        ConfigError for a bad factor or a dense model."""
+        check_capacity(factor)
+        if factor is not None and not self.routed:
+            raise ConfigError(f"--moe-capacity {factor} caps the tokens each expert takes, but the model "
+                              f"({self.config.model_type}) has no experts",
+                              hint="drop --moe-capacity for a dense model")
+        model = copy.copy(self)
+        model.capacity = factor
+        return model
 
     @property
     def routed(self) -> bool:
