@@ -97,6 +97,7 @@ def test_a_moe_folder_is_split_by_its_priced_cost_by_default(folder, monkeypatch
     assert cli_main.main(_hf(folder, "--pp", "4", "--chunks", "4", "--partition", "uniform")) == 0
     assert spawned[-1].parallel.pipeline.balance is None and spawned[-1].parallel.pipeline.partition == "uniform"
 
+
 @pytest.mark.parametrize(("value", "message"), [
     ("0", "--moe-capacity 0.0 is not a positive number"),
     ("-1", "--moe-capacity -1.0 is not a positive number"),
