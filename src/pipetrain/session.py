@@ -110,7 +110,7 @@ def build_session(
         split = ContextParallel(mesh.cp_group, parallel.cp_attention).attach
         cut = SequenceSplit(parallel.cp, mesh.cp_rank)
     if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1 or cp > 1: one split or the other
-        split = expert_parallel_blocks(experts.ep_group)
+        split = expert_parallel_blocks(experts.ep_group, model=model)
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
     if experts is not None:

@@ -71,6 +71,26 @@ def test_a_rank_reads_only_the_experts_of_its_own_layers(folders, monkeypatch):
     assert read and all(key.startswith(("model.layers.2.", "model.layers.3.")) for key in read), read
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_an_expert_parallel_rank_reads_only_its_own_experts(name, folders, monkeypatch):
+    folder, reference = folders[name]
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ)
+    experts = reference.get_parameter("model.layers.1.mlp.experts.gate_up_proj").shape[0]
+    model.keep_experts(1, 2)  # rank 1 of ep 2: the second half
+    read: list[str] = []
+    original = hf_causal_lm._Checkpoint.read
+    monkeypatch.setattr(hf_causal_lm._Checkpoint, "read", lambda self, key: read.append(key) or original(self, key))
+    block = build_blocks(model, [2], seed=0)[0]  # decoder layer 1
+    indices = {int(key.split(".experts.")[1].split(".")[0]) for key in read if ".experts." in key}
+    assert indices == set(range(experts // 2, experts)), read
+    mine = slice(experts // 2, experts)
+    for param in ("gate_up_proj", "down_proj"):
+        theirs = reference.get_parameter(f"model.layers.1.mlp.experts.{param}")
+        ours = next(p for n, p in block.named_parameters() if n.endswith(f"experts.{param}"))
+        torch.testing.assert_close(ours[mine], theirs[mine], rtol=0, atol=0)
+        assert not ours[: experts // 2].any()  # never read: dropped by the split
+
+
 @pytest.mark.parametrize("name", sorted(moe_configs()))
 def test_each_moe_family_gives_transformers_logits_and_load_balancing_loss(name, folders):
     folder, reference = folders[name]

@@ -93,6 +93,7 @@ def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, ch
     """This rank's stage of `model`: its blocks built on `device`, loaded (from the model's folder, or from
     `checkpoint`), split over `tp_mesh` by the model's TP plan, or their experts over `expert_group`."""
     indices = stage_blocks(model.num_blocks, where.pp, where.stage)
+    experts = expert_parallel_blocks(expert_group, model=model) if expert_group is not None else None
     blocks = dict(zip(indices, build_blocks(model, indices, seed=0, device=device)))
     for block in blocks.values():
         block.eval()
@@ -101,9 +102,8 @@ def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, ch
     if tp_mesh is not None:
         split = tensor_parallel_blocks(model, tp_mesh)
         blocks = {index: split(index, block) for index, block in blocks.items()}
-    if expert_group is not None:
-        split = expert_parallel_blocks(expert_group)
-        blocks = {index: split(index, block) for index, block in blocks.items()}
+    if experts is not None:
+        blocks = {index: experts(index, block) for index, block in blocks.items()}
     return GenerationStage(model.config, list(blocks.values()), indices.start)
 
 

@@ -74,6 +74,11 @@ class ExpertSplit:
         return block
 
 
-def expert_parallel_blocks(group: dist.ProcessGroup, *, grouped: bool | None = None) -> ExpertSplit:
-    """The function the engine applies to each block it builds: its experts split over `group`."""
+def expert_parallel_blocks(group: dist.ProcessGroup, *, grouped: bool | None = None,
+                           model: BlockModel | None = None) -> ExpertSplit:
+    """The function the engine applies to each block it builds: its experts split over `group`. `model`, when it
+    can (`keep_experts(rank, ep)`: a transformers folder), then reads only this rank's experts from disk."""
+    keep = getattr(model, "keep_experts", None)
+    if keep is not None:
+        keep(dist.get_rank(group), dist.get_world_size(group))
     return ExpertSplit(group, grouped)

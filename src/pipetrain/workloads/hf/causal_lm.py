@@ -135,6 +135,7 @@ class HFCausalLM:
         #: the expert capacity factor of the MoE layers (`with_capacity`; None: no token dropped)
         self.capacity: float | None = None
         self.checkpoint = None if checkpoint is None else HFCheckpoint(Path(checkpoint), config)
+        self._experts_kept: tuple[int, int] | None = None  # (rank, ep): `keep_experts`
         if self.checkpoint is not None:
             self._check_folder_config(Path(checkpoint))
             self._check_weights()
@@ -281,6 +282,21 @@ class HFCausalLM:
 
     # ---- loading -------------------------------------------------------------------------------------
 
+    def keep_experts(self, rank: int, ep: int) -> None:
+        """Read only experts [rank·E/ep, (rank+1)·E/ep) of each MoE layer from the folder (the slice rank `rank` of
+        an expert-parallel group of `ep` keeps: `pipetrain.moe.experts.ExpertParallelExperts`); the others stay zero
+        until the split drops them."""
+        self._experts_kept = (rank, ep)
+
+    def _kept_experts(self, stored: str, param: torch.Tensor) -> range | None:
+        """The rows of `param` to read when it is a per-expert stored experts tensor and only some are kept."""
+        kept = self._experts_kept
+        if kept is None or param.dim() != 3 or not self.checkpoint.per_expert(stored):
+            return None
+        rank, ep = kept
+        local = param.shape[0] // ep
+        return range(rank * local, (rank + 1) * local) if param.shape[0] % ep == 0 else None
+
     def _load(self, block: HFBlock) -> None:
         if self.checkpoint is None:
             raise ValueError("no checkpoint folder to load from")
@@ -294,12 +310,17 @@ class HFCausalLM:
                     f"checkpoint folder {str(self.checkpoint.folder)!r} has no tensor {key!r}: it holds another model",
                     hint=f"pass the folder of this {self.family.name} model",
                 )
-            tensor = self.checkpoint.tensor(stored)
-            if tensor.shape != state[name].shape:
+            target, rows = state[name], self._kept_experts(stored, state[name])
+            if rows is not None:  # expert parallelism: only this rank's experts are read; the others stay zero
+                with torch.no_grad():
+                    target.zero_()
+                target = target[rows.start:rows.stop]
+            tensor = self.checkpoint.tensor(stored, experts=rows)
+            if tensor.shape != target.shape:
                 raise ConfigError(
                     f"checkpoint folder {str(self.checkpoint.folder)!r}: tensor {stored!r} has shape "
-                    f"{list(tensor.shape)}, this {self.family.name} model needs {list(state[name].shape)}",
+                    f"{list(tensor.shape)}, this {self.family.name} model needs {list(target.shape)}",
                     hint="pass the folder of this model, or build the model from that folder (HFCausalLM.from_folder)",
                 )
             with torch.no_grad():
-                state[name].copy_(tensor)
+                target.copy_(tensor)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from pipetrain.errors import ConfigError
 from pipetrain.workloads.hf.families import require_transformers
 
 __all__ = ["HFCheckpoint"]
+
+#: the expert index in a per-expert stored key (`mlp.experts.3.gate_proj.weight`, `block_sparse_moe.experts.3.w1.weight`)
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 class HFCheckpoint:
@@ -94,9 +98,20 @@ class HFCheckpoint:
         with safe_open(self.files[key], framework="pt") as f:
             return f.get_tensor(key)
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The in-memory tensor `name` (from `find`): its stored tensors read and converted as transformers does."""
-        return self._convert(name, self.read)
+    def tensor(self, name: str, experts: range | None = None) -> torch.Tensor:
+        """The in-memory tensor `name` (from `find`): its stored tensors read and converted as transformers does.
+        `experts`: only these rows of a fused experts tensor ([E, ...]); stored per expert, only theirs are read."""
+        if experts is None:
+            return self._convert(name, self.read)
+        picked = [(key, pattern) for key, pattern in self.sources[name]
+                  if (found := _EXPERT.search(key)) is not None and int(found.group(1)) in experts]
+        if not picked:  # stored fused (or not per expert): read whole, keep the rows
+            return self._convert(name, self.read)[experts.start:experts.stop]
+        return self._convert(name, self.read, picked)
+
+    def per_expert(self, name: str) -> bool:
+        """Whether `name` is stored as one tensor per expert (a fused experts tensor transformers merges on load)."""
+        return any(pattern is not None and _EXPERT.search(key) for key, pattern in self.sources[name])
 
     def shapes(self) -> dict[str, list[int]]:
         """Every in-memory tensor's shape, from the safetensors headers (no tensor is read; conversions run on meta)."""
@@ -108,8 +123,8 @@ class HFCheckpoint:
         return {name: list(self._convert(name, lambda key: torch.empty(stored[key], device="meta")).shape)
                 for name in self.sources}
 
-    def _convert(self, name: str, read: Any) -> torch.Tensor:
-        sources = self.sources[name]
+    def _convert(self, name: str, read: Any, sources: list[tuple[str, str | None]] | None = None) -> torch.Tensor:
+        sources = self.sources[name] if sources is None else sources
         pattern = sources[0][1]
         if pattern is None:
             return read(sources[0][0])
