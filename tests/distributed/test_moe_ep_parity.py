@@ -204,16 +204,23 @@ def _train_folder(folder: str, schedule: str, device: torch.device) -> dict:
 
 
 def _whole_params(engine) -> dict[str, torch.Tensor]:
-    """Every parameter of the engine, expert slices gathered over the expert-parallel group."""
-    group = engine.expert_group
-    return {name: (gather_experts(p.detach(), group) if group is not None and is_expert(p) else p.detach()).clone()
-            for name, p in engine.named_parameters()}
+    """Every parameter of the engine, FSDP2 shards gathered, expert slices gathered over the expert-parallel group."""
+    from torch.distributed.tensor import DTensor
+
+    group, out = engine.expert_group, {}
+    for name, p in engine.named_parameters():
+        value = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        out[name] = (gather_experts(value, group) if group is not None and is_expert(p) else value).clone()
+    return out
 
 
-def _adamw_step(ep: int, device: torch.device, batch: int, load: Path | None = None, save: Path | None = None):
-    """A dp=2 x pp=2 1F1B session at `ep` with AdamW: (after `load`), one step on batch `batch`, (then `save`);
-    returns the parameters after the load and after the step."""
-    parallel = ParallelConfig(dp=2, ep=ep, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2))
+def _adamw_step(ep: int, device: torch.device, batch: int, load: Path | None = None, save: Path | None = None,
+                dp: int = 2, mode: str = "ddp"):
+    """A dp x pp=4/dp 1F1B session at `ep` with AdamW (`mode`: DDP or FSDP2): (after `load`), one step on batch
+    `batch`, (then `save`); returns the parameters after the load and after the step."""
+    pp = 4 // dp
+    parallel = ParallelConfig(dp=dp, ep=ep, dp_mode=mode,
+                              pipeline=PipelineConfig(pp=pp, schedule="1f1b" if pp > 1 else "gpipe", n_microbatches=2))
     session = build_session(TinyMoE(), parallel, device, seed=SEED, loss_fn=TokenCrossEntropy())
     engine = session.engine
     opt = torch.optim.AdamW(engine.parameters(), lr=0.01)
@@ -221,7 +228,7 @@ def _adamw_step(ep: int, device: torch.device, batch: int, load: Path | None = N
         load_checkpoint(load, engine, opt)
     loaded = _whole_params(engine)
     x, y = make_batches()[batch]
-    share = y.shape[0] // 2
+    share = y.shape[0] // dp
     part = slice(session.mesh.dp_rank * share, (session.mesh.dp_rank + 1) * share)
     opt.zero_grad()
     engine.step(x[part], y[part])
@@ -240,6 +247,16 @@ def _checkpoint_round_trips(device: torch.device, out: Path) -> dict:
     ep2_loaded, _ = _adamw_step(2, device, 2, load=out / "ckpt-ep1")
     return {"saved": saved, "ep1_loaded": ep1_loaded, "ep2_next": ep2_next, "ep1_next": ep1_next,
             "ep2_loaded": ep2_loaded}
+
+
+def _fsdp_checkpoints(device: torch.device, out: Path) -> dict:
+    """dp 4 with FSDP2 at ep 2 (each slice of experts sharded over its 2 expert-data-parallel ranks): a step and a
+    checkpoint, loaded at ep 2 FSDP2 and at ep 1 DDP, the next step under each."""
+    _, saved = _adamw_step(2, device, 0, save=out / "ckpt-ep2-fsdp", dp=4, mode="fsdp")
+    fsdp_loaded, fsdp_next = _adamw_step(2, device, 1, load=out / "ckpt-ep2-fsdp", dp=4, mode="fsdp")
+    ddp_loaded, ddp_next = _adamw_step(1, device, 1, load=out / "ckpt-ep2-fsdp", dp=4, mode="ddp")
+    return {"saved": saved, "fsdp_loaded": fsdp_loaded, "fsdp_next": fsdp_next, "ddp_loaded": ddp_loaded,
+            "ddp_next": ddp_next}
 
 
 def _generations(folder: str, device: torch.device) -> dict[int, torch.Tensor]:
@@ -278,6 +295,7 @@ def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
     try:
         records = {name: _train(parallel, device) for name, parallel in layouts().items()}
         records["checkpoints"] = _checkpoint_round_trips(device, Path(out))
+        records["fsdp_checkpoints"] = _fsdp_checkpoints(device, Path(out))
         for family, folder in folders.items():
             for schedule in FOLDER_SCHEDULES:
                 records[f"{family}-{schedule}"] = _train_folder(folder, schedule, device)
@@ -317,6 +335,19 @@ def test_checkpoints_move_between_ep2_and_ep1(runs):
             torch.testing.assert_close(record["ep2_loaded"][name], record["ep1_next"][name], rtol=0, atol=0,
                                        msg=lambda m: f"{name}: {m}")
         assert any("experts" in name for name in record["saved"])
+
+
+def test_fsdp_sharded_experts_checkpoint_and_load_under_another_ep_and_dp_mode(runs):
+    """Experts split at ep 2 and sharded by FSDP2 over their expert-data-parallel ranks: the checkpoint loads back
+    under FSDP2 at ep 2 and under DDP at ep 1 with the saved parameters (and AdamW moments: the next steps agree)."""
+    for record in runs["fsdp_checkpoints"]:
+        assert any("experts" in name for name in record["saved"])
+        for name, value in record["saved"].items():
+            for loaded in ("fsdp_loaded", "ddp_loaded"):
+                torch.testing.assert_close(record[loaded][name], value, rtol=0, atol=0,
+                                           msg=lambda m: f"{loaded} {name}: {m}")
+            torch.testing.assert_close(record["fsdp_next"][name], record["ddp_next"][name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,6 @@ def _one_line(err: str) -> str:
 @pytest.mark.parametrize(("flags", "message"), [
     (("--dp", "2", "--ep", "3"), "--ep 3 does not divide the 2 data-parallel ranks of each stage"),
     (("--dp", "3", "--ep", "3", "--batch-size", "6"), "--ep 3 does not divide the 8 experts of the model's MoE layers"),
-    (("--dp", "2", "--ep", "2", "--dp-mode", "fsdp", "--save-dir", "ckpt"),
-     "--ep 2 --dp-mode fsdp with --save-dir or --resume"),
     (("--dp", "2", "--ep", "2", "--tp", "2", "--dp-mode", "fsdp"), "--ep 2 with tp=2"),
 ])
 def test_bad_ep_is_one_line_and_exit_2(cli, folder, flags, message):

@@ -7,6 +7,11 @@ saves or loads, each such tensor (parameter, and optimizer state of its shape) b
 box of the whole tensor (ranks of other expert-parallel groups write the same boxes; DCP keeps one) and reads any
 layout's boxes into it. After a load the DTensors are plain slices again (`local_experts`; no copy: a DTensor made by
 `from_local` shares its slice's storage).
+
+Under FSDP2 (`--dp-mode fsdp`) a rank's slice is itself sharded over the expert-data-parallel ranks (a DTensor of the
+EDP mesh): before a save it is gathered into the slice (`full_tensor`, one tensor at a time) and written as above;
+after a load each EDP rank keeps its shard of the slice again (`fsdp_shards`: the placements the state had, from the
+same slice on every EDP rank, no communication).
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pipetrain.moe.experts import ExpertParallelExperts
 
-__all__ = ["expert_slices", "shard_experts", "local_experts"]
+__all__ = ["expert_slices", "shard_experts", "local_experts", "fsdp_layouts", "fsdp_shards"]
 
 
 def expert_slices(container: nn.Module, clean: Callable[[str], str]) -> dict[str, int]:
@@ -37,6 +42,12 @@ def _whole(local: torch.Tensor, experts: int, mesh: DeviceMesh) -> DTensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def _experts_of(key: str, slices: dict[str, int], clean: Callable[[str], str], optimizer: bool) -> int | None:
+    """The expert count of the layer whose slice `key` holds (None: not an expert slice)."""
+    name = key.partition(".")[2].rpartition(".")[0] if optimizer and key.startswith("state.") else key
+    return slices.get(clean(name))
+
+
 def shard_experts(state: dict[str, Any], slices: dict[str, int], mesh: DeviceMesh, clean: Callable[[str], str], *,
                   optimizer: bool = False) -> dict[str, Any]:
     """`state` (a model state dict, or with `optimizer` a flattened optimizer one: `state.<key>.<what>`) with every
@@ -44,11 +55,11 @@ def shard_experts(state: dict[str, Any], slices: dict[str, int], mesh: DeviceMes
     expert-parallel `mesh`."""
     out = {}
     for key, value in state.items():
-        name = key.partition(".")[2].rpartition(".")[0] if optimizer and key.startswith("state.") else key
-        experts = slices.get(clean(name))
-        if experts is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 and not isinstance(
-                value, DTensor) and value.shape[0] * mesh.size() == experts:
-            value = _whole(value, experts, mesh)
+        experts = _experts_of(key, slices, clean, optimizer)
+        if experts is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 and (
+                not isinstance(value, DTensor) or value.device_mesh is not mesh) and value.shape[0] * mesh.size() == experts:
+            local = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2's shard: the whole slice
+            value = _whole(local, experts, mesh)
         out[key] = value
     return out
 
@@ -57,3 +68,23 @@ def local_experts(state: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
     """`state` with every DTensor of the expert-parallel `mesh` back to its local slice."""
     return {key: value.to_local() if isinstance(value, DTensor) and value.device_mesh is mesh else value
             for key, value in state.items()}
+
+
+def fsdp_layouts(state: dict[str, Any], slices: dict[str, int], mesh: DeviceMesh, clean: Callable[[str], str], *,
+                 optimizer: bool = False) -> dict[str, tuple[DeviceMesh, tuple]]:
+    """Key -> (mesh, placements) of every expert slice of `state` (as `shard_experts` takes them) that FSDP2 shards (a
+    DTensor on another mesh than the expert-parallel `mesh`), taken before `shard_experts` replaces them."""
+    return {key: (value.device_mesh, tuple(value.placements)) for key, value in state.items()
+            if isinstance(value, DTensor) and value.device_mesh is not mesh
+            and _experts_of(key, slices, clean, optimizer) is not None}
+
+
+def fsdp_shards(state: dict[str, Any], layouts: dict[str, tuple[DeviceMesh, tuple]]) -> dict[str, Any]:
+    """`state` (after `local_experts`) with each whole slice of `layouts`' keys back to its FSDP2 shard: every rank of
+    the shard mesh holds the same slice, so each keeps its part without communication."""
+    out = dict(state)
+    for key, (shard_mesh, placements) in layouts.items():
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            out[key] = distribute_tensor(value, shard_mesh, list(placements), src_data_rank=None)
+    return out

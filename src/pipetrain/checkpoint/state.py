@@ -30,7 +30,7 @@ from pipetrain.checkpoint.folders import (
     read_meta,
     write_meta,
 )
-from pipetrain.checkpoint.experts import expert_slices, local_experts, shard_experts
+from pipetrain.checkpoint.experts import expert_slices, fsdp_layouts, fsdp_shards, local_experts, shard_experts
 from pipetrain.checkpoint.keys import StageNames, fingerprint
 from pipetrain.checkpoint.rng import restore_rng, rng_state, rng_targets
 from pipetrain.checkpoint.strided import full_targets, gather_strided
@@ -76,17 +76,18 @@ def _model_options(engine: PipelineEngine) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
-def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict]:
-    """(container of the stage modules, its key renamer, this rank's layout-free state dict)."""
+def _states(engine: PipelineEngine,
+            optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, StageNames, dict, dict]:
+    """(container of the stage modules, its key renamer, this rank's layout-free state dict, and the FSDP2 layout of
+    each expert slice in it: `checkpoint.experts.fsdp_layouts`, to shard them again after a load)."""
     container = nn.ModuleList(engine.modules)
     mesh = getattr(engine, "expert_mesh", None)
     slices = expert_slices(container, _clean) if mesh is not None else {}
-    if any(isinstance(p, DTensor) for name, p in container.named_parameters() if _clean(name) in slices):
-        raise ConfigError("checkpoints of experts split over expert-parallel ranks and sharded by FSDP2 (--ep > 1 "
-                          "with --dp-mode fsdp) are not written yet", hint="save under --dp-mode ddp with --ep")
     names = StageNames(engine.stage_ids, engine.balance, tied_aliases(engine.model, engine.model.num_blocks))
     model = get_model_state_dict(container, options=_model_options(engine))
+    layouts: dict[str, Any] = {}
     if slices:  # expert-parallel slices written as their rows of the whole tensor (see checkpoint.experts)
+        layouts.update({f"model.{k}": v for k, v in names.model_state(fsdp_layouts(model, slices, mesh, _clean)).items()})
         model = shard_experts(model, slices, mesh, _clean)
     if frozen_model(engine.model):  # the base's buffers (rotary tables, masks) are rebuilt from the base folder
         trained = {_clean(n) for n, p in container.named_parameters() if p.requires_grad}
@@ -95,9 +96,11 @@ def _states(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> 
     if _holds_parameters(optimizer):  # a LoRA stage of frozen blocks only has an empty optimizer: nothing to save
         optim = get_optimizer_state_dict(container, optimizer, options=_OPTIONS)
         if slices:
+            layouts.update({f"optim.{k}": v for k, v in names.optimizer_state(
+                fsdp_layouts(optim, slices, mesh, _clean, optimizer=True)).items()})
             optim = shard_experts(optim, slices, mesh, _clean, optimizer=True)
         state.update({f"optim.{k}": v for k, v in names.optimizer_state(optim).items()})
-    return container, names, state
+    return container, names, state, layouts
 
 
 def _holds_parameters(optimizer: torch.optim.Optimizer | None) -> bool:
@@ -166,7 +169,7 @@ def begin_save(directory: Path, step: int) -> tuple[Path, Path]:
 
 def saved_state(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """What this rank writes: its model (and optimizer) state under layout-free keys, and its RNG state."""
-    _, _, state = _states(engine, optimizer)
+    _, _, state, _ = _states(engine, optimizer)
     state = gather_strided(state)  # tensor-parallel fused q, k, v: saved whole (see checkpoint.strided)
     state.update(rng_state(_rank()))
     return state
@@ -259,7 +262,7 @@ def load_checkpoint(
     folder = find_checkpoint(path)
     meta = read_meta(folder)
     check_compatible(meta, folder, model_name=model_name, fingerprint_=fingerprint(engine.model), model=engine.model)
-    container, names, state = _states(engine, optimizer)
+    container, names, state, layouts = _states(engine, optimizer)
     state, split = full_targets(state)
     same_layout = meta.layout == engine_layout(engine)
     if same_layout:
@@ -271,7 +274,7 @@ def load_checkpoint(
                               hint=damaged_hint(folder)) from None
     state = split(state)
     if getattr(engine, "expert_mesh", None) is not None:
-        state = local_experts(state, engine.expert_mesh)
+        state = fsdp_shards(local_experts(state, engine.expert_mesh), layouts)
     model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     set_model_state_dict(container, names.local_model_state(model_state), options=_model_options(engine))
     if _holds_parameters(optimizer):

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
@@ -119,6 +120,9 @@ def data_parallel_wrapper(
             for holder in _expert_modules(module):
                 fully_shard(holder, mesh=experts.edp_mesh, reshard_after_forward=False, mp_policy=policy)
                 holder.set_gradient_divide_factor(float(experts.dp))
+                if dist.get_backend(experts.edp_group) == "gloo" and dist.get_world_size(experts.edp_group) > 1:
+                    # gloo has no PREMUL_SUM: sum, then divide (one rank: FSDP2 divides without a collective)
+                    holder.set_force_sum_reduction_for_comms(True)
                 for param in holder.parameters(recurse=False):  # FSDP2's new DTensor parameters: marked again
                     mark_expert(param)
         for block in _blocks(module).children():

@@ -46,11 +46,6 @@ def check_model(config: TrainConfig) -> None:
                           loss_parallel=config.parallel.loss_parallel)
     check_context(model, config.parallel.cp, config.parallel.cp_attention, config.seq_len)
     check_expert_parallel(model, config.parallel.ep)
-    if (config.parallel.ep > 1 and config.parallel.dp_mode == "fsdp"
-            and (config.durable.save_dir is not None or config.durable.resume)):
-        raise ConfigError(f"--ep {config.parallel.ep} --dp-mode fsdp with --save-dir or --resume: checkpoints of "
-                          "experts split over expert-parallel ranks and sharded by FSDP2 are not written yet",
-                          hint="use --dp-mode ddp with --ep, or drop --save-dir and --resume")
 
 
 def settled(config: TrainConfig) -> TrainConfig:
