@@ -102,14 +102,24 @@ def test_ulysses_heads_must_divide_and_the_line_names_the_cp_that_work():
     with pytest.raises(ConfigError, match="9 query and 3 key/value heads, not both divisible by 2") as info:
         check_heads(9, 3, 2)
     assert "--cp among 1, 3" in info.value.hint
+    check_heads(8, 4, 2, tp=2)  # a tp rank's 4 query and 2 key/value heads
+    with pytest.raises(ConfigError, match=r"4 query and 2 key/value heads \(2 and 1 per rank of tp=2\), not both "
+                                          "divisible by 2") as info:
+        check_heads(4, 2, 2, tp=2)
+    assert "--cp among 1," in info.value.hint
 
 
 def test_cp_refuses_what_it_does_not_compose_with():
     assert ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)).world_size == 4
     with pytest.raises(ConfigError, match="splits each backward into input and weight parts"):
         ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="zero-bubble", n_microbatches=2))
-    with pytest.raises(ConfigError, match="context and tensor parallelism both split the attention"):
-        ParallelConfig(cp=2, tp=2, dp_mode="fsdp")
+    assert ParallelConfig(cp=2, tp=2, dp_mode="fsdp").world_size == 4  # tp splits the heads, cp the tokens
+    with pytest.raises(ConfigError, match=r"tp=2 with dp=1 x cp=2 \(gradients reduced over both\) needs --dp-mode "
+                                          "fsdp"):
+        ParallelConfig(cp=2, tp=2)
+    with pytest.raises(ConfigError, match="tp composes with cp by heads only") as info:
+        ParallelConfig(cp=2, tp=2, dp_mode="fsdp", sequence_parallel=True)
+    assert info.value.hint == "drop --sequence-parallel with --cp"
     with pytest.raises(ConfigError, match="the data-parallel groups span the context ranks"):
         ParallelConfig(cp=2, dp=4, dp_mode="hsdp", dp_shard=2)
     with pytest.raises(ConfigError, match="unknown --cp-attention 'flash'"):
