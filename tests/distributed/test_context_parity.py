@@ -2,7 +2,8 @@
 transformers model on the same tokens.
 
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
-recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); packed documents
+recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
+over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients). Over three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
@@ -23,7 +24,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from pipetrain.checkpoint.folders import read_meta  # noqa: E402
+from pipetrain.checkpoint.state import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
@@ -37,21 +41,23 @@ from tests.hf_folders import transformers_names  # noqa: E402
 from tests.tolerances import U, budget, forward_stages  # noqa: E402
 
 SEED, LR, SEQ = 0, 0.5, 16
-#: case -> (family, dp, dp mode, pp, cp, attention, schedule, recomputation, packed documents)
+#: case -> (family, dp, dp mode, pp, tp, cp, attention, schedule, recomputation, packed documents)
 CASES = {
-    "llama-ring-cp4": ("llama", 1, "ddp", 1, 4, "ring", "gpipe", "never", False),
-    "llama-ring-cp2xpp2": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "never", False),
-    "llama-ring-cp2xpp2-recompute": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "always", False),
-    "llama-ring-cp2xpp2-interleaved": ("llama", 1, "ddp", 2, 2, "ring", "interleaved-1f1b", "never", False),
-    "llama-ring-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ring", "gpipe", "never", False),
-    "llama-ulysses-cp2xpp2": ("llama", 1, "ddp", 2, 2, "ulysses", "1f1b", "never", False),
-    "llama-ulysses-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ulysses", "gpipe", "never", False),
-    "llama-ring-cp2xpp2-documents": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "never", True),
-    "llama-ring-cp4-documents": ("llama", 1, "ddp", 1, 4, "ring", "gpipe", "never", True),
-    "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", True),
-    "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 2, "ring", "1f1b", "never", False),
-    "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ring", "gpipe", "never", False),
-    "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", False),
+    "llama-ring-cp4": ("llama", 1, "ddp", 1, 1, 4, "ring", "gpipe", "never", False),
+    "llama-ring-cp2xpp2": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", False),
+    "llama-ring-cp2xpp2-recompute": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "always", False),
+    "llama-ring-cp2xpp2-interleaved": ("llama", 1, "ddp", 2, 1, 2, "ring", "interleaved-1f1b", "never", False),
+    "llama-ring-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ring", "gpipe", "never", False),
+    "llama-ulysses-cp2xpp2": ("llama", 1, "ddp", 2, 1, 2, "ulysses", "1f1b", "never", False),
+    "llama-ulysses-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 1, 2, "ulysses", "gpipe", "never", False),
+    "llama-ring-cp2xpp2-documents": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", True),
+    "llama-ring-cp4-documents": ("llama", 1, "ddp", 1, 1, 4, "ring", "gpipe", "never", True),
+    "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", True),
+    "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", False),
+    "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 1, 2, "ring", "gpipe", "never", False),
+    "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
+    "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
+    "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
 }
 
 #: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")
@@ -105,12 +111,12 @@ def reference(model: torch.nn.Module, dp: int, documents: bool, precision: str =
 def _train(folder: str, case: str, device: torch.device, save: Path | None = None, variant: str = "") -> dict:
     """One case's three steps; `variant` "lora" (PEFT's adapters, SGD with momentum, the adapters trained) or
     "bf16" (bf16 autocast, fp32 weights)."""
-    _, dp, dp_mode, pp, cp, attention, schedule, recompute, documents = CASES[case]
+    _, dp, dp_mode, pp, tp, cp, attention, schedule, recompute, documents = CASES[case]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ, documents=documents)
     if variant == "lora":
         model = LoraBlocks(model, SETTINGS)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
-    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, cp=cp, cp_attention=attention)
+    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention)
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss,
                             precision="bf16" if variant == "bf16" else "fp32")
     engine, replica = session.engine, session.mesh.dp_rank
@@ -126,9 +132,10 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
         grads.append([(keys[n], _full(p.grad).clone()) for n, p in trained])
         opt.step()
     params = [(keys[n], _full(p.detach()).clone()) for n, p in trained]
+    held = {keys[n]: (p.to_local().numel(), p.numel()) for n, p in trained if isinstance(p, DTensor)}
     if save is not None:
         save_checkpoint(save, engine, opt, step=3, model_name="llama")
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "held": held}
 
 
 def _resumed(folder: str, saved: Path, device: torch.device) -> list:
@@ -152,6 +159,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
                                    variant)
         if RESUMED in cases:
             records["resumed"] = _resumed(folders["llama"], saved, device)
+            records["saved_layout"] = read_meta(find_checkpoint(saved)).layout
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -190,6 +198,10 @@ def test_context_parallel_matches_unsplit(case, runs):
     ref = references[family, dp, documents]
     seen = compare_records([records[case] for records in per_rank], ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+    if CASES[case][4] > 1:  # tp: the attention's projections are split over tp x (dp x cp) ranks, not dp x cp alone
+        name = "model.layers.0.self_attn.q_proj.weight" if family == "llama" else "transformer.h.0.attn.c_attn.weight"
+        assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                        ref["params"][name].numel())}
 
 
 def test_documents_reference_differs_from_one_sequence(runs):
@@ -201,6 +213,8 @@ def test_documents_reference_differs_from_one_sequence(runs):
 def test_checkpoint_written_at_cp2_resumes_at_cp4(runs):
     """Layout-free checkpoints: parameters are not split by cp, so cp 2 x pp 2's checkpoint loads at cp 4."""
     per_rank, references = runs
+    layout = per_rank[0]["saved_layout"]  # the record names cp: 1 data replica, each sequence cut over 2 ranks
+    assert (layout["world_size"], layout["dp"], layout["pp"], layout["cp"]) == (4, 1, 2, 2), layout
     ref = references["llama", 1, False]["params"]
     for records in per_rank:
         loaded = dict(records["resumed"])

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.pipeline.timeline import span
+
 __all__ = ["ring_attention", "ring_exchange", "block_attention", "merge"]
 
 #: the score of a masked pair: exp() of it against any real score is 0, and a wholly masked row stays finite
@@ -39,12 +41,15 @@ class _Exchange(torch.autograd.Function):
 
 
 def _send_recv(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
+    """One ring step's exchange, a "cp_ring" span of a traced step (forward: keys and values; backward: their
+    gradients)."""
     tensor = tensor.contiguous()  # first: empty_like keeps a permuted tensor's strides
     received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, send_to, group),
-           dist.P2POp(dist.irecv, received, recv_from, group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+    with span("cp_ring"):
+        ops = [dist.P2POp(dist.isend, tensor, send_to, group),
+               dist.P2POp(dist.irecv, received, recv_from, group)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
     return received
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetrain.errors import ConfigError
+from pipetrain.pipeline.timeline import span
 
 __all__ = ["ulysses_attention", "check_heads", "all_to_all_single"]
 
@@ -41,14 +42,16 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         tensor = tensor.contiguous()
         out = torch.empty_like(tensor)
-        dist.all_to_all_single(out, tensor, group=group)
+        with span("cp_all_to_all"):  # a span of a traced step
+            dist.all_to_all_single(out, tensor, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()  # first: empty_like keeps a permuted gradient's strides, the exchange writes rows
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
+        with span("cp_all_to_all"):
+            dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
 
 
