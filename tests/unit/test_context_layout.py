@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.cli import main as cli_main
 from pipetrain.context import (ContextMask, SequenceSplit, check_context, check_context_model, check_length,
                                shift_targets, zigzag_index)
 from pipetrain.context.ulysses import check_heads
@@ -25,6 +26,9 @@ def test_a_length_that_does_not_cut_names_the_lengths_that_do():
     with pytest.raises(ConfigError, match=r"sequence length 10 does not cut into 2 x cp = 4") as info:
         check_length(10, 2)
     assert "multiple of 4 (e.g. 8 or 12)" in info.value.hint
+    with pytest.raises(ConfigError, match=r"sequence length 3 does not cut into 2 x cp = 6") as info:
+        check_length(3, 3)  # shorter than the parts: the two lengths above
+    assert "multiple of 6 (e.g. 6 or 12)" in info.value.hint
 
 
 def test_targets_shift_before_the_cut():
@@ -102,6 +106,9 @@ def test_ulysses_heads_must_divide_and_the_line_names_the_cp_that_work():
     with pytest.raises(ConfigError, match="9 query and 3 key/value heads, not both divisible by 2") as info:
         check_heads(9, 3, 2)
     assert "--cp among 1, 3" in info.value.hint
+    with pytest.raises(ConfigError, match="8 query and 2 key/value heads, not both divisible by 4") as info:
+        check_heads(8, 2, 4)  # the query heads divide, GQA's key/value heads do not
+    assert "--cp among 1, 2," in info.value.hint
     check_heads(8, 4, 2, tp=2)  # a tp rank's 4 query and 2 key/value heads
     with pytest.raises(ConfigError, match=r"4 query and 2 key/value heads \(2 and 1 per rank of tp=2\), not both "
                                           "divisible by 2") as info:
@@ -147,3 +154,19 @@ def test_the_checks_before_ranks_start():
         check_context(_Model(), 2, "ulysses", 96)
     with pytest.raises(ConfigError, match="sequence length 90 does not cut into 2 x cp = 4"):
         check_context(_Model(), 2, "ring", 90)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--cp", "2", "--seq-len", "30"], "sequence length 30 does not cut into 2 x cp = 4 equal zig-zag parts"),
+    (["--cp", "3", "--cp-attention", "ulysses", "--seq-len", "36"],
+     "the model has 4 query and 2 key/value heads, not both divisible by 3"),
+    (["--cp", "2", "--tp", "2", "--dp-mode", "fsdp", "--cp-attention", "ulysses", "--seq-len", "32"],
+     "4 query and 2 key/value heads (2 and 1 per rank of tp=2), not both divisible by 2"),
+])
+def test_train_refuses_in_one_line_before_ranks_start(flags, says, tmp_path, capsys):
+    """`pipetrain train` with a length or heads that do not split: exit 2, one error line, no traceback."""
+    code = cli_main.main(["train", "--workload", "hf", "--preset", "llama-tiny", "--data", "synthetic", "--pp", "1",
+                          "--max-steps", "1", "--run-dir", str(tmp_path / "run"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert says in err
