@@ -292,10 +292,12 @@ class ParallelConfig:
         if self.loss_parallel and self.tp == 1:
             raise ConfigError("--loss-parallel splits the head over the tensor-parallel ranks, but tp=1",
                               hint="pass --tp 2 or more with --loss-parallel, or drop --loss-parallel")
-        if self.tp > 1 and self.dp > 1 and self.dp_mode == "ddp":  # hsdp is FSDP2 too
+        if self.tp > 1 and self.dp * self.cp > 1 and self.dp_mode == "ddp":  # hsdp is FSDP2 too
             # FSDP2 over dp composes with TP's DTensor parameters (torchtitan's way, parity-tested here); DDP is not
+            # (cp ranks hold the same parameters and reduce their gradients as data ranks do)
+            over = f"dp={self.dp}" if self.cp == 1 else f"dp={self.dp} x cp={self.cp} (gradients reduced over both)"
             raise ConfigError(
-                f"tp={self.tp} with dp={self.dp} needs --dp-mode fsdp: pipetrain composes tensor parallelism with "
+                f"tp={self.tp} with {over} needs --dp-mode fsdp: pipetrain composes tensor parallelism with "
                 "FSDP2 (parity-tested), not with DDP",
                 hint="pass --dp-mode fsdp",
             )
@@ -415,9 +417,12 @@ class ParallelConfig:
 
 def _check_cp(parallel: ParallelConfig) -> None:
     """Raise for what context parallelism (cp > 1) does not compose with."""
-    if parallel.tp > 1:
-        raise ConfigError(f"cp={parallel.cp} with tp={parallel.tp}: context and tensor parallelism both split the "
-                          "attention, and pipetrain does not compose them yet", hint="use --tp 1 with --cp")
+    if parallel.sequence_parallel or parallel.loss_parallel:
+        flag = "--sequence-parallel" if parallel.sequence_parallel else "--loss-parallel"
+        raise ConfigError(f"cp={parallel.cp} with tp={parallel.tp} and {flag}: tp composes with cp by heads only (each "
+                          "tp rank runs the ring or all-to-all over its own heads), and sequence parallelism would cut "
+                          "the cut sequence again, loss parallelism the per-token loss of the cut targets",
+                          hint=f"drop {flag} with --cp")
     if parallel.dp_mode == "hsdp" or parallel.fsdp_reshard not in ("never", "always"):
         raise ConfigError(f"cp={parallel.cp} with --dp-mode {parallel.dp_mode}, --fsdp-reshard "
                           f"{parallel.fsdp_reshard}: the data-parallel groups span the context ranks, and pipetrain "

@@ -105,9 +105,9 @@ def build_session(
                                     loss_parallel=parallel.loss_parallel)
              if mesh.tp_mesh is not None else None)
     cut = None
-    if parallel.cp > 1:  # context parallelism (`_check_cp` refused it with tp > 1): attention over the cut sequence
+    if parallel.cp > 1:  # context parallelism: attention over the cut sequence, of the tp rank's heads under tp
         check_context_model(model, parallel.cp)
-        split = ContextParallel(mesh.cp_group, parallel.cp_attention).attach
+        split = ContextParallel(mesh.cp_group, parallel.cp_attention, tp=parallel.tp).after(split)
         cut = SequenceSplit(parallel.cp, mesh.cp_rank)
     if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1 or cp > 1: one split or the other
         split = expert_parallel_blocks(experts.ep_group, model=model)

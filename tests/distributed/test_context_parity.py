@@ -2,12 +2,17 @@
 transformers model on the same tokens.
 
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
-recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); packed documents
+recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
+over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients). Over three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
 every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5. The checkpoint
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
+
+In the same job: PEFT's LoRA adapters at ring cp 2 x pp 2 against `peft.get_peft_model` on the unsplit model (same
+fp32 tolerance), and bf16 autocast at ring and all-to-all cp 2 x pp 2 against the unsplit model under bf16 autocast
+(twice the bf16 budget of tests/tolerances.py; the ring's block attention computes in fp32).
 """
 
 from __future__ import annotations
@@ -19,33 +24,48 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from pipetrain.checkpoint.folders import read_meta  # noqa: E402
+from pipetrain.checkpoint.state import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
+from pipetrain.lora import LoraBlocks  # noqa: E402
+from pipetrain.recipe import param_groups  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.distributed.test_hf_parity import _full, compare_records, make_batches, tiny_configs  # noqa: E402
+from tests.distributed.test_lora_parity import LR as LORA_LR, MOMENTUM, SETTINGS, peft_reference  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
+from tests.tolerances import U, budget, forward_stages  # noqa: E402
 
 SEED, LR, SEQ = 0, 0.5, 16
-#: case -> (family, dp, dp mode, pp, cp, attention, schedule, recomputation, packed documents)
+#: case -> (family, dp, dp mode, pp, tp, cp, attention, schedule, recomputation, packed documents)
 CASES = {
-    "llama-ring-cp4": ("llama", 1, "ddp", 1, 4, "ring", "gpipe", "never", False),
-    "llama-ring-cp2xpp2": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "never", False),
-    "llama-ring-cp2xpp2-recompute": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "always", False),
-    "llama-ring-cp2xpp2-interleaved": ("llama", 1, "ddp", 2, 2, "ring", "interleaved-1f1b", "never", False),
-    "llama-ring-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ring", "gpipe", "never", False),
-    "llama-ulysses-cp2xpp2": ("llama", 1, "ddp", 2, 2, "ulysses", "1f1b", "never", False),
-    "llama-ulysses-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ulysses", "gpipe", "never", False),
-    "llama-ring-cp2xpp2-documents": ("llama", 1, "ddp", 2, 2, "ring", "1f1b", "never", True),
-    "llama-ring-cp4-documents": ("llama", 1, "ddp", 1, 4, "ring", "gpipe", "never", True),
-    "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", True),
-    "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 2, "ring", "1f1b", "never", False),
-    "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 2, "ring", "gpipe", "never", False),
-    "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 2, "ulysses", "gpipe", "never", False),
+    "llama-ring-cp4": ("llama", 1, "ddp", 1, 1, 4, "ring", "gpipe", "never", False),
+    "llama-ring-cp2xpp2": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", False),
+    "llama-ring-cp2xpp2-recompute": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "always", False),
+    "llama-ring-cp2xpp2-interleaved": ("llama", 1, "ddp", 2, 1, 2, "ring", "interleaved-1f1b", "never", False),
+    "llama-ring-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ring", "gpipe", "never", False),
+    "llama-ulysses-cp2xpp2": ("llama", 1, "ddp", 2, 1, 2, "ulysses", "1f1b", "never", False),
+    "llama-ulysses-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 1, 2, "ulysses", "gpipe", "never", False),
+    "llama-ring-cp2xpp2-documents": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", True),
+    "llama-ring-cp4-documents": ("llama", 1, "ddp", 1, 1, 4, "ring", "gpipe", "never", True),
+    "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", True),
+    "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", False),
+    "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 1, 2, "ring", "gpipe", "never", False),
+    "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
+    "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
+    "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
 }
 
+#: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")
+VARIANTS = {
+    "llama-ring-cp2xpp2-lora": ("llama-ring-cp2xpp2", "lora"),
+    "llama-ring-cp2xpp2-bf16": ("llama-ring-cp2xpp2", "bf16"),
+    "llama-ulysses-cp2xpp2-bf16": ("llama-ulysses-cp2xpp2", "bf16"),
+}
 
 #: the case whose checkpoint is loaded at another cp
 RESUMED = "llama-ring-cp2xpp2"
@@ -71,14 +91,16 @@ def batches(dp: int, documents: bool) -> list[tuple[tuple[torch.Tensor, ...], to
     return out
 
 
-def reference(model: torch.nn.Module, dp: int, documents: bool) -> dict:
+def reference(model: torch.nn.Module, dp: int, documents: bool, precision: str = "fp32") -> dict:
+    """The unsplit transformers model's three SGD steps (under bf16 autocast for `precision` "bf16")."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for inputs, labels in batches(dp, documents):
         opt.zero_grad()
         # packed: transformers masks by document from the positions only without a cache (use_cache=False)
         extra = {"position_ids": inputs[1], "use_cache": False} if documents else {}
-        loss = model(input_ids=inputs[0], labels=labels, **extra).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(input_ids=inputs[0], labels=labels, **extra).loss
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -86,26 +108,34 @@ def reference(model: torch.nn.Module, dp: int, documents: bool) -> dict:
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _train(folder: str, case: str, device: torch.device, save: Path | None = None) -> dict:
-    _, dp, dp_mode, pp, cp, attention, schedule, recompute, documents = CASES[case]
+def _train(folder: str, case: str, device: torch.device, save: Path | None = None, variant: str = "") -> dict:
+    """One case's three steps; `variant` "lora" (PEFT's adapters, SGD with momentum, the adapters trained) or
+    "bf16" (bf16 autocast, fp32 weights)."""
+    _, dp, dp_mode, pp, tp, cp, attention, schedule, recompute, documents = CASES[case]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ, documents=documents)
+    if variant == "lora":
+        model = LoraBlocks(model, SETTINGS)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
-    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, cp=cp, cp_attention=attention)
-    session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
+    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention)
+    session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss,
+                            precision="bf16" if variant == "bf16" else "fp32")
     engine, replica = session.engine, session.mesh.dp_rank
     keys = transformers_names(model)
-    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    opt = (torch.optim.SGD(param_groups(engine, 0.0), lr=LORA_LR, momentum=MOMENTUM) if variant == "lora" else
+           torch.optim.SGD(engine.parameters(), lr=LR))
+    trained = [(n, p) for n, p in engine.named_parameters() if p.requires_grad]
     losses, grads = [], []
     for inputs, labels in batches(dp, documents):
         share = slice(replica * labels.shape[0] // dp, (replica + 1) * labels.shape[0] // dp)
         opt.zero_grad()
         losses.append(engine.step(tuple(t[share] for t in inputs), labels[share]).loss)
-        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
+        grads.append([(keys[n], _full(p.grad).clone()) for n, p in trained])
         opt.step()
-    params = [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]
+    params = [(keys[n], _full(p.detach()).clone()) for n, p in trained]
+    held = {keys[n]: (p.to_local().numel(), p.numel()) for n, p in trained if isinstance(p, DTensor)}
     if save is not None:
         save_checkpoint(save, engine, opt, step=3, model_name="llama")
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "held": held}
 
 
 def _resumed(folder: str, saved: Path, device: torch.device) -> list:
@@ -122,10 +152,14 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
     device = join_job(spec)
     try:
         saved = Path(out) / "saved-cp2xpp2"
-        records = {case: _train(folders[CASES[case][0]], case, device, saved if case == RESUMED else None)
-                   for case in cases}
+        records = {}
+        for case in cases:
+            layout, variant = VARIANTS.get(case, (case, ""))
+            records[case] = _train(folders[CASES[layout][0]], layout, device, saved if case == RESUMED else None,
+                                   variant)
         if RESUMED in cases:
             records["resumed"] = _resumed(folders["llama"], saved, device)
+            records["saved_layout"] = read_meta(find_checkpoint(saved)).layout
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -133,7 +167,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawned(tmp_path_factory.mktemp("cp"), list(CASES))
+    return spawned(tmp_path_factory.mktemp("cp"), list(CASES) + list(VARIANTS))
 
 
 def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
@@ -149,6 +183,9 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
             for documents in (False, True):
                 model.load_state_dict(initial)
                 references[family, dp, documents] = reference(model, dp, documents)
+        model.load_state_dict(initial)
+        references[family, "bf16"] = reference(model, 1, False, "bf16")
+    references["llama", "lora"] = peft_reference(folders["llama"], 1)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, cases, str(root)), timeout_s=900)
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
@@ -161,6 +198,10 @@ def test_context_parallel_matches_unsplit(case, runs):
     ref = references[family, dp, documents]
     seen = compare_records([records[case] for records in per_rank], ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+    if CASES[case][4] > 1:  # tp: the attention's projections are split over tp x (dp x cp) ranks, not dp x cp alone
+        name = "model.layers.0.self_attn.q_proj.weight" if family == "llama" else "transformer.h.0.attn.c_attn.weight"
+        assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                        ref["params"][name].numel())}
 
 
 def test_documents_reference_differs_from_one_sequence(runs):
@@ -172,9 +213,56 @@ def test_documents_reference_differs_from_one_sequence(runs):
 def test_checkpoint_written_at_cp2_resumes_at_cp4(runs):
     """Layout-free checkpoints: parameters are not split by cp, so cp 2 x pp 2's checkpoint loads at cp 4."""
     per_rank, references = runs
+    layout = per_rank[0]["saved_layout"]  # the record names cp: 1 data replica, each sequence cut over 2 ranks
+    assert (layout["world_size"], layout["dp"], layout["pp"], layout["cp"]) == (4, 1, 2, 2), layout
     ref = references["llama", 1, False]["params"]
     for records in per_rank:
         loaded = dict(records["resumed"])
         assert set(loaded) == set(ref)
         for name, value in loaded.items():
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=4e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_with_context_parallelism_matches_the_unsplit_peft_model(runs):
+    """PEFT's adapters on the attention and MLP projections, ring cp2 x pp2: the loss, every adapter gradient of
+    every step and every final adapter equal `peft.get_peft_model`'s on the unsplit model (rtol 1e-5, atol 4e-5);
+    only adapters train."""
+    per_rank, references = runs
+    ref = references["llama", "lora"]
+    records = [records["llama-ring-cp2xpp2-lora"] for records in per_rank]
+    seen = compare_records(records, ref)
+    assert seen == set(ref["params"]), f"adapters held by no rank: {sorted(set(ref['params']) - seen)}"
+    assert all(".lora_A." in name or ".lora_B." in name for name in seen)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / scale.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("case", [case for case, (_, variant) in VARIANTS.items() if variant == "bf16"])
+def test_bf16_with_context_parallelism_matches_the_unsplit_bf16_model(case, runs):
+    """bf16 autocast at cp2 x pp2 against the unsplit model under bf16 autocast, tensor by tensor in the 2-norm,
+    relative to the fp32 run's: two bf16 runs of one model agree within twice the bf16 budget of
+    tests/tolerances.py (3 (u) sqrt(D), D = 14 rounding stages for the losses of this 2-layer model, 28 for the
+    gradients; the final parameters within LR times the gradients' bounds). The ring's block attention computes in
+    fp32 whatever the input dtype (autocast off inside it), the all-to-all's in transformers' sdpa as the
+    reference's: both are within the budget of the reference, not equal to it. bf16 really ran: the step-0
+    gradients are more than u/4 away from fp32's."""
+    per_rank, references = runs
+    exact, ref = references["llama", 1, False], references["llama", "bf16"]
+    forward = forward_stages(2)
+    bound = {"loss": 2 * budget(forward), "grad": 2 * budget(2 * forward)}
+    for record in (records[case] for records in per_rank):
+        for step, loss in enumerate(record["losses"]):
+            error = _relative(torch.tensor(loss), torch.tensor(ref["losses"][step]), torch.tensor(exact["losses"][step]))
+            assert error <= bound["loss"], f"step {step} loss: {error:.2e} > {bound['loss']:.2e}"
+        away = max(_relative(grad, exact["grads"][0][name], exact["grads"][0][name]) for name, grad in record["grads"][0])
+        assert away > U / 4, f"step-0 gradients within {away:.1e} of fp32's: bf16 autocast did not run"
+        for step, grads in enumerate(record["grads"]):
+            for name, grad in grads:
+                error = _relative(grad, ref["grads"][step][name], exact["grads"][step][name])
+                assert error <= bound["grad"], f"step {step} gradient of {name}: {error:.2e} > {bound['grad']:.2e}"
+        for name, value in record["params"]:
+            allowed = LR * bound["grad"] * sum(grads[name].double().norm().item() for grads in exact["grads"])
+            error = (value.double() - ref["params"][name].double()).norm().item()
+            assert error <= allowed + 1e-6, f"parameter {name}: {error:.2e} > {allowed:.2e}"

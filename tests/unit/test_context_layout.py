@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.cli import main as cli_main
 from pipetrain.context import (ContextMask, SequenceSplit, check_context, check_context_model, check_length,
                                shift_targets, zigzag_index)
 from pipetrain.context.ulysses import check_heads
@@ -25,6 +26,9 @@ def test_a_length_that_does_not_cut_names_the_lengths_that_do():
     with pytest.raises(ConfigError, match=r"sequence length 10 does not cut into 2 x cp = 4") as info:
         check_length(10, 2)
     assert "multiple of 4 (e.g. 8 or 12)" in info.value.hint
+    with pytest.raises(ConfigError, match=r"sequence length 3 does not cut into 2 x cp = 6") as info:
+        check_length(3, 3)  # shorter than the parts: the two lengths above
+    assert "multiple of 6 (e.g. 6 or 12)" in info.value.hint
 
 
 def test_targets_shift_before_the_cut():
@@ -102,14 +106,27 @@ def test_ulysses_heads_must_divide_and_the_line_names_the_cp_that_work():
     with pytest.raises(ConfigError, match="9 query and 3 key/value heads, not both divisible by 2") as info:
         check_heads(9, 3, 2)
     assert "--cp among 1, 3" in info.value.hint
+    with pytest.raises(ConfigError, match="8 query and 2 key/value heads, not both divisible by 4") as info:
+        check_heads(8, 2, 4)  # the query heads divide, GQA's key/value heads do not
+    assert "--cp among 1, 2," in info.value.hint
+    check_heads(8, 4, 2, tp=2)  # a tp rank's 4 query and 2 key/value heads
+    with pytest.raises(ConfigError, match=r"4 query and 2 key/value heads \(2 and 1 per rank of tp=2\), not both "
+                                          "divisible by 2") as info:
+        check_heads(4, 2, 2, tp=2)
+    assert "--cp among 1," in info.value.hint
 
 
 def test_cp_refuses_what_it_does_not_compose_with():
     assert ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)).world_size == 4
     with pytest.raises(ConfigError, match="splits each backward into input and weight parts"):
         ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="zero-bubble", n_microbatches=2))
-    with pytest.raises(ConfigError, match="context and tensor parallelism both split the attention"):
-        ParallelConfig(cp=2, tp=2, dp_mode="fsdp")
+    assert ParallelConfig(cp=2, tp=2, dp_mode="fsdp").world_size == 4  # tp splits the heads, cp the tokens
+    with pytest.raises(ConfigError, match=r"tp=2 with dp=1 x cp=2 \(gradients reduced over both\) needs --dp-mode "
+                                          "fsdp"):
+        ParallelConfig(cp=2, tp=2)
+    with pytest.raises(ConfigError, match="tp composes with cp by heads only") as info:
+        ParallelConfig(cp=2, tp=2, dp_mode="fsdp", sequence_parallel=True)
+    assert info.value.hint == "drop --sequence-parallel with --cp"
     with pytest.raises(ConfigError, match="the data-parallel groups span the context ranks"):
         ParallelConfig(cp=2, dp=4, dp_mode="hsdp", dp_shard=2)
     with pytest.raises(ConfigError, match="unknown --cp-attention 'flash'"):
@@ -137,3 +154,19 @@ def test_the_checks_before_ranks_start():
         check_context(_Model(), 2, "ulysses", 96)
     with pytest.raises(ConfigError, match="sequence length 90 does not cut into 2 x cp = 4"):
         check_context(_Model(), 2, "ring", 90)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--cp", "2", "--seq-len", "30"], "sequence length 30 does not cut into 2 x cp = 4 equal zig-zag parts"),
+    (["--cp", "3", "--cp-attention", "ulysses", "--seq-len", "36"],
+     "the model has 4 query and 2 key/value heads, not both divisible by 3"),
+    (["--cp", "2", "--tp", "2", "--dp-mode", "fsdp", "--cp-attention", "ulysses", "--seq-len", "32"],
+     "4 query and 2 key/value heads (2 and 1 per rank of tp=2), not both divisible by 2"),
+])
+def test_train_refuses_in_one_line_before_ranks_start(flags, says, tmp_path, capsys):
+    """`pipetrain train` with a length or heads that do not split: exit 2, one error line, no traceback."""
+    code = cli_main.main(["train", "--workload", "hf", "--preset", "llama-tiny", "--data", "synthetic", "--pp", "1",
+                          "--max-steps", "1", "--run-dir", str(tmp_path / "run"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert says in err

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from pipetrain.cli.main import main
+from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.plan.context import context_comm_s, cp_problem
 from pipetrain.plan.hardware import named_gpu
@@ -73,6 +74,17 @@ def test_the_search_places_cp_beside_tp_and_a_group_wider_than_a_node_pays_the_n
     inside = context_comm_s(block, 2, _layout(cp=2, tp=2, gpus_per_node=4), NETWORK, DEVICE)
     across = context_comm_s(block, 2, _layout(cp=4, tp=2, gpus_per_node=4), NETWORK, DEVICE)
     assert across[0] > inside[0]
+
+
+def test_the_search_gives_cp_beside_tp_only_layouts_train_runs():
+    """cp x tp: FSDP2 over the cp ranks (DDP does not take tp's DTensor parameters), never sequence parallelism."""
+    space = SearchSpace(cps=(2,), tps=(2,), schedules=("gpipe",), checkpoints=("never",))
+    layouts = [lay for lay in enumerate_layouts(6, 8, 8, space) if lay.cp > 1 and lay.tp > 1]
+    assert layouts and {lay.dp for lay in layouts} == {1, 2}
+    assert all(lay.dp_mode == "fsdp" and not lay.sequence_parallel for lay in layouts)
+    for lay in layouts:  # the layout's train flags pass train's checks
+        ParallelConfig(dp=lay.dp, dp_mode=lay.dp_mode, tp=lay.tp, cp=lay.cp,
+                       pipeline=PipelineConfig(pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks))
 
 
 def test_plan_cp_prints_the_split_and_refuses_what_cannot(tmp_path, capsys):

@@ -231,3 +231,14 @@ def test_on_resize_auto_on_launched_ranks_needs_the_planners_files(tmp_path):
                                           r"'.*missing.json' is missing"):
         prepare(describe(_args("--pp", "2", "--on-resize", "auto", "--calibration", str(tmp_path / "missing.json"))),
                 device="cpu", env=_restart(2))
+
+
+def test_a_context_parallel_checkpoint_s_layout_names_cp():
+    """The engine's record of a cp2 x pp2 job (dp counts data replicas, cp the ranks a sequence is cut over) reads
+    back as that layout, tp none."""
+    layout = {**LAYOUT, "dp": 1, "cp": 2}
+    config = {**CONFIG, "parallel": {**CONFIG["parallel"], "dp": 1, "cp": 2, "cp_attention": "ulysses"}}
+    saved = Saved.from_meta("/ckpt/step-00000012", step=12, model=MODEL, fingerprint=PRINT, layout=layout,
+                            config=config, world_size=4).layout
+    assert (saved.dp, saved.pp, saved.tp, saved.cp, saved.cp_attention) == (1, 2, 1, 2, "ulysses")
+    assert describe_layout(saved) == "pp2 × cp2"

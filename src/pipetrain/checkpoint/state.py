@@ -44,10 +44,14 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def engine_layout(engine: PipelineEngine) -> dict[str, Any]:
-    """The parallel layout of `engine` as plain data (recorded in a checkpoint; loading does not need it)."""
+    """The parallel layout of `engine` as plain data (recorded in a checkpoint; loading does not need it): `dp` the
+    data replicas, `cp` the ranks each sequence is cut over (context parallelism; they reduce gradients with the
+    data ranks, `engine.dp` counting both)."""
+    cp = engine.sequence_split.cp if engine.sequence_split is not None else 1
     return {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "dp": engine.dp,
+        "dp": engine.dp // cp,
+        "cp": cp,
         "pp": engine.config.pp,
         "schedule": engine.config.schedule,
         "virtual_stages": engine.config.virtual_stages,

@@ -12,6 +12,7 @@ index - position, so packed documents (positions restarting per document) stay a
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,11 +82,19 @@ class ContextMask:
 class ContextParallel:
     """The context-parallel group of a stage's ranks and its attention (`mode`: "ring" or "ulysses")."""
 
-    def __init__(self, group: Any, mode: str = "ring") -> None:
+    def __init__(self, group: Any, mode: str = "ring", *, tp: int = 1) -> None:
         if mode not in CP_ATTENTIONS:
             raise ConfigError(f"unknown --cp-attention {mode!r}", hint=f"choose one of: {', '.join(CP_ATTENTIONS)}")
-        self.group, self.mode = group, mode
+        self.group, self.mode, self.tp = group, mode, tp
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def after(self, split: Callable[[int, nn.Module], nn.Module] | None) -> Callable[[int, nn.Module], nn.Module]:
+        """The engine's `split_block` hook: `split` (tensor parallelism's, or None) first, then `attach`. Under tp
+        each tp rank holds its own heads, and the ring or all-to-all runs over them with the cp ranks of the same
+        tp rank: both split the attention, tp by heads and cp by tokens, so they compose."""
+        if split is None:
+            return self.attach
+        return lambda index, block: self.attach(index, split(index, block))
 
     def attach(self, index: int, block: nn.Module) -> nn.Module:
         """`block` with its attention run by this group (blocks without attention, `use_context`, unchanged);
@@ -97,10 +106,10 @@ class ContextParallel:
         return block
 
     def check_config(self, config: Any) -> None:
-        """Raise if a transformers config's heads do not split for all-to-all attention."""
+        """Raise if a transformers config's heads (a tp rank's share of them) do not split for all-to-all attention."""
         if self.mode == "ulysses":
             heads = config.num_attention_heads
-            check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, self.size)
+            check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, self.size, self.tp)
 
     def mask(self, hidden: torch.Tensor, positions: torch.Tensor) -> ContextMask:
         """The `ContextMask` of this micro-batch: this rank's `positions` [B, L] gathered from every rank."""

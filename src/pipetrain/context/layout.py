@@ -19,10 +19,10 @@ def check_length(length: int, cp: int) -> None:
     parts = 2 * cp
     if length % parts:
         below, above = length - length % parts, length + parts - length % parts
+        near = f"{below} or {above}" if below else f"{above} or {above + parts}"
         raise ConfigError(
             f"sequence length {length} does not cut into 2 x cp = {parts} equal zig-zag parts (--cp {cp})",
-            hint=f"use a sequence length that is a multiple of {parts} (e.g. {below or above} or {above}), "
-                 f"or another --cp",
+            hint=f"use a sequence length that is a multiple of {parts} (e.g. {near}), or another --cp",
         )
 
 

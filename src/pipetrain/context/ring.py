@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.pipeline.timeline import span
+
 __all__ = ["ring_attention", "ring_exchange", "block_attention", "merge"]
 
 #: the score of a masked pair: exp() of it against any real score is 0, and a wholly masked row stays finite
@@ -39,12 +41,15 @@ class _Exchange(torch.autograd.Function):
 
 
 def _send_recv(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
+    """One ring step's exchange, a "cp_ring" span of a traced step (forward: keys and values; backward: their
+    gradients)."""
     tensor = tensor.contiguous()  # first: empty_like keeps a permuted tensor's strides
     received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, send_to, group),
-           dist.P2POp(dist.irecv, received, recv_from, group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+    with span("cp_ring"):
+        ops = [dist.P2POp(dist.isend, tensor, send_to, group),
+               dist.P2POp(dist.irecv, received, recv_from, group)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
     return received
 
 
@@ -64,9 +69,10 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = _scores(q, k, mask, scale)
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        out = torch.matmul(torch.exp(scores - lse), v.float())
+        with torch.autocast(q.device.type, enabled=False):  # fp32 whatever the inputs' dtype, autocast or not
+            scores = _scores(q, k, mask, scale)
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            out = torch.matmul(torch.exp(scores - lse), v.float())
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale = scale
         return out, lse
@@ -74,11 +80,19 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, mask = ctx.saved_tensors
-        probs = torch.exp(_scores(q, k, mask, ctx.scale) - lse)
+        with torch.autocast(q.device.type, enabled=False):
+            return _BlockAttention._grads(q, k, v, out, lse, mask, ctx.scale, grad_out, grad_lse)
+
+    @staticmethod
+    def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               mask: torch.Tensor | None, scale: float, grad_out: torch.Tensor,
+               grad_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_out, grad_lse = grad_out.float(), grad_lse.float()
+        probs = torch.exp(_scores(q, k, mask, scale) - lse)
         grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
         grad_probs = torch.matmul(grad_out, v.float().transpose(-1, -2))
         # d out / d scores: P * (dP - rowsum(dO * O)); d lse / d scores: P
-        grad_scores = probs * (grad_probs - (grad_out * out).sum(dim=-1, keepdim=True) + grad_lse) * ctx.scale
+        grad_scores = probs * (grad_probs - (grad_out * out).sum(dim=-1, keepdim=True) + grad_lse) * scale
         grad_q = torch.matmul(grad_scores, k.float())
         grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float())
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

@@ -73,15 +73,16 @@ class SequenceSplit:
         return zigzag_index(length, self.cp, self.rank, device)
 
 
-def check_context(model: Any, cp: int, attention: str, seq_len: int | None) -> None:
-    """Every check of `--cp` that can fail before ranks start: the model runs cut sequences, its heads split for
-    all-to-all attention (`attention` "ulysses"), and `seq_len` (when known) cuts into 2 * cp zig-zag parts."""
+def check_context(model: Any, cp: int, attention: str, seq_len: int | None, tp: int = 1) -> None:
+    """Every check of `--cp` that can fail before ranks start: the model runs cut sequences, its heads (a tp rank's
+    share) split for all-to-all attention (`attention` "ulysses"), and `seq_len` (when known) cuts into 2 * cp
+    zig-zag parts."""
     if cp == 1:
         return
     check_context_model(model, cp)
     config = getattr(model, "config", None)
     if attention == "ulysses" and config is not None:
         heads = config.num_attention_heads
-        check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, cp)
+        check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, cp, tp)
     if seq_len is not None:
         check_length(seq_len, cp)

@@ -15,17 +15,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetrain.errors import ConfigError
+from pipetrain.pipeline.timeline import span
 
 __all__ = ["ulysses_attention", "check_heads", "all_to_all_single"]
 
 
-def check_heads(heads: int, kv_heads: int, cp: int) -> None:
-    """Raise unless `heads` query heads and `kv_heads` key/value heads both divide by `cp`."""
-    if heads % cp or kv_heads % cp:
-        fits = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+def check_heads(heads: int, kv_heads: int, cp: int, tp: int = 1) -> None:
+    """Raise unless `heads` query heads and `kv_heads` key/value heads (a tp rank's share of them under tensor
+    parallelism, `tp`) both divide by `cp`."""
+    local, local_kv = heads // tp, kv_heads // tp
+    if local % cp or local_kv % cp:
+        fits = [n for n in range(1, local_kv + 1) if local % n == 0 and local_kv % n == 0]
+        held = f" ({local} and {local_kv} per rank of tp={tp})" if tp > 1 else ""
         raise ConfigError(
             f"--cp-attention ulysses at cp={cp} splits the heads over the ranks, but the model has {heads} query "
-            f"and {kv_heads} key/value heads, not both divisible by {cp}",
+            f"and {kv_heads} key/value heads{held}, not both divisible by {cp}",
             hint=f"pass --cp among {', '.join(map(str, fits))}, or --cp-attention ring (any cp)",
         )
 
@@ -38,14 +42,16 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         tensor = tensor.contiguous()
         out = torch.empty_like(tensor)
-        dist.all_to_all_single(out, tensor, group=group)
+        with span("cp_all_to_all"):  # a span of a traced step
+            dist.all_to_all_single(out, tensor, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()  # first: empty_like keeps a permuted gradient's strides, the exchange writes rows
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
+        with span("cp_all_to_all"):
+            dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
 
 

@@ -44,10 +44,11 @@ class Saved:
         `config` the job's description as JSON (its `parallel` section has what the record leaves out)."""
         parallel = config.get("parallel", {}) if isinstance(config, Mapping) else {}
         pipeline = parallel.get("pipeline", {})
-        pp, dp = int(layout.get("pp", 1)), int(layout.get("dp", 1))
-        tp = max(1, world_size // max(1, dp * pp))
+        pp, dp, cp = int(layout.get("pp", 1)), int(layout.get("dp", 1)), int(layout.get("cp", 1) or 1)
+        tp = max(1, world_size // max(1, dp * pp * cp))
         return cls(folder=folder, step=step, model=model, fingerprint=fingerprint, layout=Layout(
-            dp=dp, pp=pp, tp=tp, batch=int(config.get("batch_size", 1) or 1),
+            dp=dp, pp=pp, tp=tp, cp=cp, cp_attention=str(parallel.get("cp_attention", "ring")),
+            batch=int(config.get("batch_size", 1) or 1),
             chunks=int(pipeline.get("n_microbatches", 1) or 1), schedule=str(layout.get("schedule", "1f1b")),
             virtual=max(1, int(layout.get("virtual_stages", 1) or 1)),
             checkpoint=str(pipeline.get("checkpoint", "never")), dp_mode=str(parallel.get("dp_mode", "ddp"))))
@@ -74,8 +75,9 @@ class Resize:
 
 
 def describe_layout(layout: Layout) -> str:
-    """`dp2 × pp2`, `pp2`, `dp4`, `dp2 × pp2 × tp2`; `1 rank` when nothing is split."""
-    parts = [f"{name}{size}" for name, size in (("dp", layout.dp), ("pp", layout.pp), ("tp", layout.tp)) if size > 1]
+    """`dp2 × pp2`, `pp2`, `dp4`, `dp2 × pp2 × tp2`, `pp2 × cp2`; `1 rank` when nothing is split."""
+    sizes = (("dp", layout.dp), ("pp", layout.pp), ("tp", layout.tp), ("cp", layout.cp))
+    parts = [f"{name}{size}" for name, size in sizes if size > 1]
     return " × ".join(parts) or "1 rank"
 
 

@@ -110,9 +110,12 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
     layouts = []
     for tp, sp in tp_options(gpus, space, gpus_per_node) if tps is None else tps:
         for cp in sorted(set(space.cps)):
-            if cp < 1 or (gpus // tp) % cp:
+            if cp < 1 or (gpus // tp) % cp or (cp > 1 and sp):  # cp cuts the sequence: not sequence parallelism too
                 continue
             found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp)
+            if cp > 1 and tp > 1:  # the cp ranks reduce gradients as data ranks: FSDP2 under tp, as with dp
+                found = [replace(lay, dp_mode="fsdp") if lay.dp == 1 else lay for lay in found if lay.dp_mode != "ddp"
+                         or lay.dp == 1]
             layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
     return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
             for layout in layouts for ep in sorted(set(space.eps)) if layout.dp % ep == 0]

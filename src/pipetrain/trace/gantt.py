@@ -2,7 +2,7 @@
 
 A row per rank; a box per micro-batch's forward (plain) and backward (hatched), coloured by micro-batch
 and labelled `F3` / `B3` where they fit; tensor-parallel collectives as dark bands in the lower part of the
-box that ran them; send/recv waits as thin grey bars; optimizer step and metrics
+box that ran them, context-parallel exchanges (ring steps, all-to-alls) as mid-grey bands in its upper part; send/recv waits as thin grey bars; optimizer step and metrics
 as light grey boxes; white is idle. Dotted lines separate traced steps.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipetrain.trace.spans import COMPUTE_KINDS, TP_KINDS, Span
+from pipetrain.trace.spans import COMPUTE_KINDS, CP_KINDS, TP_KINDS, Span
 
 __all__ = ["write_gantt"]
 
@@ -46,6 +46,8 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
                     ax.text(x + w / 2, y, s.name, ha="center", va="center", fontsize=7)
             elif s.kind in TP_KINDS:  # inside its forward/backward box: a dark band across its lower half
                 ax.broken_barh([(x, w)], (y - 0.4, 0.3), facecolors="0.15", zorder=3)  # over its compute box
+            elif s.kind in CP_KINDS:  # a ring step's or all-to-all's exchange: a band across the box's upper part
+                ax.broken_barh([(x, w)], (y + 0.1, 0.3), facecolors="0.45", zorder=3)
             elif s.kind == "wait":
                 ax.broken_barh([(x, w)], (y - 0.08, 0.16), facecolors="0.35")
             elif s.kind in ("optimizer", "metrics", "dp"):
@@ -57,7 +59,8 @@ def write_gantt(spans: Sequence[Span], path: Path, *, title: str = "", max_steps
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlabel("time (ms)\nF = forward, B = backward (hatched; I/W = input/weight grad), R = recompute, "
-                  "grey bar = send/recv wait, dark band = TP collective, light grey = optimizer/metrics, white = idle", fontsize=7)
+                  "grey bar = send/recv wait,\ndark band = TP collective, upper grey band = CP exchange, "
+                  "light grey = optimizer/metrics, white = idle", fontsize=7)
     ax.set_title(title or "pipeline timeline")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["Span", "COMPUTE_KINDS", "TP_KINDS", "KIND_LABELS", "spans_to_dicts", "spans_from_dicts", "union_ns",
+__all__ = ["Span", "COMPUTE_KINDS", "TP_KINDS", "CP_KINDS", "KIND_LABELS", "spans_to_dicts", "spans_from_dicts", "union_ns",
            "within_compute"]
 
 #: Work on one micro-batch of one stage: forward, full backward, input-grad backward, weight-grad backward.
 COMPUTE_KINDS = ("F", "B", "I", "W")
 #: Tensor-parallel collectives (trace/collectives.py), each inside the forward or backward that ran it.
 TP_KINDS = ("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_to_all")
+#: Context-parallel exchanges (pipetrain.context), each inside the forward or backward that ran it: one ring step's
+#: key/value (or, in backward, gradient) send and receive; one all-to-all of all-to-all attention.
+CP_KINDS = ("cp_ring", "cp_all_to_all")
 #: Every kind and how reports name it.
 KIND_LABELS = {
     "F": "forward",
@@ -28,6 +31,8 @@ KIND_LABELS = {
     "tp_all_gather": "TP all-gather",
     "tp_reduce_scatter": "TP reduce-scatter",
     "tp_all_to_all": "TP all-to-all",
+    "cp_ring": "CP ring step",
+    "cp_all_to_all": "CP all-to-all",
 }
 
 
@@ -87,15 +92,15 @@ def union_ns(intervals: Sequence[tuple[int, int]]) -> int:
 
 
 def within_compute(spans: Sequence[Span]) -> list[Span]:
-    """`spans` with each TP collective given the stage and micro-batch of the compute span (or recomputation)
-    of its rank and step that contains it (a collective outside any, e.g. in a norm clip, keeps -1)."""
+    """`spans` with each TP collective and CP exchange given the stage and micro-batch of the compute span (or
+    recomputation) of its rank and step that contains it (a collective outside any, e.g. in a norm clip, keeps -1)."""
     work: dict[tuple[int, int], list[Span]] = {}
     for s in spans:
         if s.kind in COMPUTE_KINDS or s.kind == "recompute":
             work.setdefault((s.rank, s.step), []).append(s)
     out = []
     for s in spans:
-        if s.kind in TP_KINDS and s.stage < 0:
+        if (s.kind in TP_KINDS or s.kind in CP_KINDS) and s.stage < 0:
             around = [w for w in work.get((s.rank, s.step), ()) if w.start_ns <= s.start_ns and s.end_ns <= w.end_ns]
             if around:
                 inner = min(around, key=lambda w: w.duration_ns)  # a recomputation inside its backward

@@ -2,7 +2,8 @@
 
 Per traced step and rank: busy = time in forward/backward compute (and recomputation) over the step span;
 comm wait = time blocked on P2P send/recv over the step span; TP comm = seconds in tensor-parallel
-collectives (inside the forwards and backwards, so also part of busy: a TP rank's compute includes them); measured bubble = the part of the pipeline
+collectives (inside the forwards and backwards, so also part of busy: a TP rank's compute includes them); CP comm
+the same for context parallelism's ring steps and all-to-alls; measured bubble = the part of the pipeline
 window (first compute start to last compute end over all ranks, in that step) in which the rank computes
 nothing, the quantity the ideal bubble (p-1)/(m+p-1) describes. Steps are averaged.
 """
@@ -13,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipetrain.trace.spans import COMPUTE_KINDS, TP_KINDS, Span, union_ns
+from pipetrain.trace.spans import COMPUTE_KINDS, CP_KINDS, TP_KINDS, Span, union_ns
 
 __all__ = ["RankSummary", "ideal_bubble", "summarize", "summary_lines", "step_spans"]
 
@@ -49,6 +50,8 @@ class RankSummary:
     metrics_s: float
     tp_comm_s: float = 0.0
     tp_collectives: float = 0.0
+    cp_comm_s: float = 0.0
+    cp_exchanges: float = 0.0
 
 
 def step_spans(spans: Sequence[Span]) -> dict[tuple[int, int], Span]:
@@ -87,25 +90,31 @@ def summarize(spans: Sequence[Span]) -> list[RankSummary]:
             tp = [(s.start_ns, s.end_ns) for s in members if s.rank == rank and s.kind in TP_KINDS]
             t["tp_comm_s"] += union_ns(tp) / 1e9
             t["tp_collectives"] += len(tp)
+            cp = [(s.start_ns, s.end_ns) for s in members if s.rank == rank and s.kind in CP_KINDS]
+            t["cp_comm_s"] += union_ns(cp) / 1e9
+            t["cp_exchanges"] += len(cp)
     out = []
     for rank in sorted(totals):
         t = totals[rank]
         n = t["steps"]
         out.append(RankSummary(rank=rank, steps=int(n), **{k: t[k] / n for k in
                                                          ("step_s", "busy", "bubble", "comm_wait", "optimizer_s",
-                                                          "metrics_s", "tp_comm_s", "tp_collectives")}))
+                                                          "metrics_s", "tp_comm_s", "tp_collectives", "cp_comm_s",
+                                                          "cp_exchanges")}))
     return out
 
 
 def summary_lines(summaries: Sequence[RankSummary], ideal: float | None) -> list[str]:
     """A table: one line per rank, the ideal bubble beside the measured one (and, when any rank ran
-    tensor-parallel collectives, their milliseconds and count per step)."""
+    tensor-parallel collectives or context-parallel exchanges, their milliseconds and count per step)."""
     ideal_text = "n/a" if ideal is None else f"{100 * ideal:.1f}%"
-    tp = any(s.tp_collectives for s in summaries)
+    tp, cp = any(s.tp_collectives for s in summaries), any(s.cp_exchanges for s in summaries)
     lines = [f"{'rank':>4} {'step ms':>8} {'busy':>6} {'bubble':>7} {'ideal':>6} {'comm wait':>9} "
-             f"{'optim ms':>8} {'metrics ms':>10}" + (f" {'TP comm ms':>10} {'TP calls':>8}" if tp else "")]
+             f"{'optim ms':>8} {'metrics ms':>10}" + (f" {'TP comm ms':>10} {'TP calls':>8}" if tp else "")
+             + (f" {'CP comm ms':>10} {'CP calls':>8}" if cp else "")]
     for s in summaries:
         lines.append(f"{s.rank:>4} {s.step_s * 1e3:>8.2f} {100 * s.busy:>5.1f}% {100 * s.bubble:>6.1f}% "
                      f"{ideal_text:>6} {100 * s.comm_wait:>8.1f}% {s.optimizer_s * 1e3:>8.2f} {s.metrics_s * 1e3:>10.2f}"
-                     + (f" {s.tp_comm_s * 1e3:>10.2f} {s.tp_collectives:>8.0f}" if tp else ""))
+                     + (f" {s.tp_comm_s * 1e3:>10.2f} {s.tp_collectives:>8.0f}" if tp else "")
+                     + (f" {s.cp_comm_s * 1e3:>10.2f} {s.cp_exchanges:>8.0f}" if cp else ""))
     return lines
