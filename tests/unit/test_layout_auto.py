@@ -139,3 +139,17 @@ def test_the_plainest_layout_within_the_margin_of_the_fastest_is_chosen(world, b
     assert chosen.layout.dp > 1 and chosen.layout.dp_mode == "ddp"
     assert any(p.layout.dp_mode == "fsdp" and p.step_s <= chosen.step_s for p in near)
 
+
+
+def test_a_given_cp_is_laid_out_from_a_priced_folder_and_refused_on_measured_costs(chosen, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.hf_folders import tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "llama")
+    argv = ["train", "--layout", "auto", "--workload", "hf", "--data", "synthetic", "--seq-len", "32",
+            "--batch-size", "4", "--nproc", "2", "--no-progress", "--calibration", str(CALIBRATION), "--cp", "2"]
+    code, config, err = chosen([*argv, "--model", str(folder)])
+    assert code == 0, err
+    assert (config.parallel.cp, config.parallel.cp_attention, config.parallel.dp) == (2, "ring", 1)
+    code, _, err = chosen([*argv, "--preset", "llama-tiny"])  # costs measured here: no attention figures
+    assert code == 2 and "--layout auto with --cp 2 prices the attention" in err

@@ -97,3 +97,24 @@ def test_plan_cp_prints_the_split_and_refuses_what_cannot(tmp_path, capsys):
     assert main([*common, "--cp", "2", "--cp-attention", "ulysses"]) == 2
     err = capsys.readouterr().err
     assert "--cp 2: cp=2 does not divide the 9 heads" in err and "Traceback" not in err
+
+
+def test_layout_auto_splits_a_sequence_that_does_not_fit_whole_and_keeps_a_given_cp():
+    from pipetrain.plan.auto import Fixed, choose_layout, layout_flags
+    from pipetrain.plan.context import context_degrees
+
+    blocks = _blocks(8192)
+    assert context_degrees(blocks, 8) == (1, 2, 4, 8) and context_degrees(blocks, 8, "ulysses") == (1,)  # 3 kv heads
+    assert context_degrees(_blocks(8190), 8) == (1,)  # 8190 = 2 x 4095: no zig-zag split in 2 x cp parts
+    kw = dict(world=4, batch=4, network=NETWORK, precision="bf16")
+    whole = choose_layout(blocks, device=DEVICE, **kw).prediction
+    assert whole.layout.cp == 1  # it fits whole: the sequence stays on one rank
+    tight = replace(DEVICE, memory_bytes=0.6 * max(whole.memory_bytes))
+    split = choose_layout(blocks, device=tight, fixed=Fixed(pp=1, dp=1), **kw).prediction
+    assert split.layout.cp == 4 and max(split.memory_bytes) <= tight.memory_bytes
+    flags = layout_flags(split)
+    assert flags[flags.index("--cp") + 1:flags.index("--cp") + 4] == ["4", "--cp-attention", "ring"]
+    given = choose_layout(blocks, device=DEVICE, fixed=Fixed(cp=2), **kw).prediction.layout
+    assert given.cp == 2
+    with pytest.raises(ConfigError, match="no layout of 4 ranks fits"):  # 4 whole sequences over 4 ranks: too big
+        choose_layout(blocks, device=tight, fixed=Fixed(pp=1, cp=1, dp_mode="ddp"), **kw)

@@ -18,7 +18,7 @@ __all__ = ["add_layout_arguments", "explicit_layout", "on_resize", "one_rank", "
 
 #: The flags --layout auto chooses (dest names); given on the command line (or in --config), they fix that choice.
 LAYOUT_DESTS = ("pp", "dp", "dp_mode", "schedule", "chunks", "checkpoint", "stages_per_rank", "balance", "partition",
-                "ep")
+                "ep", "cp", "cp_attention")
 
 
 class _DefaultInt(int):
@@ -89,7 +89,7 @@ def explicit_layout(args: argparse.Namespace) -> Fixed:
                           hint="use --partition uniform or time with --layout auto, or drop it")
     return Fixed(pp=given("pp"), dp=given("dp"), dp_mode=given("dp_mode"), schedule=given("schedule"),
                  chunks=given("chunks"), checkpoint=given("checkpoint"), virtual=given("stages_per_rank"),
-                 balance=partition, ep=given("ep"))
+                 balance=partition, ep=given("ep"), cp=given("cp"), cp_attention=given("cp_attention"))
 
 
 def on_resize(args: argparse.Namespace) -> str:
@@ -105,5 +105,5 @@ def one_rank(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of `args` with a one-rank layout: the job's layout until `--layout auto` has chosen one (the flags it
     does not choose, such as --tp, kept)."""
     return argparse.Namespace(**{**vars(args), "pp": 1, "dp": 1, "dp_mode": "ddp", "schedule": "gpipe", "chunks": 1,
-                                 "checkpoint": "never", "stages_per_rank": None, "ep": 1, "balance": None, "partition": None,
+                                 "checkpoint": "never", "stages_per_rank": None, "ep": 1, "cp": 1, "balance": None, "partition": None,
                                  "mem_cap": None, "profile": None})

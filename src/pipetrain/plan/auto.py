@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
+from pipetrain.plan.context import context_degrees
 from pipetrain.plan.experts import expert_degrees
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
@@ -35,9 +36,10 @@ MARGIN = 0.10
 
 
 def plainness(layout: Layout) -> tuple[bool, ...]:
-    """Sort key: False first for DDP (or one replica), experts unsplit (no all-to-all), no recomputation, a whole backward, one stage per rank, then
+    """Sort key: False first for DDP (or one replica), experts unsplit (no all-to-all), sequences
+    whole (no context parallelism), no recomputation, a whole backward, one stage per rank, then
     weights kept gathered, whole-stage recomputation, no offloading (the memory modes pay only where they must)."""
-    return (layout.dp > 1 and layout.dp_mode != "ddp", layout.ep > 1, layout.checkpoint != "never",
+    return (layout.dp > 1 and layout.dp_mode != "ddp", layout.ep > 1, layout.cp > 1, layout.checkpoint != "never",
             layout.schedule in SPLIT_BACKWARD_SCHEDULES, layout.virtual > 1, layout.fsdp_reshard,
             layout.recompute_unit != "stage", layout.offload)
 
@@ -55,15 +57,19 @@ class Fixed:
     virtual: int | None = None
     balance: str | None = None  # "uniform" or "time"
     ep: int | None = None
+    cp: int | None = None
+    cp_attention: str | None = None
 
     def allows(self, layout: Layout) -> bool:
         """Whether `layout` keeps every fixed choice."""
-        return all(want is None or getattr(layout, name) == want for name, want in vars(self).items())
+        return all(want is None or getattr(layout, name) == want for name, want in vars(self).items()
+                   if name != "cp_attention" or layout.cp > 1)  # a whole sequence has no cp attention
 
-    def space(self, max_chunks: int, offload: bool = False, eps: tuple[int, ...] = (1,)) -> SearchSpace:
+    def space(self, max_chunks: int, offload: bool = False, eps: tuple[int, ...] = (1,),
+              cps: tuple[int, ...] = (1,)) -> SearchSpace:
         """The search space these choices leave: with both FSDP resharding choices, selective recomputation,
-        activation offloading where it moves something (`offload`: a GPU), and the expert-parallel degrees `eps` (a
-        mixture-of-experts model) unless --ep is fixed."""
+        activation offloading where it moves something (`offload`: a GPU), the expert-parallel degrees `eps` (a
+        mixture-of-experts model) unless --ep is fixed and the context-parallel ones `cps` unless --cp is."""
         base = SearchSpace()
         return SearchSpace(
             schedules=(self.schedule,) if self.schedule else SIMULATED_SCHEDULES,
@@ -73,7 +79,8 @@ class Fixed:
             balances=(self.balance,) if self.balance else base.balances,
             virtual=(self.virtual,) if self.virtual else base.virtual,
             max_chunks=max(max_chunks, self.chunks or 1), only_pp=self.pp,
-            eps=(self.ep,) if self.ep else eps)
+            eps=(self.ep,) if self.ep else eps, cps=(self.cp,) if self.cp else cps,
+            cp_attention=self.cp_attention or "ring")
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,8 @@ def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device
     """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
     `device.memory_bytes`, among those `fixed` allows and `accepts` takes; `precision` the job's ("bf16": FSDP
     gathers its weights in bf16, see `Layout.precision`)."""
-    space = replace(fixed.space(max_chunks, offload=not device.cores, eps=expert_degrees(blocks, world)),
+    cps = context_degrees(blocks, world, fixed.cp_attention or "ring")
+    space = replace(fixed.space(max_chunks, offload=not device.cores, eps=expert_degrees(blocks, world), cps=cps),
                     precision=precision)
     layouts = [layout for layout in enumerate_layouts(len(blocks), world, batch, space, gpus_per_node)
                if getattr(layout, "tp", 1) == 1 and fixed.allows(layout) and accepts(layout)]  # no TP yet
@@ -130,6 +138,8 @@ def layout_flags(prediction: Prediction) -> list[str]:
         flags += ["--stages-per-rank", str(lay.virtual)]
     if lay.ep > 1:
         flags += ["--ep", str(lay.ep)]
+    if lay.cp > 1:
+        flags += ["--cp", str(lay.cp), "--cp-attention", lay.cp_attention]
     if lay.pp * lay.virtual > 1:
         flags += ["--balance", ",".join(map(str, prediction.balance))]
     return flags + memory_flags(lay)

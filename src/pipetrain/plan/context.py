@@ -26,7 +26,7 @@ from pipetrain.config import CP_ATTENTIONS
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 
-__all__ = ["CP_ATTENTIONS", "cp_problem", "context_samples", "context_replicas", "context_comm_s"]
+__all__ = ["CP_ATTENTIONS", "cp_problem", "context_degrees", "context_samples", "context_replicas", "context_comm_s"]
 
 
 
@@ -58,6 +58,12 @@ def cp_problem(blocks: Sequence[BlockCost], cp: int, attention: str = "ring") ->
             return (f"cp={cp} does not divide the {split.heads} heads and {split.kv_heads} key/value heads of "
                     f"{block.name} (all-to-all attention gives each rank whole heads)")
     return None
+
+
+def context_degrees(blocks: Sequence[BlockCost], most: int, attention: str = "ring") -> tuple[int, ...]:
+    """The context-parallel degrees worth searching: every power of 2 up to `most` that splits the sequences of
+    `blocks` with `attention` ((1,) when no block has an attention it can split)."""
+    return tuple(cp for cp in (1 << k for k in range(0, 16)) if cp <= most and cp_problem(blocks, cp, attention) is None)
 
 
 def context_samples(samples: float, cp: int) -> float:

@@ -87,7 +87,8 @@ def _ranks(count: int) -> str:
 
 def _given(fixed: Fixed) -> str:
     flags = {"pp": "--pp", "dp": "--dp", "dp_mode": "--dp-mode", "schedule": "--schedule", "chunks": "--chunks",
-             "checkpoint": "--checkpoint", "virtual": "--stages-per-rank", "balance": "--partition", "ep": "--ep"}
+             "checkpoint": "--checkpoint", "virtual": "--stages-per-rank", "balance": "--partition", "ep": "--ep",
+             "cp": "--cp", "cp_attention": "--cp-attention"}
     return " ".join(f"{flags[name]} {value}" for name, value in vars(fixed).items() if value is not None)
 
 

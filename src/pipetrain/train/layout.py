@@ -143,7 +143,8 @@ def _accepts(num_blocks: int) -> Callable[[Layout], bool]:
                                       checkpoint=layout.checkpoint, recompute_unit=layout.recompute_unit,
                                       stages_per_rank=layout.virtual if layout.virtual > 1 else None)
             pipeline.check_blocks(num_blocks)
-            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline, ep=layout.ep,
+            ParallelConfig(dp=layout.dp, dp_mode=layout.dp_mode, pipeline=pipeline, ep=layout.ep, cp=layout.cp,
+                           cp_attention=layout.cp_attention,
                            dp_shard=layout.dp_shard if layout.dp_mode == "hsdp" else None)
         except ConfigError:
             return False
@@ -165,6 +166,11 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
     model = config.model()
     blocks, blocks_source = _blocks(config, model, launched, device, say)
     blocks = frozen_costs(blocks, model)
+    if (request.fixed.cp or 1) > 1 and not any(block.context is not None for block in blocks):
+        raise ConfigError(f"--layout auto with --cp {request.fixed.cp} prices the attention a context-parallel split "
+                          f"exchanges, which these block costs do not hold ({blocks_source})",
+                          hint="pass a folder the planner prices (--workload hf --model DIR), or drop --layout auto "
+                               "and give the layout flags")
     memory = request.mem_cap * _MB if request.mem_cap is not None else (
         calib.device.memory_bytes / max(1, per_node) if calib.device.cores else calib.device.memory_bytes)
     budget = replace(calib.device, memory_bytes=memory)
@@ -206,7 +212,8 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
                  memory / _MB, blocks_source, calib_source)
     reshard = "always" if lay.fsdp_reshard and lay.shards > 1 and lay.dp > 1 else "never"
     return replace(config, parallel=replace(config.parallel, dp=lay.dp, dp_mode=lay.dp_mode, pipeline=pipeline,
-                                            fsdp_reshard=reshard, ep=lay.ep,
+                                            fsdp_reshard=reshard, ep=lay.ep, cp=lay.cp,
+                                            cp_attention=lay.cp_attention,
                                             dp_shard=lay.dp_shard if lay.dp_mode == "hsdp" else None),
                    layout=LayoutRequest(),  # the split is chosen: nothing left to balance
                    logs=replace(config.logs, predicted=(best.step_s, best.memory_bytes[0] / _MB)))
