@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from pipetrain.workloads.classifier.imdb_package import IMDB_SOURCE, package_csv, read_reviews
+from pipetrain.workloads.lm.corpus import HOLD_OUT_EVERY
 
 QUESTION = "Is this movie review positive or negative? Answer with one word.\n\nReview: {review}"
 LABELS = ("negative", "positive")
@@ -25,15 +26,19 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=480)
     parser.add_argument("--answers", type=int, default=100)
     parser.add_argument("--chars", type=int, default=400, help="reviews up to this many characters")
+    parser.add_argument("--train", type=int, default=0, help="pairs outside the held-out split to train on")
     args = parser.parse_args()
     texts, labels = read_reviews(package_csv(), IMDB_SOURCE)
     short = [(t.replace("<br />", " "), y) for t, y in zip(texts, labels) if len(t) <= args.chars]
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "pairs.jsonl", "w") as f:
-        for text, label in short[: args.pairs]:
-            prompt = [{"role": "user", "content": QUESTION.format(review=text)}]
-            f.write(json.dumps({"prompt": prompt, "chosen": [{"role": "assistant", "content": LABELS[label]}],
-                                "rejected": [{"role": "assistant", "content": LABELS[1 - label]}]}) + "\n")
+    rows = [json.dumps({"prompt": [{"role": "user", "content": QUESTION.format(review=text)}],
+                        "chosen": [{"role": "assistant", "content": LABELS[label]}],
+                        "rejected": [{"role": "assistant", "content": LABELS[1 - label]}]}) + "\n"
+            for text, label in short[: args.pairs]]
+    (args.out / "pairs.jsonl").write_text("".join(rows))
+    if args.train:  # (pairs.jsonl's held-out split: every HOLD_OUT_EVERY-th pair, none dropped as too long)
+        train = [row for i, row in enumerate(rows) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1][: args.train]
+        (args.out / "train_pairs.jsonl").write_text("".join(train))
     with open(args.out / "answers.jsonl", "w") as f:
         for text, label in short[args.pairs: args.pairs + args.answers]:
             f.write(json.dumps({"messages": [{"role": "user", "content": QUESTION.format(review=text)},
