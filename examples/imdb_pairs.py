@@ -1,8 +1,11 @@
 """Preference pairs from the IMDB reviews (the classifier's data): a short review, the question "positive or
 negative?", the true sentiment as the chosen answer and the other as the rejected one, as chat rows in TRL's
-preference format; held-out prompt/answer rows of other reviews for `pipetrain eval`'s answer accuracy.
+preference format; held-out prompt/answer rows of other reviews for `pipetrain eval`'s answer accuracy. The
+reviews are shuffled (`--seed`): the package's come sorted by sentiment. With `--train N`, also
+`train_pairs.jsonl`: N pairs of pairs.jsonl outside its held-out split (every 10th pair), to train on while
+`pipetrain eval --data pairs.jsonl` measures pairs that never trained.
 
-    python examples/imdb_pairs.py OUT_DIR [--pairs 480] [--answers 100]
+    python examples/imdb_pairs.py OUT_DIR [--pairs 480] [--answers 100] [--train 150] [--seed 0]
     pipetrain train --workload hf --model ~/.cache/pipetrain/smollm2-135m-instruct --data OUT_DIR/pairs.jsonl \
         --objective dpo --lora-rank 8 --pp 2 --chunks 2 --batch-size 8 --seq-len 192 --max-steps 40
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 from pipetrain.workloads.classifier.imdb_package import IMDB_SOURCE, package_csv, read_reviews
@@ -27,9 +31,11 @@ def main() -> None:
     parser.add_argument("--answers", type=int, default=100)
     parser.add_argument("--chars", type=int, default=400, help="reviews up to this many characters")
     parser.add_argument("--train", type=int, default=0, help="pairs outside the held-out split to train on")
+    parser.add_argument("--seed", type=int, default=0, help="the shuffle of the reviews")
     args = parser.parse_args()
     texts, labels = read_reviews(package_csv(), IMDB_SOURCE)
     short = [(t.replace("<br />", " "), y) for t, y in zip(texts, labels) if len(t) <= args.chars]
+    random.Random(args.seed).shuffle(short)  # the package's reviews come sorted by sentiment: mix them
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [json.dumps({"prompt": [{"role": "user", "content": QUESTION.format(review=text)}],
                         "chosen": [{"role": "assistant", "content": LABELS[label]}],
@@ -43,8 +49,9 @@ def main() -> None:
         for text, label in short[args.pairs: args.pairs + args.answers]:
             f.write(json.dumps({"messages": [{"role": "user", "content": QUESTION.format(review=text)},
                                              {"role": "assistant", "content": LABELS[label]}]}) + "\n")
-    print(f"{min(args.pairs, len(short))} pairs, {len(short[args.pairs: args.pairs + args.answers])} answer rows "
-          f"in {args.out}")
+    chosen = sum(y for _, y in short[: args.pairs])
+    print(f"{min(args.pairs, len(short))} pairs ({chosen} positive), {len(short[args.pairs: args.pairs + args.answers])}"
+          f" answer rows in {args.out}")
 
 
 if __name__ == "__main__":
