@@ -49,9 +49,8 @@ def main() -> None:
         for text, label in short[args.pairs: args.pairs + args.answers]:
             f.write(json.dumps({"messages": [{"role": "user", "content": QUESTION.format(review=text)},
                                              {"role": "assistant", "content": LABELS[label]}]}) + "\n")
-    chosen = sum(y for _, y in short[: args.pairs])
-    print(f"{min(args.pairs, len(short))} pairs ({chosen} positive), {len(short[args.pairs: args.pairs + args.answers])}"
-          f" answer rows in {args.out}")
+    chosen, answers = sum(y for _, y in short[: args.pairs]), len(short[args.pairs: args.pairs + args.answers])
+    print(f"{min(args.pairs, len(short))} pairs ({chosen} positive), {answers} answer rows in {args.out}")
 
 
 if __name__ == "__main__":

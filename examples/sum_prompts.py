@@ -3,7 +3,10 @@
 for `pipetrain eval`'s greedy exact-match accuracy on the held-out split (every 10th row: the same questions in
 both files).
 
-    python examples/sum_prompts.py OUT_DIR [--rows 400] [--seed 0]
+    python examples/sum_prompts.py OUT_DIR [--rows 400] [--seed 0] [--low 10 --high 99]
+
+Operands are drawn from `--low`..`--high`; when `--rows` covers every pair of them (one-digit sums: `--low 0 --high 9
+--rows 100`), each pair is asked once, shuffled, so no held-out question is trained on.
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--low", type=int, default=10, help="smallest operand")
+    parser.add_argument("--high", type=int, default=99, help="largest operand")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    sums = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(args.rows)]
+    every = [(a, b) for a in range(args.low, args.high + 1) for b in range(args.low, args.high + 1)]
+    if args.rows >= len(every):  # each pair once
+        sums = rng.sample(every, len(every))
+    else:
+        sums = [(rng.randint(args.low, args.high), rng.randint(args.low, args.high)) for _ in range(args.rows)]
     args.out.mkdir(parents=True, exist_ok=True)
     prompts, chats = [], []
     for a, b in sums:
@@ -32,7 +41,7 @@ def main() -> None:
         chats.append(json.dumps({"messages": user + [{"role": "assistant", "content": str(a + b)}]}) + "\n")
     (args.out / "sums.jsonl").write_text("".join(prompts))
     (args.out / "sums_chat.jsonl").write_text("".join(chats))
-    print(f"{args.rows} additions in {args.out}: sums.jsonl (GRPO prompts), sums_chat.jsonl (eval rows)")
+    print(f"{len(sums)} additions in {args.out}: sums.jsonl (GRPO prompts), sums_chat.jsonl (eval rows)")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,8 @@ class EpochReport:
             return "" if value is None else f" ppl {value:.2f}"
 
         if self.test_loss is not None:
-            tested = f"{self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}{ppl(self.test_perplexity)}"
+            tested = (f"{self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
+                      f"{ppl(self.test_perplexity)}")
         else:
             tested = "" if self.test_reward is None else f"{self.eval_split} reward {self.test_reward:.4f}"
         return (

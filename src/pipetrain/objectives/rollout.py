@@ -108,8 +108,8 @@ class GRPOWorkload(FolderObjective):
                 yield x, targets
 
     def held_out_rewards(self, data: PromptRows, *, replica: int, replicas: int) -> MetricTotals:
-        """The rewards of greedy completions of the first `HELD_OUT_PROMPTS` held-out prompts (as many per replica,
-        each its own), generated through the training stages as the rollouts are: sums over the replicas in
+        """The rewards of greedy completions of the first `HELD_OUT_PROMPTS` held-out prompts (each replica an equal
+        share of them), generated through the training stages as the rollouts are: sums over the replicas in
         `extras` (`reward`, `rewards/<function>/mean`), `count` the prompts scored. Every rank calls it."""
         each = min(len(data.ids), HELD_OUT_PROMPTS) // replicas
         picks = list(range(replica, each * replicas, replicas))
@@ -117,10 +117,7 @@ class GRPOWorkload(FolderObjective):
         if picks:
             texts, completions = self._complete([data.ids[i] for i in picks], Sampling(),
                                                 self.settings.max_completion_length)
-            prompts = [data.prompts[i] for i in picks]
-            given = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
-            fields = {k: [data.fields[i][k] for i in picks] for k in data.fields[picks[0]]}
-            per, rewards = score(self.functions, prompts, given, completions, fields, [data.rows[i] for i in picks])
+            per, rewards, _ = self._score(data, picks, texts, completions)
             finite = ~torch.isnan(rewards)
             stats = torch.tensor([float(rewards[finite].sum()), float(finite.sum()),
                                   *torch.nan_to_num(per).sum(0).tolist()], dtype=torch.float64)
@@ -132,7 +129,7 @@ class GRPOWorkload(FolderObjective):
         scale = n / max(each * replicas, 1)  # the functions' means are over every prompt, as a step's
         extras = {"reward": total, **{f"rewards/{f.name}/mean": v * scale for f, v in zip(self.functions,
                                                                                            each_function)}}
-        return MetricTotals(count=n, extras=extras)
+        return MetricTotals(count=n, extras=extras if n else {})  # (none scored: no figure, not a 0)
 
     def _complete(self, prompt_ids: list[list[int]], sampling: Sampling,
                   tokens: int) -> tuple[list[str], list[list[int]]]:
@@ -144,6 +141,16 @@ class GRPOWorkload(FolderObjective):
             cut = next((k + 1 for k, t in enumerate(row) if t in self.stops), len(row))
             completions.append(row[:cut])
         return self.tokenizer.batch_decode(completions, skip_special_tokens=True), completions
+
+    def _score(self, data: PromptRows, picks: list[int], texts: list[str],
+               completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(each function's rewards, their sum, the prompts) of the completions of rows `picks` (chat prompts get
+        chat completions, as TRL gives them)."""
+        prompts = [data.prompts[i] for i in picks]
+        given = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        fields = {k: [data.fields[i][k] for i in picks] for k in data.fields[picks[0]]}
+        per, rewards = score(self.functions, prompts, given, completions, fields, [data.rows[i] for i in picks])
+        return per, rewards, prompts
 
     def _logps(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs of `labels` by the engine's weights now (NaN where no label, and off the last
@@ -166,11 +173,7 @@ class GRPOWorkload(FolderObjective):
         texts, completions = self._complete(
             prompt_ids, Sampling(temperature=settings.loss.temperature, top_p=settings.top_p, seed=draw),
             settings.max_completion_length)
-        prompts = [data.prompts[i] for i in picks]
-        chat = isinstance(prompts[0], list)
-        given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-        fields = {k: [data.fields[i][k] for i in picks] for k in data.fields[picks[0]]}
-        per, rewards = score(self.functions, prompts, given, completions, fields, [data.rows[i] for i in picks])
+        per, rewards, prompts = self._score(data, picks, texts, completions)
         groups = rewards.view(-1, g)
         mean = torch.nanmean(groups, dim=1, keepdim=True)
         std = torch.sqrt(torch.nanmean((groups - mean) ** 2, dim=1, keepdim=True) * g / (g - 1))
