@@ -6,7 +6,8 @@ not written again); `steps.jsonl` holds TRL's rewards/* figures at every step; `
 (the reference recomputed from the base before the adapters are loaded) gives the held-out loss and preference
 accuracy of B's last evaluation. GRPO, beside job A: 2 steps of 2 prompts x 2 completions, 2 iterations per
 generation batch, KL to the base: the step records hold the reward, its std, the exact-match function's mean, the
-completion length, the KL and the clip share, and the log shows a sampled completion with its reward.
+completion length, the KL and the clip share, and the log shows a sampled completion with its reward; its held-out
+evaluation is the reward of greedy completions of the held-out prompts, with no loss.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def test_dpo_resumes_with_its_stored_reference_and_grpo_rolls_out(tmp_path):
             assert math_ok(record[name]), name
         assert 1 <= record["completions/mean_length"] <= 4
     assert "sample at step 1: " in out and "(reward " in out
+    held_out = read_records(tmp_path / "g" / "steps.jsonl", "eval")  # greedy completions of the held-out prompts
+    assert [e["step"] for e in held_out] == [2] and held_out[0]["loss"] is None
+    assert 0 <= held_out[0]["reward"] <= 1 and held_out[0]["rewards/exact/mean"] == pytest.approx(held_out[0]["reward"])
+    assert f"eval at step 2 | reward {held_out[0]['reward']:.4g} | " in out
+    assert "held-out reward " in out and "held-out loss" not in out  # the epoch line; no best-loss line
 
 
 def math_ok(value: float) -> bool:

@@ -69,11 +69,25 @@ def test_chat_pairs_render_the_template_and_an_implicit_prompt_is_split():
     ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]},
      "row 0 of t: chosen and rejected have different prompts"),
+    ({"prompt": [{"role": "user", "content": "x"}],
+      "chosen": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "y"}],
+      "rejected": [{"role": "assistant", "content": "w"}]},
+     "row 0 of t: chosen holds 'user' turns beside its 'prompt'"),
+    ({"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "assistant", "content": "y"}],
+      "rejected": [{"role": "assistant", "content": " "}]}, "row 0 of t: the rejected answer is empty"),
 ])
 def test_bad_pairs_are_refused_naming_the_row(row, says):
     with pytest.raises(DataError) as err:
         pair_ids(row, 0, chat_tokenizer(), "t")
     assert err.value.message.startswith(says)
+
+
+def test_rows_without_chosen_and_rejected_are_refused(tmp_path):
+    rows = _rows(tmp_path / "sums.jsonl", [{"prompt": f"{i} plus 1 is", "answer": str(i + 1)} for i in range(12)])
+    with pytest.raises(ConfigError) as err:
+        read_pairs(rows, tiny_tokenizer(), seq_len=24, pad_id=0)
+    assert err.value.message.startswith(f"--data {str(rows)!r} has no 'chosen' and no 'rejected' field: the fields "
+                                        "found are 'prompt', 'answer'") and "preference format" in err.value.hint
 
 
 def test_bad_flags_are_refused():

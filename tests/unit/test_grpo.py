@@ -33,6 +33,15 @@ def short(prompts, completions, **kwargs):
 
 def unsure(prompts, completions, **kwargs):
     return [None] * len(prompts)
+
+def noisy(prompts, completions, **kwargs):
+    raise ValueError("first line\\nsecond line")
+
+def lost(prompts, completions, **kwargs):
+    return [0.5, float("nan")]
+
+def wordy(prompts, completions, **kwargs):
+    return [1.0, "1.0"]
 '''
 
 
@@ -55,12 +64,15 @@ def test_rewards_get_trls_arguments_and_add_up(rewards):
     ("picky", "--reward '{}': picky raised ValueError: no sevens on row 12"),
     ("short", "--reward '{}': short returned 1 reward(s) for 2 completions (rows 11..12)"),
     ("missing", "--reward '{}': "),
+    ("noisy", "--reward '{}': noisy raised ValueError: first line on row 11"),
+    ("lost", "--reward '{}': lost returned nan for row 12"),
+    ("wordy", "--reward '{}': wordy returned str '1.0' for row 12, not a number"),
 ])
 def test_a_bad_reward_function_is_named_with_its_row(rewards, name, says):
     with pytest.raises(ConfigError) as err:
         functions = load_rewards([rewards(name)])
         score(functions, ["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["3", "7"]}, [11, 12])
-    assert err.value.message.startswith(says.format(rewards(name)))
+    assert err.value.message.startswith(says.format(rewards(name))) and "\n" not in err.value.message
 
 
 def test_g_must_divide_the_batch_and_its_prompts_the_replicas():

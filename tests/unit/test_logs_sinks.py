@@ -67,6 +67,21 @@ def test_run_log_writes_every_step_and_eval_and_keeps_the_best(tmp_path, caplog)
     assert [line.split(" |")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]  # every 2nd, and the last
 
 
+def test_an_evaluation_without_a_loss_shows_its_reward_and_is_never_the_best():
+    from pipetrain.logs.records import EpochReport, MetricTotals
+
+    scored = EvalRecord(step=20, epoch=1, loss=None, batches=1, seconds=2.04, extras={"reward": 0.40625})
+    assert eval_line(scored) == "eval at step 20 | reward 0.4062 | 1 batch in 2.0 s"
+    meter = StepMeter(device=torch.device("cpu"), devices=1, per_token=False, precision="fp32")
+    run = RunLog(LogConfig(run_dir=None, tensorboard=None), meter, main=False)
+    run.eval(scored)
+    assert run.best is None and run.best_line() is None
+    report = EpochReport.of(1, 20, MetricTotals(0.5, 0.0, 4.0), MetricTotals(count=32.0), seconds=1.0,
+                            synthetic=False, data="d", metrics=(), best=None, eval_split="held-out", held_out=scored)
+    line = report.line(1)
+    assert "held-out reward 0.4062" in line and "held-out loss" not in line and report.test_loss is None
+
+
 def test_other_ranks_write_nothing_but_know_the_best(tmp_path):
     meter = StepMeter(device=torch.device("cpu"), devices=2, per_token=False, precision="fp32")
     run = RunLog(LogConfig(run_dir=tmp_path / "run", tensorboard=None), meter, main=False)

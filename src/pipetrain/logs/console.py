@@ -55,10 +55,11 @@ def step_line(record: StepRecord, total_steps: int | None = None) -> str:
 
 
 def eval_line(record: EvalRecord) -> str:
-    """e.g. ``eval at step 200 | loss 0.5012 | acc 0.771 | 32 batches in 1.2 s``."""
-    return " | ".join([f"eval at step {record.step}", f"loss {record.loss:.4f}",
+    """e.g. ``eval at step 200 | loss 0.5012 | acc 0.771 | 32 batches in 1.2 s`` (no loss where it measures
+    none: GRPO's ``eval at step 20 | reward 0.4062 | ...``)."""
+    return " | ".join([f"eval at step {record.step}", *([] if record.loss is None else [f"loss {record.loss:.4f}"]),
                        *_metrics(record.accuracy, record.perplexity), *_extras(record.extras),
-                       f"{record.batches} batches in {record.seconds:.1f} s"])
+                       f"{record.batches} batch{'' if record.batches == 1 else 'es'} in {record.seconds:.1f} s"])
 
 
 class ConsoleSink:

@@ -63,11 +63,12 @@ class StepRecord:
 @dataclass(frozen=True, kw_only=True)
 class EvalRecord:
     """One evaluation on held-out data after optimizer step `step`: `trigger` is "every" (`--eval-every`) or
-    "epoch" (the end of an epoch, or of the run); `batches` is how many batches it read; `extras` as a step's."""
+    "epoch" (the end of an epoch, or of the run); `batches` is how many batches it read; `extras` as a step's.
+    `loss` None: the evaluation measures none (GRPO's: the held-out prompts' reward, in `extras`)."""
 
     step: int
     epoch: int
-    loss: float
+    loss: float | None
     batches: int
     seconds: float
     trigger: str = "every"
@@ -126,8 +127,8 @@ class EpochReport:
     steps: int
     train_loss: float
     train_accuracy: float
-    test_loss: float
-    test_accuracy: float
+    test_loss: float | None
+    test_accuracy: float | None
     seconds: float
     synthetic: bool
     data: str = ""
@@ -136,25 +137,35 @@ class EpochReport:
     best_eval: dict | None = None  # the lowest held-out loss so far (an EvalRecord as a dict)
     #: what the `test_*` figures were measured on: "test", "held-out", "synthetic test", ...
     eval_split: str = "test"
+    test_reward: float | None = None  # an evaluation without a loss (GRPO): its mean reward (test_loss None)
 
     @classmethod
     def of(cls, epoch: int, step: int, trained: MetricTotals, tested: MetricTotals, *, seconds: float, synthetic: bool,
-           data: str, metrics: tuple[str, ...], best: EvalRecord | None, eval_split: str) -> EpochReport:
+           data: str, metrics: tuple[str, ...], best: EvalRecord | None, eval_split: str,
+           held_out: EvalRecord | None = None) -> EpochReport:
         """The report of epoch `epoch`, ended at step `step`: its steps added up to `trained`, its last evaluation
-        to `tested`; `metrics` are the workload's (perplexity when it names it); `best` the best evaluation so far."""
+        to `tested` (`held_out` its record: one without a loss gives its reward instead); `metrics` are the
+        workload's (perplexity when it names it); `best` the best evaluation so far."""
         (train_loss, train_accuracy), (test_loss, test_accuracy) = trained.means(), tested.means()
+        best_dict = asdict(best) if best else None
+        if held_out is not None and held_out.loss is None:
+            return cls(epoch, step, train_loss, train_accuracy, None, None, seconds, synthetic, data,
+                       perplexity(train_loss, metrics), None, best_dict, eval_split, held_out.extras.get("reward"))
         return cls(epoch, step, train_loss, train_accuracy, test_loss, test_accuracy, seconds, synthetic, data,
-                   perplexity(train_loss, metrics), perplexity(test_loss, metrics), asdict(best) if best else None,
-                   eval_split)
+                   perplexity(train_loss, metrics), perplexity(test_loss, metrics), best_dict, eval_split)
 
     def line(self, epochs: int) -> str:
         def ppl(value: float | None) -> str:
             return "" if value is None else f" ppl {value:.2f}"
 
+        if self.test_loss is not None:
+            tested = (f"{self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
+                      f"{ppl(self.test_perplexity)}")
+        else:
+            tested = "" if self.test_reward is None else f"{self.eval_split} reward {self.test_reward:.4f}"
         return (
             f"epoch {self.epoch}/{epochs}  train loss {self.train_loss:.4f} acc {self.train_accuracy:.3f}"
-            f"{ppl(self.train_perplexity)}  {self.eval_split} loss {self.test_loss:.4f} acc {self.test_accuracy:.3f}"
-            f"{ppl(self.test_perplexity)}  time {self.seconds:.1f}s  steps {self.steps}  ({self.data})"
+            f"{ppl(self.train_perplexity)}  {tested}  time {self.seconds:.1f}s  steps {self.steps}  ({self.data})"
         )
 
 

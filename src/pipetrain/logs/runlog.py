@@ -127,8 +127,8 @@ class RunLog:
         return self.config.eval_due(step, epoch_end=epoch_end)
 
     def eval(self, record: EvalRecord) -> None:
-        """Record an evaluation; the lowest held-out loss so far becomes `best`."""
-        if self.best is None or record.loss < self.best.loss:
+        """Record an evaluation; the lowest held-out loss so far becomes `best` (one without a loss never does)."""
+        if record.loss is not None and (self.best is None or record.loss < self.best.loss):
             self.best = record
         for sink in self.sinks if self.main else ():
             sink.eval(record)

@@ -98,6 +98,12 @@ def pair_ids(row: dict, index: int, tokenizer: Any, source: str) -> tuple[list[i
         if not (_is_chat(chosen) and _is_chat(rejected)):
             raise DataError(f"row {index} of {source}: the prompt is chat messages, the answers are not",
                             hint="give chosen and rejected as lists of assistant messages too")
+        for name, answer in (("chosen", chosen), ("rejected", rejected)):
+            roles = sorted({str(m.get("role")) for m in answer} - {"assistant"})
+            if roles:
+                raise DataError(f"row {index} of {source}: {name} holds {', '.join(map(repr, roles))} turns beside "
+                                "its 'prompt'", hint="with a 'prompt' field, chosen and rejected are the assistant's "
+                                                     "answer alone: drop their prompt turns, or drop 'prompt'")
         render = tokenizer.apply_chat_template
         head = render(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
         whole = [render(prompt + answer, tokenize=True, return_dict=True)["input_ids"] for answer in (chosen, rejected)]

@@ -3,8 +3,9 @@
 A reward function takes `prompts`, `completions` and `completion_ids` (lists, one entry per completion) and the
 row's other fields as keyword lists (TRL's signature; accept `**kwargs`), and returns one float per completion
 (None: unscored, NaN as in TRL). A function that raises is called again one completion at a time to name the row
-that breaks it; a wrong number of results, or a result that is not a number, is named with the function and the
-rows. Every message is one ConfigError (exit 2).
+that breaks it (with the exception's first line); a wrong number of results, or a result that is not a number or
+not finite (NaN: return None to leave a completion unscored), is named with the function and the rows. Every
+message is one ConfigError (exit 2).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class RewardFunction:
                 except Exception:
                     row = rows[i]
                     break
-            raise ConfigError(f"--reward {self.spec!r}: {self.name} raised {type(err).__name__}: {err} on row {row}",
+            said = (str(err).strip().splitlines() or [""])[0]  # one line: the exception's first
+            raise ConfigError(f"--reward {self.spec!r}: {self.name} raised {type(err).__name__}: {said} on row {row}",
                               hint=f"fix {self.name} for that row (it gets prompts, completions, completion_ids and "
                                    f"the row's fields {sorted(fields)} as keyword lists)") from None
         if len(out) != len(prompts):
@@ -61,6 +63,9 @@ class RewardFunction:
             if value is None:
                 values.append(math.nan)
             elif isinstance(value, (int, float)) and not isinstance(value, bool) or hasattr(value, "__float__"):
+                if not math.isfinite(float(value)):
+                    raise ConfigError(f"--reward {self.spec!r}: {self.name} returned {float(value)} for row {rows[i]}",
+                                      hint="return a finite float, or None for a completion it does not score")
                 values.append(float(value))
             else:
                 raise ConfigError(f"--reward {self.spec!r}: {self.name} returned {type(value).__name__} {value!r:.40} "

@@ -9,8 +9,9 @@ scores them (`rewards.score`), normalises the rewards within each prompt's group
 `num_iterations`). With more than one iteration the old log-probs are computed once per generation batch before its
 first step, and with `--kl-beta` the reference's with the LoRA adapters off (a forward-only pass each). The step's
 rollout figures (reward mean and std, each function's mean, completion length) and a sample are read by the loop
-(`step_metrics`, `rollout_sample`). The held-out split is not rolled out during training (its evaluation has no
-batches); `pipetrain eval` measures answers.
+(`step_metrics`, `rollout_sample`). A held-out evaluation (`held_out_rewards`) completes the first
+`HELD_OUT_PROMPTS` held-out prompts greedily through the same stages and reports their mean reward (no loss: GRPO's
+surrogate has no held-out meaning).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pipetrain.generate.engine import EngineGenerator
 from pipetrain.generate.job import eos_ids
 from pipetrain.generate.prompts import left_pad
 from pipetrain.generate.sampling import Sampling
+from pipetrain.logs.records import MetricTotals
 from pipetrain.lora import adapters_disabled
 from pipetrain.objectives.columns import with_columns
 from pipetrain.objectives.folder import FolderObjective
@@ -44,7 +46,10 @@ from pipetrain.workloads.position import replica_shares
 from pipetrain.workloads.registry import Batch, DataRequest
 from pipetrain.workloads.text.batching import batch_order
 
-__all__ = ["GRPOWorkload"]
+__all__ = ["GRPOWorkload", "HELD_OUT_PROMPTS"]
+
+#: held-out prompts a training run's evaluation completes (greedy), at most: a bounded cost per evaluation
+HELD_OUT_PROMPTS = 32
 
 
 class GRPOWorkload(FolderObjective):
@@ -102,6 +107,51 @@ class GRPOWorkload(FolderObjective):
             for _ in range(first if n == 0 else 0, iterations):
                 yield x, targets
 
+    def held_out_rewards(self, data: PromptRows, *, replica: int, replicas: int) -> MetricTotals:
+        """The rewards of greedy completions of the first `HELD_OUT_PROMPTS` held-out prompts (each replica an equal
+        share of them), generated through the training stages as the rollouts are: sums over the replicas in
+        `extras` (`reward`, `rewards/<function>/mean`), `count` the prompts scored. Every rank calls it."""
+        each = min(len(data.ids), HELD_OUT_PROMPTS) // replicas
+        picks = list(range(replica, each * replicas, replicas))
+        stats = torch.zeros(2 + len(self.functions), dtype=torch.float64)
+        if picks:
+            texts, completions = self._complete([data.ids[i] for i in picks], Sampling(),
+                                                self.settings.max_completion_length)
+            per, rewards, _ = self._score(data, picks, texts, completions)
+            finite = ~torch.isnan(rewards)
+            stats = torch.tensor([float(rewards[finite].sum()), float(finite.sum()),
+                                  *torch.nan_to_num(per).sum(0).tolist()], dtype=torch.float64)
+        if self.mesh.dp > 1:
+            stats = stats.to(self.engine.device)
+            dist.all_reduce(stats, group=self.mesh.dp_group)
+            stats = stats.cpu()
+        total, n, *each_function = stats.tolist()
+        scale = n / max(each * replicas, 1)  # the functions' means are over every prompt, as a step's
+        extras = {"reward": total, **{f"rewards/{f.name}/mean": v * scale for f, v in zip(self.functions,
+                                                                                           each_function)}}
+        return MetricTotals(count=n, extras=extras if n else {})  # (none scored: no figure, not a 0)
+
+    def _complete(self, prompt_ids: list[list[int]], sampling: Sampling,
+                  tokens: int) -> tuple[list[str], list[list[int]]]:
+        """(texts, token ids) of completions of `prompt_ids` through the engine's stages, each cut after its first
+        stop token."""
+        done = self.generator.generate(left_pad(prompt_ids, self.pad), sampling, tokens)
+        completions = []
+        for row in done.tokens.tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t in self.stops), len(row))
+            completions.append(row[:cut])
+        return self.tokenizer.batch_decode(completions, skip_special_tokens=True), completions
+
+    def _score(self, data: PromptRows, picks: list[int], texts: list[str],
+               completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(each function's rewards, their sum, the prompts) of the completions of rows `picks` (chat prompts get
+        chat completions, as TRL gives them)."""
+        prompts = [data.prompts[i] for i in picks]
+        given = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        fields = {k: [data.fields[i][k] for i in picks] for k in data.fields[picks[0]]}
+        per, rewards = score(self.functions, prompts, given, completions, fields, [data.rows[i] for i in picks])
+        return per, rewards, prompts
+
     def _logps(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs of `labels` by the engine's weights now (NaN where no label, and off the last
         stage, which alone reads the targets)."""
@@ -120,19 +170,10 @@ class GRPOWorkload(FolderObjective):
         g, settings = self.settings.generations, self.settings
         picks = [int(i) for i in share for _ in range(g)]
         prompt_ids = [data.ids[i] for i in picks]
-        done = self.generator.generate(left_pad(prompt_ids, self.pad),
-                                       Sampling(temperature=settings.loss.temperature, top_p=settings.top_p, seed=draw),
-                                       settings.max_completion_length)
-        completions = []
-        for row in done.tokens.tolist():
-            cut = next((k + 1 for k, t in enumerate(row) if t in self.stops), len(row))
-            completions.append(row[:cut])
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        prompts = [data.prompts[i] for i in picks]
-        chat = isinstance(prompts[0], list)
-        given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-        fields = {k: [data.fields[i][k] for i in picks] for k in data.fields[picks[0]]}
-        per, rewards = score(self.functions, prompts, given, completions, fields, [data.rows[i] for i in picks])
+        texts, completions = self._complete(
+            prompt_ids, Sampling(temperature=settings.loss.temperature, top_p=settings.top_p, seed=draw),
+            settings.max_completion_length)
+        per, rewards, prompts = self._score(data, picks, texts, completions)
         groups = rewards.view(-1, g)
         mean = torch.nanmean(groups, dim=1, keepdim=True)
         std = torch.sqrt(torch.nanmean((groups - mean) ** 2, dim=1, keepdim=True) * g / (g - 1))

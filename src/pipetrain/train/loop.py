@@ -53,8 +53,15 @@ def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config:
 
 def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
               durable: DurableRun, at: Position, trigger: str, limit: int | None = None) -> tuple[MetricTotals, EvalRecord]:
-    """`_evaluate`, and its figures as the run log's record of an evaluation after step `at.step`."""
+    """`_evaluate`, and its figures as the run log's record of an evaluation after step `at.step`; for an objective
+    that rolls out (GRPO) the held-out prompts' rewards instead, with no loss."""
     start = time.perf_counter()
+    rewards = getattr(workload, "held_out_rewards", None)  # GRPO: greedy completions scored, a bounded number
+    if rewards is not None:
+        tested = rewards(test, replica=dp_rank, replicas=config.parallel.dp)
+        durable.progress()
+        return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=None, trigger=trigger, batches=1,
+                                  seconds=time.perf_counter() - start, extras=tested.extra_means())
     tested = _evaluate(engine, workload, test, config, dp_rank, durable, limit)
     loss, accuracy = tested.means()
     batches = workload.num_batches(test, config.batch_size, replicas=config.parallel.dp)
@@ -231,7 +238,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         run_log.eval(held_out)
         report = EpochReport.of(epoch, at.step, totals, tested, seconds=time.perf_counter() - start,
                                 synthetic=train.synthetic, data=workload.describe_data(train),
-                                metrics=workload.metrics, best=run_log.best, eval_split=workload.eval_split(test))
+                                metrics=workload.metrics, best=run_log.best, eval_split=workload.eval_split(test),
+                                held_out=held_out)
         reports.append(report)
         run_log.epoch(report.line(epochs))
         if partial:
