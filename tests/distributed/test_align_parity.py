@@ -62,9 +62,10 @@ SETTINGS = {
     "robust": DPOSettings(loss="robust", beta=0.2, label_smoothing=0.1),
     "simpo": DPOSettings(loss="simpo", beta=2.0, label_smoothing=0.1, simpo_gamma=0.5),
 }
-#: layout -> (dp, pp, schedule, stages per rank)
-LAYOUTS = {"pp2-1f1b": (1, 2, "1f1b", None), "pp2-interleaved": (1, 2, "interleaved-1f1b", 2),
-           "dp2xpp2-1f1b": (2, 2, "1f1b", None)}
+#: layout -> (dp, pp, schedule, stages per rank, dp mode, tp)
+LAYOUTS = {"pp2-1f1b": (1, 2, "1f1b", None, "ddp", 1), "pp2-interleaved": (1, 2, "interleaved-1f1b", 2, "ddp", 1),
+           "dp2xpp2-1f1b": (2, 2, "1f1b", None, "ddp", 1), "dp2xpp2-1f1b-fsdp": (2, 2, "1f1b", None, "fsdp", 1),
+           "tp2xpp2-1f1b": (1, 2, "1f1b", None, "fsdp", 2)}
 #: the tied head's name -> the one tensor transformers lists
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -199,16 +200,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _layout(folder: str, name: str, device, pairs: list, seq: int):
-    dp, pp, schedule, stages = LAYOUTS[name]
+    dp, pp, schedule, stages, mode, tp = LAYOUTS[name]
     model = HFCausalLM.from_folder(folder, seq_len=seq)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=2, stages_per_rank=stages)
     loss = PreferenceLoss(SETTINGS["sigmoid"])
-    if dp == 1:
+    if dp == 1 and tp == 1:
         group = pairs[dist.get_rank() // 2]
         engine = PipelineEngine(model, pipeline, device=device, pp_group=group, loss_fn=loss, seed=SEED,
                                 metrics_group=group)
         return model, engine, 0, 1, group
-    session = build_session(model, ParallelConfig(dp=dp, dp_mode="ddp", pipeline=pipeline), device, seed=SEED,
+    session = build_session(model, ParallelConfig(dp=dp, dp_mode=mode, pipeline=pipeline, tp=tp), device, seed=SEED,
                             loss_fn=loss)
     return model, session.engine, session.mesh.dp_rank, dp, None
 
