@@ -79,7 +79,7 @@ def test_layout_auto_chooses_or_keeps_the_expert_parallel_degree(folder, monkeyp
 
 def test_a_moe_folder_is_split_by_its_priced_cost_by_default(folder, monkeypatch, capsys, tmp_path):
     """Without --partition a MoE folder's stages balance the planner's FLOPs (dense embedding and head weigh unlike
-    MoE layers); --partition uniform keeps the count split; a dense folder stays uniform."""
+    MoE layers); --partition uniform keeps the count split."""
     from pipetrain.cli import main as cli_main
     from pipetrain.cli import train as train_cli
     from pipetrain.plan.transformer import load_sizes
