@@ -8,6 +8,7 @@ import shlex
 import pytest
 
 import pipetrain.cli.plan as plan_cli
+import pipetrain.cli.plan_space as plan_space
 from pipetrain.cli.main import build_parser, main
 from pipetrain.partition.profile import BlockProfile, ModelProfile, save_profile
 
@@ -54,7 +55,8 @@ def test_tp_rendered_into_train_and_sbatch_lines(capsys, tmp_path):
 
 
 def test_every_tp_of_a_node_searched_when_the_engine_has_it(capsys, monkeypatch):
-    monkeypatch.setattr(plan_cli, "engine_has", lambda axis: True)
+    for module in (plan_cli, plan_space):  # the search and the printed lines
+        monkeypatch.setattr(module, "engine_has", lambda axis: True)
     code, out, err = _plan(capsys, "--nodes", "2", "--gpus-per-node", "4", *GPU[:-1], "40")
     assert code == 0, err
     tps = {int(row[3].removesuffix("sp")) for row in _rows(out)}
@@ -62,7 +64,8 @@ def test_every_tp_of_a_node_searched_when_the_engine_has_it(capsys, monkeypatch)
 
 
 def test_without_engine_tp_the_plan_says_so(capsys, monkeypatch):
-    monkeypatch.setattr(plan_cli, "engine_has", lambda axis: False)
+    for module in (plan_cli, plan_space):  # the search and the printed lines
+        monkeypatch.setattr(module, "engine_has", lambda axis: False)
     code, out, err = _plan(capsys, "--gpus", "8", *GPU)
     assert code == 0, err
     assert "tensor parallelism not considered" in out and "--tp" not in " ".join(_line(out, "train"))

@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
 from pipetrain.cli.plan_args import DEFAULT_MODEL_SEQ_LEN, add_plan_arguments
-from pipetrain.config import ParallelConfig
+from pipetrain.cli.plan_calibration import calibration
+from pipetrain.cli.plan_space import context_space, engine_has, expert_space, tensor_space
 from pipetrain.errors import ConfigError
-from pipetrain.launch.env import detect, without_launcher_variables
+from pipetrain.launch.env import detect
 from pipetrain.plan.auto import memory_flags
-from pipetrain.plan.gpus import ALIASES
-from pipetrain.plan.hardware import (DEFAULT_NETWORK, Calibration, default_calibration_path, default_device,
-                                     load_calibration, named_gpu, save_calibration)
-from pipetrain.plan.context import cp_problem
-from pipetrain.plan.experts import ep_problem, expert_degrees, moe_blocks
+from pipetrain.plan.describe import describe
 from pipetrain.plan.loss import with_loss
 from pipetrain.plan.model import BlockCost, config_blocks, profile_blocks
 from pipetrain.plan.predict import Prediction
 from pipetrain.plan.search import SearchResult, SearchSpace, search
-from pipetrain.plan.tensor import tp_problem
-from pipetrain.plan.describe import describe
 from pipetrain.plan.transformer import read_config, sizes_from_config
 from pipetrain.workloads.classifier.presets import PRESETS
 
@@ -108,137 +101,6 @@ def _profile_loss(model: str) -> object:
         return get_workload(workload).loss() if workload else None
     except (ConfigError, ImportError, OSError, ValueError):  # not a workload here: its loss is not counted
         return None
-
-
-def _named_gpu(args: argparse.Namespace) -> str | None:
-    """`--gpu NAME`, or the deprecated `--gpu-node NAME` (a warning names its replacement)."""
-    gpu, node = getattr(args, "gpu", None), getattr(args, "gpu_node", None)
-    if node is None:
-        return gpu
-    if gpu is not None:
-        raise ConfigError("--gpu and --gpu-node both name the GPU", hint="pass --gpu alone")
-    replacement = ALIASES.get(node, node)
-    warnings.warn(f"--gpu-node {node} is deprecated: pass --gpu {replacement}", DeprecationWarning, stacklevel=2)
-    log.warning("--gpu-node %s is deprecated: pass --gpu %s (the same data-sheet figures)", node, replacement)
-    return replacement
-
-
-def _sheet(gpu: str, precision: str, why: str = "") -> tuple[Calibration, str]:
-    device, network = named_gpu(gpu, precision)
-    return (Calibration(device=device, network=network, backend="nccl (assumed)", measured="data sheet",
-                        precision=precision),
-            f"{device.name} at {precision}: {device.flops_per_s / 1e12:.0f} TFLOP/s effective, "
-            f"{device.memory_bytes / _GB:.0f} GB (pipetrain/plan/gpus.py){why}")
-
-
-def _on_cpu(calib: Calibration) -> bool:
-    return calib.device.name.startswith("cpu")
-
-
-def calibration(args: argparse.Namespace) -> tuple[Calibration, str]:
-    """The calibration to plan with, and where it came from: measured now (`--calibrate`); the data sheet of a GPU
-    named with `--gpu` unless `--calibration FILE` names one made on it; the calibration file; or the built-in
-    A100-class figures. A plan for GPUs of a stated memory (`--gpu-mem`) never takes this machine's CPU calibration
-    from its default place for them."""
-    gpu, given = _named_gpu(args), args.calibration is not None
-    if gpu is not None and args.calibrate:
-        raise ConfigError(f"--gpu {gpu} plans on a data sheet and --calibrate measures this machine",
-                          hint="pass one of them")
-    if gpu is not None and not given:
-        return _sheet(gpu, args.precision)
-    path = args.calibration or default_calibration_path()
-    if args.calibrate:
-        from pipetrain.bench.calibrate import calibrate
-
-        c = PRESETS[args.preset or "cpu"] if (args.preset or "cpu") in PRESETS else PRESETS["cpu"]
-        log.info("calibrating this machine (2 ranks)...")
-        inter = getattr(args, "inter_node", None)  # measured by `run` in a job that spans nodes
-        with without_launcher_variables():  # its 2 ranks are a job of their own (torchrun's store is not theirs)
-            measured = calibrate(dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid,
-                                      dropout=c.dropout), device=device_choice(args), precision=args.precision,
-                                 inter=inter)
-        save_calibration(measured, path)
-        return measured, f"measured now at {args.precision}, stored in {path}"
-    if path.exists() or given:
-        loaded = load_calibration(path)
-        if gpu is not None and _on_cpu(loaded):
-            raise ConfigError(f"--calibration {str(path)!r} was measured on a CPU, not on the --gpu {gpu} it plans",
-                              hint=f"drop --calibration to plan on the {gpu} data sheet, or pass a calibration "
-                                   f"made on that GPU (`pipetrain plan --calibrate` on its node)")
-        if not given and args.gpu_mem is not None and _on_cpu(loaded):
-            return (Calibration(device=default_device(args.precision), network=DEFAULT_NETWORK,
-                                backend="nccl (assumed)", measured="built-in", precision=args.precision),
-                    f"built-in A100-class figures at {args.precision}: {path} holds this machine's CPU, not GPUs "
-                    f"of {args.gpu_mem:g} GB (pass --gpu NAME for a data sheet, or --calibration FILE made on them)")
-        if loaded.precision != args.precision:
-            raise ConfigError(f"the calibration {str(path)!r} holds {loaded.precision} rates, this plan is for "
-                              f"--precision {args.precision}",
-                              hint=f"pass --precision {loaded.precision}, or measure again with --calibrate "
-                                   f"--precision {args.precision}")
-        return loaded, f"{path} ({loaded.measured}, {loaded.precision})"
-    return (Calibration(device=default_device(args.precision), network=DEFAULT_NETWORK, backend="nccl (assumed)",
-                        measured="built-in", precision=args.precision),
-            f"built-in A100-class figures at {args.precision} (no calibration file; see --calibrate, or --gpu NAME)")
-
-
-def engine_has(axis: str) -> bool:
-    """Whether this pipetrain's `ParallelConfig` takes `axis` ("tp", "sequence_parallel"): the train line may
-    carry the flag (the planner itself models tensor parallelism either way)."""
-    def names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-
-    nested = [f.default for f in dataclasses.fields(ParallelConfig) if dataclasses.is_dataclass(f.default)]
-    return axis in names(ParallelConfig) or any(axis in names(type(value)) for value in nested)
-
-
-def tensor_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int, per_node: int) -> dict:
-    """The SearchSpace fields for tensor parallelism: `--tp N` checked (one message naming the problem), or
-    every degree that divides a node when the engine has tp."""
-    sp = getattr(args, "sequence_parallel", "off")
-    with_sp = {"on": (True,), "off": (False,), "both": (False, True)}[sp]
-    tp = getattr(args, "tp", None)
-    if tp is None:
-        tps = tuple(t for t in range(1, per_node + 1) if per_node % t == 0) if engine_has("tp") else (1,)
-        return {"tps": tps, "sequence_parallel": with_sp}
-    if per_node % tp:
-        raise ConfigError(f"--tp {tp} would put a tensor-parallel group across nodes of {per_node} GPUs",
-                          hint=f"pass a --tp that divides --gpus-per-node {per_node}")
-    if gpus % tp:
-        raise ConfigError(f"--tp {tp} does not divide the {gpus} GPUs", hint="pass a --tp that divides --gpus")
-    problem = tp_problem(blocks, tp, sequence_parallel=with_sp == (True,))
-    if problem:
-        hint = ("a profile file has no TP plan: plan tensor parallelism with --preset" if "plan" in problem
-                else "pass a --tp that divides it")
-        raise ConfigError(f"--tp {tp}: {problem}", hint=hint)
-    return {"tps": (tp,), "sequence_parallel": with_sp}
-
-
-def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -> dict:
-    """The search's expert-parallel degrees: `--ep N`, else every power of 2 dividing the experts (a MoE model)."""
-    ep, imbalance = getattr(args, "ep", None), getattr(args, "moe_imbalance", 1.0)
-    moe = moe_blocks(blocks)
-    if not imbalance >= 1.0:
-        raise ConfigError(f"--moe-imbalance {imbalance} is below 1: the busiest expert has at least the mean load",
-                          hint="pass 1.0 (balanced) or more")
-    if ep is not None:
-        problem = ep_problem(blocks, ep)
-        if problem:
-            raise ConfigError(f"--ep {ep}: {problem}", hint="pass --ep 1 for a dense model, or an ep that divides "
-                                                            "the experts" if moe else "drop --ep: the model is dense")
-        return {"eps": (ep,), "moe_imbalance": imbalance}
-    if not moe:
-        return {}
-    return {"eps": expert_degrees(blocks, gpus), "moe_imbalance": imbalance}
-
-
-def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
-    """The search's context-parallel degree (`--cp N`, checked against the model) and attention."""
-    cp, attention = getattr(args, "cp", 1), getattr(args, "cp_attention", "ring")
-    problem = cp_problem(blocks, cp, attention)
-    if problem:
-        raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
-                                                        "by 2 x cp for ring attention), or --cp 1")
-    return {"cps": (cp,), "cp_attention": attention}
 
 
 def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:

@@ -1,0 +1,76 @@
+"""The planner's search space from `plan`/`tune` arguments: the tensor-, expert- and context-parallel degrees to
+try, each given degree checked against the model with one message naming the problem."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from pipetrain.config import ParallelConfig
+from pipetrain.errors import ConfigError
+from pipetrain.plan.context import cp_problem
+from pipetrain.plan.experts import ep_problem, expert_degrees, moe_blocks
+from pipetrain.plan.model import BlockCost
+from pipetrain.plan.tensor import tp_problem
+
+__all__ = ["engine_has", "tensor_space", "expert_space", "context_space"]
+
+
+def engine_has(axis: str) -> bool:
+    """Whether this pipetrain's `ParallelConfig` takes `axis` ("tp", "sequence_parallel"): the train line may
+    carry the flag (the planner itself models tensor parallelism either way)."""
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+    nested = [f.default for f in dataclasses.fields(ParallelConfig) if dataclasses.is_dataclass(f.default)]
+    return axis in names(ParallelConfig) or any(axis in names(type(value)) for value in nested)
+
+
+def tensor_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int, per_node: int) -> dict:
+    """The SearchSpace fields for tensor parallelism: `--tp N` checked (one message naming the problem), or
+    every degree that divides a node when the engine has tp."""
+    sp = getattr(args, "sequence_parallel", "off")
+    with_sp = {"on": (True,), "off": (False,), "both": (False, True)}[sp]
+    tp = getattr(args, "tp", None)
+    if tp is None:
+        tps = tuple(t for t in range(1, per_node + 1) if per_node % t == 0) if engine_has("tp") else (1,)
+        return {"tps": tps, "sequence_parallel": with_sp}
+    if per_node % tp:
+        raise ConfigError(f"--tp {tp} would put a tensor-parallel group across nodes of {per_node} GPUs",
+                          hint=f"pass a --tp that divides --gpus-per-node {per_node}")
+    if gpus % tp:
+        raise ConfigError(f"--tp {tp} does not divide the {gpus} GPUs", hint="pass a --tp that divides --gpus")
+    problem = tp_problem(blocks, tp, sequence_parallel=with_sp == (True,))
+    if problem:
+        hint = ("a profile file has no TP plan: plan tensor parallelism with --preset" if "plan" in problem
+                else "pass a --tp that divides it")
+        raise ConfigError(f"--tp {tp}: {problem}", hint=hint)
+    return {"tps": (tp,), "sequence_parallel": with_sp}
+
+
+def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -> dict:
+    """The search's expert-parallel degrees: `--ep N`, else every power of 2 dividing the experts (a MoE model)."""
+    ep, imbalance = getattr(args, "ep", None), getattr(args, "moe_imbalance", 1.0)
+    moe = moe_blocks(blocks)
+    if not imbalance >= 1.0:
+        raise ConfigError(f"--moe-imbalance {imbalance} is below 1: the busiest expert has at least the mean load",
+                          hint="pass 1.0 (balanced) or more")
+    if ep is not None:
+        problem = ep_problem(blocks, ep)
+        if problem:
+            raise ConfigError(f"--ep {ep}: {problem}", hint="pass --ep 1 for a dense model, or an ep that divides "
+                                                            "the experts" if moe else "drop --ep: the model is dense")
+        return {"eps": (ep,), "moe_imbalance": imbalance}
+    if not moe:
+        return {}
+    return {"eps": expert_degrees(blocks, gpus), "moe_imbalance": imbalance}
+
+
+def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
+    """The search's context-parallel degree (`--cp N`, checked against the model) and attention."""
+    cp, attention = getattr(args, "cp", 1), getattr(args, "cp_attention", "ring")
+    problem = cp_problem(blocks, cp, attention)
+    if problem:
+        raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
+                                                        "by 2 x cp for ring attention), or --cp 1")
+    return {"cps": (cp,), "cp_attention": attention}
