@@ -4,7 +4,12 @@ pipelined, equals transformers' unsplit model loaded from the same folder, with 
 One spawned job of 4 ranks runs every case: pp=2 layouts on two pairs of ranks (each pair its own family at the
 same time) under 1F1B (all six families), interleaved 1F1B, ZBV, DualPipeV (two stages per rank), 1F1B and ZBV with
 `--checkpoint always`, and dp=2 x pp=2 with FSDP2 over all four; and a checkpoint written at dp=2 x pp=2 after
-step 1, resumed at pp=4 for step 2 (layout-free keys: the experts, the routers). Two SGD steps (a full batch, then a right-padded
+step 1, resumed at pp=4 for step 2 (layout-free keys: the experts, the routers); and LoRA through PEFT on a frozen
+MoE base: at pp=2 (1F1B) with adapters on attention, the routers (`gate.weight`) and the fused experts
+(`experts.gate_up_proj`, `experts.down_proj`: PEFT's `target_parameters`, one adapter per expert), Qwen3-MoE on ranks
+0-1 and Mixtral on 2-3, and at dp=2 x ep=2 x pp=2 (DDP, the experts split) with adapters on attention and the
+routers, against `peft.get_peft_model` of transformers' model with the same adapters (every adapter gradient, the
+losses, the final adapters; the base bitwise unchanged). Two SGD steps (a full batch, then a right-padded
 one: micro-batches of unequal token counts). The reference is transformers' model run per micro-batch
 (`output_router_logits=True`, `router_aux_loss_coef` 0.1): each micro-batch's `loss` (cross-entropy + coef x
 aux_loss) weighted by its counted tokens over the global count (the definition of `pipetrain.moe.router`).
@@ -33,6 +38,8 @@ from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
 from tests.distributed.test_hf_parity import _full, compare_records  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
 from tests.moe_folders import SEQ, VOCAB, moe_configs, moe_folder  # noqa: E402
+from pipetrain.blocks import build_sequential  # noqa: E402
+from pipetrain.lora import LoraBlocks, LoraSettings  # noqa: E402
 
 SEED, LR, SIZE, CHUNKS = 0, 0.1, 8, 4  # samples per replica, micro-batches per replica
 #: pp=2 rounds: (schedule, stages per rank, recomputation) -> (family on ranks 0-1, family on ranks 2-3)
@@ -48,6 +55,13 @@ PAIR_ROUNDS = {
 DP_CASES = ["qwen3_moe"]
 #: saved after step 1 at dp=2 x pp=2 (DDP), resumed for step 2 at pp=4 (8 micro-batches: the same micro-batches)
 RESUMED = "qwen3_moe"
+#: LoRA on a frozen MoE base: pp=2 on the two pairs (the experts adapted: ep 1), dp=2 x ep=2 x pp=2 (experts split)
+LORA_PAIR, LORA_EP = ("qwen3_moe", "mixtral"), "qwen3_moe"
+ATTENTION_AND_ROUTER = ("q_proj", "v_proj", "gate.weight")
+LORA = {"pp2": LoraSettings(rank=2, init=False, targets=ATTENTION_AND_ROUTER + ("experts.gate_up_proj",
+                                                                                "experts.down_proj")),
+        "dp2xep2xpp2": LoraSettings(rank=2, init=False, targets=ATTENTION_AND_ROUTER)}
+PEFT_PREFIX = "base_model.model."
 
 
 def case_name(layout: tuple, family: str) -> str:
@@ -70,8 +84,9 @@ def make_batches(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def reference(model: torch.nn.Module, dp: int) -> dict:
     """transformers' model per micro-batch (the pipeline's split: `CHUNKS` per replica), each micro-batch's loss
-    weighted by its counted tokens over the global count."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    weighted by its counted tokens over the global count; of a PEFT model, its adapters (PEFT's prefix dropped)."""
+    trainable = {n.removeprefix(PEFT_PREFIX): p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.SGD(trainable.values(), lr=LR)
     losses, grads = [], []
     for x, labels in make_batches(dp):
         opt.zero_grad()
@@ -85,23 +100,59 @@ def reference(model: torch.nn.Module, dp: int) -> dict:
             loss.backward()
             step_loss += loss.item()
         losses.append(step_loss)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in trainable.items()})
         opt.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in trainable.items()}}
 
 
-def _steps(engine, model: HFCausalLM, dp: int, replica: int) -> dict:
+def lora_reference(folder: str, settings: LoraSettings, dp: int) -> dict:
+    """`reference` of transformers' model of `folder` with PEFT's adapters of `settings`, started from the adapters
+    pipetrain's block seeds give (PEFT's layers with `init_lora_weights=False`: B not zero)."""
+    model = LoraBlocks(HFCausalLM.from_folder(folder, seq_len=SEQ), settings)
     keys = transformers_names(model)
-    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    initial = {PEFT_PREFIX + keys[n]: p.detach().clone()
+               for n, p in build_sequential(model, seed=SEED).named_parameters() if p.requires_grad}
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    peft_model = pytest.importorskip("peft").get_peft_model(base, settings.peft_config(settings.targets))
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert set(trainable) == set(initial), sorted(set(trainable) ^ set(initial))[:4]
+    with torch.no_grad():
+        for name, param in trainable.items():
+            param.copy_(initial[name])
+    return reference(peft_model, dp)
+
+
+def _steps(engine, model: HFCausalLM | LoraBlocks, dp: int, replica: int) -> dict:
+    """Two SGD steps of `engine`: its losses, the gradients and final values of what it trains, and how far its
+    frozen parameters moved (0 unless a LoRA base changed)."""
+    keys = transformers_names(model)
+    trained = [(n, p) for n, p in engine.named_parameters() if p.requires_grad]
+    frozen = {n: _full(p.detach()).clone() for n, p in engine.named_parameters() if not p.requires_grad}
+    opt = torch.optim.SGD([p for _, p in trained], lr=LR)
     losses, grads = [], []
     for x, labels in make_batches(dp):
         share = slice(replica * SIZE, (replica + 1) * SIZE)
         opt.zero_grad()
         losses.append(engine.step(x[share], labels[share]).loss)
-        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
+        grads.append([(keys[n], _full(p.grad).clone()) for n, p in trained])
         opt.step()
-    return {"losses": losses, "grads": grads,
-            "params": [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]}
+    named = dict(engine.named_parameters())
+    return {"losses": losses, "grads": grads, "params": [(keys[n], _full(p.detach()).clone()) for n, p in trained],
+            "base_moved": max([(_full(named[n].detach()) - v).abs().max().item() for n, v in frozen.items()] + [0.0])}
+
+
+def _lora_cases(folders: dict[str, str], device: torch.device, pair) -> dict:
+    """The LoRA cases of this rank: pp=2 on its pair (its family of `LORA_PAIR`), then dp=2 x ep=2 x pp=2."""
+    family = LORA_PAIR[dist.get_rank() // 2]
+    model = LoraBlocks(HFCausalLM.from_folder(folders[family], seq_len=SEQ), LORA["pp2"])
+    engine = PipelineEngine(model, PipelineConfig(pp=2, n_microbatches=CHUNKS), device=device, pp_group=pair,
+                            loss_fn=model.loss(), seed=SEED, metrics_group=pair)
+    records = {f"{family}-lora-pp2": _steps(engine, model, 1, 0)}
+    model = LoraBlocks(HFCausalLM.from_folder(folders[LORA_EP], seq_len=SEQ), LORA["dp2xep2xpp2"])
+    parallel = ParallelConfig(dp=2, ep=2, pipeline=PipelineConfig(pp=2, n_microbatches=CHUNKS))
+    session = build_session(model, parallel, device, seed=SEED, loss_fn=model.loss())
+    records[f"{LORA_EP}-lora-dp2xep2xpp2"] = _steps(session.engine, model, 2, session.mesh.dp_rank)
+    return records
 
 
 def _resumed(folder: str, device: torch.device, out: Path) -> dict:
@@ -152,6 +203,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], out: str) -> None:
                                     seed=SEED, loss_fn=model.loss())
             records[f"{family}-dp2xpp2-fsdp"] = _steps(session.engine, model, 2, session.mesh.dp_rank)
         records[f"{RESUMED}-resumed-pp4"] = _resumed(folders[RESUMED], device, Path(out))
+        records.update(_lora_cases(folders, device, pair))
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -166,6 +218,9 @@ def runs(tmp_path_factory):
         moe_folder(root / name, name, seed=SEED)
         for dp in (1, 2) if name in DP_CASES else (1,):
             references[name, dp] = reference(transformers.AutoModelForCausalLM.from_pretrained(folders[name]), dp)
+    for name in LORA_PAIR:
+        references[name, "lora-pp2"] = lora_reference(folders[name], LORA["pp2"], 1)
+    references[LORA_EP, "lora-dp2xep2xpp2"] = lora_reference(folders[LORA_EP], LORA["dp2xep2xpp2"], 2)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, str(root)), timeout_s=900)
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
@@ -195,3 +250,17 @@ def test_a_checkpoint_of_dp2_pp2_resumes_at_pp4(runs):
 def test_data_parallel_fsdp_pipelined_moe_matches_unsplit_transformers(family, runs):
     per_rank, references = runs
     _check(per_rank, f"{family}-dp2xpp2-fsdp", references[family, 2], range(4))
+
+
+@pytest.mark.parametrize(("family", "layout", "ranks"), [(LORA_PAIR[0], "pp2", range(2)), (LORA_PAIR[1], "pp2", range(2, 4)),
+                                                         (LORA_EP, "dp2xep2xpp2", range(4))])
+def test_lora_on_a_moe_base_equals_the_unsplit_peft_model(family, layout, ranks, runs):
+    per_rank, references = runs
+    case = f"{family}-lora-{layout}"
+    _check(per_rank, case, references[family, f"lora-{layout}"], ranks)
+    for rank in ranks:
+        assert per_rank[rank][case]["base_moved"] == 0.0, f"rank {rank}: a frozen base weight changed"
+    adapted = {name for name, _ in per_rank[ranks[0]][case]["params"]}
+    assert any(".mlp.gate.lora_A." in n for n in adapted), "no router adapter on the first stage"
+    if layout == "pp2":  # the experts' adapters: one per expert, PEFT's (r x E, in) layout
+        assert any(".mlp.experts.lora_B." in n for n in adapted) and any(".base_layer.lora_A." in n for n in adapted)

@@ -119,7 +119,7 @@ def test_lora_targets_naming_no_module_lists_the_projections(capsys):
     code, err = _code(["train", "--workload", "hf", "--preset", "llama-tiny", "--data", "synthetic", "--lora-rank", "2",
                        "--lora-targets", "q_proj,qproj", "--print-config"], capsys)
     assert code == 2 and err.count("error") == 1 and "Traceback" not in err
-    assert "--lora-targets q_proj,qproj: 'qproj' names no module of the model" in err
+    assert "--lora-targets q_proj,qproj: 'qproj' names no module or parameter of the model" in err
     assert "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" in err
 
 
@@ -185,3 +185,14 @@ def test_the_base_identity_sees_a_change_in_the_middle_of_a_weights_file(tmp_pat
     assert after["digest"] != before["digest"] and after.get("method") == WHOLE
     assert len(after["digest"]) == 64 and after["files"] == ["config.json", "model.safetensors"]
     assert "method" not in old_before and folder_identity(tmp_path, EDGES)["digest"] == old_before["digest"]
+
+
+def test_parameters_are_targets_of_their_own():
+    """`module.parameter` targets (a router's weight, fused experts) become PEFT's `target_parameters`; module
+    names stay `target_modules`."""
+    pytest.importorskip("peft")
+    settings = LoraSettings(rank=2, targets="q_proj,gate.weight,experts.gate_up_proj")
+    config = settings.peft_config(settings.targets)
+    assert set(config.target_modules) == {"q_proj"}
+    assert set(config.target_parameters) == {"gate.weight", "experts.gate_up_proj"}
+    assert LoraSettings(rank=2).peft_config(("q_proj",)).target_parameters is None

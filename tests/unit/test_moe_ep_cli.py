@@ -45,6 +45,8 @@ def _one_line(err: str) -> str:
     (("--dp", "2", "--ep", "3"), "--ep 3 does not divide the 2 data-parallel ranks of each stage"),
     (("--dp", "3", "--ep", "3", "--batch-size", "6"), "--ep 3 does not divide the 8 experts of the model's MoE layers"),
     (("--dp", "2", "--ep", "2", "--tp", "2", "--dp-mode", "fsdp"), "--ep 2 with tp=2"),
+    (("--dp", "2", "--ep", "2", "--lora-rank", "2", "--lora-targets", "q_proj,experts.down_proj"),
+     "--ep 2 with LoRA adapters on the experts (layer.mlp.experts): adapters of split experts are not built"),
 ])
 def test_bad_ep_is_one_line_and_exit_2(cli, folder, flags, message):
     code, _, err, _ = cli(_hf(folder, *flags))

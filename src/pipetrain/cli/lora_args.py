@@ -23,7 +23,9 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                        help="dropout on the adapters' input (default: 0)")
     group.add_argument("--lora-targets", default=None, metavar="NAME,NAME",
                        help="the modules that get an adapter, by name (default: the model family's attention and MLP "
-                            "projections, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+                            "projections, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj); "
+                            "module.parameter adapts a parameter itself (a MoE router's gate.weight, fused "
+                            "experts.gate_up_proj and experts.down_proj)")
 
 
 def lora_settings(args: argparse.Namespace) -> LoraSettings | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["LoraSettings", "require_peft", "ADAPTER_NAME"]
+__all__ = ["LoraSettings", "require_peft", "ADAPTER_NAME", "is_parameter_target"]
 
 #: the name PEFT gives the one adapter (`lora_A.default`); a PEFT adapter folder's keys drop it
 ADAPTER_NAME = "default"
@@ -23,11 +23,19 @@ def require_peft() -> Any:
     return peft
 
 
+def is_parameter_target(target: str) -> bool:
+    """Whether a `--lora-targets` name names a parameter (`gate.weight`, `experts.gate_up_proj`: a module's leaf
+    name and the parameter's, PEFT's `target_parameters`) rather than a module (`q_proj`, PEFT's `target_modules`)."""
+    return "." in target
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoraSettings:
     """`--lora-rank R --lora-alpha A --lora-dropout P --lora-targets a,b`: the adapters' rank, their scale
     (`alpha / rank`; None: 2 * rank), the dropout before them, and the leaf names of the modules that get one
-    (empty: the model's own attention and MLP projections, its family description's `lora_targets`).
+    (empty: the model's own attention and MLP projections, its family description's `lora_targets`); a target
+    `module.parameter` (`gate.weight`, `experts.gate_up_proj`) adapts that parameter itself, as PEFT's
+    `target_parameters` does: a MoE router's weight, or a layer's fused experts (one adapter per expert).
     `init` is PEFT's `init_lora_weights` (True: B starts at zero, the adapted model starts as the base)."""
 
     rank: int
@@ -55,8 +63,12 @@ class LoraSettings:
         return float(2 * self.rank if self.alpha is None else self.alpha)
 
     def peft_config(self, targets: tuple[str, ...]) -> Any:
-        """PEFT's `LoraConfig` of these settings over the module names `targets`."""
+        """PEFT's `LoraConfig` of these settings over `targets`: module names, and parameter names
+        (`is_parameter_target`) as its `target_parameters`."""
         alpha = self.scale_alpha
+        modules = [t for t in targets if not is_parameter_target(t)]
+        parameters = [t for t in targets if is_parameter_target(t)]
         return require_peft().LoraConfig(r=self.rank, lora_alpha=int(alpha) if alpha.is_integer() else alpha,
-                                         lora_dropout=self.dropout, target_modules=list(targets),
-                                         init_lora_weights=self.init, bias="none")
+                                         lora_dropout=self.dropout, target_modules=modules,
+                                         target_parameters=parameters or None, init_lora_weights=self.init,
+                                         bias="none")

@@ -19,7 +19,7 @@ from torch import nn
 
 from pipetrain.blocks import BlockModel, Tensors, tp_ability, tp_plan_hook
 from pipetrain.errors import ConfigError
-from pipetrain.lora.config import ADAPTER_NAME, LoraSettings, require_peft
+from pipetrain.lora.config import ADAPTER_NAME, LoraSettings, is_parameter_target, require_peft
 from pipetrain.lora.identity import WHOLE, config_identity, folder_identity
 from pipetrain.lora.tp import lora_tp_plan
 from pipetrain.parallel.tensor import TPPlan
@@ -33,18 +33,31 @@ def is_adapter(name: str) -> bool:
 
 
 def _projections(block: nn.Module) -> list[str]:
-    """The leaf names of the linear layers of `block` (what --lora-targets can name)."""
+    """What --lora-targets can name in `block`: the leaf names of its linear layers, and `module.parameter` for
+    the weights PEFT adapts as parameters (2-D and 3-D ones outside linear layers: a MoE router's weight, fused
+    experts)."""
     found = []
     for name, module in block.named_modules():
+        leaf = name.rpartition(".")[2]
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            leaf = name.rpartition(".")[2]
             if leaf and leaf not in found:
                 found.append(leaf)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            target = f"{leaf}.{pname}"
+            if leaf and param.dim() in (2, 3) and target not in found and not isinstance(module, nn.Embedding):
+                found.append(target)
     return found
 
 
 def _matches(name: str, targets: tuple[str, ...]) -> bool:
     return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def _present(block: nn.Module, target: str) -> bool:
+    """Whether `target` (a module's leaf name, or `module.parameter`) names something in `block`."""
+    names = block.named_parameters() if is_parameter_target(target) else block.named_modules()
+    return any(_matches(name, (target,)) for name, _ in names)
 
 
 class LoraBlocks:
@@ -74,8 +87,8 @@ class LoraBlocks:
         missing = [t for t in self.targets if not any(leaf == t or leaf.endswith(f".{t}") for leaf in found)]
         if missing:
             raise ConfigError(f"--lora-targets {','.join(self.targets)}: {', '.join(repr(m) for m in missing)} "
-                              f"names no module of the model",
-                              hint=f"name some of its projections: {','.join(found)}")
+                              f"names no module or parameter of the model",
+                              hint=f"name some of its projections or parameters: {','.join(found)}")
 
     # ---- BlockModel ----------------------------------------------------------------------------------
 
@@ -89,7 +102,7 @@ class LoraBlocks:
     def build_block(self, index: int) -> nn.Module:
         """Block `index` of the wrapped model, with PEFT's LoRA layers on its targets, everything else frozen."""
         block = self.inner.build_block(index)
-        targets = tuple(t for t in self.targets if any(_matches(n, (t,)) for n, _ in block.named_modules()))
+        targets = tuple(t for t in self.targets if _present(block, t))
         if targets:
             peft = require_peft()
             block = peft.inject_adapter_in_model(self.settings.peft_config(targets), block, ADAPTER_NAME)

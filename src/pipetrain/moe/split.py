@@ -35,11 +35,19 @@ def experts_in(block: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def check_expert_parallel(model: BlockModel, ep: int) -> None:
     """Raise the one `ConfigError` `--ep ep` meets on `model`: no experts to split (a dense model), experts of
-    another layout (GPT-OSS's, with biases), or `ep` not dividing a layer's experts. No-op at ep == 1; needs no process group (the blocks
-    are built on the meta device): the CLI calls it before it starts ranks."""
+    another layout (GPT-OSS's, with biases), LoRA adapters on the experts, or `ep` not dividing a layer's experts.
+    No-op at ep == 1; needs no process group (the blocks are built on the meta device): the CLI calls it before it
+    starts ranks."""
     if ep == 1:
         return
-    found = [module for block in meta_blocks(model) for _, module in experts_in(block)]
+    named = [(name, module) for block in meta_blocks(model) for name, module in experts_in(block)]
+    adapted = next((name for name, _ in named if "base_layer" in name.split(".")), None)
+    if adapted is not None:  # PEFT wraps a targeted parameter's module: `experts.base_layer`
+        raise ConfigError(f"--ep {ep} with LoRA adapters on the experts ({adapted.partition('.base_layer')[0]}): "
+                          "adapters of split experts are not built",
+                          hint="adapt the attention and the router (e.g. --lora-targets q_proj,k_proj,v_proj,o_proj,"
+                               "gate.weight) with --ep, or train the experts' adapters at --ep 1")
+    found = [module for _, module in named]
     other = next((module for module in found if not is_fused_experts(module)), None)
     if other is not None:
         raise ConfigError(f"--ep {ep} splits transformers' fused gated experts (gate_up_proj [E, 2I, H] without "
