@@ -275,9 +275,6 @@ class ParallelConfig:
                 hint=f"pass --dp {self.ep * max(1, self.dp // self.ep)} with --ep {self.ep}, or --ep among the "
                      f"divisors of {self.dp}",
             )
-        if self.ep > 1 and self.tp > 1:
-            raise ConfigError(f"--ep {self.ep} with tp={self.tp}: expert parallelism borrows data-parallel ranks "
-                              "only, not yet tensor-parallel ones", hint="pass --tp 1 with --ep")
         if self.ep > 1 and self.dp_mode == "hsdp":
             raise ConfigError(f"--ep {self.ep} with --dp-mode hsdp: expert parallelism is built on DDP and FSDP2 "
                               "data parallelism only", hint="pass --dp-mode ddp or fsdp with --ep")

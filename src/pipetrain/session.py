@@ -109,8 +109,8 @@ def build_session(
         check_context_model(model, parallel.cp)
         split = ContextParallel(mesh.cp_group, parallel.cp_attention, tp=parallel.tp).after(split)
         cut = SequenceSplit(parallel.cp, mesh.cp_rank)
-    if experts is not None:  # ParallelConfig refuses ep > 1 with tp > 1 or cp > 1: one split or the other
-        split = expert_parallel_blocks(experts.ep_group, model=model)
+    if experts is not None:  # after tensor parallelism's split (ParallelConfig refuses ep > 1 with cp > 1)
+        split = expert_parallel_blocks(experts.ep_group, model=model, before=split)
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
     if experts is not None:

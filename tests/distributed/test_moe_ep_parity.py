@@ -16,7 +16,9 @@ move between ep=2 and ep=1 (model and AdamW state; `test_checkpoints_move_betwee
 
 The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Qwen3-MoE with 8 experts and a dense
 first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
-(DDP), against transformers' unsplit model from the same folder, run per micro-batch as test_moe_parity's
+(DDP), and at dp=2 x ep=2 x tp=2 with FSDP2 (pp=1: the attention split over each TP pair, the MoE block whole on
+both, the experts split over the EP pair of each TP rank), against transformers' unsplit model from the same folder,
+run per micro-batch as test_moe_parity's
 reference: losses, every gradient (each rank's expert slices against the same rows of transformers' fused
 tensors) and the final parameters, rtol 1e-5 / atol 4e-5. Generation (`pipetrain generate --ep`, and `eval`'s answers)
 on the Qwen3-MoE folder: two replicas of a pp=2 pipeline, each its own prompts and number of new tokens, give the
@@ -176,9 +178,10 @@ def _train(parallel: ParallelConfig, device: torch.device) -> dict:
     return {"losses": losses, "grads": grads, "params": params, "slices": slices, "eval": evaluation, "norms": norms}
 
 
-#: the MoE folders trained at dp=2 x ep=2 x pp=2, and the schedules (stages per rank)
+#: the MoE folders trained at dp=2 x ep=2 x pp=2 under these schedules (stages per rank), and at dp=2 x ep=2 x tp=2
+#: (FSDP2, pp=1: the attention split over the TP pair, the experts over the EP pair of each TP rank)
 FOLDER_FAMILIES = ("qwen3_moe", "mixtral")
-FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2}
+FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "tp2-fsdp": None}
 
 
 def _expert_slices(engine) -> dict[int, tuple[int, int]]:
@@ -193,13 +196,18 @@ def _expert_slices(engine) -> dict[int, tuple[int, int]]:
 
 def _train_folder(folder: str, schedule: str, device: torch.device) -> dict:
     model = HFCausalLM.from_folder(folder, seq_len=FOLDER_SEQ)
-    pipeline = PipelineConfig(pp=2, schedule=schedule, n_microbatches=moe_parity.CHUNKS,
-                              stages_per_rank=FOLDER_SCHEDULES[schedule])
-    session = build_session(model, ParallelConfig(dp=2, ep=2, pipeline=pipeline), device, seed=moe_parity.SEED,
-                            loss_fn=model.loss())
+    if schedule == "tp2-fsdp":
+        parallel = ParallelConfig(dp=2, ep=2, tp=2, dp_mode="fsdp", pipeline=PipelineConfig(
+            pp=1, schedule="gpipe", n_microbatches=moe_parity.CHUNKS))
+    else:
+        parallel = ParallelConfig(dp=2, ep=2, pipeline=PipelineConfig(
+            pp=2, schedule=schedule, n_microbatches=moe_parity.CHUNKS, stages_per_rank=FOLDER_SCHEDULES[schedule]))
+    session = build_session(model, parallel, device, seed=moe_parity.SEED, loss_fn=model.loss())
     keys, firsts = transformers_names(model), _expert_slices(session.engine)
     record = moe_parity._steps(session.engine, model, 2, session.mesh.dp_rank)
     record["slices"] = {keys[n]: firsts.get(id(p)) for n, p in session.engine.named_parameters()}
+    record["tp_split"] = {keys[n] for n, p in session.engine.named_parameters()  # sharded over dp and split over tp
+                          if hasattr(p, "to_local") and p.to_local().numel() * 4 == p.numel()}
     return record
 
 
@@ -408,7 +416,7 @@ def test_ep_not_dividing_the_stage_ranks_is_refused():
 @pytest.mark.parametrize("schedule", list(FOLDER_SCHEDULES))
 def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, folders):
     ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), 2)
-    seen, split = set(), 0
+    seen, split, tp_split = set(), 0, False
     for record in runs[f"{family}-{schedule}"]:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
         slices = record["slices"]
@@ -421,8 +429,10 @@ def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedul
                                        msg=lambda m: f"parameter {name}: {m}")
             seen.add(name)
             split += slices[name] is not None
+            tp_split |= name in record["tp_split"]
     assert seen == set(ref["params"])
     assert split  # experts were split
+    assert tp_split == (schedule == "tp2-fsdp")  # and the attention over the TP pair
 
 
 def test_generation_with_experts_split_gives_the_tokens_of_ep1(runs):

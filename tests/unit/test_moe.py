@@ -214,3 +214,20 @@ def test_partition_by_parameters_prices_the_experts(folders):
     balance = resolve_balance(model, PipelineConfig(pp=3, partition="parameters"))
     assert balance != resolve_balance(model, PipelineConfig(pp=3))  # not the uniform [2, 2, 2]: the experts weigh
     assert sum(balance) == model.num_blocks
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_tensor_parallelism_splits_the_attention_and_keeps_the_moe_block_whole(name):
+    plan = MOE_FAMILIES[name].layer_tp_plan(moe_configs()[name], 2)
+    assert {"layer.self_attn.q_proj", "layer.self_attn.o_proj"} <= set(plan)
+    assert not [key for key in plan if key.startswith("layer.mlp")], plan  # router and experts whole on every rank
+    with pytest.raises(ConfigError, match="tp=4 does not divide the model's num_key_value_heads=2"):
+        MOE_FAMILIES[name].layer_tp_plan(moe_configs()[name], 4)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_tensor_parallelism_is_refused_where_a_moe_family_has_no_plan(name):
+    from pipetrain.workloads.hf.tp import hf_tp_plan
+
+    with pytest.raises(ConfigError, match=f"the Hugging Face {name} model has no tensor-parallel plan"):
+        hf_tp_plan(moe_configs()[name], MOE_FAMILIES[name], 1, 6, 2)

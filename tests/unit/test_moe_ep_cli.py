@@ -44,7 +44,7 @@ def _one_line(err: str) -> str:
 @pytest.mark.parametrize(("flags", "message"), [
     (("--dp", "2", "--ep", "3"), "--ep 3 does not divide the 2 data-parallel ranks of each stage"),
     (("--dp", "3", "--ep", "3", "--batch-size", "6"), "--ep 3 does not divide the 8 experts of the model's MoE layers"),
-    (("--dp", "2", "--ep", "2", "--tp", "2", "--dp-mode", "fsdp"), "--ep 2 with tp=2"),
+    (("--dp", "2", "--ep", "2", "--tp", "4", "--dp-mode", "fsdp"), "tp=4 does not divide the model's num_key_value_heads=2"),
     (("--dp", "2", "--ep", "2", "--lora-rank", "2", "--lora-targets", "q_proj,experts.down_proj"),
      "--ep 2 with LoRA adapters on the experts (layer.mlp.experts): adapters of split experts are not built"),
 ])

@@ -8,7 +8,7 @@ by an `ExpertParallelExperts` holding this rank's slice, its parameters marked a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +67,20 @@ def check_expert_parallel(model: BlockModel, ep: int) -> None:
 @dataclass(frozen=True)
 class ExpertSplit:
     """`(index, block) -> block`: each fused experts module of the block replaced by its slice on this rank of
-    `group` (the stage's expert-parallel group); `grouped` as `ExpertParallelExperts` takes it."""
+    `group` (the stage's expert-parallel group); `grouped` as `ExpertParallelExperts` takes it. `before`: a split
+    applied first (tensor parallelism's, which keeps the MoE block whole); its `sequence_shards` is the engine's."""
 
     group: dist.ProcessGroup
     grouped: bool | None = None
+    before: Callable[[int, nn.Module], nn.Module] | None = None
+
+    @property
+    def sequence_shards(self) -> int:
+        return getattr(self.before, "sequence_shards", 1)
 
     def __call__(self, index: int, block: nn.Module) -> nn.Module:
+        if self.before is not None:
+            block = self.before(index, block)
         for name, module in list(experts_in(block)):
             split = ExpertParallelExperts(module, self.group, grouped=self.grouped)
             for param in split.parameters():
@@ -83,10 +91,12 @@ class ExpertSplit:
 
 
 def expert_parallel_blocks(group: dist.ProcessGroup, *, grouped: bool | None = None,
-                           model: BlockModel | None = None) -> ExpertSplit:
-    """The function the engine applies to each block it builds: its experts split over `group`. `model`, when it
-    can (`keep_experts(rank, ep)`: a transformers folder), then reads only this rank's experts from disk."""
+                           model: BlockModel | None = None,
+                           before: Callable[[int, nn.Module], nn.Module] | None = None) -> ExpertSplit:
+    """The function the engine applies to each block it builds: `before` (tensor parallelism's split), then its
+    experts split over `group`. `model`, when it can (`keep_experts(rank, ep)`: a transformers folder), then reads
+    only this rank's experts from disk."""
     keep = getattr(model, "keep_experts", None)
     if keep is not None:
         keep(dist.get_rank(group), dist.get_world_size(group))
-    return ExpertSplit(group, grouped)
+    return ExpertSplit(group, grouped, before)

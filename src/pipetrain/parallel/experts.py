@@ -11,6 +11,9 @@ An expert's gradient on a rank already sums what every token of its EP group con
 combine all-to-all brings them); summed over the EDP group it covers every replica's tokens, and divided by dp it is
 the average DDP gives every other parameter (the engine's loss is scaled for that division). Expert parameters are
 marked (`mark_expert`) so that DDP skips them and `ExpertGradients` reduces them instead, once per step.
+
+Under tensor parallelism (`tp` innermost: rank = (dp_rank * pp + pp_rank) * tp + tp_rank) the MoE block is whole on
+every TP rank (`workloads/hf/families/moe.py`): the groups above are formed per TP rank, a fourth mesh axis.
 """
 
 from __future__ import annotations
@@ -57,9 +60,13 @@ class ExpertGroups:
 
 
 def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
-    """The EP and EDP groups of every stage over `mesh` (tp == 1; `ep` divides dp); a collective call."""
+    """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank) over `mesh` (`ep`
+    divides dp); a collective call."""
     device = mesh.device_mesh.device_type
-    experts = init_device_mesh(device, (mesh.dp // ep, ep, mesh.pp), mesh_dim_names=("edp", "ep", "pp"))
+    shape, names = (mesh.dp // ep, ep, mesh.pp), ("edp", "ep", "pp")
+    if mesh.tp > 1:  # the innermost axis: each TP rank's experts are split over its own EP group
+        shape, names = (*shape, mesh.tp), (*names, "tp")
+    experts = init_device_mesh(device, shape, mesh_dim_names=names)
     return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
                         edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"])
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.workloads.hf.families.family import Family, tp_divides
 
-__all__ = ["LLAMA", "llama_tp_plan", "gathered_attention_tp_plan", "decoder_tp_sizes"]
+__all__ = ["LLAMA", "llama_tp_plan", "gathered_attention_tp_plan", "attention_tp_plan", "decoder_tp_sizes"]
 
 
 def decoder_tp_sizes(config: Any) -> dict[str, int]:
@@ -30,15 +30,30 @@ def decoder_tp_sizes(config: Any) -> dict[str, int]:
             "intermediate_size": config.intermediate_size}
 
 
+def _replicated_input() -> PrepareModuleInput:
+    return PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                              desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=False)
+
+
+def attention_tp_plan(config: Any, tp: int, *, gathered: bool = False) -> TPPlan:
+    """A decoder layer's attention split (whole heads per rank; tp divides the query and key/value heads), the rest
+    of the layer whole; `gathered`: q/k/v outputs all-gathered, each rank attending over all heads (for q/k norms
+    over the whole projections: transformers' "colwise_gather_output", "rowwise_split_input")."""
+    tp_divides(tp, {name: size for name, size in decoder_tp_sizes(config).items() if name != "intermediate_size"})
+    projection = (lambda: ColwiseParallel(output_layouts=Replicate())) if gathered else ColwiseParallel
+    return {
+        "layer.self_attn": _replicated_input(),
+        "layer.self_attn.q_proj": projection(), "layer.self_attn.k_proj": projection(),
+        "layer.self_attn.v_proj": projection(),
+        "layer.self_attn.o_proj": RowwiseParallel(input_layouts=Replicate()) if gathered else RowwiseParallel(),
+    }
+
+
 def llama_tp_plan(config: Any, tp: int) -> TPPlan:
     """A Llama decoder layer's plan (submodule names inside pipetrain's layer block)."""
     tp_divides(tp, decoder_tp_sizes(config))
-    replicated = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=False)
     return {
-        "layer.self_attn": replicated,
-        "layer.self_attn.q_proj": ColwiseParallel(), "layer.self_attn.k_proj": ColwiseParallel(),
-        "layer.self_attn.v_proj": ColwiseParallel(), "layer.self_attn.o_proj": RowwiseParallel(),
+        **attention_tp_plan(config, tp),
         "layer.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
                                         use_local_output=False),
         "layer.mlp.gate_proj": ColwiseParallel(), "layer.mlp.up_proj": ColwiseParallel(),
@@ -50,10 +65,7 @@ def gathered_attention_tp_plan(config: Any, tp: int) -> TPPlan:
     """Llama's MLP split, and an attention whose q/k/v outputs are all-gathered (each rank attends over all heads,
     `o_proj` takes its slice of the replicated input): for layers that read the whole projection, OLMo-2's q/k
     norms over all heads (transformers' own plan: "colwise_gather_output", "rowwise_split_input")."""
-    plan = llama_tp_plan(config, tp)
-    gathered = {f"layer.self_attn.{name}": ColwiseParallel(output_layouts=Replicate()) for name in ("q_proj", "k_proj",
-                                                                                                  "v_proj")}
-    return {**plan, **gathered, "layer.self_attn.o_proj": RowwiseParallel(input_layouts=Replicate())}
+    return {**llama_tp_plan(config, tp), **attention_tp_plan(config, tp, gathered=True)}
 
 
 LLAMA = Family(

@@ -17,16 +17,23 @@ experts one by one and are read through transformers' conversion (`hf/checkpoint
 - GPT-OSS: attention sinks, sliding and full layers alternating per `config.layer_types`, biases on every
   projection, clamped SwiGLU experts with biases (stored fused, as in memory).
 
-No MoE family has a tensor-parallel plan here (`--tp` is refused for them); expert parallelism is `--ep`'s.
+Tensor parallelism (`--tp`) splits the attention of Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE as Llama's (whole heads
+per rank; OLMoE's q/k norms over the whole projections with the outputs gathered) and keeps the MoE block whole on
+every TP rank: the attention's row-parallel output is the same on each, so each routes the same tokens and its
+router and experts get the same gradients (no reduction over TP). DeepSeek-V3 (latent attention) and GPT-OSS
+(per-head sinks) have no plan. Splitting the experts is `--ep`'s (over the data-parallel ranks of each TP rank).
 None of these transformers classes computes a router z-loss, so none is added.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
+
+from pipetrain.parallel.tensor import TPPlan
 
 from pipetrain.workloads.hf.families.family import Family, causal_mask, layer_types_mask, sliding_window_mask
-from pipetrain.workloads.hf.families.llama import LLAMA
+from pipetrain.workloads.hf.families.llama import LLAMA, attention_tp_plan
 
 __all__ = ["QWEN3_MOE", "QWEN2_MOE", "MIXTRAL", "OLMOE", "DEEPSEEK_V3", "GPT_OSS", "MOE_FAMILIES"]
 
@@ -39,11 +46,17 @@ def _moe(name: str, prefix: str, **fields: object) -> Family:
                    rotary_class=f"{prefix}RotaryEmbedding", **{**_MOE, **fields})
 
 
+def _gathered_attention_tp_plan(config: Any, tp: int) -> TPPlan:
+    return attention_tp_plan(config, tp, gathered=True)
+
+
 QWEN3_MOE = _moe("qwen3_moe", "Qwen3Moe", experts="num_experts", mask=sliding_window_mask, qk_norm="head",
-                 qkv_bias="attention_bias", o_bias="attention_bias")
-QWEN2_MOE = _moe("qwen2_moe", "Qwen2Moe", experts="num_experts", mask=layer_types_mask, qkv_bias=True)
-MIXTRAL = _moe("mixtral", "Mixtral", experts="num_local_experts", mask=sliding_window_mask)
-OLMOE = _moe("olmoe", "Olmoe", experts="num_experts", mask=causal_mask, qk_norm="projection")
+                 qkv_bias="attention_bias", o_bias="attention_bias", tp_plan=attention_tp_plan)
+QWEN2_MOE = _moe("qwen2_moe", "Qwen2Moe", experts="num_experts", mask=layer_types_mask, qkv_bias=True,
+                 tp_plan=attention_tp_plan)
+MIXTRAL = _moe("mixtral", "Mixtral", experts="num_local_experts", mask=sliding_window_mask, tp_plan=attention_tp_plan)
+OLMOE = _moe("olmoe", "Olmoe", experts="num_experts", mask=causal_mask, qk_norm="projection",
+             tp_plan=_gathered_attention_tp_plan)
 DEEPSEEK_V3 = _moe("deepseek_v3", "DeepseekV3", experts="n_routed_experts", mask=causal_mask, aux_loss=False,
                    router_bias="e_score_correction_bias",
                    lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
