@@ -59,14 +59,16 @@ def check_expert_parallel(model: BlockModel, ep: int) -> None:
 @dataclass(frozen=True)
 class ExpertSplit:
     """`(index, block) -> block`: each fused experts module of the block replaced by its slice on this rank of
-    `group` (the stage's expert-parallel group); `grouped` as `ExpertParallelExperts` takes it."""
+    `group` (the stage's expert-parallel group); `grouped` and `backward_group` as `ExpertParallelExperts` takes
+    them."""
 
     group: dist.ProcessGroup
     grouped: bool | None = None
+    backward_group: dist.ProcessGroup | None = None
 
     def __call__(self, index: int, block: nn.Module) -> nn.Module:
         for name, module in list(experts_in(block)):
-            split = ExpertParallelExperts(module, self.group, grouped=self.grouped)
+            split = ExpertParallelExperts(module, self.group, grouped=self.grouped, backward_group=self.backward_group)
             for param in split.parameters():
                 mark_expert(param)
             owner, _, leaf = name.rpartition(".")
@@ -75,10 +77,12 @@ class ExpertSplit:
 
 
 def expert_parallel_blocks(group: dist.ProcessGroup, *, grouped: bool | None = None,
-                           model: BlockModel | None = None) -> ExpertSplit:
-    """The function the engine applies to each block it builds: its experts split over `group`. `model`, when it
-    can (`keep_experts(rank, ep)`: a transformers folder), then reads only this rank's experts from disk."""
+                           model: BlockModel | None = None,
+                           backward_group: dist.ProcessGroup | None = None) -> ExpertSplit:
+    """The function the engine applies to each block it builds: its experts split over `group` (the backward's
+    exchanges over `backward_group`, when given). `model`, when it can (`keep_experts(rank, ep)`: a transformers
+    folder), then reads only this rank's experts from disk."""
     keep = getattr(model, "keep_experts", None)
     if keep is not None:
         keep(dist.get_rank(group), dist.get_world_size(group))
-    return ExpertSplit(group, grouped)
+    return ExpertSplit(group, grouped, backward_group)
