@@ -45,6 +45,10 @@ def _one_line(err: str) -> str:
     (("--dp", "2", "--ep", "3"), "--ep 3 does not divide the 2 data-parallel ranks of each stage"),
     (("--dp", "3", "--ep", "3", "--batch-size", "6"), "--ep 3 does not divide the 8 experts of the model's MoE layers"),
     (("--dp", "2", "--ep", "2", "--tp", "2", "--dp-mode", "fsdp"), "--ep 2 with tp=2"),
+    (("--dp", "2", "--ep", "2", "--moe-overlap", "on"), "--moe-overlap on overlaps DualPipeV's fused forward-and-"
+                                                         "backward actions; schedule '1f1b' has none"),
+    (("--dp", "2", "--dp-mode", "fsdp", "--schedule", "dualpipev", "--chunks", "4", "--moe-overlap", "on"),
+     "--moe-overlap on hides the experts' all-to-all behind computation, but with ep=1 there is none"),
 ])
 def test_bad_ep_is_one_line_and_exit_2(cli, folder, flags, message):
     code, _, err, _ = cli(_hf(folder, *flags))
