@@ -1,18 +1,22 @@
-"""Benchmark: a MoE training step at dp 2 × pp 2 with its experts whole (ep 1), split over 2 ranks (ep 2), and split
-with the all-to-alls replaced by a local copy of the same shape (ep 2, no all-to-all), side by side in one run.
+"""Benchmark: a MoE training step at dp 2 × pp 2 with its experts whole (ep 1), split over 2 ranks (ep 2), split with
+the all-to-alls replaced by a local copy of the same shape (ep 2, no all-to-all), and under DualPipeV with its fused
+forward-and-backward actions overlapped or not (`--moe-overlap`), side by side in one run.
 
-One spawned job of 4 gloo ranks (one thread each) builds three sessions of the same tiny-but-not-trivial Qwen3-MoE
-(`--hidden 256`, `--experts 8`, top 2, `--layers 4`, from its transformers config, random weights) under 1F1B with
-2 micro-batches, then times `--steps` steps of each, the three alternating, `--repeats` times (after one warm-up
-round), and prints the tokens/s of each: the median and the spread (min-max) over the repeats, and the step-time
-ratios paired within each repeat (ep2 / ep1, ep2 / ep2 without all-to-all), which a loaded machine's drift moves less.
+One spawned job of 4 gloo ranks (one thread each) builds the sessions of the same tiny-but-not-trivial Qwen3-MoE
+(`--hidden 256`, `--experts 8`, top 2, `--layers 4`, from its transformers config, random weights), then times
+`--steps` steps of each, all alternating, `--repeats` times (after one warm-up round), and prints the tokens/s of
+each: the median and the spread (min-max) over the repeats, and step-time ratios paired within each repeat, which a
+loaded machine's drift moves less. `--schedules 1f1b` times ep 1, ep 2 and ep 2 without all-to-all under 1F1B with
+DDP (2 micro-batches); `--schedules dualpipev` times ep 2 under DualPipeV with FSDP2 (DDP is refused there;
+`--dualpipev-chunks` micro-batches) four ways: overlapped, in turn, and each without the all-to-all; the default
+runs both sets.
 
 "no all-to-all" is a measurement knob of this script only, not a pipetrain option: during its steps,
 `pipetrain.moe.dispatch`'s `all_to_all_single` is replaced by a copy of the rank's own rows (the counts a rank
 sends stand for those it receives, so every exchanged tensor keeps its size and the experts do the same work on
-other rows). The difference between the last two rows is what the all-to-alls cost in the step: what an overlap
-(DualPipeV's, not built) could at most hide.
-Run: `PYTHONPATH=src .venv/bin/python benchmarks/moe_ep.py [--repeats 5] [--steps 4]`.
+other rows). The difference between ep 2 and ep 2 without the all-to-all is what the all-to-alls cost in the step:
+what an overlap could at most hide.
+Run: `PYTHONPATH=src .venv/bin/python benchmarks/moe_ep.py [--schedules dualpipev] [--repeats 5] [--steps 4]`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,24 @@ from pipetrain.moe import dispatch as moe_dispatch
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM
 
-VARIANTS = ("ep1", "ep2", "ep2 no all-to-all")
+#: name -> (ep, schedule, --moe-overlap, all-to-all removed), by `--schedules` set
+VARIANTS = {
+    "1f1b": {"ep1": (1, "1f1b", False, False), "ep2": (2, "1f1b", False, False),
+             "ep2 no all-to-all": (2, "1f1b", False, True)},
+    "dualpipev": {"dualpipev ep2 overlap": (2, "dualpipev", True, False),
+                  "dualpipev ep2": (2, "dualpipev", False, False),
+                  "dualpipev ep2 overlap, no all-to-all": (2, "dualpipev", True, True),
+                  "dualpipev ep2 no all-to-all": (2, "dualpipev", False, True)},
+}
+#: step-time ratios printed, paired within each repeat
+RATIOS = (("ep2", "ep1"), ("ep2", "ep2 no all-to-all"), ("dualpipev ep2 overlap", "dualpipev ep2"),
+          ("dualpipev ep2", "dualpipev ep2 no all-to-all"),
+          ("dualpipev ep2 overlap", "dualpipev ep2 no all-to-all"),
+          ("dualpipev ep2 overlap, no all-to-all", "dualpipev ep2 no all-to-all"))
+
+
+def _variants(which: str) -> dict[str, tuple[int, str, bool, bool]]:
+    return {name: v for key, group in VARIANTS.items() if which in ("all", key) for name, v in group.items()}
 
 
 def _model(args: argparse.Namespace) -> HFCausalLM:
@@ -64,20 +85,27 @@ def _without_all_to_all():
         moe_dispatch.dist = real
 
 
+def _parallel(ep: int, schedule: str, overlap: bool, chunks: int) -> ParallelConfig:
+    pipeline = PipelineConfig(pp=2, schedule=schedule, n_microbatches=chunks if schedule == "dualpipev" else 2,
+                              moe_overlap=overlap)
+    return ParallelConfig(dp=2, ep=ep, dp_mode="fsdp" if schedule == "dualpipev" else "ddp", pipeline=pipeline)
+
+
 def _worker(spec: RankSpec, args: argparse.Namespace, out: str) -> None:
     device = join_job(spec)
     try:
         model = _model(args)
-        pipeline = PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)
-        sessions = {name: build_session(model, ParallelConfig(dp=2, ep=1 if name == "ep1" else 2, pipeline=pipeline),
-                                        device, seed=0, loss_fn=model.loss()) for name in VARIANTS}
-        dp_rank = sessions["ep1"].mesh.dp_rank
+        variants = _variants(args.schedules)
+        sessions = {name: build_session(model, _parallel(ep, schedule, overlap, args.dualpipev_chunks), device,
+                                        seed=0, loss_fn=model.loss())
+                    for name, (ep, schedule, overlap, _) in variants.items()}
+        dp_rank = next(iter(sessions.values())).mesh.dp_rank
         gen = torch.Generator().manual_seed(dp_rank)
         ids = torch.randint(0, args.vocab, (args.batch // 2, args.seq), generator=gen)
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        times: dict[str, list[float]] = {name: [] for name in variants}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for name, session in sessions.items():
-                knob = _without_all_to_all() if name.endswith("no all-to-all") else _nothing()
+                knob = _without_all_to_all() if variants[name][3] else _nothing()
                 dist.barrier()
                 start = time.perf_counter()
                 with knob:
@@ -107,6 +135,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (samples; 2 replicas x 2 micro-batches)")
     parser.add_argument("--steps", type=int, default=4, help="steps timed together")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--schedules", choices=("all", *VARIANTS), default="all",
+                        help="which set of layouts to time (default: both)")
+    parser.add_argument("--dualpipev-chunks", type=int, default=8, help="micro-batches under DualPipeV")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
         spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
@@ -114,20 +145,23 @@ def main() -> None:
         times = torch.load(Path(out) / "times.pt")
     tokens = args.batch * args.seq
     print(f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts top-2, {args.layers} layers, vocab {args.vocab}; "
-          f"dp 2 x pp 2, 1F1B, 2 micro-batches, {tokens} tokens a step; gloo, 1 thread a rank; "
-          f"torch {torch.__version__}; median (min-max) of {args.repeats} repeats of {args.steps} steps")
-    print(f"{'layout':>20} {'s/step':>8} {'tokens/s':>9} {'tokens/s min-max':>17}")
+          f"dp 2 x pp 2 (1F1B: DDP, 2 micro-batches; DualPipeV: FSDP2, {args.dualpipev_chunks} micro-batches), "
+          f"{tokens} tokens a step; gloo, 1 thread a rank; torch {torch.__version__}; median (min-max) of "
+          f"{args.repeats} repeats of {args.steps} steps")
+    print(f"{'layout':>38} {'s/step':>8} {'tokens/s':>9} {'tokens/s min-max':>17}")
     for name, values in times.items():
         rates = [tokens / t for t in values]
-        print(f"{name:>20} {statistics.median(values):8.3f} {statistics.median(rates):9.0f} "
+        print(f"{name:>38} {statistics.median(values):8.3f} {statistics.median(rates):9.0f} "
               f"{min(rates):8.0f}-{max(rates):<8.0f}")
-    ep2, local = statistics.median(times["ep2"]), statistics.median(times["ep2 no all-to-all"])
-    print(f"all-to-alls: {ep2 - local:.3f} s of the ep2 step ({100 * (ep2 - local) / ep2:.0f} %)")
-    for a, b in (("ep2", "ep1"), ("ep2", "ep2 no all-to-all")):  # paired within each repeat: less of the drift
-        ratios = [x / y for x, y in zip(times[a], times[b])]
-        print(f"step time {a} / {b}, per repeat: median {statistics.median(ratios):.2f} "
-              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
-
+    for with_, without in (("ep2", "ep2 no all-to-all"), ("dualpipev ep2", "dualpipev ep2 no all-to-all")):
+        if with_ in times:
+            a, b = statistics.median(times[with_]), statistics.median(times[without])
+            print(f"all-to-alls ({with_}): {a - b:.3f} s of the step ({100 * (a - b) / a:.0f} %)")
+    for a, b in RATIOS:  # paired within each repeat: less of the drift
+        if a in times and b in times:
+            ratios = [x / y for x, y in zip(times[a], times[b])]
+            print(f"step time {a} / {b}, per repeat: median {statistics.median(ratios):.3f} "
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
 
 if __name__ == "__main__":
     main()

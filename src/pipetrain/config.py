@@ -102,6 +102,10 @@ class PipelineConfig:
     #: saved activations of micro-batches waiting for their backward go to pinned host memory
     #: (`--offload-activations`, pipeline/offload.py; CUDA only, a no-op that says so on the CPU)
     offload_activations: bool = False
+    #: DualPipeV's fused actions (a forward of one micro-batch with a backward of another) run concurrently, the
+    #: forward here and the backward in a second thread, so that one's expert all-to-all waits while the other
+    #: computes (`--moe-overlap on`; `compat.overlap`); needs expert parallelism (`ParallelConfig.ep` > 1)
+    moe_overlap: bool = False
 
     def __post_init__(self) -> None:
         _positive("pp", self.pp)
@@ -159,6 +163,9 @@ class PipelineConfig:
                 f"chunks={self.n_microbatches} < pp={self.pp}",
                 hint=f"pass --chunks {self.pp} or more, or use --schedule gpipe",
             )
+        if self.moe_overlap and self.schedule != "dualpipev":
+            raise ConfigError(f"--moe-overlap on overlaps DualPipeV's fused forward-and-backward actions; schedule "
+                              f"{self.schedule!r} has none", hint="pass --schedule dualpipev, or --moe-overlap off")
         if self.schedule == "dualpipev" and (self.n_microbatches % 2 or self.n_microbatches < 2 * self.pp):
             raise ConfigError(
                 f"schedule 'dualpipev' needs an even number of micro-batches, at least 2 x pp = {2 * self.pp}: "
@@ -278,6 +285,9 @@ class ParallelConfig:
         if self.ep > 1 and self.dp_mode == "hsdp":
             raise ConfigError(f"--ep {self.ep} with --dp-mode hsdp: expert parallelism is built on DDP and FSDP2 "
                               "data parallelism only", hint="pass --dp-mode ddp or fsdp with --ep")
+        if self.pipeline.moe_overlap and self.ep == 1:
+            raise ConfigError("--moe-overlap on hides the experts' all-to-all behind computation, but with ep=1 "
+                              "there is none", hint="pass --ep 2 or more (with --dp), or --moe-overlap off")
         if self.ep > 1 and self.cp > 1:
             raise ConfigError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism borrows data-parallel ranks "
                               "and is not built beside context parallelism yet", hint="pass --cp 1 with --ep")

@@ -99,7 +99,8 @@ def build_session(
         mesh = build_mesh(parallel.dp, parallel.pp, device, parallel.tp,
                           dp_shard=parallel.dp_shard if parallel.dp_mode == "hsdp" and parallel.dp > 1 else None,
                           cp=parallel.cp)
-        experts = build_expert_groups(mesh, parallel.ep) if parallel.ep > 1 else None
+        experts = (build_expert_groups(mesh, parallel.ep, backward_group=parallel.pipeline.moe_overlap)
+                   if parallel.ep > 1 else None)
     wrap = _stage_wrapper(parallel, mesh, device, precision, experts)
     split = (tensor_parallel_blocks(model, mesh.tp_mesh, sequence_parallel=parallel.sequence_parallel,
                                     loss_parallel=parallel.loss_parallel)
@@ -110,7 +111,8 @@ def build_session(
         split = ContextParallel(mesh.cp_group, parallel.cp_attention, tp=parallel.tp).after(split)
         cut = SequenceSplit(parallel.cp, mesh.cp_rank)
     if experts is not None:  # after tensor parallelism's split (ParallelConfig refuses ep > 1 with cp > 1)
-        split = expert_parallel_blocks(experts.ep_group, model=model, before=split)
+        split = expert_parallel_blocks(experts.ep_group, model=model, backward_group=experts.ep_backward_group,
+                                       before=split)
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
     if experts is not None:

@@ -6,7 +6,9 @@ Its experts are transformers' fused `Qwen3MoeExperts` (its "batched_mm" implemen
 the whole batch, mean token loss, SGD) and `ExpertParallelExperts` on the ranks: dp=2 (one expert-parallel group of
 the two dp ranks of each stage: experts 0-1 on dp rank 0, 2-3 on dp rank 1) x pp=2. Layouts: 1F1B with DDP,
 interleaved 1F1B (4 stages) with DDP, 1F1B with `--checkpoint always` (the recomputed forward dispatches again),
-GPipe with FSDP2 (experts sharded over their own expert-data-parallel mesh, here of one rank); and dp=4 x pp=1
+GPipe with FSDP2 (experts sharded over their own expert-data-parallel mesh, here of one rank), ZBV and DualPipeV with
+FSDP2 (4 micro-batches), DualPipeV with `moe_overlap` (its fused forward-and-backward actions run at once, in two
+threads; the experts' backward exchanges on a second group), also with `--checkpoint always`; and dp=4 x pp=1
 at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it). Over three SGD steps
 (the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
 parameters equal the reference's within rtol 1e-5 / atol 4e-5, a forward-only evaluation gives its loss, and the
@@ -28,6 +30,7 @@ ends first steps on with the other, `Route.lockstep`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pipetrain.blocks import build_sequential  # noqa: E402
 from pipetrain.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from pipetrain.compat import overlap  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
@@ -135,15 +139,21 @@ def reference() -> dict:
 
 
 def layouts() -> dict[str, ParallelConfig]:
-    def layout(schedule: str, *, ep: int = 2, mode: str = "ddp", checkpoint: str = "never") -> ParallelConfig:
+    def layout(schedule: str, *, ep: int = 2, mode: str = "ddp", checkpoint: str = "never", chunks: int = 2,
+               overlap: bool = False) -> ParallelConfig:
         return ParallelConfig(dp=2, dp_mode=mode, ep=ep, pipeline=PipelineConfig(
-            pp=2, schedule=schedule, n_microbatches=2, checkpoint=checkpoint))
+            pp=2, schedule=schedule, n_microbatches=chunks, checkpoint=checkpoint, moe_overlap=overlap))
     return {
         "ep2-pp2-1f1b": layout("1f1b"),
         "ep2-pp2-interleaved": layout("interleaved-1f1b"),
         "ep2-pp2-1f1b-recompute": layout("1f1b", checkpoint="always"),
         "ep2-pp2-gpipe-fsdp": layout("gpipe", mode="fsdp"),
         "ep2-pp2-zbv-fsdp": layout("zbv", mode="fsdp"),  # the backward split in input and weight parts
+        # DualPipeV (DDP is refused there): run in turn, then its fused actions overlapped (also recomputing)
+        "ep2-pp2-dualpipev-fsdp": layout("dualpipev", mode="fsdp", chunks=4),
+        "ep2-pp2-dualpipev-fsdp-overlap": layout("dualpipev", mode="fsdp", chunks=4, overlap=True),
+        "ep2-pp2-dualpipev-fsdp-overlap-recompute": layout("dualpipev", mode="fsdp", chunks=4, overlap=True,
+                                                           checkpoint="always"),
         "ep1-dp2-pp2-1f1b": layout("1f1b", ep=1),
         # two expert-parallel groups: each expert's gradient also summed over its expert-data-parallel pair
         "ep2-dp4-pp1": ParallelConfig(dp=4, ep=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=1)),
@@ -154,7 +164,31 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+@contextmanager
+def _counting_overlaps(counted: list[int]):
+    """Counts, in `counted[0]`, the fused actions `compat.overlap` runs in two threads."""
+    real = overlap._concurrently
+
+    def counting(first, second):
+        counted[0] += 1
+        return real(first, second)
+
+    overlap._concurrently = counting
+    try:
+        yield
+    finally:
+        overlap._concurrently = real
+
+
 def _train(parallel: ParallelConfig, device: torch.device) -> dict:
+    counted = [0]
+    with _counting_overlaps(counted):
+        record = _train_steps(parallel, device)
+    record["overlapped"] = counted[0]
+    return record
+
+
+def _train_steps(parallel: ParallelConfig, device: torch.device) -> dict:
     session = build_session(TinyMoE(), parallel, device, seed=SEED, loss_fn=TokenCrossEntropy())
     engine, mesh = session.engine, session.mesh
     firsts = {}
@@ -390,6 +424,32 @@ def test_expert_parallel_pipeline_matches_the_unsplit_model(layout, runs, ref):
                       for n in ref["params"] for first in (0, 2)}
     assert seen == expected_names  # every parameter (each expert slice) held somewhere
     assert experts_split == layout.startswith("ep2")
+
+
+OVERLAPPED = ("ep2-pp2-dualpipev-fsdp-overlap", "ep2-pp2-dualpipev-fsdp-overlap-recompute")
+
+
+@pytest.mark.parametrize("layout", OVERLAPPED)
+def test_overlapped_dualpipev_is_bitwise_the_run_in_turn(layout, runs):
+    """DualPipeV's fused actions run in two threads (counted: the overlap ran) give exactly (rtol 0, atol 0) the
+    losses, gradients and parameters of the same schedule run one action after the other."""
+    for record, plain in zip(runs[layout], runs["ep2-pp2-dualpipev-fsdp"], strict=True):
+        assert record["overlapped"] > 0 and plain["overlapped"] == 0
+        assert record["losses"] == plain["losses"]
+        for step, grads in enumerate(record["grads"]):
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, plain["grads"][step][name], rtol=0, atol=0,
+                                           msg=lambda m: f"step {step} gradient of {name}: {m}")
+        for name, value in record["params"].items():
+            torch.testing.assert_close(value, plain["params"][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_moe_overlap_without_dualpipev_or_experts_split_is_refused():
+    with pytest.raises(ConfigError, match="--moe-overlap on overlaps DualPipeV's fused .* schedule '1f1b' has none"):
+        PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2, moe_overlap=True)
+    with pytest.raises(ConfigError, match="--moe-overlap on hides the experts' all-to-all .* with ep=1 there is none"):
+        ParallelConfig(dp=2, dp_mode="fsdp", pipeline=PipelineConfig(pp=2, schedule="dualpipev", n_microbatches=4,
+                                                                       moe_overlap=True))
 
 
 def test_ep_on_a_dense_model_is_refused():

@@ -137,3 +137,30 @@ def test_torch_lowering_refuses_an_order_that_misses_actions():
     assert torch_lowers("zbv", 2, 1)
     with pytest.raises(AssertionError):
         torch_lowers("dualpipev", 2, 2)  # fewer than 2p - 1: torch's generator runs extra forwards
+
+
+def test_in_backward_sees_the_backward_and_a_recomputed_forward_not_the_forward():
+    """`compat.overlap.in_backward` picks the expert-parallel group of an exchange: False in a forward, True in a
+    backward's function and in the forward that checkpointing recomputes during the backward."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from pipetrain.compat.overlap import in_backward
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", in_backward()))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(("backward", in_backward()))
+            return grad
+
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(lambda t: Probe.apply(t) ** 2, x, use_reentrant=False).sum().backward()  # pow saves: recomputed
+    assert seen == [("forward", False), ("forward", True), ("backward", True)]
+    assert not in_backward()

@@ -47,6 +47,10 @@ def _one_line(err: str) -> str:
     (("--dp", "2", "--ep", "2", "--tp", "4", "--dp-mode", "fsdp"), "tp=4 does not divide the model's num_key_value_heads=2"),
     (("--dp", "2", "--ep", "2", "--lora-rank", "2", "--lora-targets", "q_proj,experts.down_proj"),
      "--ep 2 with LoRA adapters on the experts (layer.mlp.experts): adapters of split experts are not built"),
+    (("--dp", "2", "--ep", "2", "--moe-overlap", "on"), "--moe-overlap on overlaps DualPipeV's fused forward-and-"
+                                                         "backward actions; schedule '1f1b' has none"),
+    (("--dp", "2", "--dp-mode", "fsdp", "--schedule", "dualpipev", "--chunks", "4", "--moe-overlap", "on"),
+     "--moe-overlap on hides the experts' all-to-all behind computation, but with ep=1 there is none"),
 ])
 def test_bad_ep_is_one_line_and_exit_2(cli, folder, flags, message):
     code, _, err, _ = cli(_hf(folder, *flags))

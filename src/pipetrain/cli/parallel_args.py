@@ -61,6 +61,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ep", type=int, default=1,
                        help="expert-parallel ranks: each MoE layer's experts split over this many of a stage's "
                             "--dp ranks (a divisor of --dp and of the experts; docs/moe-ep.md) (default: 1)")
+    group.add_argument("--moe-overlap", choices=("on", "off"), default="off",
+                       help="with --ep and --schedule dualpipev: run each fused forward-and-backward action's two "
+                            "halves at once (two threads), one micro-batch's expert all-to-all beside the other's "
+                            "computation (docs/moe.md: not measurably faster on CPU) (default: off)")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: also split the norm and dropout regions along the sequence (the sequence "
                             "length, and every --bucket length, a multiple of tp)")
@@ -139,6 +143,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         shape_cache=args.shape_cache,
         compile=getattr(args, "compile", False),
         deferred_batchnorm=getattr(args, "deferred_batchnorm", False),
+        moe_overlap=getattr(args, "moe_overlap", "off") == "on",
     )
     return ParallelConfig(dp=args.dp, dp_mode=args.dp_mode, pipeline=pipeline, tp=getattr(args, "tp", 1),
                           sequence_parallel=getattr(args, "sequence_parallel", False),

@@ -5,7 +5,8 @@ lists them all (tests/unit/test_compat.py fails loudly, naming the one, when a t
 strided placement and the placement methods that run collectives; `tensor_styles`: tensor-parallel styles
 built on torch's private style hooks; `grouped`: the experts' grouped matmul; `modules`: the dropout and batch-norm
 base classes, `_foreach_mul_`, aborting a process group, the parameters DDP ignores; `mesh`: flattening two mesh
-dimensions into one (HSDP's dp axis).
+dimensions into one (HSDP's dp axis); `overlap`: DualPipeV's fused forward-and-backward actions run concurrently,
+and whether a thread is inside a backward pass.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (_SCHEDULES, "_validate_schedule"),
     (_SCHEDULES, "_add_reduce_grad"),
     (_SCHEDULES, "_wait_batch_p2p"),
+    # overlap.py: the runtime's fused action, its state and per-action steps; autograd's current graph task
+    (_SCHEDULES, "_PipelineScheduleRuntime.register_custom_function"),
+    (_SCHEDULES, "_PipelineScheduleRuntime._assert_unsharded"),
+    (_SCHEDULES, "_PipelineScheduleRuntime._maybe_compute_loss"),
+    (_SCHEDULES, "_PipelineScheduleRuntime._maybe_get_loss"),
+    (_SCHEDULES, "_ComputationType.OVERLAP_F_B"),
+    ("torch._C", "_current_graph_task_id"),
     # dtensor.py: the strided placement and the placement methods that run collectives
     (_PLACEMENTS, "_StridedShard"),
     (_PLACEMENTS, "_MaskPartial"),

@@ -64,10 +64,12 @@ def run_experts(tokens: torch.Tensor, counts: list[int], gate_up_proj: torch.Ten
 
 class ExpertParallelExperts(nn.Module):
     """The local slice of a transformers fused experts module, run over the expert-parallel `group` (None or one
-    rank: every expert local, no communication). `gate_up_proj` and `down_proj` keep their names, with E/ep rows;
+    rank: every expert local, no communication; `backward_group`, when given, the same ranks' second group, for the
+    exchanges of backward passes: `moe.dispatch`). `gate_up_proj` and `down_proj` keep their names, with E/ep rows;
     `first_expert` is the layer's index of the first local expert."""
 
-    def __init__(self, experts: nn.Module, group: dist.ProcessGroup | None, *, grouped: bool | None = None) -> None:
+    def __init__(self, experts: nn.Module, group: dist.ProcessGroup | None, *, grouped: bool | None = None,
+                 backward_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if not is_fused_experts(experts):
             raise ConfigError(f"expert parallelism splits transformers' fused gated experts (gate_up_proj [E, 2I, H], "
@@ -79,6 +81,7 @@ class ExpertParallelExperts(nn.Module):
             raise ConfigError(f"--ep {ep} does not divide the {total} experts of {type(experts).__name__}",
                               hint=f"pass --ep among the divisors of {total}")
         self.num_experts, self.local_experts, self.group, self.grouped = total, total // ep, group, grouped
+        self.backward_group = backward_group  # the same ranks' group for the backward's exchanges (or None)
         self.first_expert = (0 if group is None else dist.get_rank(group)) * self.local_experts
         local = slice(self.first_expert, self.first_expert + self.local_experts)
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[local].clone(),
@@ -94,7 +97,7 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """transformers' experts forward: `hidden_states` [N, H], each token's experts and router weights [N, k]."""
-        sent = dispatch(hidden_states, top_k_index, self.num_experts, self.group)
+        sent = dispatch(hidden_states, top_k_index, self.num_experts, self.group, self.backward_group)
         out = run_experts(sent.tokens, sent.counts_list, self.gate_up_proj, self.down_proj, self.act_fn,
                           grouped=self.grouped)
         return combine(out, sent, top_k_weights).to(hidden_states.dtype)

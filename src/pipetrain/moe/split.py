@@ -67,11 +67,13 @@ def check_expert_parallel(model: BlockModel, ep: int) -> None:
 @dataclass(frozen=True)
 class ExpertSplit:
     """`(index, block) -> block`: each fused experts module of the block replaced by its slice on this rank of
-    `group` (the stage's expert-parallel group); `grouped` as `ExpertParallelExperts` takes it. `before`: a split
-    applied first (tensor parallelism's, which keeps the MoE block whole); its `sequence_shards` is the engine's."""
+    `group` (the stage's expert-parallel group); `grouped` and `backward_group` as `ExpertParallelExperts` takes
+    them. `before`: a split applied first (tensor parallelism's, which keeps the MoE block whole); its
+    `sequence_shards` is the engine's."""
 
     group: dist.ProcessGroup
     grouped: bool | None = None
+    backward_group: dist.ProcessGroup | None = None
     before: Callable[[int, nn.Module], nn.Module] | None = None
 
     @property
@@ -82,7 +84,7 @@ class ExpertSplit:
         if self.before is not None:
             block = self.before(index, block)
         for name, module in list(experts_in(block)):
-            split = ExpertParallelExperts(module, self.group, grouped=self.grouped)
+            split = ExpertParallelExperts(module, self.group, grouped=self.grouped, backward_group=self.backward_group)
             for param in split.parameters():
                 mark_expert(param)
             owner, _, leaf = name.rpartition(".")
@@ -92,11 +94,12 @@ class ExpertSplit:
 
 def expert_parallel_blocks(group: dist.ProcessGroup, *, grouped: bool | None = None,
                            model: BlockModel | None = None,
+                           backward_group: dist.ProcessGroup | None = None,
                            before: Callable[[int, nn.Module], nn.Module] | None = None) -> ExpertSplit:
     """The function the engine applies to each block it builds: `before` (tensor parallelism's split), then its
-    experts split over `group`. `model`, when it can (`keep_experts(rank, ep)`: a transformers folder), then reads
-    only this rank's experts from disk."""
+    experts split over `group` (the backward's exchanges over `backward_group`, when given). `model`, when it can
+    (`keep_experts(rank, ep)`: a transformers folder), then reads only this rank's experts from disk."""
     keep = getattr(model, "keep_experts", None)
     if keep is not None:
         keep(dist.get_rank(group), dist.get_world_size(group))
-    return ExpertSplit(group, grouped, before)
+    return ExpertSplit(group, grouped, backward_group, before)

@@ -48,7 +48,8 @@ def is_expert(param: torch.Tensor) -> bool:
 class ExpertGroups:
     """This rank's expert-parallel group (`ep_group`, `ep` ranks; `ep_mesh` its 1-D mesh, for checkpoints) and
     expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its 1-D mesh, for
-    FSDP2)."""
+    FSDP2); `ep_backward_group`: a second group of the `ep_group`'s ranks for the backward's exchanges (with
+    `--moe-overlap on`; else None)."""
 
     ep: int
     dp: int
@@ -57,18 +58,26 @@ class ExpertGroups:
     edp_mesh: DeviceMesh
     ep_rank: int
     ep_mesh: DeviceMesh
+    ep_backward_group: dist.ProcessGroup | None = None
 
 
-def build_expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
+def build_expert_groups(mesh: Mesh, ep: int, *, backward_group: bool = False) -> ExpertGroups:
     """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank) over `mesh` (`ep`
-    divides dp); a collective call."""
+    divides dp), and with `backward_group` a second EP group of each (for `--moe-overlap on`); a collective call."""
     device = mesh.device_mesh.device_type
     shape, names = (mesh.dp // ep, ep, mesh.pp), ("edp", "ep", "pp")
     if mesh.tp > 1:  # the innermost axis: each TP rank's experts are split over its own EP group
         shape, names = (*shape, mesh.tp), (*names, "tp")
     experts = init_device_mesh(device, shape, mesh_dim_names=names)
+    second = None
+    if backward_group:  # every rank creates every group, in one order (new_group is collective over the world)
+        rank = dist.get_rank()
+        for ranks in experts.mesh.movedim(1, -1).reshape(-1, ep).tolist():
+            group = dist.new_group(ranks)
+            second = group if rank in ranks else second
     return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
-                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"])
+                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
+                        ep_backward_group=second)
 
 
 class ExpertGradients:

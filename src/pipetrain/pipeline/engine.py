@@ -390,5 +390,5 @@ class PipelineEngine:
         return build_schedule(
             modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,
             device=self.device, group=self.pp_group, schedule=self.config.schedule, run=run, train=train,
-            loss_fn=self._weighted_loss if train else None,
+            loss_fn=self._weighted_loss if train else None, overlap=self.config.moe_overlap,
         )

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from pipetrain.compat.overlap import overlap_fused_actions
 from pipetrain.compat.pipelining import BreadthFirstV
 from pipetrain.config import V_SCHEDULES
 from pipetrain.errors import ConfigError
@@ -53,8 +54,10 @@ def build_schedule(
     run: Run,
     train: bool,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    overlap: bool = False,
 ):
-    """The schedule running `run` over this rank's stages, with static shapes from `boundaries`.
+    """The schedule running `run` over this rank's stages, with static shapes from `boundaries`; with `overlap`,
+    DualPipeV's fused forward-and-backward actions run their two halves at once (`compat.overlap`).
 
     A fallback run (a remainder micro-batch) and every forward-only run use GPipe order (looped BFS with
     several stages per rank, `BreadthFirstV` under a V schedule), which any number of micro-batches allows.
@@ -76,7 +79,10 @@ def build_schedule(
         cls = ScheduleLoopedBFS if multi else ScheduleGPipe
     else:
         cls = SCHEDULE_CLASSES[schedule]
-    return cls(stages if multi else stages[0], n_microbatches=run.count, loss_fn=loss_fn, scale_grads=False)
+    built = cls(stages if multi else stages[0], n_microbatches=run.count, loss_fn=loss_fn, scale_grads=False)
+    if overlap and cls is ScheduleDualPipeV:
+        overlap_fused_actions(built)
+    return built
 
 
 class ScheduleCache:

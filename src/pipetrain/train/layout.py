@@ -201,7 +201,9 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
                        checkpoint=lay.checkpoint, recompute_unit=lay.recompute_unit,
                        recompute_every=lay.recompute_every, offload_activations=lay.offload,
                        stages_per_rank=lay.virtual if lay.virtual > 1 else None,
-                       balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform")
+                       balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform",
+                       # --moe-overlap on asks for overlap where there is some: DualPipeV with experts split
+                       moe_overlap=config.parallel.pipeline.moe_overlap and lay.schedule == "dualpipev" and lay.ep > 1)
     if say:
         if resize is not None:
             log.info("pipetrain: --on-resize auto: %s (resuming %s)", resize.line(), saved.folder)
