@@ -64,19 +64,20 @@ def test_chat_pairs_render_the_template_and_an_implicit_prompt_is_split():
 
 
 @pytest.mark.parametrize("row, says", [
-    ({"prompt": "a", "chosen": " ", "rejected": "b"}, "row 0 of t: the chosen answer is empty"),
-    ({"prompt": "a", "chosen": "b", "rejected": ""}, "row 0 of t: the rejected answer is empty"),
+    ({"prompt": "a", "chosen": " ", "rejected": "b"}, "row 1 of t: the chosen answer is empty"),
+    ({"prompt": "a", "chosen": "b", "rejected": ""}, "row 1 of t: the rejected answer is empty"),
     ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]},
-     "row 0 of t: chosen and rejected have different prompts"),
+     "row 1 of t: chosen and rejected have different prompts"),
     ({"prompt": [{"role": "user", "content": "x"}],
       "chosen": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "assistant", "content": "w"}]},
-     "row 0 of t: chosen holds 'user' turns beside its 'prompt'"),
+     "row 1 of t: chosen holds 'user' turns beside its 'prompt'"),
     ({"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "assistant", "content": "y"}],
-      "rejected": [{"role": "assistant", "content": " "}]}, "row 0 of t: the rejected answer is empty"),
+      "rejected": [{"role": "assistant", "content": " "}]}, "row 1 of t: the rejected answer is empty"),
 ])
 def test_bad_pairs_are_refused_naming_the_row(row, says):
+    """Rows are numbered from 1, as an editor numbers lines (main said "row 0" for the first)."""
     with pytest.raises(DataError) as err:
         pair_ids(row, 0, chat_tokenizer(), "t")
     assert err.value.message.startswith(says)

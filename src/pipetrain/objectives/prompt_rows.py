@@ -73,7 +73,7 @@ def _encode(tokenizer: Any, prompt: Any, index: int, source: str) -> list[int]:
         return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
                                                   return_dict=True)["input_ids"])
     if not isinstance(prompt, str) or not prompt.strip():
-        raise DataError(f"row {index} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or "
+        raise DataError(f"row {index + 1} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or "
                         "chat messages", hint="give every row a prompt")
     return list(tokenizer(text=prompt)["input_ids"])
 
