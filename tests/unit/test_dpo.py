@@ -83,6 +83,16 @@ def test_bad_pairs_are_refused_naming_the_row(row, says):
     assert err.value.message.startswith(says)
 
 
+def test_a_chat_role_the_template_does_not_know_is_refused_naming_the_roles():
+    """A misspelled role trained without a word (fails on main), as it did for chat rows before issue 35."""
+    row = {"prompt": [{"role": "usr", "content": "The cat?"}], "chosen": [{"role": "assistant", "content": "sat"}],
+           "rejected": [{"role": "assistant", "content": "ran"}]}
+    with pytest.raises(DataError) as err:
+        pair_ids(row, 4, chat_tokenizer(), "t")
+    assert err.value.message.startswith("row 5 of t has the role(s) 'usr', which the chat template does not know")
+    assert "accepted: assistant, system, tool, user" in err.value.message and "'usr' -> 'user'" in err.value.hint
+
+
 def test_rows_without_chosen_and_rejected_are_refused(tmp_path):
     rows = _rows(tmp_path / "sums.jsonl", [{"prompt": f"{i} plus 1 is", "answer": str(i + 1)} for i in range(12)])
     with pytest.raises(ConfigError) as err:

@@ -97,6 +97,17 @@ def test_a_bad_prompt_is_named_by_its_line(tmp_path, monkeypatch):
     assert err.value.message.startswith(f"row 3 of --data {str(data)!r}: 'prompt' is int 5"), err.value.message
 
 
+def test_a_chat_prompt_with_a_role_the_template_does_not_know_is_refused():
+    """Fails on main: the misspelled role was rendered (or dropped) by the template without a word."""
+    from pipetrain.errors import DataError
+    from pipetrain.objectives.prompt_rows import _encode
+    from tests.hf_folders import chat_tokenizer
+
+    with pytest.raises(DataError) as err:
+        _encode(chat_tokenizer(), [{"role": "usr", "content": "1 plus 1?"}], 0, "t")
+    assert err.value.message.startswith("row 1 of t has the role(s) 'usr', which the chat template does not know")
+
+
 def test_g_must_divide_the_batch_and_its_prompts_the_replicas():
     with pytest.raises(ConfigError, match="--num-generations 3 does not divide --batch-size 8"):
         check_generations(8, 3, 1)

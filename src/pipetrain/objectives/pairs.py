@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pipetrain.data.cache import default_cache_root
+from pipetrain.data.chat import check_known_roles
 from pipetrain.data.formats import detect_format, read_rows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.objectives.columns import with_columns
@@ -104,6 +105,7 @@ def pair_ids(row: dict, index: int, tokenizer: Any, source: str) -> tuple[list[i
                 raise DataError(f"row {index + 1} of {source}: {name} holds {', '.join(map(repr, roles))} turns beside "
                                 "its 'prompt'", hint="with a 'prompt' field, chosen and rejected are the assistant's "
                                                      "answer alone: drop their prompt turns, or drop 'prompt'")
+        check_known_roles(tokenizer, [m["role"] for m in (*prompt, *chosen, *rejected)], index, source)
         render = tokenizer.apply_chat_template
         head = render(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
         whole = [render(prompt + answer, tokenize=True, return_dict=True)["input_ids"] for answer in (chosen, rejected)]
