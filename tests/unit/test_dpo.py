@@ -93,6 +93,23 @@ def test_a_chat_role_the_template_does_not_know_is_refused_naming_the_roles():
     assert "accepted: assistant, system, tool, user" in err.value.message and "'usr' -> 'user'" in err.value.hint
 
 
+def test_a_bad_line_is_one_message_without_the_readers_progress_bars(tmp_path, capfd, monkeypatch):
+    """Fails on main: `datasets`' "Generating train split" bars came before the message (the rows of SFT were read
+    with them off; those of DPO and GRPO were not)."""
+    from pipetrain.objectives import pairs
+
+    monkeypatch.setattr(pairs, "default_cache_root", lambda: tmp_path / "cache")
+    good = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join((good if i != 2 else '{"prompt": "a') + "\n" for i in range(12)))
+    capfd.readouterr()
+    with pytest.raises(DataError) as err:
+        read_pairs(data, tiny_tokenizer(), seq_len=24, pad_id=0)
+    assert err.value.message.startswith(f"line 3 of {str(data)!r} is not one JSON object")
+    said = capfd.readouterr()
+    assert "Generating" not in said.err + said.out, said.err
+
+
 def test_rows_without_chosen_and_rejected_are_refused(tmp_path):
     rows = _rows(tmp_path / "sums.jsonl", [{"prompt": f"{i} plus 1 is", "answer": str(i + 1)} for i in range(12)])
     with pytest.raises(ConfigError) as err:
