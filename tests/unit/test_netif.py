@@ -172,10 +172,10 @@ def test_a_claim_of_the_last_elastic_round_made_seconds_ago_does_not_silence_thi
     store.set(HEARTBEAT_PREFIX + "1", repr(time.time() - 50))  # rank 1 of this round: gone, its heartbeat stopped
     ask = dict(world_size=2, master_addr="127.0.0.1", master_port=store.port, beat_period_s=0.05)
     # round 0: rank 1 reported a loss (of rank 0, which never beat) a moment ago: its claim and mark are fresh
-    assert lost.lost_ranks_message(me=1, elastic_round=0, **ask) is not None
-    message = lost.lost_ranks_message(me=0, elastic_round=1, **ask)
+    assert lost.lost_ranks_message(me=1, restart_count=0, **ask) is not None
+    message = lost.lost_ranks_message(me=0, restart_count=1, **ask)
     assert message is not None and message.startswith("lost rank 1 of 2"), message
-    assert lost.lost_ranks_message(me=1, elastic_round=1, **ask) is None  # this round's claim stands
+    assert lost.lost_ranks_message(me=1, restart_count=1, **ask) is None  # this round's claim stands
 
 
 def test_the_lost_ranks_hint_under_torchrun_elastic_says_it_restarts_by_itself():

@@ -47,7 +47,7 @@ def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s
         return None
     period = beat_period(step_timeout_s) if step_timeout_s else 1.0
     message = lost_ranks_message(me=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
-                                 master_port=spec.master_port, beat_period_s=period, elastic_round=elastic_round())
+                                 master_port=spec.master_port, beat_period_s=period, restart_count=elastic_round())
     if message is None:
         time.sleep(_QUIET_S)
         fail_now("")
@@ -101,14 +101,15 @@ def silent_ranks(before: dict[int, str], after: dict[int, str], *, world_size: i
 
 
 def lost_ranks_message(*, me: int, world_size: int, master_addr: str, master_port: int,
-                       beat_period_s: float, elastic_round: int = 0) -> str | None:
+                       beat_period_s: float, restart_count: int = 0) -> str | None:
     """The one message naming the ranks that are gone, if this rank is the one to say it; None if another rank
-    claimed the report of this `elastic_round` (stay quiet: the launcher ends this rank when the reporter exits).
+    claimed the report of torchrun's round `restart_count` (stay quiet: the launcher ends this rank when the
+    reporter exits).
 
     Takes about 3 heartbeat periods (the live ranks beat meanwhile). When the store itself does not answer, the
     host of rank 0, which holds it, is the one gone, and every rank that notices says so.
     """
-    claim, saw_prefix = _keys(elastic_round)
+    claim, saw_prefix = _keys(restart_count)
 
     def survey() -> tuple[dict[int, str], dict[int, str], set[int]] | None:
         store = dist.TCPStore(master_addr, master_port, is_master=False,
