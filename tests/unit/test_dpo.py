@@ -64,22 +64,50 @@ def test_chat_pairs_render_the_template_and_an_implicit_prompt_is_split():
 
 
 @pytest.mark.parametrize("row, says", [
-    ({"prompt": "a", "chosen": " ", "rejected": "b"}, "row 0 of t: the chosen answer is empty"),
-    ({"prompt": "a", "chosen": "b", "rejected": ""}, "row 0 of t: the rejected answer is empty"),
+    ({"prompt": "a", "chosen": " ", "rejected": "b"}, "row 1 of t: the chosen answer is empty"),
+    ({"prompt": "a", "chosen": "b", "rejected": ""}, "row 1 of t: the rejected answer is empty"),
     ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]},
-     "row 0 of t: chosen and rejected have different prompts"),
+     "row 1 of t: chosen and rejected have different prompts"),
     ({"prompt": [{"role": "user", "content": "x"}],
       "chosen": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "assistant", "content": "w"}]},
-     "row 0 of t: chosen holds 'user' turns beside its 'prompt'"),
+     "row 1 of t: chosen holds 'user' turns beside its 'prompt'"),
     ({"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "assistant", "content": "y"}],
-      "rejected": [{"role": "assistant", "content": " "}]}, "row 0 of t: the rejected answer is empty"),
+      "rejected": [{"role": "assistant", "content": " "}]}, "row 1 of t: the rejected answer is empty"),
 ])
 def test_bad_pairs_are_refused_naming_the_row(row, says):
+    """Rows are numbered from 1, as an editor numbers lines (main said "row 0" for the first)."""
     with pytest.raises(DataError) as err:
         pair_ids(row, 0, chat_tokenizer(), "t")
     assert err.value.message.startswith(says)
+
+
+def test_a_chat_role_the_template_does_not_know_is_refused_naming_the_roles():
+    """A misspelled role trained without a word (fails on main), as it did for chat rows before issue 35."""
+    row = {"prompt": [{"role": "usr", "content": "The cat?"}], "chosen": [{"role": "assistant", "content": "sat"}],
+           "rejected": [{"role": "assistant", "content": "ran"}]}
+    with pytest.raises(DataError) as err:
+        pair_ids(row, 4, chat_tokenizer(), "t")
+    assert err.value.message.startswith("row 5 of t has the role(s) 'usr', which the chat template does not know")
+    assert "accepted: assistant, system, tool, user" in err.value.message and "'usr' -> 'user'" in err.value.hint
+
+
+def test_a_bad_line_is_one_message_without_the_readers_progress_bars(tmp_path, capfd, monkeypatch):
+    """Fails on main: `datasets`' "Generating train split" bars came before the message (the rows of SFT were read
+    with them off; those of DPO and GRPO were not)."""
+    from pipetrain.objectives import pairs
+
+    monkeypatch.setattr(pairs, "default_cache_root", lambda: tmp_path / "cache")
+    good = json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join((good if i != 2 else '{"prompt": "a') + "\n" for i in range(12)))
+    capfd.readouterr()
+    with pytest.raises(DataError) as err:
+        read_pairs(data, tiny_tokenizer(), seq_len=24, pad_id=0)
+    assert err.value.message.startswith(f"line 3 of {str(data)!r} is not one JSON object")
+    said = capfd.readouterr()
+    assert "Generating" not in said.err + said.out, said.err
 
 
 def test_rows_without_chosen_and_rejected_are_refused(tmp_path):

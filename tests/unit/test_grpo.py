@@ -61,18 +61,51 @@ def test_rewards_get_trls_arguments_and_add_up(rewards):
 
 
 @pytest.mark.parametrize("name, says", [
-    ("picky", "--reward '{}': picky raised ValueError: no sevens on row 12"),
-    ("short", "--reward '{}': short returned 1 reward(s) for 2 completions (rows 11..12)"),
+    ("picky", "--reward '{}': picky raised ValueError: no sevens on row 13"),
+    ("short", "--reward '{}': short returned 1 reward(s) for 2 completions (rows 12..13)"),
     ("missing", "--reward '{}': "),
-    ("noisy", "--reward '{}': noisy raised ValueError: first line on row 11"),
-    ("lost", "--reward '{}': lost returned nan for row 12"),
-    ("wordy", "--reward '{}': wordy returned str '1.0' for row 12, not a number"),
+    ("noisy", "--reward '{}': noisy raised ValueError: first line on row 12"),
+    ("lost", "--reward '{}': lost returned nan for row 13"),
+    ("wordy", "--reward '{}': wordy returned str '1.0' for row 13, not a number"),
 ])
 def test_a_bad_reward_function_is_named_with_its_row(rewards, name, says):
+    """Data rows 11 and 12 (from 0) are rows 12 and 13 as an editor numbers lines (main said 11 and 12)."""
     with pytest.raises(ConfigError) as err:
         functions = load_rewards([rewards(name)])
         score(functions, ["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["3", "7"]}, [11, 12])
     assert err.value.message.startswith(says.format(rewards(name))) and "\n" not in err.value.message
+
+
+def test_a_bad_prompt_is_named_by_its_line(tmp_path, monkeypatch):
+    """The row that is not text is line 3 of the file, and the message says row 3 (main: row 2)."""
+    pytest.importorskip("datasets")
+    import json
+
+    from pipetrain.data import cache as data_cache
+    from pipetrain.errors import DataError
+    from pipetrain.objectives.prompt_rows import read_prompt_rows
+    from tests.hf_folders import tiny_tokenizer
+
+    monkeypatch.setattr(data_cache, "default_cache_root", lambda: tmp_path / "cache")
+    rows = [{"prompt": f"{i} plus 1 is", "answer": str(i + 1)} for i in range(12)]
+    rows[2]["prompt"] = 5
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    settings = GRPOSettings(rewards=("r.py:f",), generations=2)
+    with pytest.raises(DataError) as err:
+        read_prompt_rows(data, tiny_tokenizer(), seq_len=64, settings=settings)
+    assert err.value.message.startswith(f"row 3 of --data {str(data)!r}: 'prompt' is int 5"), err.value.message
+
+
+def test_a_chat_prompt_with_a_role_the_template_does_not_know_is_refused():
+    """Fails on main: the misspelled role was rendered (or dropped) by the template without a word."""
+    from pipetrain.errors import DataError
+    from pipetrain.objectives.prompt_rows import _encode
+    from tests.hf_folders import chat_tokenizer
+
+    with pytest.raises(DataError) as err:
+        _encode(chat_tokenizer(), [{"role": "usr", "content": "1 plus 1?"}], 0, "t")
+    assert err.value.message.startswith("row 1 of t has the role(s) 'usr', which the chat template does not know")
 
 
 def test_g_must_divide_the_batch_and_its_prompts_the_replicas():

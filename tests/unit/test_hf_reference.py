@@ -93,6 +93,25 @@ def test_the_tiny_copy_keeps_flags_and_each_layer_type_and_shrinks_sizes():
     assert config.num_hidden_layers == 26  # the config itself unchanged
 
 
+@pytest.mark.parametrize("cls", ["DeepseekV3Config", "Qwen3MoeConfig", "Qwen2MoeConfig", "MixtralConfig",
+                                 "OlmoeConfig", "GptOssConfig"])
+def test_a_full_size_mixture_is_proven_on_a_small_copy_with_its_dense_and_its_expert_layers(cls, fresh):
+    """The class's defaults are the real model's sizes (DeepSeek-V3: 256 experts of 2,048, three dense layers first,
+    latent attention). Fails on main: DeepSeek-V3's tiny copy could not be built (its rotary width is head_dim; the
+    copy set 16 beside a qk_rope_head_dim of 64), so it was never proven; and the experts kept their full width
+    (Qwen2-MoE's copy held 60 experts of 1,408: seconds, not a fraction of one)."""
+    config = getattr(transformers, cls)()
+    tiny = proof.tiny_copy(config)
+    model = transformers.AutoModelForCausalLM.from_config(tiny)
+    layers = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+    assert any(layers), "the copy holds no expert layer"
+    dense = getattr(config, "first_k_dense_replace", 0) or getattr(config, "mlp_only_layers", None)
+    assert not dense or not all(layers), "the config has dense layers, the copy none"
+    assert sum(p.numel() for p in model.parameters()) < 8_000_000  # well under a second (timed: the benchmark)
+    result = proof.compare(config)
+    assert result.holds and result.largest > 0.4, result.line()
+
+
 def test_the_generic_description_applies_what_the_list_says(fresh, tmp_path, caplog):
     config = transformers.HyperCLOVAXConfig(**SIZES, embedding_multiplier=3.0, logits_scaling=0.5)
     reference = _folder(config, tmp_path)

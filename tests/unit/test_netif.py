@@ -156,6 +156,28 @@ def test_a_claim_left_by_an_earlier_elastic_round_does_not_silence_the_next_loss
                                    beat_period_s=0.05) is None
 
 
+def test_a_claim_of_the_last_elastic_round_made_seconds_ago_does_not_silence_this_rounds_loss():
+    """A restart can come within seconds of the last loss (a flaky host failing again at once): the claim of
+    torchrun's previous round is then still young, and only its round tells it apart (fails on main: the claim
+    counted for 30 s whatever the round, and the second loss went unreported)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipetrain.launch.env import elastic_round
+    from pipetrain.launch.watchdog import HEARTBEAT_PREFIX
+
+    assert elastic_round({}) == 0 and elastic_round({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set(HEARTBEAT_PREFIX + "1", repr(time.time() - 50))  # rank 1 of this round: gone, its heartbeat stopped
+    ask = dict(world_size=2, master_addr="127.0.0.1", master_port=store.port, beat_period_s=0.05)
+    # round 0: rank 1 reported a loss (of rank 0, which never beat) a moment ago: its claim and mark are fresh
+    assert lost.lost_ranks_message(me=1, restart_count=0, **ask) is not None
+    message = lost.lost_ranks_message(me=0, restart_count=1, **ask)
+    assert message is not None and message.startswith("lost rank 1 of 2"), message
+    assert lost.lost_ranks_message(me=1, restart_count=1, **ask) is None  # this round's claim stands
+
+
 def test_the_lost_ranks_hint_under_torchrun_elastic_says_it_restarts_by_itself():
     """Fails on main: it said "run again with --resume" although torchrun restarts the job."""
     from pipetrain.launch.env import elastic_restarts_left

@@ -18,15 +18,13 @@ import secrets
 import shutil
 import socket
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pipetrain.data.fields import RowFormat, row_kind
-from pipetrain.data.formats import detect_format, read_rows, require_datasets
+from pipetrain.data.formats import detect_format, progress_bars, read_rows, require_datasets
 from pipetrain.data.chat import check_chat_template
 from pipetrain.data.render import tokenize_rows
 
@@ -71,17 +69,6 @@ class Tokenized:
     kind: str
     format: str
     cached: bool
-
-
-@contextmanager
-def _bars(datasets: Any, on: bool) -> Iterator[None]:
-    """`datasets`' progress bars on (`on`) or off inside the block, as they were after it."""
-    was_off = datasets.are_progress_bars_disabled()
-    datasets.enable_progress_bars() if on else datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets.disable_progress_bars() if was_off else datasets.enable_progress_bars()
 
 
 def _processes(rows: int, procs: int | None) -> int | None:
@@ -147,8 +134,7 @@ def _tokenize(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokeniz
 def _build(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_name: str, data_format: str,
            files: list[Path], building: Path, key: str, procs: int | None) -> str:
     """Read, tokenize and store the rows in `building`; returns their kind."""
-    with _bars(datasets, False):  # JSON and Parquet as Arrow files, deleted once tokenized
-        rows = read_rows(data_format, files, cache_dir=building / "arrow")
+    rows = read_rows(data_format, files, cache_dir=building / "arrow")  # Arrow files, deleted once tokenized
     source = f"--data {str(path)!r}"
     kind, fields = row_kind(rows.column_names, fmt, source)
     if kind == "chat":
@@ -158,13 +144,13 @@ def _build(datasets: Any, path: Path, fmt: RowFormat, tokenizer: Any, tokenizer_
         features.update(trained=datasets.List(datasets.Value("int8")), first=datasets.Value("int32"))
     if kind == "instruction":  # 1: the tokenizer merges prompt and answer across the joint: tokenized apart
         features.update(apart=datasets.Value("int8"))
-    with _bars(datasets, sys.stderr.isatty()):
+    with progress_bars(datasets, sys.stderr.isatty()):
         mapped = rows.map(partial(tokenize_rows, tokenizer=tokenizer, kind=kind, fields=fields, source=source),
                           batched=True, with_indices=True, remove_columns=rows.column_names,
                           num_proc=_processes(len(rows), procs), features=datasets.Features(features),
                           desc=f"tokenizing {path.name}", cache_file_name=str(building / "map" / "tokens.arrow"),
                           load_from_cache_file=False, new_fingerprint=key)
-    with _bars(datasets, False):
+    with progress_bars(datasets, False):
         mapped.save_to_disk(str(building / "rows"))
     count = len(rows)
     del mapped, rows

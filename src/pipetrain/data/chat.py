@@ -21,7 +21,8 @@ from typing import Any
 
 from pipetrain.errors import ConfigError, DataError
 
-__all__ = ["ROLES", "check_chat_template", "check_roles", "marks_generation", "template_roles", "assistant_spans"]
+__all__ = ["ROLES", "check_chat_template", "check_known_roles", "check_roles", "marks_generation", "template_roles",
+           "assistant_spans"]
 
 #: the roles every chat template is given (besides those its text names)
 ROLES = ("system", "user", "assistant", "tool")
@@ -57,6 +58,17 @@ def template_roles(tokenizer: Any) -> tuple[str, ...]:
     return tuple(sorted(set(ROLES) | set(_ROLE_NAME.findall(_template(tokenizer)))))
 
 
+def check_known_roles(tokenizer: Any, roles: Sequence[Any], index: int, source: str) -> None:
+    """One DataError naming the roles found and accepted when row `index` (0-based; said 1-based) of `source` has
+    `roles` that the chat template does not know."""
+    known = template_roles(tokenizer)
+    unknown = [r for r in dict.fromkeys(roles) if r not in known]
+    if unknown:
+        raise DataError(f"row {index + 1} of {source} has the role(s) {', '.join(map(repr, unknown))}, which the chat "
+                        f"template does not know (roles found in the row: {', '.join(map(str, dict.fromkeys(roles)))}; "
+                        f"accepted: {', '.join(known)})", hint="fix the role names of that row (e.g. 'usr' -> 'user')")
+
+
 def check_roles(tokenizer: Any, messages: Any, index: int, source: str) -> list[dict]:
     """The messages of row `index` (0-based; said 1-based) with their contents checked as text; one DataError when
     they are not a list of {role, content}, have a role the template does not know, or no assistant turn."""
@@ -64,12 +76,8 @@ def check_roles(tokenizer: Any, messages: Any, index: int, source: str) -> list[
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError(f"{row}: 'messages' is not a list of {{role, content}} messages",
                         hint="write each row's messages as [{\"role\": \"user\", \"content\": ...}, ...]")
-    roles, known = [m["role"] for m in messages], template_roles(tokenizer)
-    unknown = [r for r in dict.fromkeys(roles) if r not in known]
-    if unknown:
-        raise DataError(f"{row} has the role(s) {', '.join(map(repr, unknown))}, which the chat template does not "
-                        f"know (roles found in the row: {', '.join(map(str, dict.fromkeys(roles)))}; accepted: "
-                        f"{', '.join(known)})", hint="fix the role names of that row (e.g. 'usr' -> 'user')")
+    roles = [m["role"] for m in messages]
+    check_known_roles(tokenizer, roles, index, source)
     if "assistant" not in roles:
         raise DataError(f"{row} is a chat without an assistant turn (roles: {', '.join(roles) or 'none'})",
                         hint="every chat row needs an assistant message to train on: add its answer or remove the row")

@@ -19,7 +19,8 @@ from typing import Any
 from pipetrain.data.lines import check_text, first_bad_line
 from pipetrain.errors import ConfigError, DataError
 
-__all__ = ["FORMATS", "SUFFIXES", "detect_format", "rows_format", "read_rows", "read_texts", "require_datasets"]
+__all__ = ["FORMATS", "SUFFIXES", "detect_format", "progress_bars", "rows_format", "read_rows", "read_texts",
+           "require_datasets"]
 
 #: file suffix -> format name (as the start-up line says it)
 SUFFIXES = {".txt": "text", ".jsonl": "JSON lines", ".json": "JSON lines", ".parquet": "Parquet"}
@@ -103,8 +104,8 @@ def read_rows(fmt: str, files: list[Path], *, cache_dir: Path) -> Any:
         for file in files:
             check_text(file)
     builder = {"JSON lines": "json", "Parquet": "parquet"}[fmt]
-    try:
-        with _quiet("datasets"):  # its JSON reader logs each failure before raising it
+    try:  # its JSON reader logs each failure before raising it; its bars would come before pipetrain's lines
+        with _quiet("datasets"), progress_bars(datasets, False):
             return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                          cache_dir=str(cache_dir))
     except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError) as err:
@@ -115,6 +116,17 @@ def read_rows(fmt: str, files: list[Path], *, cache_dir: Path) -> Any:
         cause = err.__cause__ or err
         raise DataError(f"cannot read {', '.join(str(f) for f in files[:3])} as {fmt}: {cause}",
                         hint="check the file (one JSON object per line for .jsonl)") from None
+
+
+@contextmanager
+def progress_bars(datasets: Any, on: bool) -> Iterator[None]:
+    """`datasets`' progress bars on (`on`) or off inside the block, as they were after it."""
+    was_off = datasets.are_progress_bars_disabled()
+    datasets.enable_progress_bars() if on else datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.disable_progress_bars() if was_off else datasets.enable_progress_bars()
 
 
 @contextmanager

@@ -262,6 +262,13 @@ def elastic_restarts_left(environ: Mapping[str, str] | None = None) -> int | Non
     return max(0, _int(env, "TORCHELASTIC_MAX_RESTARTS", 0) - _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
 
 
+def elastic_round(environ: Mapping[str, str] | None = None) -> int:
+    """Which start of this job torchrun's elastic agent made (TORCHELASTIC_RESTART_COUNT: 0 for the first, and
+    outside torchrun)."""
+    env = os.environ if environ is None else environ
+    return _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+
+
 def under_torchrun_agent(environ: Mapping[str, str] | None = None) -> bool:
     """Whether torchrun's elastic agent started this process (it is then the process's parent)."""
     env = os.environ if environ is None else environ

@@ -5,9 +5,10 @@ closed at once; each would print the same unhelpful "connection closed by peer",
 ranks still alive keep beating in the job's store (launch/watchdog.py), the lost ones stopped: the first rank to
 claim the report compares two readings of the heartbeats and names the silent ranks; the others stay quiet.
 
-The claim and the "saw it" marks carry the wall-clock time they were made and count for `_CLAIM_LIFE_S` only:
 torchrun's agent store outlives a restart, and a claim left by an earlier round would silence the report of the
-next loss (a later elastic round's).
+next loss (a later elastic round's): the claim and the "saw it" marks are kept under the round's own keys
+(`elastic_round`), and they carry the wall-clock time they were made and count for `_CLAIM_LIFE_S` only (a store
+kept by something else than torchrun).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pipetrain.errors import RankFailedError
-from pipetrain.launch.env import elastic_restarts_left
+from pipetrain.launch.env import elastic_restarts_left, elastic_round
 from pipetrain.launch.failures import error_text
 from pipetrain.launch.spawn import RankSpec, fail_now
 from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, STORE_TIMEOUT_S, beat_period, bounded
@@ -46,7 +47,7 @@ def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s
         return None
     period = beat_period(step_timeout_s) if step_timeout_s else 1.0
     message = lost_ranks_message(me=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
-                                 master_port=spec.master_port, beat_period_s=period)
+                                 master_port=spec.master_port, beat_period_s=period, restart_count=elastic_round())
     if message is None:
         time.sleep(_QUIET_S)
         fail_now("")
@@ -66,16 +67,21 @@ def lost_hint(restarts_left: int | None) -> str:
            "checkpoint"
 
 
-def _claim(store: dist.TCPStore, me: int, now: float) -> bool:
-    """Whether this rank wins the report: the claim is free, or left by an earlier round (older than
-    `_CLAIM_LIFE_S`)."""
+def _keys(round_: int) -> tuple[str, str]:
+    """(the claim's key, the "saw it" marks' prefix) of torchrun's round `round_` (the first round's are those
+    older pipetrain wrote)."""
+    return (_CLAIM, _SAW) if round_ == 0 else (f"{_CLAIM}/{round_}", f"{_SAW}{round_}/")
+
+
+def _claim(store: dist.TCPStore, key: str, me: int, now: float) -> bool:
+    """Whether this rank wins the report: the claim `key` is free, or stale (older than `_CLAIM_LIFE_S`)."""
     mine = f"{me} {now!r}"
-    held = store.compare_set(_CLAIM, "", mine).decode()
+    held = store.compare_set(key, "", mine).decode()
     if held == mine:
         return True
     if _age(held, now) <= _CLAIM_LIFE_S:
         return False
-    return store.compare_set(_CLAIM, held, mine).decode() == mine  # a stale claim: take it (one rank wins)
+    return store.compare_set(key, held, mine).decode() == mine  # a stale claim: take it (one rank wins)
 
 
 def _age(mark: str, now: float) -> float:
@@ -95,25 +101,29 @@ def silent_ranks(before: dict[int, str], after: dict[int, str], *, world_size: i
 
 
 def lost_ranks_message(*, me: int, world_size: int, master_addr: str, master_port: int,
-                       beat_period_s: float) -> str | None:
+                       beat_period_s: float, restart_count: int = 0) -> str | None:
     """The one message naming the ranks that are gone, if this rank is the one to say it; None if another rank
-    claimed the report (stay quiet: the launcher ends this rank when the reporter exits).
+    claimed the report of torchrun's round `restart_count` (stay quiet: the launcher ends this rank when the
+    reporter exits).
 
     Takes about 3 heartbeat periods (the live ranks beat meanwhile). When the store itself does not answer, the
     host of rank 0, which holds it, is the one gone, and every rank that notices says so.
     """
-    def survey() -> tuple[dict[int, str], dict[int, str]] | None:
+    claim, saw_prefix = _keys(restart_count)
+
+    def survey() -> tuple[dict[int, str], dict[int, str], set[int]] | None:
         store = dist.TCPStore(master_addr, master_port, is_master=False,
                               timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
         now = time.time()
-        store.set(f"{_SAW}{me}", repr(now))  # alive, and ending: a rank that failed stops beating, it is not lost
-        if not _claim(store, me, now):
+        store.set(f"{saw_prefix}{me}", repr(now))  # alive, and ending: a rank that failed stops beating, it is not lost
+        if not _claim(store, claim, me, now):
             return None
         keys = {r: f"{HEARTBEAT_PREFIX}{r}" for r in range(world_size)}
         first = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
         time.sleep(3 * beat_period_s)
         second = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        marks = {r: store.get(f"{_SAW}{r}").decode() for r in range(world_size) if store.check([f"{_SAW}{r}"])}
+        marks = {r: store.get(f"{saw_prefix}{r}").decode() for r in range(world_size)
+                 if store.check([f"{saw_prefix}{r}"])}
         saw = {r for r, mark in marks.items() if _age(mark, time.time()) <= _CLAIM_LIFE_S}
         return first, second, saw
 

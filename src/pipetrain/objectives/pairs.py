@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pipetrain.data.cache import default_cache_root
+from pipetrain.data.chat import check_known_roles
 from pipetrain.data.formats import detect_format, read_rows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.objectives.columns import with_columns
@@ -71,7 +72,7 @@ def _is_chat(value: Any) -> bool:
 
 def _text(value: Any, field: str, index: int, source: str) -> str:
     if not isinstance(value, str):
-        raise DataError(f"row {index} of {source}: {field!r} is {type(value).__name__} {value!r:.60}, not text or "
+        raise DataError(f"row {index + 1} of {source}: {field!r} is {type(value).__name__} {value!r:.60}, not text or "
                         "chat messages", hint="write each row as TRL's preference format: prompt, chosen, rejected")
     return value
 
@@ -83,27 +84,28 @@ def pair_ids(row: dict, index: int, tokenizer: Any, source: str) -> tuple[list[i
         if value is None or (isinstance(value, str) and not value.strip()) or value == [] or (
                 _is_chat(value) and not any(str(m.get("content") or "").strip() for m in value
                                             if m.get("role") == "assistant")):
-            raise DataError(f"row {index} of {source}: the {name} answer is empty",
+            raise DataError(f"row {index + 1} of {source}: the {name} answer is empty",
                             hint="every pair needs a non-empty chosen and rejected answer: fix or remove the row")
     if prompt is None and _is_chat(chosen) and _is_chat(rejected):  # TRL's implicit prompt
         if chosen[:-1] != rejected[:-1] or not chosen[:-1]:
-            raise DataError(f"row {index} of {source}: chosen and rejected have different prompts (their turns "
+            raise DataError(f"row {index + 1} of {source}: chosen and rejected have different prompts (their turns "
                             "before the last differ)", hint="a pair answers one prompt: give both conversations the "
                                                             "same turns before their last answer, or a 'prompt' field")
         prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
     if prompt is None:
-        raise DataError(f"row {index} of {source} has no 'prompt'", hint="write each row as TRL's preference "
+        raise DataError(f"row {index + 1} of {source} has no 'prompt'", hint="write each row as TRL's preference "
                                                                         "format: prompt, chosen, rejected")
     if _is_chat(prompt):
         if not (_is_chat(chosen) and _is_chat(rejected)):
-            raise DataError(f"row {index} of {source}: the prompt is chat messages, the answers are not",
+            raise DataError(f"row {index + 1} of {source}: the prompt is chat messages, the answers are not",
                             hint="give chosen and rejected as lists of assistant messages too")
         for name, answer in (("chosen", chosen), ("rejected", rejected)):
             roles = sorted({str(m.get("role")) for m in answer} - {"assistant"})
             if roles:
-                raise DataError(f"row {index} of {source}: {name} holds {', '.join(map(repr, roles))} turns beside "
+                raise DataError(f"row {index + 1} of {source}: {name} holds {', '.join(map(repr, roles))} turns beside "
                                 "its 'prompt'", hint="with a 'prompt' field, chosen and rejected are the assistant's "
                                                      "answer alone: drop their prompt turns, or drop 'prompt'")
+        check_known_roles(tokenizer, [m["role"] for m in (*prompt, *chosen, *rejected)], index, source)
         render = tokenizer.apply_chat_template
         head = render(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
         whole = [render(prompt + answer, tokenize=True, return_dict=True)["input_ids"] for answer in (chosen, rejected)]
@@ -114,7 +116,7 @@ def pair_ids(row: dict, index: int, tokenizer: Any, source: str) -> tuple[list[i
         head = tokenizer(text=prompt)["input_ids"]
         whole = [tokenizer(text=prompt + (a if a.endswith(eos) else a + eos))["input_ids"] for a in answers]
     if not head:
-        raise DataError(f"row {index} of {source}: the prompt is empty", hint="give every pair a prompt")
+        raise DataError(f"row {index + 1} of {source}: the prompt is empty", hint="give every pair a prompt")
     return list(head), list(whole[0][len(head):]), list(whole[1][len(head):])
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.data.cache import default_cache_root
+from pipetrain.data.chat import check_known_roles
 from pipetrain.data.formats import detect_format, read_rows
 from pipetrain.errors import ConfigError, DataError
 from pipetrain.objectives.grpo_loss import GRPOLossSettings
@@ -70,10 +71,11 @@ class PromptRows:
 
 def _encode(tokenizer: Any, prompt: Any, index: int, source: str) -> list[int]:
     if isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        check_known_roles(tokenizer, [m["role"] for m in prompt], index, source)
         return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
                                                   return_dict=True)["input_ids"])
     if not isinstance(prompt, str) or not prompt.strip():
-        raise DataError(f"row {index} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or "
+        raise DataError(f"row {index + 1} of {source}: 'prompt' is {type(prompt).__name__} {prompt!r:.40}, not text or "
                         "chat messages", hint="give every row a prompt")
     return list(tokenizer(text=prompt)["input_ids"])
 

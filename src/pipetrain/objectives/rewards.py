@@ -38,7 +38,8 @@ class RewardFunction:
 
     def __call__(self, prompts: list, completions: list, ids: list, fields: dict[str, list],
                  rows: list[int]) -> torch.Tensor:
-        """The rewards of the completions (float32, NaN for None); `rows` are their data rows (for messages)."""
+        """The rewards of the completions (float32, NaN for None); `rows` are their data rows (from 0;
+        messages number them from 1, as an editor numbers lines)."""
         try:
             out = list(self._call(prompts, completions, ids, fields))
         except Exception as err:  # find the row: one completion at a time
@@ -51,12 +52,13 @@ class RewardFunction:
                     row = rows[i]
                     break
             said = (str(err).strip().splitlines() or [""])[0]  # one line: the exception's first
-            raise ConfigError(f"--reward {self.spec!r}: {self.name} raised {type(err).__name__}: {said} on row {row}",
+            raise ConfigError(f"--reward {self.spec!r}: {self.name} raised {type(err).__name__}: {said} on row "
+                              f"{row + 1}",
                               hint=f"fix {self.name} for that row (it gets prompts, completions, completion_ids and "
                                    f"the row's fields {sorted(fields)} as keyword lists)") from None
         if len(out) != len(prompts):
             raise ConfigError(f"--reward {self.spec!r}: {self.name} returned {len(out)} reward(s) for {len(prompts)} "
-                              f"completions (rows {min(rows)}..{max(rows)})",
+                              f"completions (rows {min(rows) + 1}..{max(rows) + 1})",
                               hint="return exactly one float per completion")
         values = []
         for i, value in enumerate(out):
@@ -64,12 +66,14 @@ class RewardFunction:
                 values.append(math.nan)
             elif isinstance(value, (int, float)) and not isinstance(value, bool) or hasattr(value, "__float__"):
                 if not math.isfinite(float(value)):
-                    raise ConfigError(f"--reward {self.spec!r}: {self.name} returned {float(value)} for row {rows[i]}",
+                    raise ConfigError(f"--reward {self.spec!r}: {self.name} returned {float(value)} for row "
+                                      f"{rows[i] + 1}",
                                       hint="return a finite float, or None for a completion it does not score")
                 values.append(float(value))
             else:
                 raise ConfigError(f"--reward {self.spec!r}: {self.name} returned {type(value).__name__} {value!r:.40} "
-                                  f"for row {rows[i]}, not a number", hint="return one float (or None) per completion")
+                                  f"for row {rows[i] + 1}, not a number",
+                                  hint="return one float (or None) per completion")
         return torch.tensor(values, dtype=torch.float32)
 
 

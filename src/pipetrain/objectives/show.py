@@ -18,7 +18,7 @@ def show_pairs(pairs: PreferencePairs, tokenizer: Any, count: int) -> str:
     lines = [pairs.source, f"first {count} pair(s), rows as the pipeline sees them (chosen, then rejected); tokens "
                            f"the loss trains on are between {OPEN} and {CLOSE}"]
     for i in range(count):
-        lines += ["", f"--- pair {i} (row {int(pairs.rows[i])}) ---"]
+        lines += ["", f"--- pair {i} (row {int(pairs.rows[i]) + 1}) ---"]
         for j, name in enumerate(("chosen", "rejected")):
             length = int(pairs.lengths[i, j])
             ids = pairs.tokens[i, j, :length].tolist()

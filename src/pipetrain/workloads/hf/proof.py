@@ -1,7 +1,8 @@
 """The proof that pipetrain's blocks compute what transformers' class computes, on a tiny copy of a model's config.
 
 `prove(config)` makes a tiny random copy of `config` (2 decoder layers, hidden 64, 4 query and 2 key/value heads of
-16, a vocabulary of 128, windows of 4 tokens: every other field and flag as the config has it, each layer type kept),
+16, a vocabulary of 128, windows of 4 tokens, experts 32 wide: every other field and flag as the config has it,
+each layer type kept, a dense and an expert layer of a mixture with both),
 builds it as transformers' `AutoModelForCausalLM` with random weights, and as pipetrain's blocks in order loaded with
 those weights, and compares their logits on 16 random tokens: they agree within fp32 round-off (`ROUND_OFF` of the
 largest logit), in well under a second on CPU. The weights are drawn at unit scale (not at transformers' 0.02) so
@@ -35,9 +36,12 @@ __all__ = ["Proof", "ROUND_OFF", "TINY", "tiny_copy", "compare", "prove", "logit
 
 log = logging.getLogger("pipetrain")
 
-#: the tiny copy's sizes (set where the config has the field; vocabulary, heads and windows shrunk)
+#: the tiny copy's sizes (set where the config has the field; vocabulary, heads, experts' widths and windows shrunk)
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "sliding_window": 4}
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "sliding_window": 4,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}
+#: latent attention's widths (DeepSeek's): its rotary part is `head_dim`, set to match
+LATENT = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
 SEQ = 16
 #: logits agree when their largest difference is at most this fraction of the largest logit (at least 1)
 ROUND_OFF = 1e-5
@@ -70,12 +74,33 @@ def _layer_types(types: list[str]) -> list[str]:
     return [types[0], other]
 
 
-def tiny_copy(config: Any) -> Any:
-    """A copy of `config` with `TINY`'s sizes where it has those fields, its other fields and flags unchanged."""
-    tiny = copy.deepcopy(config)
-    for name, value in TINY.items():
+def _shrink(tiny: Any, sizes: dict[str, int]) -> None:
+    for name, value in sizes.items():
         if isinstance(getattr(tiny, name, None), int) and not isinstance(getattr(tiny, name), bool):
             setattr(tiny, name, value)
+
+
+def _dense_then_experts(tiny: Any) -> None:
+    """Of a mixture with dense layers, the copy's first layer dense and its second an expert layer."""
+    if isinstance(getattr(tiny, "first_k_dense_replace", None), int) and tiny.first_k_dense_replace > 1:
+        tiny.first_k_dense_replace = 1
+    if isinstance(getattr(tiny, "mlp_only_layers", None), list) and tiny.mlp_only_layers:
+        tiny.mlp_only_layers = [0]
+    if isinstance(getattr(tiny, "decoder_sparse_step", None), int) and tiny.decoder_sparse_step > 2:
+        tiny.decoder_sparse_step = 2
+
+
+def tiny_copy(config: Any) -> Any:
+    """A copy of `config` with `TINY`'s sizes where it has those fields (and `LATENT`'s), one layer of each kind it
+    has (attention types; dense and expert layers), its other fields and flags unchanged."""
+    tiny = copy.deepcopy(config)
+    _shrink(tiny, TINY)
+    if isinstance(getattr(tiny, "qk_rope_head_dim", None), int):  # latent attention: head_dim is the rotary part
+        _shrink(tiny, LATENT)
+        tiny.head_dim = tiny.qk_rope_head_dim
+        if hasattr(tiny, "qk_head_dim"):
+            tiny.qk_head_dim = tiny.qk_nope_head_dim + tiny.qk_rope_head_dim
+    _dense_then_experts(tiny)
     types = getattr(config, "layer_types", None)
     if isinstance(types, list) and types:
         tiny.layer_types = _layer_types(types)
