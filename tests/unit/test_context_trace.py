@@ -54,6 +54,19 @@ def test_each_ring_exchange_is_a_span_forward_and_backward(one_rank):
     assert len(recorder.records) == 3 and len(one_rank) == 3
 
 
+def test_an_overlapped_exchange_is_a_span_at_each_wait(one_rank):
+    """The overlapped exchange (posted, then waited for after the attention): a span at the forward's wait and one
+    at the backward's, the gradient sent back; what was sent is what comes back."""
+    x = torch.randn(2, 3, requires_grad=True)
+    recorder = Recorder()
+    with recorder.recording(0):
+        flight = ring._InFlight(None, 0, 0)
+        y = ring._Wait.apply(ring._Post.apply(x, flight), flight)
+        (2 * y).sum().backward()
+    assert torch.equal(y, x) and torch.equal(x.grad, torch.full((2, 3), 2.0))
+    assert _kinds(recorder) == ["cp_ring", "cp_ring", "step"] and len(one_rank) == 2
+
+
 def test_each_all_to_all_is_a_span_forward_and_backward(one_rank):
     x = torch.randn(2, 3, requires_grad=True)
     recorder = Recorder()
