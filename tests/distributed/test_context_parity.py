@@ -58,6 +58,11 @@ CASES = {
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
     "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
     "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
+    # the split-backward schedules (input gradients, then weight gradients): FSDP2 over the cp ranks, as with dp
+    "llama-ring-cp2xpp2-zero-bubble-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zero-bubble", "never", False),
+    "llama-ring-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zbv", "never", False),
+    "llama-ring-cp2xpp2-dualpipev-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "dualpipev", "never", True),
+    "llama-ulysses-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ulysses", "zbv", "never", False),
 }
 
 #: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")
