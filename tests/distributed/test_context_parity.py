@@ -4,9 +4,10 @@ transformers model on the same tokens.
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
 recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
 over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
-of unequal lengths crossing the parts' boundaries under both attentions; the split-backward schedules (zero-bubble,
-zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2 over FSDP2 (the reference: transformers' packed-sequence
-mask from `position_ids`, so a document that saw another would change the loss and gradients). Over three SGD steps
+of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
+mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
+schedules (zero-bubble, zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2
+over FSDP2. Over three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
 every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5. The checkpoint
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
