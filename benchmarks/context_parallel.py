@@ -1,14 +1,21 @@
 """Benchmark: context parallelism on CPU ranks: tokens/s and activation memory per rank at cp 1, 2, 4, ring and
-all-to-all (ulysses) attention side by side, one sequence per step.
+all-to-all (ulysses) attention side by side, and the ring's overlap of its exchange with the attention, one sequence
+per step, in one run.
 
 Each cell is a fresh job of `cp` gloo ranks (`pipetrain.launch_local`) training a small Llama built by transformers'
-config (hidden 64, 2 layers, 4 query and 4 key/value heads, so ulysses runs at cp 4 too) on one random sequence of
-`--seq` tokens per step (SGD). Printed per cell: the median step time, tokens/s and its ratio to cp 1, and the
-activation memory per rank: the bytes autograd saves for the backward in one step (`saved_tensors_hooks`), the
-most of any rank. cp 1 is the unsplit model with transformers' sdpa attention (the fused CPU kernel, which saves no
-score matrix); cp > 1 runs pipetrain's ring or all-to-all attention, whose blocks are written in torch ops and
-save their scores: memory per rank falls as 1/cp for the projections and MLPs, as 1/cp^2 per ring block for scores.
-Run: `.venv/bin/python benchmarks/context_parallel.py [--seq 2048] [--steps 3]`.
+config (hidden 64, 2 layers, 4 query and 4 key/value heads, so ulysses runs at cp 4 too; positions up to 32,768) on
+one random sequence of `--seq` tokens per step (SGD). The ring runs three ways at cp 2 (and 4): its exchange
+overlapped with the block attention (the default), synchronous (`sync`: send, wait, then attend), and removed
+(`local`: a local copy of the same shape instead of the exchange; wrong attention, the same compute: measurement
+only), set through `ContextParallel.exchange` in the ranks. Printed per cell: the median step time (a step's time:
+the slowest rank's) over `--steps` timed steps of each of `--rounds` rounds, the spread of the rounds' medians,
+tokens/s and its ratio to cp 1, and the activation memory per rank: the bytes autograd saves for the backward in one
+step (`saved_tensors_hooks`), the most of any rank. cp 1 is the unsplit model with transformers' sdpa attention (the
+fused CPU kernel, which saves no score matrix); cp > 1 runs pipetrain's ring or all-to-all attention, whose blocks
+are written in torch ops. Then, per cp: the exchange's exposed time (sync - local) and the share of it the overlap
+hides ((sync - overlap) / (sync - local)).
+The rounds run every cell one after another, so that a shared machine's changing load falls on all alike.
+Run: `.venv/bin/python benchmarks/context_parallel.py [--seq 4096] [--steps 3] [--rounds 3] [--cells ...]`.
 """
 
 from __future__ import annotations
@@ -24,22 +31,31 @@ import torch
 
 import pipetrain
 from pipetrain.config import ParallelConfig, PipelineConfig
+from pipetrain.context import ContextParallel
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
 
-CELLS = [("cp1", 1, "ring"), ("cp2-ring", 2, "ring"), ("cp2-ulysses", 2, "ulysses"), ("cp4-ring", 4, "ring"),
-         ("cp4-ulysses", 4, "ulysses")]
+#: name -> (cp, attention, the ring's exchange)
+CELLS = {"cp1": (1, "ring", "overlap"), "cp2-ring": (2, "ring", "overlap"), "cp2-ring-sync": (2, "ring", "sync"),
+         "cp2-ring-local": (2, "ring", "local"), "cp2-ulysses": (2, "ulysses", "overlap"),
+         "cp4-ring": (4, "ring", "overlap"), "cp4-ring-sync": (4, "ring", "sync"), "cp4-ring-local": (4, "ring", "local"),
+         "cp4-ulysses": (4, "ulysses", "overlap")}
+DEFAULT_CELLS = ("cp1", "cp2-ring", "cp2-ring-sync", "cp2-ring-local", "cp2-ulysses", "cp4-ring", "cp4-ulysses")
+POSITIONS = 32768
 
 
 def _config(seq: int):
     import transformers
 
     return transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq)
+                                    num_attention_heads=4, num_key_value_heads=4,
+                                    max_position_embeddings=max(seq, POSITIONS))
 
 
-def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, steps: int, warmup: int, out: str) -> None:
+def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, exchange: str, steps: int, warmup: int,
+          out: str) -> None:
     device = join_job(spec)
+    ContextParallel.exchange = exchange  # the measurement switch, in this rank's process only
     try:
         parallel = ParallelConfig(pipeline=PipelineConfig(pp=1), cp=cp, cp_attention=attention)
         session = build_session(HFCausalLM(_config(seq), seq_len=seq), parallel, device, loss_fn=causal_lm_loss)
@@ -60,32 +76,54 @@ def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, steps: in
             opt.step()
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-        torch.save({"step_s": statistics.median(times), "saved": saved[0]}, Path(out) / f"rank{spec.rank}.pt")
+        torch.save({"step_s": times, "saved": saved[0]}, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every cell, one after another")
+    parser.add_argument("--cells", default=",".join(DEFAULT_CELLS), help=f"comma-separated, of: {', '.join(CELLS)}")
     args = parser.parse_args()
+    names = args.cells.split(",")
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    saved: dict[str, int] = {}
+    for _ in range(args.rounds):  # rounds interleave the cells: the shared machine's load falls on all of them alike
+        for name in names:
+            cp, attention, exchange = CELLS[name]
+            out = tempfile.mkdtemp()
+            pipetrain.launch_local(_cell, cp, args.seq, cp, attention, exchange, args.steps, args.warmup, out)
+            records = [torch.load(Path(out) / f"rank{r}.pt") for r in range(cp)]
+            times[name].append([max(step) for step in zip(*(r["step_s"] for r in records))])  # the slowest rank's
+            saved[name] = max(r["saved"] for r in records)
     rows = {}
-    for name, cp, attention in CELLS:
-        out = tempfile.mkdtemp()
-        pipetrain.launch_local(_cell, cp, args.seq, cp, attention, args.steps, args.warmup, out)
-        records = [torch.load(Path(out) / f"rank{r}.pt") for r in range(cp)]
-        rows[name] = (cp, max(r["step_s"] for r in records), max(r["saved"] for r in records))
-    print(f"{args.seq} tokens a step, Llama hidden 64 x 2 layers, {args.steps} timed steps after {args.warmup} "
-          f"warm-up, gloo, one thread per rank, 2 shared CPU cores (1-min load at the end: {os.getloadavg()[0]:.1f})\n")
-    print("| cell | ranks | median step (s) | tokens/s | vs cp1 | activation memory per rank (MB) | vs cp1 |")
-    print("|---|---|---|---|---|---|---|")
-    base_step, base_mem = rows["cp1"][1], rows["cp1"][2]
-    for name, (cp, step, saved) in rows.items():
-        print(f"| {name} | {cp} | {step:.3f} | {args.seq / step:,.0f} | {base_step / step:.2f}x | "
-              f"{saved / 2**20:.1f} | {saved / base_mem:.2f}x |")
+    for name in names:
+        rounds = [statistics.median(steps) for steps in times[name]]
+        every = [t for steps in times[name] for t in steps]
+        rows[name] = (CELLS[name][0], statistics.median(every), min(rounds), max(rounds), saved[name])
+    print(f"{args.seq} tokens a step, Llama hidden 64 x 2 layers (positions to {POSITIONS}), median of "
+          f"{args.steps * args.rounds} timed steps ({args.steps} after {args.warmup} warm-up in each of {args.rounds} "
+          f"rounds; spread: the rounds' medians), gloo, one thread per rank, 2 CPU cores shared with other jobs "
+          f"(1-min load at the end: {os.getloadavg()[0]:.1f})\n")
+    print("| cell | ranks | median step (s) | spread (s) | tokens/s | vs cp1 | activation memory per rank (MB) | vs cp1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = rows.get("cp1")
+    for name, (cp, step, low, high, saved) in rows.items():
+        speed, memory = (f"{base[1] / step:.2f}x", f"{saved / base[4]:.2f}x") if base else ("-", "-")
+        print(f"| {name} | {cp} | {step:.3f} | {low:.3f}-{high:.3f} | {args.seq / step:,.0f} | {speed} | "
+              f"{saved / 2**20:.1f} | {memory} |")
     print("\nvs cp1 (speed): cp1's step time / this cell's (> 1 is faster); (memory): this cell's / cp1's.")
+    for cp in (2, 4):
+        cells = [rows.get(f"cp{cp}-ring{tail}") for tail in ("", "-sync", "-local")]
+        if all(cells):
+            overlap, sync, local = (cell[1] for cell in cells)
+            hidden = f"{(sync - overlap) / (sync - local):.0%}" if sync > local else "n/a (sync <= local)"
+            print(f"cp{cp} ring: exchange exposed (sync - local) {sync - local:.3f} s a step, overlap saves "
+                  f"{sync - overlap:.3f} s: {hidden} of it hidden")
 
 
 if __name__ == "__main__":

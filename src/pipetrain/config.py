@@ -311,13 +311,15 @@ class ParallelConfig:
         if self.tp > 1 and self.pipeline.compile:
             raise ConfigError(f"--compile with tp={self.tp}: compiled blocks are not tested on tensor-parallel "
                               "(DTensor) weights in pipetrain", hint="drop --compile, or use --tp 1")
-        if self.dp > 1 and self.dp_mode == "ddp" and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        if self.dp * self.cp > 1 and self.dp_mode == "ddp" and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             # measured on torch 2.13 (parity against one process): zero-bubble's and zbv's backward split into
             # input and weight parts gives DDP wrong gradients; dualpipev's overlapped forward/backward trips
-            # DDP's reducer ("gradient which is undefined, but still allreduced by DDP reducer")
+            # DDP's reducer ("gradient which is undefined, but still allreduced by DDP reducer"). The cp ranks
+            # reduce their gradients as data ranks do (DDP over dp x cp): the same holds with cp > 1.
+            over = f"dp={self.dp}" if self.cp == 1 else f"dp={self.dp} x cp={self.cp}, gradients reduced over both"
             raise ConfigError(
                 f"schedule {self.pipeline.schedule!r} splits each backward in two, which DDP does not follow in "
-                f"torch 2.13: its gradients would be wrong (dp={self.dp}, --dp-mode ddp)",
+                f"torch 2.13: its gradients would be wrong ({over}, --dp-mode ddp)",
                 hint="pass --dp-mode fsdp, which trains it exactly, or another schedule",
             )
 
@@ -438,8 +440,3 @@ def _check_cp(parallel: ParallelConfig) -> None:
     if parallel.pipeline.compile:
         raise ConfigError(f"--compile with cp={parallel.cp}: the ring's and all-to-all's exchanges inside each "
                           "attention would break every compiled block's graph", hint="drop --compile, or use --cp 1")
-    if parallel.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise ConfigError(
-            f"schedule {parallel.pipeline.schedule!r} with cp={parallel.cp}: it splits each backward into input and "
-            "weight parts, and the exchanges of context-parallel attention inside them are not parity-tested",
-            hint="use --schedule 1f1b, gpipe or interleaved-1f1b with --cp")

@@ -5,7 +5,9 @@ One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2
 recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
 over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
-mask from `position_ids`, so a document that saw another would change the loss and gradients). Over three SGD steps
+mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
+schedules (zero-bubble, zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2
+over FSDP2. Over three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
 every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5. The checkpoint
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
@@ -58,6 +60,11 @@ CASES = {
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
     "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
     "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
+    # the split-backward schedules (input gradients, then weight gradients): FSDP2 over the cp ranks, as with dp
+    "llama-ring-cp2xpp2-zero-bubble-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zero-bubble", "never", False),
+    "llama-ring-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zbv", "always", False),
+    "llama-ring-cp2xpp2-dualpipev-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "dualpipev", "never", True),
+    "llama-ulysses-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ulysses", "zbv", "never", False),
 }
 
 #: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")

@@ -118,8 +118,12 @@ def test_ulysses_heads_must_divide_and_the_line_names_the_cp_that_work():
 
 def test_cp_refuses_what_it_does_not_compose_with():
     assert ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2)).world_size == 4
-    with pytest.raises(ConfigError, match="splits each backward into input and weight parts"):
-        ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule="zero-bubble", n_microbatches=2))
+    for schedule in ("zero-bubble", "zbv", "dualpipev"):  # a split backward: FSDP2 over the cp ranks, not DDP
+        assert ParallelConfig(cp=2, dp_mode="fsdp", pipeline=PipelineConfig(pp=2, schedule=schedule,
+                                                                            n_microbatches=4)).world_size == 4
+        with pytest.raises(ConfigError, match=r"splits each backward in two, .*\(dp=1 x cp=2, gradients reduced "
+                                              r"over both, --dp-mode ddp\)"):
+            ParallelConfig(cp=2, pipeline=PipelineConfig(pp=2, schedule=schedule, n_microbatches=4))
     assert ParallelConfig(cp=2, tp=2, dp_mode="fsdp").world_size == 4  # tp splits the heads, cp the tokens
     with pytest.raises(ConfigError, match=r"tp=2 with dp=1 x cp=2 \(gradients reduced over both\) needs --dp-mode "
                                           "fsdp"):

@@ -54,6 +54,27 @@ def test_each_ring_exchange_is_a_span_forward_and_backward(one_rank):
     assert len(recorder.records) == 3 and len(one_rank) == 3
 
 
+def test_an_overlapped_exchange_is_a_span_at_each_wait(one_rank, monkeypatch):
+    """The overlapped exchange (posted, then waited for after the attention): a span at the forward's wait and one
+    at the backward's; the gradient is the one received back (a peer that adds 1 to what it is sent tells it from
+    the gradient that was sent)."""
+    def batch(ops):
+        (_, tensor), (_, received) = ops
+        received.copy_(tensor + 1)
+        one_rank.append(tensor)
+        return [_Done(), _Done()]
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    x = torch.randn(2, 3, requires_grad=True)
+    recorder = Recorder()
+    with recorder.recording(0):
+        flight = ring._InFlight(None, 0, 0)
+        y = ring._Wait.apply(ring._Post.apply(x, flight), flight)
+        (2 * y).sum().backward()
+    assert torch.equal(y, x + 1) and torch.equal(x.grad, torch.full((2, 3), 3.0))
+    assert _kinds(recorder) == ["cp_ring", "cp_ring", "step"] and len(one_rank) == 2
+
+
 def test_each_all_to_all_is_a_span_forward_and_backward(one_rank):
     x = torch.randn(2, 3, requires_grad=True)
     recorder = Recorder()

@@ -87,6 +87,20 @@ def test_the_search_gives_cp_beside_tp_only_layouts_train_runs():
                        pipeline=PipelineConfig(pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks))
 
 
+def test_the_search_gives_split_backward_schedules_with_cp_over_fsdp2_only():
+    """zero-bubble, zbv, dualpipev with cp: the cp ranks reduce gradients as data ranks, and DDP does not follow a
+    split backward, so FSDP2 (train refuses DDP); each layout's flags pass train's checks."""
+    space = SearchSpace(cps=(2,), schedules=("1f1b", "zero-bubble", "zbv", "dualpipev"), checkpoints=("never",))
+    layouts = [lay for lay in enumerate_layouts(8, 8, 16, space) if lay.cp > 1]
+    split = [lay for lay in layouts if lay.schedule != "1f1b"]
+    assert split and {lay.schedule for lay in split} == {"zero-bubble", "zbv", "dualpipev"}
+    assert all(lay.dp_mode != "ddp" for lay in split) and any(lay.dp_mode == "ddp" for lay in layouts)
+    for lay in layouts:
+        ParallelConfig(dp=lay.dp, dp_mode=lay.dp_mode, cp=lay.cp, dp_shard=lay.dp_shard if lay.dp_mode == "hsdp"
+                       else None, pipeline=PipelineConfig(pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks,
+                                                          stages_per_rank=lay.virtual))
+
+
 def test_plan_cp_prints_the_split_and_refuses_what_cannot(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     common = ["plan", "--model", str(tmp_path), "--gpus", "4", "--gpu", "h100-sxm", "--seq-len", "4096",

@@ -22,7 +22,7 @@ from torch import nn
 
 from pipetrain.config import CP_ATTENTIONS
 from pipetrain.context.layout import zigzag_index
-from pipetrain.context.ring import ring_attention
+from pipetrain.context.ring import EXCHANGES, ring_attention
 from pipetrain.context.ulysses import check_heads, ulysses_attention
 from pipetrain.errors import ConfigError
 
@@ -36,7 +36,8 @@ ATTENTION_NAME = "pipetrain_context"
 class ContextMask:
     """What attention needs to know of a split sequence: the group, this rank, the mode, and the global index and
     document start of every token of every rank (`index` [N, L]; `starts` [N, B, L] or None without documents).
-    `window`: a sliding window (keys at most `window - 1` tokens back), or None."""
+    `window`: a sliding window (keys at most `window - 1` tokens back), or None. `exchange`: how the ring passes its
+    blocks (`ring.EXCHANGES`: overlapped with the attention by default)."""
 
     group: Any
     rank: int
@@ -45,6 +46,7 @@ class ContextMask:
     index: torch.Tensor
     starts: torch.Tensor | None
     window: int | None = None
+    exchange: str = "overlap"
 
     def _allowed(self, q_rank: int, q_part: slice, k_rank: int, k_part: slice) -> torch.Tensor:
         iq, ik = self.index[q_rank, q_part], self.index[k_rank, k_part]
@@ -80,11 +82,18 @@ class ContextMask:
 
 
 class ContextParallel:
-    """The context-parallel group of a stage's ranks and its attention (`mode`: "ring" or "ulysses")."""
+    """The context-parallel group of a stage's ranks and its attention (`mode`: "ring" or "ulysses").
+
+    `exchange` (class default "overlap"): how the ring passes its blocks, one of `ring.EXCHANGES`; "sync" and
+    "local" are for measuring the overlap (benchmarks/context_parallel.py sets the class attribute in its ranks)."""
+
+    exchange = "overlap"
 
     def __init__(self, group: Any, mode: str = "ring", *, tp: int = 1) -> None:
         if mode not in CP_ATTENTIONS:
             raise ConfigError(f"unknown --cp-attention {mode!r}", hint=f"choose one of: {', '.join(CP_ATTENTIONS)}")
+        if self.exchange not in EXCHANGES:
+            raise ConfigError(f"unknown ring exchange {self.exchange!r}", hint=f"choose one of: {', '.join(EXCHANGES)}")
         self.group, self.mode, self.tp = group, mode, tp
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
@@ -116,13 +125,13 @@ class ContextParallel:
         length = hidden.shape[1]
         index = torch.stack([zigzag_index(length * self.size, self.size, r) for r in range(self.size)])
         if hidden.device.type == "meta":
-            return ContextMask(self.group, self.rank, self.size, self.mode, index, None)
+            return ContextMask(self.group, self.rank, self.size, self.mode, index, None, exchange=self.exchange)
         gathered = [torch.empty_like(positions) for _ in range(self.size)]
         dist.all_gather(gathered, positions.contiguous(), group=self.group)
         index = index.to(positions.device)
         starts = torch.stack([index[r][None] - gathered[r] for r in range(self.size)])  # [N, B, L]
         return ContextMask(self.group, self.rank, self.size, self.mode, index,
-                           starts if bool(starts.any()) else None)
+                           starts if bool(starts.any()) else None, exchange=self.exchange)
 
 
 def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -7,13 +7,21 @@ parts with no document in common) are skipped; a step whose blocks are all skipp
 since the peers of the ring wait for every exchange's backward. The block attention is an autograd function that keeps only q, k, v, its
 output and log-sum-exp, and recomputes the scores in its backward (with the log-sum-exp's own gradient, which the
 merge needs); the ring's exchange is an autograd function whose backward sends the gradients the other way round,
-so forward and backward are exact, recomputation included. (torch 2.13's CPU flash kernel,
+so forward and backward are exact, recomputation included.
+
+The exchange overlaps the block attention (`exchange="overlap"`, the default): each step posts the next key/value
+block's send and receive (asynchronous) before attending to the block it holds, and waits for them after; in the
+backward the gradients of the blocks travel back the same way, posted when a block's gradient is complete and waited
+for after the autograd engine has run the previous step's block attention. `exchange="sync"` sends and waits before
+each step (no overlap); `exchange="local"` replaces the exchange by a local copy of the same shape (wrong attention:
+a measurement of the step without communication only). (torch 2.13's CPU flash kernel,
 `aten._scaled_dot_product_flash_attention_for_cpu`, returns the log-sum-exp without a gradient: a merge through it
 would drop that term of the backward, so it is not used here.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +29,11 @@ import torch.distributed as dist
 
 from pipetrain.pipeline.timeline import span
 
-__all__ = ["ring_attention", "ring_exchange", "block_attention", "merge"]
+__all__ = ["EXCHANGES", "ring_attention", "ring_exchange", "block_attention", "merge"]
+
+#: how the ring passes its key/value blocks: overlapped with the attention, synchronous, or not at all
+#: (a local copy: measurement only)
+EXCHANGES = ("overlap", "sync", "local")
 
 #: the score of a masked pair: exp() of it against any real score is 0, and a wholly masked row stays finite
 _MASKED = -1e30
@@ -53,12 +65,88 @@ def _send_recv(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, rec
     return received
 
 
+def _peers(group: dist.ProcessGroup) -> tuple[int, int]:
+    """The global ranks this rank sends to (the next of the ring) and receives from (the previous)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+
+
 def ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The previous rank's `tensor` (this rank's goes to the next one); differentiable."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    send_to = dist.get_global_rank(group, (rank + 1) % size)
-    recv_from = dist.get_global_rank(group, (rank - 1) % size)
-    return _Exchange.apply(tensor, group, send_to, recv_from)
+    return _Exchange.apply(tensor, group, *_peers(group))
+
+
+class _InFlight:
+    """One ring step's exchange in flight: the peers, the requests posted and the buffers they use (kept alive
+    until waited for)."""
+
+    def __init__(self, group: dist.ProcessGroup, send_to: int, recv_from: int) -> None:
+        self.group, self.send_to, self.recv_from = group, send_to, recv_from
+        self.requests: list[Any] = []
+        self.received: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
+
+    def post(self, tensor: torch.Tensor, backward: bool = False) -> torch.Tensor:
+        """Send `tensor` (the gradient: the other way round when `backward`) and post the receive; returns the
+        receive buffer, filled once `wait` returns."""
+        send_to, recv_from = (self.recv_from, self.send_to) if backward else (self.send_to, self.recv_from)
+        self._sent = tensor.contiguous()
+        self.received = torch.empty_like(self._sent)
+        ops = [dist.P2POp(dist.isend, self._sent, send_to, self.group),
+               dist.P2POp(dist.irecv, self.received, recv_from, self.group)]
+        self.requests = dist.batch_isend_irecv(ops)
+        return self.received
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the posted send and receive (a "cp_ring" span of a traced step); the received tensor."""
+        with span("cp_ring"):
+            for request in self.requests:
+                request.wait()
+        received, self.requests, self.received, self._sent = self.received, [], None, None
+        assert received is not None
+        return received
+
+
+class _Post(torch.autograd.Function):
+    """Post the send of `tensor` to the next rank and the receive from the previous one, without waiting; the
+    receive buffer (`_Wait` gives it once filled). Backward: wait for the gradient `_Wait`'s backward posted."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.post(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, _posted: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.flight.wait(), None
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for the exchange `_Post` posted; `received` filled. Backward: post the gradient's way back (to the rank
+    the block came from) without waiting; `_Post`'s backward waits, after the attention of the step before."""
+
+    @staticmethod
+    def forward(ctx: Any, received: torch.Tensor, flight: _InFlight) -> torch.Tensor:
+        ctx.flight = flight
+        return flight.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.flight.post(grad, backward=True)
+        return grad, None  # a placeholder: `_Post`'s backward returns the received gradient
+
+
+def _next_block(held: torch.Tensor, group: dist.ProcessGroup, exchange: str) -> Callable[[], torch.Tensor]:
+    """Start passing `held` round the ring; a function that returns the previous rank's block (differentiable)."""
+    if exchange == "sync":
+        received = ring_exchange(held, group)
+        return lambda: received
+    if exchange == "local":
+        copy = held.clone()  # measurement only: the step's compute without its communication
+        return lambda: copy
+    flight = _InFlight(group, *_peers(group))
+    posted = _Post.apply(held, flight)
+    return lambda: _Wait.apply(posted, flight)
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -131,10 +219,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: An
     held = torch.stack([k, v])
     acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
     unused: list[torch.Tensor] = []
+    exchange = layout.exchange
     for step in range(size):
         source = (rank - step) % size
-        if step:
-            held = ring_exchange(held, group)
+        incoming = _next_block(held, group, exchange) if step + 1 < size else None  # posted before the attention
         keys, values = (held[0], held[1]) if repeat == 1 else (held[0].repeat_interleave(repeat, dim=1),
                                                                held[1].repeat_interleave(repeat, dim=1))
         used = False
@@ -149,6 +237,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: An
                                                        None if mask is True else mask, scale))
         if not used and held.requires_grad:
             unused.append(held)
+        if incoming is not None:
+            held = incoming()
     out = torch.cat([acc[0][0], acc[1][0]], dim=2)
     for tensor in unused:  # every rank must run every exchange's backward (its peers wait for it): a zero gradient
         out = out + 0.0 * tensor.sum()

@@ -113,12 +113,17 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
             if cp < 1 or (gpus // tp) % cp or (cp > 1 and sp):  # cp cuts the sequence: not sequence parallelism too
                 continue
             found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp)
-            if cp > 1 and tp > 1:  # the cp ranks reduce gradients as data ranks: FSDP2 under tp, as with dp
-                found = [replace(lay, dp_mode="fsdp") if lay.dp == 1 else lay for lay in found if lay.dp_mode != "ddp"
-                         or lay.dp == 1]
+            if cp > 1:  # the cp ranks reduce gradients as data ranks: FSDP2 under tp or a split backward, as with dp
+                found = [replace(lay, dp_mode="fsdp") if lay.dp == 1 and _needs_fsdp(lay, tp) else lay for lay in found
+                         if lay.dp_mode != "ddp" or lay.dp == 1 or not _needs_fsdp(lay, tp)]
             layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
     return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
             for layout in layouts for ep in sorted(set(space.eps)) if layout.dp % ep == 0]
+
+
+def _needs_fsdp(layout: Layout, tp: int) -> bool:
+    """Whether ParallelConfig refuses DDP over this layout's data (and context) ranks: tp, or a split backward."""
+    return tp > 1 or layout.schedule in SPLIT_BACKWARD_SCHEDULES
 
 
 def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_per_node: int, tp: int,
