@@ -19,7 +19,9 @@ move between ep=2 and ep=1 (model and AdamW state; `test_checkpoints_move_betwee
 The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Qwen3-MoE with 8 experts and a dense
 first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
 (DDP), and at dp=2 x ep=2 x tp=2 with FSDP2 (pp=1: the attention split over each TP pair, the MoE block whole on
-both, the experts split over the EP pair of each TP rank), against transformers' unsplit model from the same folder,
+both, the experts split over the EP pair of each TP rank); Qwen2-MoE (its gated shared expert), OLMoE and DeepSeek-V3
+(latent attention, group-limited routing, its balancing bias) at dp=2 x ep=2 x pp=2 under 1F1B; each against
+transformers' unsplit model from the same folder,
 run per micro-batch as test_moe_parity's
 reference: losses, every gradient (each rank's expert slices against the same rows of transformers' fused
 tensors) and the final parameters, rtol 1e-5 / atol 4e-5. Generation (`pipetrain generate --ep`, and `eval`'s answers)
@@ -216,6 +218,10 @@ def _train_steps(parallel: ParallelConfig, device: torch.device) -> dict:
 #: (FSDP2, pp=1: the attention split over the TP pair, the experts over the EP pair of each TP rank)
 FOLDER_FAMILIES = ("qwen3_moe", "mixtral")
 FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "tp2-fsdp": None}
+#: the other families with fused gated experts, at dp=2 x ep=2 x pp=2 under 1F1B only (DeepSeek-V3: no TP plan)
+MORE_FAMILIES = ("qwen2_moe", "olmoe", "deepseek_v3")
+FOLDER_CASES = [(family, schedule) for family in FOLDER_FAMILIES for schedule in FOLDER_SCHEDULES] + \
+    [(family, "1f1b") for family in MORE_FAMILIES]
 
 
 def _expert_slices(engine) -> dict[int, tuple[int, int]]:
@@ -338,9 +344,8 @@ def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
         records = {name: _train(parallel, device) for name, parallel in layouts().items()}
         records["checkpoints"] = _checkpoint_round_trips(device, Path(out))
         records["fsdp_checkpoints"] = _fsdp_checkpoints(device, Path(out))
-        for family, folder in folders.items():
-            for schedule in FOLDER_SCHEDULES:
-                records[f"{family}-{schedule}"] = _train_folder(folder, schedule, device)
+        for family, schedule in FOLDER_CASES:
+            records[f"{family}-{schedule}"] = _train_folder(folders[family], schedule, device)
         records["generate"] = _generations(folders["qwen3_moe"], device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
@@ -350,9 +355,9 @@ def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("moe-ep-folders")
-    for family in FOLDER_FAMILIES:
+    for family in FOLDER_FAMILIES + MORE_FAMILIES:
         moe_folder(root / family, family, seed=moe_parity.SEED)
-    return {family: str(root / family) for family in FOLDER_FAMILIES}
+    return {family: str(root / family) for family in FOLDER_FAMILIES + MORE_FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -472,8 +477,7 @@ def test_ep_not_dividing_the_stage_ranks_is_refused():
         ParallelConfig(dp=3, ep=2, pipeline=PipelineConfig(pp=2))
 
 
-@pytest.mark.parametrize("family", FOLDER_FAMILIES)
-@pytest.mark.parametrize("schedule", list(FOLDER_SCHEDULES))
+@pytest.mark.parametrize(("family", "schedule"), FOLDER_CASES)
 def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, folders):
     ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), 2)
     seen, split, tp_split = set(), 0, False
