@@ -14,7 +14,9 @@ held by torch's policy, are not seen: the process peak shows them), and the proc
 before the case. The planner's figures for the same layout and mode (`plan.predict`, no device baseline): its
 static bytes (weights, gradients, AdamW) and activation peak (with receive buffers), their sum, and what of that sum
 is the last stage's outputs kept to the step's end (`pl out`: no saved activations, the hook does not see them).
-Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`.
+Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`; `--terms` first runs
+benchmarks/memory_terms.py's single-process checks of the planner's terms (the loss's temporaries, an eager Llama
+layer's saved tensors, the engine's last stage).
 """
 
 from __future__ import annotations
@@ -225,7 +227,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--models", default="lm,hf")
     parser.add_argument("--worlds", default="2,4")
-    args = parser.parse_args()
+    parser.add_argument("--terms", action="store_true", help="first, the planner's terms: memory_terms.py")
+    args, rest = parser.parse_known_args()
+    if args.terms:
+        import sys
+
+        import memory_terms
+
+        sys.argv = [sys.argv[0], *rest]
+        memory_terms.main()
     names = args.models.split(",")
     print(f"global batch {args.batch} x {args.seq_len} tokens, 4 micro-batches per replica, fp32, AdamW; per rank: "
           "measured (counted tensors; saved-activation peak; process peak RSS above the case's start) | planned")
