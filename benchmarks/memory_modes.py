@@ -151,6 +151,7 @@ def _case(name: str, pp: int, dp: int, mode: str, device, batch: int, seq_len: i
     parallel = _parallel(pp, dp, mode)
     session = build_session(model, parallel, device, seed=0, loss_fn=loss)
     engine, mesh = session.engine, session.mesh
+    engine.keep_outputs = False  # as `pipetrain train` runs it: each micro-batch's outputs dropped after its loss
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(mesh.dp_rank)
@@ -198,8 +199,9 @@ def _blocks(name: str, seq_len: int, batch: int):
 
 
 def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[tuple[float, float, float]]:
-    """(static bytes, total bytes, the kept outputs' share of the total) the planner predicts for each pipeline rank
-    (no device baseline; the last stage's outputs kept to the step's end are no saved activations)."""
+    """(static bytes, total bytes, the last stage's outputs' share of the total) the planner predicts for each
+    pipeline rank (no device baseline; the outputs, held by torch's stage from each forward to its backward, are no
+    saved activations)."""
     dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
     layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
                     checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,

@@ -9,8 +9,9 @@
    see (each storage once; parameters and their transposed views left out), beside `layer_activation_bytes`
    (plan/transformer.py), and each saved tensor with the backward node that saved it (`--verbose`).
 3. The engine's last stage: one training step of the `lm` preset at a large vocabulary (`--lm-vocab`), pp 1, 4
-   micro-batches, in a world of one gloo rank: the peak of the bytes the step allocates (the same dispatch mode),
-   the `StepResult`'s loss and accuracy, and the planner's kept outputs (`Timeline.kept_bytes`).
+   micro-batches of 4 x 128 tokens, in a world of one gloo rank: the peak of the bytes the step allocates (the
+   same dispatch mode) and its loss and accuracy, with the engine's outputs dropped (as `pipetrain train` runs it)
+   and kept (as a caller reading `StepResult.outputs` does).
 
 Run: `.venv/bin/python benchmarks/memory_terms.py [--vocab 1000] [--tokens 4096] [--batch 4] [--lm-vocab 32768]`.
 """
@@ -19,48 +20,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from pipetrain.compat.live import LiveBytes
 from pipetrain.plan.loss import BACKWARD_TEMPORARIES
 from pipetrain.plan.transformer import sizes_from_config
 
 MB = 2**20
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the storages operators create while installed, each counted until it is freed, and their
-    peak (`reset` starts a new peak from what is live)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.bytes = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if type(tensor) is not torch.Tensor:  # a DTensor's local ops are counted as they run
-                continue
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-            if size and key not in self.live:
-                self.live[key] = size
-                self.bytes += size
-                self.peak = max(self.peak, self.bytes)
-                weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self.bytes -= self.live.pop(key)
-
-    def reset(self) -> None:
-        gc.collect()
-        self.peak = self.bytes
 
 
 def loss_terms(tokens: int, vocab: int) -> dict[str, float]:
@@ -109,11 +77,58 @@ def layer_terms(batch: int, verbose: bool = False) -> dict[str, float]:
     return {"saved (MB)": sum(size for size, _ in seen.values()) / MB, "planned (MB)": planned / MB}
 
 
+def engine_terms(vocab: int, schedule: str = "1f1b", batch: int = 16, chunks: int = 4) -> dict[str, float]:
+    """One training step (after a warm-up step) of the `lm` preset `cpu` at `vocab` classes, pp 1, `chunks`
+    micro-batches, fp32, in a world of one gloo rank: the step's peak of live bytes and what the step leaves live
+    (MB), its loss and accuracy, with the engine's outputs dropped (`keep_outputs = False`, as `pipetrain train`
+    runs) and kept; and the planner's view of the last stage (plan/loss.py: each micro-batch's fp32 logits)."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    from pipetrain.config import ParallelConfig, PipelineConfig
+    from pipetrain.launch.env import free_port
+    from pipetrain.launch.ranks import RankSpec
+    from pipetrain.pipeline import TokenCrossEntropy
+    from pipetrain.session import close_session, open_session
+    from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
+
+    torch.manual_seed(0)
+    config = replace(GPT_PRESETS["cpu"], vocab_size=vocab, dropout=0.0)
+    model = GPTModel(config)
+    x = torch.randint(1, vocab, (batch, config.seq_len))
+    y = torch.randint(1, vocab, (batch, config.seq_len))
+    session = open_session(RankSpec(0, 0, 1, "127.0.0.1", free_port(), "cpu"), model,
+                           ParallelConfig(pipeline=PipelineConfig(pp=1, schedule=schedule, n_microbatches=chunks)),
+                           loss_fn=TokenCrossEntropy())
+    out = {"micro-batch logits (MB)": batch // chunks * config.seq_len * vocab * 4 / MB}
+    try:
+        engine = session.engine
+        params = list(engine.parameters())
+        for keep in (False, True):
+            engine.keep_outputs = keep
+            engine.step(x, y)  # warm-up: the schedule is built, the gradients exist
+            for p in params:
+                p.grad = None
+            with LiveBytes() as live:
+                result = engine.step(x, y)
+                left = live.bytes
+            name = "kept" if keep else "dropped"
+            out.update({f"{name}: step peak (MB)": live.peak / MB, f"{name}: left after the step (MB)": left / MB,
+                        f"{name}: loss": result.loss, f"{name}: accuracy": result.accuracy})
+            del result
+            gc.collect()
+    finally:
+        close_session()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lm-vocab", type=int, default=32768)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -123,6 +138,9 @@ def main() -> None:
     print(f"eager llama-cpu layer, {args.batch} x 128 tokens, fp32:")
     for name, value in layer_terms(args.batch, args.verbose).items():
         print(f"  {name}: {value:.4f}")
+    print(f"the engine's last stage, lm preset cpu at vocabulary {args.lm_vocab}, 16 x 128 tokens, 4 micro-batches:")
+    for name, value in engine_terms(args.lm_vocab).items():
+        print(f"  {name}: {value:.6f}" if "loss" in name or "accuracy" in name else f"  {name}: {value:.1f}")
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_fsdp_holds_only_its_shards_at_the_step_end_and_a_block_more_as_it_reduc
     from pipetrain.plan.predict import reduce_scatter_bytes, static_bytes
 
     blocks = _blocks()
-    fsdp = Layout(dp=4, pp=1, batch=8, chunks=2, dp_mode="fsdp")
+    fsdp = Layout(dp=4, pp=1, batch=8, chunks=2, dp_mode="fsdp", keep_outputs=True)  # outputs kept: torch's default
     assert static_bytes(blocks, fsdp, resting=True) == 4 * 4000.0 * 4 / 4
     assert static_bytes(blocks, fsdp) == 2 * 4 * 4000.0 + 4 * 4000.0
     ddp = replace(fsdp, dp_mode="ddp")

@@ -24,7 +24,7 @@ ARGV = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", "-
         "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
         "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
         "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--float8", "--recompute-unit", "layer",
-        "--vocab-parallel", "--gpu", "h100-sxm"]
+        "--vocab-parallel", "--keep-outputs", "--gpu", "h100-sxm"]
 
 
 @pytest.fixture(scope="module")

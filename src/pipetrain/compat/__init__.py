@@ -5,7 +5,7 @@ lists them all (tests/unit/test_compat.py fails loudly, naming the one, when a t
 strided placement and the placement methods that run collectives; `tensor_styles`: tensor-parallel styles
 built on torch's private style hooks; `grouped`: the experts' grouped matmul; `modules`: the dropout and batch-norm
 base classes, `_foreach_mul_`, aborting a process group, the parameters DDP ignores; `mesh`: flattening two mesh
-dimensions into one (HSDP's dp axis).
+dimensions into one (HSDP's dp axis); `live`: a dispatch mode counting the bytes of live storages.
 """
 
 from __future__ import annotations
@@ -59,4 +59,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "_grouped_mm"),
     # mesh.py: HSDP's dp axis, the flattened (dp_replicate, dp_shard)
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
+    # live.py: the bytes a CPU run allocates, storage by storage
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._pytree", "tree_flatten"),
 )

@@ -65,21 +65,28 @@ def with_loss(blocks: Sequence[BlockCost], loss: object, output_element: int = 4
     return out
 
 
-def last_stage(cost: StageCost, block: BlockCost, samples: int, tp: int = 1) -> StageCost:
+def last_stage(cost: StageCost, block: BlockCost, samples: int, tp: int = 1, *, keep: bool = True) -> StageCost:
     """The last stage's `cost` (its last block `block`, micro-batches of `samples`, one of `tp` ranks: a share of a
     vocabulary-parallel head's) with what it holds besides its blocks' activations: the loss's `loss_bytes` from
     each forward to its backward, whether the micro-batch recomputes or not (the loss runs outside the stage's
     checkpoint), its backward's temporaries as each backward starts (`StageCost.transient_bytes`: torch's
     `loss_parallel` ones when the head is vocabulary-parallel over tp > 1 ranks), and its output, which torch's
     schedule keeps to the step's end (`output_chunks`) and merges into one more copy there
-    (`StageCost.kept_bytes`)."""
+    (`StageCost.kept_bytes`). Not `keep` (pipetrain's engine, which computes each micro-batch's metrics with its
+    loss and asks the schedule for no outputs): each output lives from its forward to its backward only (torch's
+    stage holds it for the backward), like the stage's activations; a per-block recomputation already holds it."""
     split = block.tensor is not None
     share = samples / (tp if split else 1)
     loss, output = share * block.loss_bytes, share * block.output_bytes
+    if not keep:  # the output is held with the micro-batch: counted with its activations, none to the step's end
+        held = cost.input_bytes + output if cost.held_bytes is None else cost.held_bytes
+        cost = replace(cost, activation_bytes=cost.activation_bytes + output, held_bytes=held,
+                       recompute_bytes=cost.recompute_bytes)
+    kept = output if keep else 0.0
     if not loss:
-        return replace(cost, kept_bytes=output)
+        return replace(cost, kept_bytes=kept)
     held = cost.input_bytes if cost.held_bytes is None else cost.held_bytes
     again = cost.activation_bytes if cost.recompute_bytes is None else cost.recompute_bytes
     temporaries = VOCAB_PARALLEL_BACKWARD_TEMPORARIES if split and tp > 1 else BACKWARD_TEMPORARIES
     return replace(cost, activation_bytes=cost.activation_bytes + loss, held_bytes=held + loss,
-                   recompute_bytes=again + loss, kept_bytes=output, transient_bytes=temporaries * loss)
+                   recompute_bytes=again + loss, kept_bytes=kept, transient_bytes=temporaries * loss)

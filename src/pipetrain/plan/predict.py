@@ -95,6 +95,9 @@ class Layout:
     offload: bool = False
     #: with dp_mode "hsdp": ranks of one shard group (FSDP within, replicas across: `--dp-shard`)
     dp_shard: int = 0
+    #: what-if: the last stage's outputs kept by torch's schedule to the step's end and merged there (torchtitan's
+    #: loop); pipetrain's engine drops each micro-batch's once its loss and metrics are computed (plan/loss.py)
+    keep_outputs: bool = False
 
     @property
     def shards(self) -> int:
@@ -384,7 +387,7 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     balance = _balance(blocks, layout, samples, device)
     bounds = [(sum(balance[:i]), sum(balance[:i + 1])) for i in range(len(balance))]
     costs = stage_costs(blocks, layout, device, network, bounds)
-    costs[-1] = last_stage(costs[-1], blocks[-1], samples, layout.tp)  # the loss and the kept outputs: plan/loss.py
+    costs[-1] = last_stage(costs[-1], blocks[-1], samples, layout.tp, keep=layout.keep_outputs)  # plan/loss.py
     order = order_of(layout.schedule, layout.pp, layout.chunks, layout.virtual)
     speeds = rank_speeds(device, layout)
     timeline = simulate(order, costs, recomputed=recomputed_microbatches(layout.checkpoint, layout.chunks),
