@@ -159,3 +159,23 @@ def test_fsdp_holds_only_its_shards_at_the_step_end_and_a_block_more_as_it_reduc
         memory = predict(big, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
         samples = 8 // layout.dp // 2
         assert memory == pytest.approx(static_bytes(big, layout, resting=True) + 2 * 2 * samples * 1e6, rel=1e-9)
+
+
+def test_pipetrains_engine_holds_each_output_from_its_forward_to_its_backward_only():
+    """`keep=False` (the engine asks the schedule for no outputs): no kept bytes; the output counts with the
+    micro-batch (held by torch's stage for its backward), as its input does when the stage recomputes."""
+    cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
+    head = replace(_blocks()[-1], loss_bytes=7.0, output_bytes=3.0)
+    out = last_stage(cost, head, samples=2, keep=False)
+    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes, out.kept_bytes) == (120.0, 30.0, 120.0, 0.0)
+    assert out.transient_bytes == BACKWARD_TEMPORARIES * 14.0
+    per_layer = last_stage(replace(cost, held_bytes=30.0, recompute_bytes=60.0), head, samples=2, keep=False)
+    assert (per_layer.held_bytes, per_layer.recompute_bytes) == (44.0, 74.0)  # the output already among them
+    # 1F1B at pp 1 (each backward right after its forward), outputs and log-softmax of 1 MB per micro-batch: kept,
+    # the 4 outputs and their merge at the step's end (8 MB); dropped, one micro-batch's output, log-softmax and two
+    # temporaries as its backward starts (4 MB) beside its blocks' 18 KB
+    big = _blocks()[:-1] + [replace(_blocks()[-1], output_bytes=1e6, loss_bytes=1e6)]
+    layout = Layout(dp=1, pp=1, batch=4, chunks=4, schedule="1f1b")
+    kept = predict(big, replace(layout, keep_outputs=True), DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+    dropped = predict(big, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+    assert kept - dropped == pytest.approx(8e6 - 4e6 - 18e3, rel=1e-9)
