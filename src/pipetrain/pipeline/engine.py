@@ -347,9 +347,12 @@ class PipelineEngine:
     def _weighted_loss(self, output: Tensors, target: torch.Tensor) -> torch.Tensor:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
         total = self.loss.total(output, target)
-        if self._sums is not None and self.counts_metrics:  # training: the metrics of this micro-batch, now
+        if self._sums is not None:  # training: the metrics of this micro-batch, now
             with torch.no_grad():
-                self._add_sums(self._sums, output, target, total.detach())
+                # vocabulary-sharded logits made whole on every tensor-parallel rank (a collective), counted by one
+                whole = tuple(_whole(t) for t in output) if isinstance(output, tuple) else _whole(output)
+                if self.counts_metrics:
+                    self._add_sums(self._sums, whole, target, total.detach())
         return total / self._loss_denominator
 
     def _zero_sums(self) -> torch.Tensor:
@@ -358,9 +361,9 @@ class PipelineEngine:
 
     def _add_sums(self, sums: torch.Tensor, outputs: Tensors, targets: torch.Tensor,
                   total: torch.Tensor | None = None) -> None:
-        """Add the metrics of `outputs` (a micro-batch's, or a whole batch's) to `sums`; `total`: the loss total
-        already computed on them. Vocabulary-sharded logits are made whole for the accuracy (one micro-batch's)."""
-        whole = tuple(_whole(t) for t in outputs) if isinstance(outputs, tuple) else _whole(outputs)
+        """Add the metrics of `outputs` (a micro-batch's, or a whole batch's; whole, not vocabulary-sharded) to `sums`;
+        `total`: the loss total already computed on them."""
+        whole = outputs
         sums[0] += (self.loss.total(whole, targets) if total is None else total).double()
         sums[1] += self.loss.count(targets)
         correct = self.loss.correct(whole, targets)
