@@ -359,11 +359,10 @@ class PipelineEngine:
         """The step's metric sums (loss, count, samples, correct, classified, the loss's extras), on the device."""
         return torch.zeros(5 + len(getattr(self.loss, "extra_names", ())), dtype=torch.float64, device=self.device)
 
-    def _add_sums(self, sums: torch.Tensor, outputs: Tensors, targets: torch.Tensor,
+    def _add_sums(self, sums: torch.Tensor, whole: Tensors, targets: torch.Tensor,
                   total: torch.Tensor | None = None) -> None:
-        """Add the metrics of `outputs` (a micro-batch's, or a whole batch's; whole, not vocabulary-sharded) to `sums`;
+        """Add the metrics of the outputs `whole` (a micro-batch's or a batch's, not vocabulary-sharded) to `sums`;
         `total`: the loss total already computed on them."""
-        whole = outputs
         sums[0] += (self.loss.total(whole, targets) if total is None else total).double()
         sums[1] += self.loss.count(targets)
         correct = self.loss.correct(whole, targets)

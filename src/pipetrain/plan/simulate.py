@@ -21,7 +21,8 @@ backward by `weight_share`; every compute action pays `overhead_s` (host-side co
 Ranks on their own devices run these durations as they are; ranks sharing CPU cores slow down while several
 compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds the micro-batch's held
 activations (the stage input only when it recomputes) and its kept output, B (or W under zero-bubble) frees the
-activations; while a recomputing backward runs, its activations exist again; the kept outputs stay to the step's
+activations; while a recomputing backward runs, its activations exist again; as any backward starts, the stage's
+`transient_bytes` exist beside what is held (the loss backward's temporaries); the kept outputs stay to the step's
 end, where they are merged (held twice).
 """
 
