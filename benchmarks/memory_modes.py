@@ -13,8 +13,11 @@ recomputation and offloading hooks keep out of it is not counted, and selective 
 held by torch's policy, are not seen: the process peak shows them), and the process's peak RSS above what it held
 before the case. The planner's figures for the same layout and mode (`plan.predict`, no device baseline): its
 static bytes (weights, gradients, AdamW) and activation peak (with receive buffers), their sum, and what of that sum
-is the last stage's outputs kept to the step's end (`pl out`: no saved activations, the hook does not see them).
-Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`.
+is the last stage's outputs (`pl out`) and the loss backward's temporaries (`pl tmp`): no saved activations, the hook
+does not see them.
+Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`; `--terms` first runs
+benchmarks/memory_terms.py's single-process checks of the planner's terms (the loss's temporaries, an eager Llama
+layer's saved tensors, the engine's last stage).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import ctypes
 import gc
 import json
 import tempfile
+from unittest.mock import patch
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from pipetrain.partition.measure import profile_model
 from pipetrain.pipeline import TokenCrossEntropy
 from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan import loss as loss_terms
 from pipetrain.plan.loss import with_loss
 from pipetrain.plan.model import profile_blocks
 from pipetrain.plan.predict import Layout, predict, static_bytes
@@ -149,6 +154,7 @@ def _case(name: str, pp: int, dp: int, mode: str, device, batch: int, seq_len: i
     parallel = _parallel(pp, dp, mode)
     session = build_session(model, parallel, device, seed=0, loss_fn=loss)
     engine, mesh = session.engine, session.mesh
+    engine.keep_outputs = False  # as `pipetrain train` runs it: each micro-batch's outputs dropped after its loss
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(mesh.dp_rank)
@@ -195,9 +201,10 @@ def _blocks(name: str, seq_len: int, batch: int):
         return load_sizes(folder).blocks(seq_len, element=4)
 
 
-def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[tuple[float, float, float]]:
-    """(static bytes, total bytes, the kept outputs' share of the total) the planner predicts for each pipeline rank
-    (no device baseline; the last stage's outputs kept to the step's end are no saved activations)."""
+def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[tuple[float, float, float, float]]:
+    """(static bytes, total bytes, the last stage's outputs' share of the total, the loss backward's temporaries'
+    share) the planner predicts for each pipeline rank (no device baseline; the outputs, held by torch's stage from
+    each forward to its backward, and the temporaries are no saved activations: the hook does not see them)."""
     dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
     layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
                     checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,
@@ -207,6 +214,8 @@ def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[tuple[floa
     device = replace(default_device("fp32"), baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
     prediction = predict(blocks, layout, device, DEFAULT_NETWORK)
     bare = predict(blocks[:-1] + [replace(blocks[-1], output_bytes=0.0)], layout, device, DEFAULT_NETWORK)
+    with patch.object(loss_terms, "BACKWARD_TEMPORARIES", 0):  # the same plan without the loss's temporaries
+        calm = predict(blocks, layout, device, DEFAULT_NETWORK)
     bounds, start = [], 0
     for count in prediction.balance:
         bounds.append((start, start + count))
@@ -215,7 +224,8 @@ def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[tuple[floa
     for rank in range(pp):
         mine = [blocks[i] for s in rank_stages(rank, pp, 1, "loop") for i in range(*bounds[s])]
         out.append((static_bytes(mine, layout), prediction.memory_bytes[rank],
-                    prediction.memory_bytes[rank] - bare.memory_bytes[rank]))
+                    prediction.memory_bytes[rank] - bare.memory_bytes[rank],
+                    prediction.memory_bytes[rank] - calm.memory_bytes[rank]))
     return out
 
 
@@ -225,12 +235,21 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--models", default="lm,hf")
     parser.add_argument("--worlds", default="2,4")
-    args = parser.parse_args()
+    parser.add_argument("--terms", action="store_true", help="first, the planner's terms: memory_terms.py")
+    args, rest = parser.parse_known_args()
+    if args.terms:
+        import sys
+
+        import memory_terms
+
+        sys.argv = [sys.argv[0], *rest]
+        memory_terms.main()
     names = args.models.split(",")
     print(f"global batch {args.batch} x {args.seq_len} tokens, 4 micro-batches per replica, fp32, AdamW; per rank: "
           "measured (counted tensors; saved-activation peak; process peak RSS above the case's start) | planned")
     print(f"{'model':<5} {'pp':>2} {'dp':>2} {'mode':<18} {'rk':>2} {'params':>7} {'grads':>7} {'optim':>7} "
-          f"{'static':>7} {'plan st':>7} {'saved':>7} {'process':>8} {'plan':>7} {'offl':>6} {'pl out':>6}   (MB)")
+          f"{'static':>7} {'plan st':>7} {'saved':>7} {'process':>8} {'plan':>7} {'offl':>6} {'pl out':>6} "
+          f"{'pl tmp':>6}   (MB)")
     for world in map(int, args.worlds.split(",")):
         cases = [(n, pp, dp, m) for n in names for pp, dp, modes in LAYOUTS[world] for m in modes]
         with tempfile.TemporaryDirectory() as out:
@@ -243,11 +262,11 @@ def main() -> None:
             for r in range(pp):  # the first replica's ranks: one per pipeline rank
                 rec = ranks[r]["|".join(map(str, (n, pp, dp, m)))]
                 static = rec["params"] + rec["grads"] + rec["optimizer"]
-                plan_static, plan_total, plan_outputs = planned[rec["pp_rank"]]
+                plan_static, plan_total, plan_outputs, plan_temporaries = planned[rec["pp_rank"]]
                 print(f"{n:<5} {pp:>2} {dp:>2} {m:<18} {r:>2} {rec['params'] / MB:>7.2f} {rec['grads'] / MB:>7.2f} "
                       f"{rec['optimizer'] / MB:>7.2f} {static / MB:>7.2f} {plan_static / MB:>7.2f} "
                       f"{rec['saved_peak'] / MB:>7.2f} {rec['process_peak_mb']:>8.1f} {plan_total / MB:>7.2f} "
-                      f"{rec['offloaded'] / MB:>6.1f} {plan_outputs / MB:>6.2f}")
+                      f"{rec['offloaded'] / MB:>6.1f} {plan_outputs / MB:>6.2f} {plan_temporaries / MB:>6.2f}")
 
 
 if __name__ == "__main__":

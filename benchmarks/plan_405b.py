@@ -9,10 +9,13 @@ judge the plan: Table 6's 1F1B row FSDP 8 × TP 8 × PP 8, CP 1, local batch 8 o
 75.3 GiB): the same 8 micro-batches of 32768 tokens as Table 5's 1F1B, so the same allocations. The plan
 is that layout as torchtitan ran it by default (8 micro-batches = pp, 2 stages per rank for the interleaved
 schedule, seq len 8192) with the what-if flags for what pipetrain's engine does differently (per-layer
-recomputation, vocabulary-parallel embedding and head, Float8 weights gathered in float8), on the stated H100 node
+recomputation, vocabulary-parallel embedding and head, Float8 weights gathered in float8, the last stage's outputs
+kept by torch's schedule to the step's end as torchtitan's loop leaves them), on the stated H100 node
 (`hardware.NODES`, bf16: 950 TFLOP/s). Then the same layout as pipetrain itself would run it (its own recomputation
-of a whole stage, embedding and head whole on each tensor-parallel rank, no Float8). Last, the whole command's wall
-time in a fresh interpreter (median of `--repeats`), and whether it imported torch or transformers.
+of a whole stage, embedding and head whole on each tensor-parallel rank, no Float8, each micro-batch's outputs
+dropped after its loss). Last, the whole command's wall
+time in a fresh interpreter (median of `--repeats`), and whether it imported torch or transformers. The memory is the
+largest of the planner's moments (plan/predict.py); what it does not model is in docs/memory.md.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ LAYOUT = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", 
           "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
           "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
           "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--gpu", "h100-sxm"]
-TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--vocab-parallel"]
+TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--vocab-parallel", "--keep-outputs"]
 
 
 def _plan(argv: list[str]) -> dict:

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
-from pipetrain.plan.loss import keeps_log_softmax, last_stage, log_softmax_bytes, with_loss
-from pipetrain.plan.model import BlockCost
+from pipetrain.plan.loss import (BACKWARD_TEMPORARIES, VOCAB_PARALLEL_BACKWARD_TEMPORARIES, keeps_log_softmax,
+                                last_stage, log_softmax_bytes, with_loss)
+from pipetrain.plan.model import BlockCost, TensorSplit
 from pipetrain.plan.predict import Layout, predict
 from pipetrain.plan.schedules import schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
@@ -86,6 +87,9 @@ def test_kept_outputs_stay_to_the_step_end_and_are_merged_there():
     (2, "1f1b", "never", 1),     # the last stage runs each backward right after its forward
 ])
 def test_the_last_stage_holds_one_log_softmax_per_micro_batch_in_flight(pp, schedule, checkpoint, in_flight):
+    """... and, as its first backward starts, the loss backward's two temporaries (`BACKWARD_TEMPORARIES`): without
+    recomputation exactly in_flight + 2 log-softmaxes more; with it, the peak without the loss was the recomputation's
+    (the stage's activations back), which the loss's moment overtakes: more than in_flight, at most in_flight + 2."""
     layout = Layout(dp=2, pp=pp, batch=32, chunks=4, schedule=schedule, checkpoint=checkpoint, dp_mode="fsdp")
     samples = 32 // 2 // 4
     blocks = _blocks()[:-1] + [replace(_blocks()[-1], output_bytes=100.0)]  # outputs too small to set the peak
@@ -93,7 +97,11 @@ def test_the_last_stage_holds_one_log_softmax_per_micro_batch_in_flight(pp, sche
     lossy = blocks[:-1] + [replace(blocks[-1], loss_bytes=LOGITS)]
     with_it = predict(lossy, layout, DEVICE, DEFAULT_NETWORK).memory_bytes
     assert with_it[:-1] == without[:-1]  # only the last stage computes the loss
-    assert with_it[-1] - without[-1] == pytest.approx(in_flight * samples * LOGITS, rel=1e-9)
+    gained = (with_it[-1] - without[-1]) / (samples * LOGITS)
+    if checkpoint == "never":
+        assert gained == pytest.approx(in_flight + BACKWARD_TEMPORARIES, rel=1e-9)
+    else:
+        assert in_flight < gained <= in_flight + BACKWARD_TEMPORARIES
 
 
 def test_a_config_priced_head_outputs_fp32_logits_and_the_loss_keeps_their_log_probabilities():
@@ -105,10 +113,69 @@ def test_a_config_priced_head_outputs_fp32_logits_and_the_loss_keeps_their_log_p
     assert head.activation_bytes == 2 * 4 * SEQ * 64  # the norm's and the projection's inputs
     blocks = sizes.blocks(SEQ, element=2, vocab_parallel=True)
     bare = blocks[:-1] + [replace(blocks[-1], loss_bytes=0.0, output_bytes=0.0)]
-    # one micro-batch of one sample: its log-probabilities and logits, then the logits and their merged copy; under a
-    # vocabulary-parallel head each tp rank holds its shard of each
-    for tp in (1, 2):
+    # one micro-batch of one sample: as its backward starts, its logits, their log-probabilities and the loss
+    # backward's temporaries (F.cross_entropy's 2; under a vocabulary-parallel head, torch's loss_parallel's 3), each
+    # tp rank holding its shard of each; more than the step's end (the logits and their merged copy)
+    for tp, temporaries in ((1, BACKWARD_TEMPORARIES), (2, VOCAB_PARALLEL_BACKWARD_TEMPORARIES)):
         layout = Layout(dp=1, pp=1, batch=1, chunks=1, tp=tp)
         gained = (predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
                   - predict(bare, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0])
-        assert gained == pytest.approx(2 * LOGITS / tp, rel=1e-9)
+        assert gained == pytest.approx((2 + temporaries) * LOGITS / tp, rel=1e-9)
+
+
+def test_the_loss_backward_temporaries_exist_as_each_backward_starts():
+    """`last_stage` sets them (per micro-batch: temporaries x the loss's bytes, a tp rank's share when vocabulary-
+    parallel); the simulator adds them on top of what the rank holds when a backward starts, not after it."""
+    cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
+    head = replace(_blocks()[-1], loss_bytes=7.0, output_bytes=3.0)
+    assert last_stage(cost, head, samples=2).transient_bytes == BACKWARD_TEMPORARIES * 14.0
+    split = replace(head, tensor=TensorSplit(params=1, flops=0.0, traffic=0.0, activation_bytes=0.0, comm_bytes=0.0))
+    assert last_stage(cost, split, samples=2, tp=2).transient_bytes == VOCAB_PARALLEL_BACKWARD_TEMPORARIES * 7.0
+    assert last_stage(cost, split, samples=2, tp=1).transient_bytes == BACKWARD_TEMPORARIES * 14.0
+    order = schedule_order("gpipe", 1, 2)
+    stage = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=10.0, transient_bytes=7.0)
+    timeline = simulate(order, [stage])
+    assert timeline.running_bytes == (2 * 10.0 + 7.0,)  # both micro-batches held as the first backward starts
+    assert simulate(order, [replace(stage, transient_bytes=0.0)]).running_bytes == (20.0,)
+
+
+def test_fsdp_holds_only_its_shards_at_the_step_end_and_a_block_more_as_it_reduces():
+    """After the last backward torch's stage reshards FSDP and reduce-scatters its gradients (`perform_reduce_grad`):
+    the step's end holds the shards (weights, gradients, two moments over dp) beside the kept outputs twice; the
+    reduction adds the first block's gradients as one flat fp32 input and its shard of the result; DDP keeps all."""
+    from pipetrain.plan.predict import reduce_scatter_bytes, static_bytes
+
+    blocks = _blocks()
+    fsdp = Layout(dp=4, pp=1, batch=8, chunks=2, dp_mode="fsdp", keep_outputs=True)  # outputs kept: torch's default
+    assert static_bytes(blocks, fsdp, resting=True) == 4 * 4000.0 * 4 / 4
+    assert static_bytes(blocks, fsdp) == 2 * 4 * 4000.0 + 4 * 4000.0
+    ddp = replace(fsdp, dp_mode="ddp")
+    assert static_bytes(blocks, ddp, resting=True) == static_bytes(blocks, ddp) == 5 * 4 * 4000.0
+    assert reduce_scatter_bytes(blocks, fsdp) == 4.0 * 1000 * (1 + 1 / 4)
+    assert reduce_scatter_bytes(blocks, ddp) == reduce_scatter_bytes(blocks, replace(fsdp, fsdp_reshard=True)) == 0.0
+    # outputs that outweigh everything: the step's end sets the peak, with the shards only under FSDP
+    big = blocks[:-1] + [replace(blocks[-1], output_bytes=1e6)]
+    for layout in (fsdp, ddp):
+        memory = predict(big, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+        samples = 8 // layout.dp // 2
+        assert memory == pytest.approx(static_bytes(big, layout, resting=True) + 2 * 2 * samples * 1e6, rel=1e-9)
+
+
+def test_pipetrains_engine_holds_each_output_from_its_forward_to_its_backward_only():
+    """`keep=False` (the engine asks the schedule for no outputs): no kept bytes; the output counts with the
+    micro-batch (held by torch's stage for its backward), as its input does when the stage recomputes."""
+    cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
+    head = replace(_blocks()[-1], loss_bytes=7.0, output_bytes=3.0)
+    out = last_stage(cost, head, samples=2, keep=False)
+    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes, out.kept_bytes) == (120.0, 30.0, 120.0, 0.0)
+    assert out.transient_bytes == BACKWARD_TEMPORARIES * 14.0
+    per_layer = last_stage(replace(cost, held_bytes=30.0, recompute_bytes=60.0), head, samples=2, keep=False)
+    assert (per_layer.held_bytes, per_layer.recompute_bytes) == (44.0, 74.0)  # the output already among them
+    # 1F1B at pp 1 (each backward right after its forward), outputs and log-softmax of 1 MB per micro-batch: kept,
+    # the 4 outputs and their merge at the step's end (8 MB); dropped, one micro-batch's output, log-softmax and two
+    # temporaries as its backward starts (4 MB) beside its blocks' 18 KB
+    big = _blocks()[:-1] + [replace(_blocks()[-1], output_bytes=1e6, loss_bytes=1e6)]
+    layout = Layout(dp=1, pp=1, batch=4, chunks=4, schedule="1f1b")
+    kept = predict(big, replace(layout, keep_outputs=True), DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+    dropped = predict(big, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+    assert kept - dropped == pytest.approx(8e6 - 4e6 - 18e3, rel=1e-9)

@@ -186,3 +186,20 @@ def test_per_layer_recomputation_keeps_every_layer_input():
     assert each[0].held_bytes == samples * 4 * hidden  # 3 layer inputs and the output (the ids are not counted)
     biggest = max(b.activation_bytes for b in blocks[4:8])
     assert each[1].recompute_bytes == each[1].held_bytes + samples * biggest
+
+
+def test_an_eager_rmsnorm_layer_keeps_its_two_normalised_tensors():
+    """transformers' eager RMSNorm saves `hidden` for `weight * hidden`: 2h per token more than a LayerNorm family
+    (whose kernel keeps its mean and rstd only); measured on an eager llama-cpu layer by benchmarks/memory_terms.py
+    (2.496 MB saved for 4 x 128 tokens in fp32, 2.469 planned: the rest is rstd, cos/sin and the logsumexp)."""
+    s, e, h = 128, 4, 64
+    llama = sizes_from_config(dict(SMALL, model_type="llama"))
+    kept, split = llama.layer_activation_bytes(s, e)
+    q, k, f = llama.q_width, llama.kv_width, llama.intermediate
+    assert split == e * s * (2 * q + 2 * k + 4 * f)
+    assert kept - split == 6 * e * s * llama.hidden  # the input (the 1st norm's), the 2nd norm's, both normalised, both outputs
+    cpu = sizes_from_config({"model_type": "llama", "vocab_size": 1024, "hidden_size": h, "intermediate_size": 172,
+                             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2})
+    assert cpu.layer_activation_bytes(s, e)[0] * 4 / 2**20 == pytest.approx(2.46875, rel=1e-12)
+    qwen3 = sizes_from_config(dict(SMALL, model_type="qwen3", head_dim=16))
+    assert qwen3.layer_activation_bytes(s, e)[1] - split == 2 * e * s * (qwen3.q_width + qwen3.kv_width)

@@ -120,6 +120,7 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
                   max_chunks=args.max_chunks, max_pp=args.max_pp, only_pp=args.pp,
                   only_chunks=getattr(args, "chunks", None), precision="bf16" if args.precision == "bf16" else "fp32",
                   float8=float8, recompute_unit=getattr(args, "recompute_unit", "stage"),
+                  keep_outputs=getattr(args, "keep_outputs", False),
                   recompute_every=getattr(args, "recompute_every", 1),
                   fsdp_reshard=getattr(args, "fsdp_reshard", "never"),
                   offload={"off": (False,), "on": (True,), "both": (False, True)}[
@@ -231,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
                              cp=result.best[0].layout.cp):
             print(f"  {line}")
     what_if = [flag for flag, on in (("--vocab-parallel", getattr(args, "vocab_parallel", False)),
-                                     ("--float8", getattr(args, "float8", False))) if on]
+                                     ("--float8", getattr(args, "float8", False)),
+                                     ("--keep-outputs", getattr(args, "keep_outputs", False))) if on]
     if what_if:
         print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "
               "layout it runs")

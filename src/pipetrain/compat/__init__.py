@@ -6,7 +6,7 @@ strided placement and the placement methods that run collectives; `tensor_styles
 built on torch's private style hooks; `grouped`: the experts' grouped matmul; `modules`: the dropout and batch-norm
 base classes, `_foreach_mul_`, aborting a process group, the parameters DDP ignores; `mesh`: flattening two mesh
 dimensions into one (HSDP's dp axis); `overlap`: DualPipeV's fused forward-and-backward actions run concurrently,
-and whether a thread is inside a backward pass.
+and whether a thread is inside a backward pass; `live`: a dispatch mode counting the bytes of live storages.
 """
 
 from __future__ import annotations
@@ -67,4 +67,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch", "_grouped_mm"),
     # mesh.py: HSDP's dp axis, the flattened (dp_replicate, dp_shard)
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"),
+    # live.py: the bytes a CPU run allocates, storage by storage
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._pytree", "tree_flatten"),
 )

@@ -48,6 +48,11 @@ class SequenceCut(Protocol):
     def loss(self, loss: Loss) -> Loss: ...
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A vocabulary-sharded DTensor made whole (the metrics read every class); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Metrics of one step or evaluation, identical on every rank (reduced over the whole job).
@@ -127,6 +132,8 @@ class PipelineEngine:
         self.counts_metrics = counts_metrics
         #: whether `StepResult.outputs` holds the last stage's outputs (set False when nobody reads them)
         self.keep_outputs = True
+        #: the training step's metric sums so far (`_weighted_loss` adds each micro-batch's); None outside a step
+        self._sums: torch.Tensor | None = None
         group_size = dist.get_world_size(pp_group)
         if group_size != config.pp:
             raise ConfigError(
@@ -281,6 +288,9 @@ class PipelineEngine:
         for wrapper in self._recompute:
             wrapper.start_step(sum(run.count for run in runs))
         local = tuple(t.to(self.device) for t in inputs) if inputs is not None and self.has_first_stage else None
+        # training: each micro-batch's metrics summed as its loss is computed (`_weighted_loss`), so the schedule
+        # need not keep its outputs (`return_outputs`) unless the caller reads them
+        self._sums = self._zero_sums() if train else None
         outputs = []
         offset = 0
         for run in runs:
@@ -290,8 +300,9 @@ class PipelineEngine:
             args = tuple(t[part] for t in local) if local is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
             with self._grads_kept(fresh), vocab_parallel(self._loss_parallel and train):
-                out = schedule.step(*args, target=target) if train else schedule.eval(*args)
-            if self.has_last_stage:
+                out = schedule.step(*args, target=target, return_outputs=self.keep_outputs) if train \
+                    else schedule.eval(*args)
+            if self.has_last_stage and (self.keep_outputs or not train):
                 outputs.append(out)
         # one run: the schedule's merged output as it is (a copy more of the step's outputs would be held for nothing)
         if self._reads > 1:  # several tensors: each merged over the runs, the loss reads them together
@@ -301,7 +312,8 @@ class PipelineEngine:
             merged = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
         if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
             merged = merged.full_tensor()
-        return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None)
+        sums, self._sums = self._sums, None
+        return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None, sums=sums)
 
     def _global_count(self, targets: torch.Tensor | None, given: int | None) -> float | torch.Tensor:
         """What the loss of this step is averaged over, across the data-parallel replicas: `given`, else a tensor
@@ -332,28 +344,48 @@ class PipelineEngine:
         for param, grad in kept:
             param.grad = grad if param.grad is None else param.grad + grad
 
-    def _weighted_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _weighted_loss(self, output: Tensors, target: torch.Tensor) -> torch.Tensor:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
-        return self.loss.total(output, target) / self._loss_denominator
+        total = self.loss.total(output, target)
+        if self._sums is not None:  # training: the metrics of this micro-batch, now
+            with torch.no_grad():
+                # vocabulary-sharded logits made whole on every tensor-parallel rank (a collective), counted by one
+                whole = tuple(_whole(t) for t in output) if isinstance(output, tuple) else _whole(output)
+                if self.counts_metrics:
+                    self._add_sums(self._sums, whole, target, total.detach())
+        return total / self._loss_denominator
+
+    def _zero_sums(self) -> torch.Tensor:
+        """The step's metric sums (loss, count, samples, correct, classified, the loss's extras), on the device."""
+        return torch.zeros(5 + len(getattr(self.loss, "extra_names", ())), dtype=torch.float64, device=self.device)
+
+    def _add_sums(self, sums: torch.Tensor, whole: Tensors, targets: torch.Tensor,
+                  total: torch.Tensor | None = None) -> None:
+        """Add the metrics of the outputs `whole` (a micro-batch's or a batch's, not vocabulary-sharded) to `sums`;
+        `total`: the loss total already computed on them."""
+        sums[0] += (self.loss.total(whole, targets) if total is None else total).double()
+        sums[1] += self.loss.count(targets)
+        correct = self.loss.correct(whole, targets)
+        if correct is not None:
+            sums[3] += correct
+            sums[4] = 1
+        names = tuple(getattr(self.loss, "extra_names", ()))  # a loss's own figures (sums over what it counts)
+        if names:
+            extras = self.loss.extras(whole, targets)
+            sums[5:] += torch.stack([torch.as_tensor(extras[n], dtype=torch.float64, device=self.device)
+                                     for n in names])
 
     def _metrics(self, outputs: Tensors | None, targets: torch.Tensor | None, batch_size: int, *,
-                 refuse_empty: bool = False) -> StepResult:
-        """The step's loss, counts and accuracy on every rank, from device-side sums: one host sync per step
-        (`tolist`; the built-in losses count on the device)."""
-        names = tuple(getattr(self.loss, "extra_names", ()))  # a loss's own figures (sums over what it counts)
-        totals = torch.zeros(5 + len(names), dtype=torch.float64, device=self.device)
-        if outputs is not None and targets is not None and self.counts_metrics:
-            outputs_ = tuple(t.detach() for t in outputs) if isinstance(outputs, tuple) else outputs.detach()
-            totals[0] = self.loss.total(outputs_, targets).double()
-            totals[1] = self.loss.count(targets)
+                 refuse_empty: bool = False, sums: torch.Tensor | None = None) -> StepResult:
+        """The step's loss, counts and accuracy on every rank, from device-side sums (`sums`, summed micro-batch by
+        micro-batch in training; else computed here from the merged `outputs`): one host sync per step (`tolist`;
+        the built-in losses count on the device)."""
+        names = tuple(getattr(self.loss, "extra_names", ()))
+        totals = self._zero_sums() if sums is None else sums
+        if sums is None and outputs is not None and targets is not None and self.counts_metrics:
+            self._add_sums(totals, outputs, targets)
+        if self.has_last_stage and targets is not None and self.counts_metrics:
             totals[2] = batch_size if self.sequence_split is None or self.sequence_split.rank == 0 else 0
-            correct = self.loss.correct(outputs_, targets)
-            if correct is not None:
-                totals[3], totals[4] = correct, 1
-            if names:
-                sums = self.loss.extras(outputs_, targets)
-                totals[5:] = torch.stack([torch.as_tensor(sums[n], dtype=torch.float64, device=self.device)
-                                          for n in names])
         if dist.is_initialized():
             with span("metrics"):
                 dist.all_reduce(totals, group=self.metrics_group)

@@ -11,6 +11,16 @@ The last stage's outputs (the logits of a language model) are kept longer: torch
 micro-batch's output to the stage's `output_chunks` (until the next step clears them) and merges them into the
 step's output at its end (`torch.cat`: one more copy), which pipetrain's engine reads for the step's metrics and
 torchtitan's training loop drops. The simulator holds them from each forward to the step's end, twice at the end.
+
+The loss's backward allocates logits-sized fp32 temporaries beside the saved log-softmax, for a moment, as each of
+the last stage's backwards starts (`StageCost.transient_bytes`). `F.cross_entropy` (aten's fused log-softmax and
+NLL): `nll_loss_backward`'s gradient (zeros with -1 at the targets) and `_log_softmax_backward_data`'s output, both
+alive with the saved log-softmax: 3 logits-sized tensors at the peak, 1 left (the logits' gradient), measured on
+the CPU by `benchmarks/memory_terms.py` (a dispatch mode counting each storage while it lives: 3.000 and 1.000
+logits). torch's `loss_parallel` (vocabulary-parallel logits, torch/distributed/tensor/parallel/loss.py,
+`_nll_loss_and_log_softmax_backward`): `zeros_like(x)`, `exp(x)`, their sum and its product with the output's
+gradient, 4 at the peak with the saved log-softmax (read from the source: DTensor's handlers run those ops below
+the dispatch modes a CPU measurement can install).
 """
 
 from __future__ import annotations
@@ -21,10 +31,16 @@ from dataclasses import replace
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.simulate import StageCost
 
-__all__ = ["LOSS_ELEMENT", "log_softmax_bytes", "with_loss", "last_stage", "keeps_log_softmax"]
+__all__ = ["LOSS_ELEMENT", "BACKWARD_TEMPORARIES", "VOCAB_PARALLEL_BACKWARD_TEMPORARIES", "log_softmax_bytes",
+           "with_loss", "last_stage", "keeps_log_softmax"]
 
 #: bytes per element the loss computes its log-softmax in (fp32)
 LOSS_ELEMENT = 4
+#: logits-sized tensors the loss's backward allocates beside the saved log-softmax (module docstring):
+#: `F.cross_entropy`'s NLL gradient and log-softmax gradient
+BACKWARD_TEMPORARIES = 2
+#: the same under torch's `loss_parallel` (vocabulary-parallel logits): zeros_like, exp, their sum, the product
+VOCAB_PARALLEL_BACKWARD_TEMPORARIES = 3
 
 
 def log_softmax_bytes(tokens: int, vocab: int, element: int = LOSS_ELEMENT) -> float:
@@ -49,17 +65,28 @@ def with_loss(blocks: Sequence[BlockCost], loss: object, output_element: int = 4
     return out
 
 
-def last_stage(cost: StageCost, block: BlockCost, samples: int, tp: int = 1) -> StageCost:
+def last_stage(cost: StageCost, block: BlockCost, samples: int, tp: int = 1, *, keep: bool = True) -> StageCost:
     """The last stage's `cost` (its last block `block`, micro-batches of `samples`, one of `tp` ranks: a share of a
     vocabulary-parallel head's) with what it holds besides its blocks' activations: the loss's `loss_bytes` from
     each forward to its backward, whether the micro-batch recomputes or not (the loss runs outside the stage's
-    checkpoint), and its output, which torch's schedule keeps to the step's end (`output_chunks`) and merges into
-    one more copy there (`StageCost.kept_bytes`)."""
-    share = samples / (tp if block.tensor is not None else 1)
+    checkpoint), its backward's temporaries as each backward starts (`StageCost.transient_bytes`: torch's
+    `loss_parallel` ones when the head is vocabulary-parallel over tp > 1 ranks), and its output, which torch's
+    schedule keeps to the step's end (`output_chunks`) and merges into one more copy there
+    (`StageCost.kept_bytes`). Not `keep` (pipetrain's engine, which computes each micro-batch's metrics with its
+    loss and asks the schedule for no outputs): each output lives from its forward to its backward only (torch's
+    stage holds it for the backward), like the stage's activations; a per-block recomputation already holds it."""
+    split = block.tensor is not None
+    share = samples / (tp if split else 1)
     loss, output = share * block.loss_bytes, share * block.output_bytes
+    if not keep:  # the output is held with the micro-batch: counted with its activations, none to the step's end
+        held = cost.input_bytes + output if cost.held_bytes is None else cost.held_bytes
+        cost = replace(cost, activation_bytes=cost.activation_bytes + output, held_bytes=held,
+                       recompute_bytes=cost.recompute_bytes)
+    kept = output if keep else 0.0
     if not loss:
-        return replace(cost, kept_bytes=output)
+        return replace(cost, kept_bytes=kept)
     held = cost.input_bytes if cost.held_bytes is None else cost.held_bytes
     again = cost.activation_bytes if cost.recompute_bytes is None else cost.recompute_bytes
+    temporaries = VOCAB_PARALLEL_BACKWARD_TEMPORARIES if split and tp > 1 else BACKWARD_TEMPORARIES
     return replace(cost, activation_bytes=cost.activation_bytes + loss, held_bytes=held + loss,
-                   recompute_bytes=again + loss, kept_bytes=output)
+                   recompute_bytes=again + loss, kept_bytes=kept, transient_bytes=temporaries * loss)

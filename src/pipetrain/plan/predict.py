@@ -11,6 +11,9 @@ recomputing micro-batch keeps its stage's input, with `recompute_unit="layer"` e
 "selective" every block's `selective_bytes`; offloading: at most three micro-batches' activations on the device; the
 last stage's loss and kept outputs: plan/loss.py) + the receive buffers torch's stages allocate per micro-batch
 (input but on the first stage, gradient but on the last) + the device's baseline (CPU: memory before the model).
+The peak is the largest of three moments: the schedule running (all the static bytes and the simulated peak, the
+loss's backward temporaries included), FSDP's reduction after the last backward (`reduce_scatter_bytes` beside the
+kept outputs) and the step's end (the kept outputs merged; FSDP holds only its shards then: `static_bytes(resting)`).
 A rank holds the stages `rank_stages` names: looped (r, r + pp, ...) or, for zbv and dualpipev, in a V
 (r and 2pp-1-r); the activation peak is the simulated one of the rank's own order (both its stages).
 With tensor parallelism (`tp` > 1, plan/tensor.py) each figure is one of the tp ranks': its share of the
@@ -44,7 +47,8 @@ from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatc
 from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
                                    tp_params, tp_problem, tp_traffic)
 
-__all__ = ["Layout", "Prediction", "SELECTIVE_RECOMPUTE_SHARE", "predict", "static_bytes", "stage_costs",
+__all__ = ["Layout", "Prediction", "SELECTIVE_RECOMPUTE_SHARE", "predict", "static_bytes", "reduce_scatter_bytes",
+           "stage_costs",
            "block_times", "optimizer_s", "rank_speeds", "order_of", "reduce_s", "clear_caches"]
 
 
@@ -91,6 +95,9 @@ class Layout:
     offload: bool = False
     #: with dp_mode "hsdp": ranks of one shard group (FSDP within, replicas across: `--dp-shard`)
     dp_shard: int = 0
+    #: what-if: the last stage's outputs kept by torch's schedule to the step's end and merged there (torchtitan's
+    #: loop); pipetrain's engine drops each micro-batch's once its loss and metrics are computed (plan/loss.py)
+    keep_outputs: bool = False
 
     @property
     def shards(self) -> int:
@@ -308,7 +315,20 @@ def _kept_bytes(blocks: Sequence[BlockCost], index: int, layout: Layout, acts: f
     return max(entry, acts * block.selective_bytes / block.activation_bytes)
 
 
-def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
+def reduce_scatter_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
+    """What FSDP2 adds as it reduces the gradients accumulated unsharded (no resharding: once, after the stage's
+    last backward, torch's `perform_reduce_grad`): block by block, `foreach_reduce` copies a block's gradients into
+    one flat fp32 reduce-scatter input before it drops them, and the block's shard of the result; the first block
+    reduced sets the peak (later ones have freed a block's gradients and weights first, and FSDP keeps at most one
+    earlier input alive: `reduce_scatter_max_input_buffers` = 1, torch 2.13 `_fsdp_param_group.py`). Zero when
+    nothing is sharded or the gradients were reduced per micro-batch (`fsdp_reshard`: `static_bytes` counts it)."""
+    if layout.shards == 1 or layout.dp == 1 or layout.fsdp_reshard or not blocks:
+        return 0.0
+    grad = max(4.0 * tp_params(b, layout.tp) * b.trained_share for b in blocks)
+    return grad * (1.0 + 1.0 / layout.shards)
+
+
+def static_bytes(blocks: Sequence[BlockCost], layout: Layout, *, resting: bool = False) -> float:
     """Bytes of weights, gradients and AdamW state one rank holds for `blocks` (see `Layout.precision`).
 
     DDP or one replica: weights, gradients and the two moments (4 copies of the parameter bytes), DDP's buckets a
@@ -318,7 +338,9 @@ def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
     projections, `float8`), the accumulated gradients 4 (FSDP2 accumulates in its fp32 reduce dtype), the shards
     16 / dp. Frozen parameters (`BlockCost.frozen_params`, a LoRA run's base) hold their weights only: no gradient,
     no moments, no DDP bucket. With `fsdp_reshard` only two blocks' weights are gathered at once (the one computing,
-    the one prefetched) and one block's unsharded gradient (reduce-scattered per micro-batch), beside the shards."""
+    the one prefetched) and one block's unsharded gradient (reduce-scattered per micro-batch), beside the shards.
+    `resting`: what is left after the last backward (the step's end): FSDP has resharded and reduced (torch's
+    `perform_reduce_grad`), only the shards stay; DDP and one replica keep everything."""
     param_bytes = sum(tp_param_bytes(b, layout.tp) for b in blocks)
     trained_bytes = sum(tp_param_bytes(b, layout.tp) * b.trained_share for b in blocks)
     if layout.precision not in ("fp32", "bf16"):
@@ -335,6 +357,8 @@ def static_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
         gathered = [2 * (tp_params(b, layout.tp) - f) + f for b, f in zip(blocks, fp8)]
         grads = [4 * tp_params(b, layout.tp) * b.trained_share for b in blocks]
         shards = sum(4 * tp_params(b, layout.tp) * (1 + 3 * b.trained_share) for b in blocks) / shards_of
+    if resting:
+        return shards
     if not layout.fsdp_reshard:
         return sum(gathered) + sum(grads) + shards
     # resharded: the block computing and the one prefetched gathered, one block's unsharded gradient being reduced
@@ -363,7 +387,7 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     balance = _balance(blocks, layout, samples, device)
     bounds = [(sum(balance[:i]), sum(balance[:i + 1])) for i in range(len(balance))]
     costs = stage_costs(blocks, layout, device, network, bounds)
-    costs[-1] = last_stage(costs[-1], blocks[-1], samples, layout.tp)  # the loss and the kept outputs: plan/loss.py
+    costs[-1] = last_stage(costs[-1], blocks[-1], samples, layout.tp, keep=layout.keep_outputs)  # plan/loss.py
     order = order_of(layout.schedule, layout.pp, layout.chunks, layout.virtual)
     speeds = rank_speeds(device, layout)
     timeline = simulate(order, costs, recomputed=recomputed_microbatches(layout.checkpoint, layout.chunks),
@@ -379,10 +403,16 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         static = static_bytes(dense, grads) + (static_bytes(shares, experts) if shares else 0.0)
         buffers = layout.chunks * sum(costs[s].input_bytes + (costs[s + 1].input_bytes if s + 1 < len(costs) else 0)
                                       for s in held)
-        activations = timeline.peak_activation_bytes[rank]
+        activations = timeline.running_bytes[rank]
         if layout.offload:  # on the device: the micro-batch computing, the one coming back, the step's last
             activations = min(activations, 3 * sum(costs[s].activation_bytes for s in held))
-        memory.append(device.baseline_bytes + static + activations + buffers)
+        kept = timeline.kept_bytes[rank]
+        resting = static_bytes(dense, grads, resting=True) + (static_bytes(shares, experts, resting=True)
+                                                              if shares else 0.0)
+        moments = (static + activations,  # the schedule running
+                   static + kept + reduce_scatter_bytes(mine, grads),  # FSDP's reduction after the last backward
+                   resting + 2 * kept)  # the step's end: the kept outputs merged (FSDP resharded)
+        memory.append(device.baseline_bytes + max(moments) + buffers)
         expert_shards = experts.dp if layout.dp_mode == "fsdp" and experts.dp > 1 else 1
         optimizer = max(optimizer, optimizer_s(dense, device, grads.shards if sharded else 1, layout.tp)
                         + (optimizer_s(shares, device, expert_shards) if shares else 0.0))

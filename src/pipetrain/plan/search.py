@@ -59,6 +59,7 @@ class SearchSpace:
     #: carried into every layout (`Layout`'s fields of the same names): memory precision and the what-ifs
     precision: str = "fp32"
     float8: bool = False
+    keep_outputs: bool = False
     recompute_unit: str = "stage"
     recompute_every: int = 1
     #: FSDP's resharding after forward: "never", "always", "auto" (plan/reshard.py: at pp 1 always; in a pipeline
@@ -169,6 +170,7 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                                                       virtual=v, checkpoint=policy, dp_mode=mode, balance=balance,
                                                       gpus_per_node=gpus_per_node, tp=tp, sequence_parallel=sp,
                                                       precision=space.precision, float8=space.float8,
+                                                      keep_outputs=space.keep_outputs,
                                                       recompute_unit=unit, fsdp_reshard=reshard, offload=offload,
                                                       recompute_every=space.recompute_every if unit != "stage"
                                                       else 1, dp_shard=shard))

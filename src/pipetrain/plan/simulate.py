@@ -21,7 +21,8 @@ backward by `weight_share`; every compute action pays `overhead_s` (host-side co
 Ranks on their own devices run these durations as they are; ranks sharing CPU cores slow down while several
 compute at once (`speeds`: processor sharing, simulated event by event). Memory: F adds the micro-batch's held
 activations (the stage input only when it recomputes) and its kept output, B (or W under zero-bubble) frees the
-activations; while a recomputing backward runs, its activations exist again; the kept outputs stay to the step's
+activations; while a recomputing backward runs, its activations exist again; as any backward starts, the stage's
+`transient_bytes` exist beside what is held (the loss backward's temporaries); the kept outputs stay to the step's
 end, where they are merged (held twice).
 """
 
@@ -61,6 +62,9 @@ class StageCost:
     #: bytes each forward leaves held until the step ends, then merged into one more copy (the last stage's outputs,
     #: which the schedule keeps for the step's merged output: plan/loss.py)
     kept_bytes: float = 0.0
+    #: bytes alive for a moment as each backward of the stage starts, beside what its micro-batch holds (the last
+    #: stage's loss backward: its logits-sized temporaries, plan/loss.py)
+    transient_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,10 @@ class Timeline:
     bubble: float
     peak_activation_bytes: tuple[float, ...]
     peak_inflight: tuple[int, ...]
+    #: per rank, the peak while the schedule runs (its actions; `peak_activation_bytes` is the larger of this and
+    #: the step's end, the kept outputs twice) and the kept outputs held when the last action is done
+    running_bytes: tuple[float, ...] = ()
+    kept_bytes: tuple[float, ...] = ()
 
 
 def recomputed_microbatches(policy: str, count: int) -> frozenset[int]:
@@ -160,10 +168,13 @@ def _duration(row: tuple[int, ...], costs: Sequence[StageCost], recomputed: Coll
     return cost.backward_s * share + overhead_s + again
 
 
-def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) -> tuple[list[float], list[int]]:
+def _memory(program, costs: Sequence[StageCost],
+            recomputed: Collection[int]) -> tuple[list[float], list[int], list[float], list[float]]:
     """Each rank's peak activation bytes and micro-batches held: they depend on the order only, not on time.
-    A micro-batch's activations go with its full backward (B) or its weight backward (W, after an I)."""
-    peaks, inflights = [], []
+    A micro-batch's activations go with its full backward (B) or its weight backward (W, after an I); a stage's
+    `transient_bytes` exist as its backward (B or I) starts. Also each rank's peak while its actions run and the
+    kept outputs it holds at the step's end."""
+    peaks, inflights, running, ends = [], [], [], []
     for rows in program:
         live = peak = outputs = 0.0  # outputs: what the rank's forwards keep until the step ends
         inflight = peak_inflight = 0
@@ -176,16 +187,20 @@ def _memory(program, costs: Sequence[StageCost], recomputed: Collection[int]) ->
                 live += held
                 outputs += cost.kept_bytes
                 inflight += 1
-            elif again and kind in (1, 2):
-                peak = max(peak, live + outputs - held + (cost.activation_bytes if cost.recompute_bytes is None
-                                                          else cost.recompute_bytes))
+            elif kind in (1, 2):
+                peak = max(peak, live + outputs + cost.transient_bytes)
+                if again:
+                    peak = max(peak, live + outputs - held + (cost.activation_bytes if cost.recompute_bytes is None
+                                                              else cost.recompute_bytes))
             peak, peak_inflight = max(peak, live + outputs), max(peak_inflight, inflight)
             if kind in (1, 3):
                 live -= held
                 inflight -= 1
         peaks.append(max(peak, 2 * outputs))  # the step's end: the kept outputs and their merged copy
         inflights.append(peak_inflight)
-    return peaks, inflights
+        running.append(peak)
+        ends.append(outputs)
+    return peaks, inflights, running, ends
 
 
 def _dedicated(program, costs, recomputed, overhead_s) -> tuple[list[float], list[float], float]:
@@ -307,7 +322,8 @@ def simulate(
         clock, busy, compute_end = _shared(program, costs, recomputed, overhead_s, speeds)
     else:
         clock, busy, compute_end = _dedicated(program, costs, recomputed, overhead_s)
-    peak, peak_inflight = _memory(program, costs, recomputed)
+    peak, peak_inflight, running, ends = _memory(program, costs, recomputed)
     span = max(clock)
     bubble = 1.0 - sum(busy) / (pp * compute_end) if compute_end > 0 else 0.0
-    return Timeline(span, compute_end, tuple(busy), bubble, tuple(peak), tuple(peak_inflight))
+    return Timeline(span, compute_end, tuple(busy), bubble, tuple(peak), tuple(peak_inflight), tuple(running),
+                    tuple(ends))

@@ -17,8 +17,13 @@ Per token of a sequence of s (h hidden, q = heads × head_dim query width, k = k
   count generalised to grouped-query attention and gated MLPs), bytes per token at element size e: e·(4h (two norm
   inputs, the attention and MLP inputs) + 2q + 2k (Q, K, V, attention output) + 4f gated (gate, its activation,
   up, their product) | 2f plain) + q/k norm inputs e·(q + k) where the family has them + one byte per element of
-  each dropout mask (GPT-2's two residual dropouts, when the config's rate is above 0). Tensor parallelism
-  (Megatron's split, `TensorSplit`) divides everything but the 4h part and the masks, sequence parallelism that too.
+  each dropout mask (GPT-2's two residual dropouts, when the config's rate is above 0); an RMSNorm family adds 2h,
+  the two norms' normalised tensors (`weight * hidden` saves `hidden`, in transformers' eager RMSNorm, which
+  pipetrain's adapter runs; LayerNorm's kernel saves its mean and rstd only) and, with q/k norms, e·(q + k) more.
+  Checked with saved-tensor hooks on an eager `llama-cpu` layer (`benchmarks/memory_terms.py`): it saves the input,
+  both norms' inputs, normalised tensors and outputs, Q, K, V, the attention output and the MLP's four f-wide
+  tensors; rotary saves only cos and sin, not the q and k it rotates. Tensor parallelism
+  (Megatron's split, `TensorSplit`) divides everything but the h parts and the masks, sequence parallelism that too.
 - the head keeps the final norm's and the projection's inputs (2eh); its output, fp32 logits (4V per token:
   pipetrain casts a stage's outputs to fp32), is kept by the schedule to the step's end, and the loss keeps their
   log-probabilities in fp32 (4V per token, `loss_bytes`): both counted by plan/loss.py.
@@ -165,9 +170,10 @@ class DecoderSizes:
         """(all, the part tensor parallelism splits) bytes one layer keeps for backward, per sample."""
         s, e = seq_len, element
         split = e * s * (2 * self.q_width + 2 * self.kv_width + (4 if self.gated else 2) * self.intermediate)
-        if self.qk_norm:  # the q and k projections' outputs before their norms
-            split += e * s * (self.q_width + self.kv_width)
-        replicated = 4 * e * s * self.hidden + (2 * s * self.hidden if self.dropout else 0)
+        rms = not self.layer_norm  # eager RMSNorm keeps its normalised tensor (module docstring)
+        if self.qk_norm:  # the q and k projections' outputs before their norms (and normalised, RMSNorm)
+            split += (2 if rms else 1) * e * s * (self.q_width + self.kv_width)
+        replicated = (6 if rms else 4) * e * s * self.hidden + (2 * s * self.hidden if self.dropout else 0)
         return float(replicated + split), float(split)
 
     def layer_selective_bytes(self, seq_len: int, element: int = 2) -> float:
@@ -242,8 +248,9 @@ class DecoderSizes:
         expert_flops = 2 * s * h * f * mlp_width * top
         shared_flops = 2 * s * h * fs * 3 + (2 * s * h if self.shared_gate else 0)
         flops = attention_flops + 2 * s * h * self.experts + expert_flops + shared_flops
-        attention_kept = e * s * (2 * q + 2 * k + ((q + k) if self.qk_norm else 0))
-        kept = (4 * e * s * h + attention_kept + e * s * top * ((4 if self.gated else 2) * f + 2 * h)
+        rms = not self.layer_norm  # eager RMSNorm keeps its normalised tensors, as in a dense layer
+        attention_kept = e * s * (2 * q + 2 * k + ((2 if rms else 1) * (q + k) if self.qk_norm else 0))
+        kept = ((6 if rms else 4) * e * s * h + attention_kept + e * s * top * ((4 if self.gated else 2) * f + 2 * h)
                 + 4 * e * s * fs + 4 * s * self.experts + (2 * s * h if self.dropout else 0))
         attention_params = h * (q + 2 * k) + q * h
         params = self.moe_layer_params()
