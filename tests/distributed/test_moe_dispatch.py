@@ -6,8 +6,10 @@ sends rank 1 nothing in the "lopsided" case. Checked: every (token, expert) pair
 ids each local expert receives, against those all ranks routed to it); dispatch + combine with identity experts
 gives back every token (weights summing to 1); the gradient through dispatch and combine; `ExpertParallelExperts`
 against transformers' own `Qwen3MoeExperts` holding all experts (each rank's outputs and input gradients; the
-expert gradients, summed over the ranks' tokens), with grouped matmuls and with the loop over local experts, within
-rtol 1e-5 / atol 4e-5 (fp32: only the order of the sums differs). Expert capacity (`--moe-capacity`, defined per
+expert gradients, summed over the ranks' tokens), with grouped matmuls and with the loop over local experts, and
+against GPT-OSS's `GptOssExperts` (transposed, gate and up interleaved, biases, its clamped SwiGLU with a limit
+small enough to clamp; the bias gradients too), within rtol 1e-5 / atol 4e-5 (fp32: only the order of the sums
+differs). Expert capacity (`--moe-capacity`, defined per
 routing rank before the all-to-all): a Qwen3-MoE layer drops the same slots, and gives the same outputs and input
 gradients, with its experts whole (ep 1) and split over the 2 ranks (ep 2), each rank routing its own tokens.
 """
@@ -99,8 +101,20 @@ def _qwen_experts() -> torch.nn.Module:
     return full
 
 
-def _experts_checks(case: str, rank: int, grouped: bool) -> dict:
-    full = _qwen_experts()
+def _gpt_oss_experts() -> torch.nn.Module:
+    config = transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
+                                       num_experts_per_tok=TOP_K, swiglu_limit=0.3)
+    config._experts_implementation = "eager"
+    full = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(config)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(6)
+        for param in full.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return full
+
+
+def _experts_checks(case: str, rank: int, grouped: bool | None, family: str = "qwen") -> dict:
+    full = _gpt_oss_experts() if family == "gpt_oss" else _qwen_experts()
     split = ExpertParallelExperts(full, dist.group.WORLD, grouped=grouped)
     local = slice(split.first_expert, split.first_expert + split.local_experts)
     out = {}
@@ -116,9 +130,9 @@ def _experts_checks(case: str, rank: int, grouped: bool) -> dict:
     x = _hidden(case, rank, index.shape[0]).requires_grad_(True)
     y = split(x, index, _weights(case, rank, index.shape[0]))
     y.backward(torch.ones_like(y) * (rank + 1))
-    return {"out": (y.detach(), out["ref_out"]), "dx": (x.grad, out["ref_dx"]),
-            "gate_up": (split.gate_up_proj.grad, full.gate_up_proj.grad[local]),
-            "down": (split.down_proj.grad, full.down_proj.grad[local])}
+    grads = {name: (param.grad, dict(full.named_parameters())[name].grad[local])
+             for name, param in split.named_parameters()}
+    return {"out": (y.detach(), out["ref_out"]), "dx": (x.grad, out["ref_dx"]), "grads": grads}
 
 
 def _capacity_checks(rank: int) -> dict:
@@ -150,6 +164,7 @@ def _worker(spec: RankSpec, out: str) -> None:
         for case in ("uneven", "empty"):
             for grouped in (True, False):
                 records[f"experts-{case}-{'grouped' if grouped else 'loop'}"] = _experts_checks(case, rank, grouped)
+            records[f"experts-{case}-gpt_oss"] = _experts_checks(case, rank, None, "gpt_oss")
         records["capacity"] = _capacity_checks(rank)
         try:
             ExpertParallelExperts(_qwen_experts_of(3), dist.group.WORLD)
@@ -194,11 +209,15 @@ def test_dispatch_then_combine_is_the_identity_with_identity_experts(records, ca
 
 
 @pytest.mark.parametrize("case", ["experts-uneven-grouped", "experts-uneven-loop", "experts-empty-grouped",
-                                  "experts-empty-loop"])
+                                  "experts-empty-loop", "experts-uneven-gpt_oss", "experts-empty-gpt_oss"])
 def test_split_experts_equal_transformers_experts(records, case):
+    expected_grads = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if "gpt_oss" in case
+                                                       else set())
     for record in records:
-        for name in ("out", "dx", "gate_up", "down"):
-            got, expected = record[case][name]
+        assert set(record[case]["grads"]) == expected_grads
+        pairs = [("out", record[case]["out"]), ("dx", record[case]["dx"]), *record[case]["grads"].items()]
+        for name, (got, expected) in pairs:
+            assert got is not None and expected is not None, name
             torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 

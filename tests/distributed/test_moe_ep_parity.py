@@ -196,8 +196,8 @@ def _train_steps(parallel: ParallelConfig, device: torch.device) -> dict:
     firsts = {}
     for module in engine.modules:
         for name, sub in module.named_modules():
-            if isinstance(sub, ExpertParallelExperts):
-                firsts[id(sub.gate_up_proj)] = firsts[id(sub.down_proj)] = (sub.first_expert, sub.local_experts)
+            if isinstance(sub, ExpertParallelExperts):  # every parameter: GPT-OSS's biases too
+                firsts.update({id(p): (sub.first_expert, sub.local_experts) for p in sub.parameters(recurse=False)})
     slices = {name: firsts.get(id(p)) for name, p in engine.named_parameters()}
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads, norms = [], [], []
@@ -216,11 +216,14 @@ def _train_steps(parallel: ParallelConfig, device: torch.device) -> dict:
 
 #: the MoE folders trained at dp=2 x ep=2 x pp=2 under these schedules (stages per rank), and at dp=2 x ep=2 x tp=2
 #: (FSDP2, pp=1: the attention split over the TP pair, the experts over the EP pair of each TP rank)
-FOLDER_FAMILIES = ("qwen3_moe", "mixtral")
+FOLDER_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "tp2-fsdp": None}
+#: families without a tensor-parallel plan (GPT-OSS: per-head sinks, docs/moe.md): no tp2 case
+FOLDER_NO_TP = ("gpt_oss",)
 #: the other families with fused gated experts, at dp=2 x ep=2 x pp=2 under 1F1B only (DeepSeek-V3: no TP plan)
 MORE_FAMILIES = ("qwen2_moe", "olmoe", "deepseek_v3")
-FOLDER_CASES = [(family, schedule) for family in FOLDER_FAMILIES for schedule in FOLDER_SCHEDULES] + \
+FOLDER_CASES = [(family, schedule) for family in FOLDER_FAMILIES for schedule in FOLDER_SCHEDULES
+                if not (schedule == "tp2-fsdp" and family in FOLDER_NO_TP)] + \
     [(family, "1f1b") for family in MORE_FAMILIES]
 
 
@@ -229,8 +232,8 @@ def _expert_slices(engine) -> dict[int, tuple[int, int]]:
     firsts = {}
     for module in engine.modules:
         for sub in module.modules():
-            if isinstance(sub, ExpertParallelExperts):
-                firsts[id(sub.gate_up_proj)] = firsts[id(sub.down_proj)] = (sub.first_expert, sub.local_experts)
+            if isinstance(sub, ExpertParallelExperts):  # every parameter: GPT-OSS's biases too
+                firsts.update({id(p): (sub.first_expert, sub.local_experts) for p in sub.parameters(recurse=False)})
     return firsts
 
 

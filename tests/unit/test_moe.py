@@ -13,8 +13,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pipetrain.blocks import build_blocks, build_sequential  # noqa: E402
+from pipetrain.checkpoint.experts import expert_slices  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
 from pipetrain.moe.balance import DEFAULT_BIAS_RATE, ExpertBalancer, routed_blocks  # noqa: E402
+from pipetrain.moe.experts import ExpertParallelExperts  # noqa: E402
+from pipetrain.moe.split import check_expert_parallel, experts_in  # noqa: E402
 from pipetrain.moe.router import RouterAuxLoss  # noqa: E402
 from pipetrain.pipeline.recompute import RecomputeWrapper  # noqa: E402
 from pipetrain.workloads.hf import causal_lm as hf_causal_lm  # noqa: E402
@@ -89,6 +92,30 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(name, folders, monke
         ours = next(p for n, p in block.named_parameters() if n.endswith(f"experts.{param}"))
         torch.testing.assert_close(ours[mine], theirs[mine], rtol=0, atol=0)
         assert not ours[: experts // 2].any()  # never read: dropped by the split
+
+
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def test_gpt_oss_experts_under_ep_keep_their_biases_in_reads_and_checkpoint_keys(folders):
+    """GPT-OSS's experts split by --ep: accepted; rank 1 of ep 2 holds transformers' rows of every expert tensor
+    (biases too); the split keeps all four under their names, each a checkpoint expert slice."""
+    folder, reference = folders["gpt_oss"]
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ)
+    check_expert_parallel(model, 2)  # once refused: "has another layout"
+    experts = reference.get_parameter("model.layers.1.mlp.experts.gate_up_proj").shape[0]
+    model.keep_experts(1, 2)
+    block = build_blocks(model, [2], seed=0)[0]  # decoder layer 1
+    mine = slice(experts // 2, experts)
+    for param in GPT_OSS_EXPERTS:
+        theirs = reference.get_parameter(f"model.layers.1.mlp.experts.{param}")
+        ours = next(p for n, p in block.named_parameters() if n.endswith(f"experts.{param}"))
+        torch.testing.assert_close(ours[mine], theirs[mine], rtol=0, atol=0)
+    ((_, module),) = list(experts_in(block))
+    container = torch.nn.Module()
+    container.experts = ExpertParallelExperts(module, None)
+    assert [n for n, _ in container.experts.named_parameters()] == list(GPT_OSS_EXPERTS)
+    assert expert_slices(container, lambda key: key) == {f"experts.{param}": experts for param in GPT_OSS_EXPERTS}
 
 
 @pytest.mark.parametrize("name", sorted(moe_configs()))

@@ -31,9 +31,9 @@ __all__ = ["expert_slices", "shard_experts", "local_experts", "fsdp_layouts", "f
 
 def expert_slices(container: nn.Module, clean: Callable[[str], str]) -> dict[str, int]:
     """Container key (wrappers' prefixes removed by `clean`) -> the layer's expert count, for every parameter of an
-    `ExpertParallelExperts` in `container`."""
+    `ExpertParallelExperts` in `container` (its biases too: GPT-OSS's)."""
     return {clean(f"{name}.{leaf}"): module.num_experts for name, module in container.named_modules()
-            if isinstance(module, ExpertParallelExperts) for leaf in ("gate_up_proj", "down_proj")}
+            if isinstance(module, ExpertParallelExperts) for leaf, _ in module.named_parameters(recurse=False)}
 
 
 def _whole(local: torch.Tensor, experts: int, mesh: DeviceMesh) -> DTensor:

@@ -2,7 +2,8 @@
 starts, and the function the engine applies to each block it builds.
 
 A block's experts are the transformers fused experts modules in it (`moe.experts.is_fused_experts`: `mlp.experts` of
-Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3; `mlp.experts` or `block_sparse_moe.experts` of Mixtral). Each is replaced
+Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GPT-OSS (with biases); `mlp.experts` or `block_sparse_moe.experts` of
+Mixtral). Each is replaced
 by an `ExpertParallelExperts` holding this rank's slice, its parameters marked as experts' (`parallel.experts`).
 """
 
@@ -35,7 +36,7 @@ def experts_in(block: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def check_expert_parallel(model: BlockModel, ep: int) -> None:
     """Raise the one `ConfigError` `--ep ep` meets on `model`: no experts to split (a dense model), experts of
-    another layout (GPT-OSS's, with biases), LoRA adapters on the experts, or `ep` not dividing a layer's experts.
+    another layout (no gate, a post-expert norm), LoRA adapters on the experts, or `ep` not dividing a layer's experts.
     No-op at ep == 1; needs no process group (the blocks are built on the meta device): the CLI calls it before it
     starts ranks."""
     if ep == 1:
@@ -50,8 +51,8 @@ def check_expert_parallel(model: BlockModel, ep: int) -> None:
     found = [module for _, module in named]
     other = next((module for module in found if not is_fused_experts(module)), None)
     if other is not None:
-        raise ConfigError(f"--ep {ep} splits transformers' fused gated experts (gate_up_proj [E, 2I, H] without "
-                          f"biases, down_proj [E, H, I]); the model's {type(other).__name__} has another layout",
+        raise ConfigError(f"--ep {ep} splits transformers' fused gated experts (3-D gate_up_proj and down_proj, "
+                          f"optional [E, ...] biases); the model's {type(other).__name__} has another layout",
                           hint="drop --ep (or pass --ep 1) for this model")
     counts = {module.gate_up_proj.shape[0] for module in found}
     if not counts:

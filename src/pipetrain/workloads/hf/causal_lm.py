@@ -289,9 +289,10 @@ class HFCausalLM:
         self._experts_kept = (rank, ep)
 
     def _kept_experts(self, stored: str, param: torch.Tensor) -> range | None:
-        """The rows of `param` to read when it is a per-expert stored experts tensor and only some are kept."""
+        """The rows of `param` to read when it is a per-expert stored experts tensor (weights [E, ., .], biases
+        [E, .]) and only some are kept."""
         kept = self._experts_kept
-        if kept is None or param.dim() != 3 or not self.checkpoint.per_expert(stored):
+        if kept is None or param.dim() < 2 or not self.checkpoint.per_expert(stored):
             return None
         rank, ep = kept
         local = param.shape[0] // ep
