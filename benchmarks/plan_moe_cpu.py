@@ -51,7 +51,7 @@ def _memory(model, ep: int, device, ids: torch.Tensor) -> dict:
     session = build_session(model, _parallel(ep, "1f1b", False, CHUNKS), device, seed=0, loss_fn=model.loss())
     engine = session.engine
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
-    counter = _SavedPeak()
+    counter = _SavedPeak(engine.parameters())
     for step in range(2):
         optimizer.zero_grad(set_to_none=True)
         if step:
@@ -138,7 +138,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps timed together")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calibration", type=Path, default=default_calibration_path())
+    parser.add_argument("--calibrate", action="store_true",
+                        help="first calibrate this machine at the model's width (a layer of hidden, the top-k experts' "
+                             "width as its feed-forward, the sequence length), stored in --calibration")
     args = parser.parse_args()
+    if args.calibrate:
+        from pipetrain.bench.calibrate import calibrate
+        from pipetrain.plan.hardware import save_calibration
+
+        shape = dict(seq_len=args.seq, emsize=args.hidden, nhead=4, nhid=2 * args.hidden, dropout=0.0)
+        save_calibration(calibrate(shape, samples=32, device="cpu"), args.calibration)
     calibration = load_calibration(args.calibration)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
