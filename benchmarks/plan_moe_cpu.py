@@ -9,8 +9,11 @@ it times `--steps` steps of ep 1 and ep 2 in turn, `--repeats` times after a war
 for the same layout (`plan.predict`, no device baseline): the parameters, gradients and AdamW state of the rank's
 dense parts and expert shares (the DDP bucket, which aliases the gradients here, apart), the saved-activation peak
 (the predicted peak less the static bytes, the receive buffers and the last stage's kept outputs, which no
-saved-tensor hook sees) and the step time from a calibration file (`pipetrain plan --calibrate` writes one).
-Run: `PYTHONPATH=src .venv/bin/python benchmarks/plan_moe_cpu.py [--calibration FILE] [--repeats 5]`.
+saved-tensor hook sees) and the step time from one or more calibration files (the median of their predictions: a
+calibration on this shared machine moves by 2-3x between runs minutes apart). `--calibrate` first measures each
+file not there yet at the model's width (`pipetrain plan --calibrate` measures the `cpu` preset's 64-wide layer,
+whose small matrix products run ~10x slower per FLOP than this model's).
+Run: `PYTHONPATH=src .venv/bin/python benchmarks/plan_moe_cpu.py --calibrate --calibration A.json B.json C.json`.
 """
 
 from __future__ import annotations
@@ -137,18 +140,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (samples; 2 replicas x 2 micro-batches)")
     parser.add_argument("--steps", type=int, default=3, help="steps timed together")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--calibration", type=Path, default=default_calibration_path())
+    parser.add_argument("--calibration", type=Path, nargs="+", default=[default_calibration_path()],
+                        help="one or more calibration files (several: each one's prediction and their median)")
     parser.add_argument("--calibrate", action="store_true",
                         help="first calibrate this machine at the model's width (a layer of hidden, the top-k experts' "
-                             "width as its feed-forward, the sequence length), stored in --calibration")
+                             "width as its feed-forward, the sequence length) into each --calibration file not there")
     args = parser.parse_args()
-    if args.calibrate:
-        from pipetrain.bench.calibrate import calibrate
-        from pipetrain.plan.hardware import save_calibration
+    for path in args.calibration if args.calibrate else ():
+        if not path.exists():
+            from pipetrain.bench.calibrate import calibrate
+            from pipetrain.plan.hardware import save_calibration
 
-        shape = dict(seq_len=args.seq, emsize=args.hidden, nhead=4, nhid=2 * args.hidden, dropout=0.0)
-        save_calibration(calibrate(shape, samples=32, device="cpu"), args.calibration)
-    calibration = load_calibration(args.calibration)
+            shape = dict(seq_len=args.seq, emsize=args.hidden, nhead=4, nhid=2 * args.hidden, dropout=0.0)
+            save_calibration(calibrate(shape, samples=32, device="cpu"), path)
+    calibrations = [load_calibration(path) for path in args.calibration]
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
         spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
@@ -156,14 +161,14 @@ def main() -> None:
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(4)]
     with tempfile.TemporaryDirectory() as folder:
         _model(args).config.save_pretrained(folder)
-        plans = {ep: planned(folder, args, ep, calibration) for ep in EPS}
+        plans = {ep: [planned(folder, args, ep, c) for c in calibrations] for ep in EPS}
     print(f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts top-2, {args.layers} layers, vocab {args.vocab}; "
           f"dp 2 x pp 2, 1F1B, DDP, {CHUNKS} micro-batches of {args.batch // 2 // CHUNKS} x {args.seq}, fp32, AdamW; "
-          f"calibration {args.calibration} ({calibration.measured}); load average before {load[0]:.1f}, after "
+          f"calibrations {' '.join(map(str, args.calibration))}; load average before {load[0]:.1f}, after "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'ep':>2} {'rk':>2} {'term':<10} {'measured MB':>11} {'planned MB':>10} {'error':>7}")
     for ep in EPS:
-        _, plan = plans[ep]
+        _, plan = plans[ep][0]  # memory does not depend on the calibration here (no device baseline)
         for r in range(2):  # the first replica's ranks: one per pipeline rank
             rec = ranks[r]["memory"][str(ep)]
             want = plan[rec["pp_rank"]]
@@ -172,14 +177,18 @@ def main() -> None:
                 print(f"{ep:>2} {r:>2} {term:<10} {got / MB:>11.3f} {want[term] / MB:>10.3f} "
                       f"{100 * (want[term] - got) / got:>+6.1f}%")
             print(f"{ep:>2} {r:>2} {'ddp bucket':<10} {'-':>11} {want['bucket'] / MB:>10.3f}")
-    print(f"step seconds: measured median (min-max) of {args.repeats} repeats of {args.steps} steps | predicted")
+    print(f"step seconds: measured median (min-max) of {args.repeats} repeats of {args.steps} steps | predicted: "
+          "the median over the calibrations (each one's)")
+    steps = {ep: [step for step, _ in plans[ep]] for ep in EPS}
     for ep in EPS:
         measured = ranks[0]["times"][str(ep)]
-        step, median = plans[ep][0], statistics.median(measured)
-        print(f"ep {ep}: {_spread(measured)} | {step:.3f} ({100 * (step - median) / median:+.1f}%)")
+        step, median = statistics.median(steps[ep]), statistics.median(measured)
+        print(f"ep {ep}: {_spread(measured)} | {step:.3f} ({100 * (step - median) / median:+.1f}%) "
+              f"({' '.join(f'{s:.3f}' for s in steps[ep])})")
     ratios = [a / b for a, b in zip(ranks[0]["times"]["2"], ranks[0]["times"]["1"])]
+    predicted = statistics.median(steps[2]) / statistics.median(steps[1])
     print(f"step ep2 / ep1, paired per repeat: measured median {statistics.median(ratios):.3f} "
-          f"({min(ratios):.3f}-{max(ratios):.3f}) | predicted {plans[2][0] / plans[1][0]:.3f}")
+          f"({min(ratios):.3f}-{max(ratios):.3f}) | predicted {predicted:.3f}")
 
 
 if __name__ == "__main__":
