@@ -37,9 +37,9 @@ from benchmarks.memory_modes import MB, _local_bytes, _release, _SavedPeak  # no
 from benchmarks.moe_ep import _model, _parallel  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
-from pipetrain.plan.experts import rank_parts  # noqa: E402
+from pipetrain.plan.experts import expert_layout, rank_parts  # noqa: E402
 from pipetrain.plan.hardware import default_calibration_path, load_calibration  # noqa: E402
-from pipetrain.plan.predict import Layout, predict  # noqa: E402
+from pipetrain.plan.predict import Layout, predict, static_bytes  # noqa: E402
 from pipetrain.plan.schedules import rank_stages  # noqa: E402
 from pipetrain.plan.transformer import load_sizes  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
@@ -119,7 +119,7 @@ def planned(folder: str, args: argparse.Namespace, ep: int, calibration) -> tupl
         params = sum(b.param_bytes for b in dense + shares)
         bucket = sum(b.param_bytes for b in dense) + (sum(b.param_bytes for b in shares) if 2 // ep > 1 else 0.0)
         buffers = CHUNKS * sum(inputs[s] + (inputs[s + 1] if s + 1 < len(inputs) else 0.0) for s in held)
-        static = 4 * params + bucket  # weights, gradients, two moments and the bucket: `static_bytes`' count
+        static = static_bytes(dense, layout) + (static_bytes(shares, expert_layout(layout)) if shares else 0.0)
         ranks.append({"params": params, "grads": params, "optimizer": 2 * params, "bucket": bucket,
                       "saved": bare.memory_bytes[rank] - static - buffers})
     return step, ranks
