@@ -29,7 +29,7 @@ LAYOUT = ["plan", "--model", str(CONFIG), "--seq-len", str(SEQ), "--nodes", "2",
 
 def main() -> None:
     print("| ep | planned tokens/s/GPU | / published | planned TFLOP/s/GPU (pipetrain's count) | "
-          "max GiB per GPU | bubble |")
+          "GiB per GPU, first / last stage | bubble |")
     print("|---:|---:|---:|---:|---:|---:|")
     for ep in (1, 2, 4, 8):
         argv = LAYOUT + ["--ep", str(ep)]
@@ -39,7 +39,7 @@ def main() -> None:
         tokens = BATCH * SEQ / best.step_s / GPUS
         flops = args.model_sizes.flops_per_token(SEQ) * tokens / 1e12
         print(f"| {ep} | {tokens:,.0f} | {tokens / PUBLISHED['tokens/s/GPU']:.3f} | {flops:.0f} | "
-              f"{max(best.memory_bytes) / 2**30:.1f} | {best.bubble:.1%} |")
+              f"{best.memory_bytes[0] / 2**30:.1f} / {best.memory_bytes[-1] / 2**30:.1f} | {best.bubble:.1%} |")
     print(f"\npublished (FP8): {PUBLISHED['tokens/s/GPU']:,} tokens/s/GPU, {PUBLISHED['TFLOP/s/GPU']} TFLOP/s/GPU")
 
 

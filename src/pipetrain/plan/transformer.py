@@ -32,8 +32,9 @@ Mixtures of experts (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss): a MoE layer
 experts of width f_e (each as a gated MLP) of which each token uses top-k, and, for Qwen2-MoE, an always-on shared
 expert with its gate. Its parameters count all experts; its FLOPs the active ones (router, top-k experts, shared
 expert), and so do the `flops_params` of 6N (the convention for MoE throughput); it keeps for backward the top-k
-experts' activations of each token (4·f_e gated, plus the dispatched input and output, 2h) and the router's fp32
-logits. The routed experts are the block's `ExpertSplit` (plan/experts.py: what `ep` divides and moves). DeepSeek-V3's
+experts' activations of each token (4·f_e gated, plus the dispatched input and output, 2h), the router's fp32
+logits and, beyond a dense layer's count, what its RMS norms keep besides their inputs (`norm_products`: the
+normalized product their weights' gradients need, 2h, and q + k with q/k norms). The routed experts are the block's `ExpertSplit` (plan/experts.py: what `ep` divides and moves). DeepSeek-V3's
 multi-head latent attention is not priced yet.
 
 `blocks` turns this into the planner's `BlockCost`s, one per block of pipetrain's Hugging Face adapter: the
@@ -170,10 +171,11 @@ class DecoderSizes:
         """(all, the part tensor parallelism splits) bytes one layer keeps for backward, per sample."""
         s, e = seq_len, element
         split = e * s * (2 * self.q_width + 2 * self.kv_width + (4 if self.gated else 2) * self.intermediate)
-        rms = not self.layer_norm  # eager RMSNorm keeps its normalised tensor (module docstring)
-        if self.qk_norm:  # the q and k projections' outputs before their norms (and normalised, RMSNorm)
-            split += (2 if rms else 1) * e * s * (self.q_width + self.kv_width)
-        replicated = (6 if rms else 4) * e * s * self.hidden + (2 * s * self.hidden if self.dropout else 0)
+        if self.qk_norm:  # the q and k projections' outputs before their norms
+            split += e * s * (self.q_width + self.kv_width)
+        normed, normed_split = self.norm_products(s, e)  # eager RMSNorm keeps its normalised tensors
+        split += normed_split
+        replicated = 4 * e * s * self.hidden + (normed - normed_split) + (2 * s * self.hidden if self.dropout else 0)
         return float(replicated + split), float(split)
 
     def layer_selective_bytes(self, seq_len: int, element: int = 2) -> float:
@@ -248,16 +250,16 @@ class DecoderSizes:
         expert_flops = 2 * s * h * f * mlp_width * top
         shared_flops = 2 * s * h * fs * 3 + (2 * s * h if self.shared_gate else 0)
         flops = attention_flops + 2 * s * h * self.experts + expert_flops + shared_flops
-        rms = not self.layer_norm  # eager RMSNorm keeps its normalised tensors, as in a dense layer
-        attention_kept = e * s * (2 * q + 2 * k + ((2 if rms else 1) * (q + k) if self.qk_norm else 0))
-        kept = ((6 if rms else 4) * e * s * h + attention_kept + e * s * top * ((4 if self.gated else 2) * f + 2 * h)
+        attention_kept = e * s * (2 * q + 2 * k + ((q + k) if self.qk_norm else 0))
+        normed, normed_split = self.norm_products(s, e)
+        kept = (4 * e * s * h + attention_kept + normed + e * s * top * ((4 if self.gated else 2) * f + 2 * h)
                 + 4 * e * s * fs + 4 * s * self.experts + (2 * s * h if self.dropout else 0))
         attention_params = h * (q + 2 * k) + q * h
         params = self.moe_layer_params()
         split = TensorSplit(
             params=attention_params + 3 * h * fs + (q + 2 * k) * self.qkv_bias,
             flops=float(attention_flops + 2 * s * h * fs * 3), traffic=float(e * s * (3 * (q + k) + 5 * fs)),
-            activation_bytes=float(attention_kept + 4 * e * s * fs), comm_bytes=float(e * s * h),
+            activation_bytes=float(attention_kept + normed_split + 4 * e * s * fs), comm_bytes=float(e * s * h),
             divides=(("num_attention_heads", self.heads), ("num_key_value_heads", self.kv_heads))
             + ((("shared_expert_intermediate_size", fs),) if fs else ()),
             sequence=s, tensors=4 + (3 if fs else 0) + (3 if self.qkv_bias else 0),
@@ -276,6 +278,16 @@ class DecoderSizes:
                                 tensors=expert_tensors),
             context=self.context_split(s, e),
         )
+
+    def norm_products(self, seq_len: int, element: int = 2) -> tuple[float, float]:
+        """(all, the part tensor parallelism splits) bytes per sample a layer's RMS norms keep beyond their inputs:
+        transformers' RMSNorm returns `weight * (x * rsqrt(mean(x²)))`, and the weight's gradient needs that
+        normalized product: h for each of the two layer norms, q + k for the q/k norms (split with the heads).
+        torch's LayerNorm keeps its statistics only (per token, not per element): nothing counted."""
+        if self.layer_norm:
+            return 0.0, 0.0
+        split = element * seq_len * (self.q_width + self.kv_width) if self.qk_norm else 0
+        return float(element * seq_len * 2 * self.hidden + split), float(split)
 
     def context_split(self, s: int, e: int) -> ContextSplit:
         """What context parallelism exchanges in one layer's attention, per sequence of `s` tokens."""
