@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from benchmarks.memory_modes import MB, _local_bytes, _release, _SavedPeak  # no
 from benchmarks.moe_ep import _model, _parallel  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
+from pipetrain.plan import loss as loss_terms  # noqa: E402
 from pipetrain.plan.experts import expert_layout, rank_parts  # noqa: E402
 from pipetrain.plan.hardware import default_calibration_path, load_calibration  # noqa: E402
 from pipetrain.plan.predict import Layout, predict, static_bytes  # noqa: E402
@@ -104,8 +106,10 @@ def planned(folder: str, args: argparse.Namespace, ep: int, calibration) -> tupl
     layout = Layout(dp=2, pp=2, batch=args.batch, chunks=CHUNKS, schedule="1f1b", dp_mode="ddp", ep=ep)
     device = replace(calibration.device, baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
     step = predict(blocks, layout, calibration.device, calibration.network).step_s
-    # the last stage's outputs, kept by the schedule to the step's end, are no saved activations
-    bare = predict(blocks[:-1] + [replace(blocks[-1], output_bytes=0.0)], layout, device, calibration.network)
+    # the last stage's outputs (held from each forward to its backward) and the loss backward's temporaries are no
+    # saved activations: the saved-tensor hook sees neither (as in memory_modes.py)
+    with patch.object(loss_terms, "BACKWARD_TEMPORARIES", 0):
+        bare = predict(blocks[:-1] + [replace(blocks[-1], output_bytes=0.0)], layout, device, calibration.network)
     samples = args.batch // 2 // CHUNKS
     bounds, start = [], 0
     for count in bare.balance:
