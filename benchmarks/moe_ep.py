@@ -125,16 +125,21 @@ def _nothing():
     yield
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser, *, steps: int) -> None:
+    """The benchmark model's sizes and the timing flags (shared with plan_moe_cpu.py)."""
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="global batch (samples; 2 replicas x 2 micro-batches)")
-    parser.add_argument("--steps", type=int, default=4, help="steps timed together")
+    parser.add_argument("--steps", type=int, default=steps, help="steps timed together")
     parser.add_argument("--repeats", type=int, default=5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, steps=4)
     parser.add_argument("--schedules", choices=("all", *VARIANTS), default="all",
                         help="which set of layouts to time (default: both)")
     parser.add_argument("--dualpipev-chunks", type=int, default=8, help="micro-batches under DualPipeV")

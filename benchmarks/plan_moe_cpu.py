@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks package beside src/
 
 from benchmarks.memory_modes import MB, _local_bytes, _release, _SavedPeak  # noqa: E402
-from benchmarks.moe_ep import _model, _parallel  # noqa: E402
+from benchmarks.moe_ep import _model, _parallel, add_model_arguments  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.plan import loss as loss_terms  # noqa: E402
@@ -136,14 +136,7 @@ def _spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (samples; 2 replicas x 2 micro-batches)")
-    parser.add_argument("--steps", type=int, default=3, help="steps timed together")
-    parser.add_argument("--repeats", type=int, default=5)
+    add_model_arguments(parser, steps=3)
     parser.add_argument("--calibration", type=Path, nargs="+", default=[default_calibration_path()],
                         help="one or more calibration files (several: each one's prediction and their median)")
     parser.add_argument("--calibrate", action="store_true",
