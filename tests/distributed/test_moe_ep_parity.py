@@ -414,6 +414,7 @@ def ref() -> dict:
 BF16_LAYOUTS = ("ep2-pp2-1f1b", "ep1-dp2-pp2-1f1b")
 
 
+@pytest.mark.bf16
 def test_bf16_expert_parallelism_equals_bf16_at_ep1(runs, ref):
     """Under bf16 autocast the split experts compute what whole ones do: ep 2 against ep 1 at the first step (the
     loss and every gradient, each slice against its rows) within bf16's round-off of the two (the experts' matmuls
