@@ -27,6 +27,7 @@ import ctypes
 import gc
 import json
 import tempfile
+from contextlib import nullcontext
 from unittest.mock import patch
 from dataclasses import replace
 from pathlib import Path
@@ -151,6 +152,21 @@ def _release() -> None:
         pass
 
 
+def measured_steps(engine, optimizer: torch.optim.Optimizer, batches: list[tuple]) -> dict[str, int]:
+    """An optimizer step per (inputs, targets) of `batches`, all but the first under the saved-tensor counter: this
+    rank's parameter, gradient (of the last step) and optimizer-state bytes, and the saved-activation peak."""
+    counter = _SavedPeak(engine.parameters())
+    for step, (inputs, targets) in enumerate(batches):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if step else nullcontext():
+            engine.step(inputs, targets)
+        grads = _local_bytes(p.grad for p in engine.parameters())
+        optimizer.step()
+    return {"params": _local_bytes(engine.parameters()), "grads": grads, "saved": counter.peak,
+            "optimizer": _local_bytes(t for s in optimizer.state.values() for t in s.values()
+                                      if isinstance(t, torch.Tensor) and t.dim() > 0)}
+
+
 def _case(name: str, pp: int, dp: int, mode: str, device, batch: int, seq_len: int) -> dict:
     _release()
     reset_peak_memory(device)
@@ -163,23 +179,14 @@ def _case(name: str, pp: int, dp: int, mode: str, device, batch: int, seq_len: i
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(mesh.dp_rank)
-    counter = _SavedPeak(engine.parameters())
-    for step in range(2):
+    batches = []
+    for _ in range(2):
         ids = torch.randint(1, vocab, (batch // dp, seq_len + (1 if name == "lm" else 0)), generator=gen)
-        inputs, targets = (ids[:, :-1], ids[:, 1:]) if name == "lm" else (ids, ids)
-        optimizer.zero_grad(set_to_none=True)
-        if step == 1:
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                engine.step(inputs, targets)
-        else:
-            engine.step(inputs, targets)
-        grads = _local_bytes(p.grad for p in engine.parameters())
-        optimizer.step()
+        batches.append((ids[:, :-1], ids[:, 1:]) if name == "lm" else (ids, ids))
+    measured = measured_steps(engine, optimizer, batches)
     record = {
-        "params": _local_bytes(engine.parameters()), "grads": grads,
-        "optimizer": _local_bytes(t for s in optimizer.state.values() for t in s.values()
-                                  if isinstance(t, torch.Tensor) and t.dim() > 0),
-        "saved_peak": counter.peak, "offloaded": engine.offloaded_bytes,
+        "params": measured["params"], "grads": measured["grads"], "optimizer": measured["optimizer"],
+        "saved_peak": measured["saved"], "offloaded": engine.offloaded_bytes,
         "process_peak_mb": peak_memory_mb(device) - before, "pp_rank": mesh.pp_rank,
     }
     del session, engine, optimizer

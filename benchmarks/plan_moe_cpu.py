@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks package beside src/
 
-from benchmarks.memory_modes import MB, _local_bytes, _release, _SavedPeak  # noqa: E402
+from benchmarks.memory_modes import MB, _release, measured_steps  # noqa: E402
 from benchmarks.moe_ep import _model, _parallel, add_model_arguments  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
@@ -56,20 +56,7 @@ def _memory(model, ep: int, device, ids: torch.Tensor) -> dict:
     session = build_session(model, _parallel(ep, "1f1b", False, CHUNKS), device, seed=0, loss_fn=model.loss())
     engine = session.engine
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
-    counter = _SavedPeak(engine.parameters())
-    for step in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        if step:
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                engine.step(ids, ids)
-        else:
-            engine.step(ids, ids)
-        grads = _local_bytes(p.grad for p in engine.parameters())
-        optimizer.step()
-    record = {"params": _local_bytes(engine.parameters()), "grads": grads,
-              "optimizer": _local_bytes(t for s in optimizer.state.values() for t in s.values()
-                                        if isinstance(t, torch.Tensor) and t.dim() > 0),
-              "saved": counter.peak, "pp_rank": session.mesh.pp_rank}
+    record = {**measured_steps(engine, optimizer, [(ids, ids)] * 2), "pp_rank": session.mesh.pp_rank}
     del session, engine, optimizer
     _release()
     return record
