@@ -2,33 +2,30 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pipetrain.batchnorm import StageNorms, share_statistics
-from pipetrain.blocks import BlockModel, BlockSequential, Tensors, as_tuple, build_blocks
+from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
-from pipetrain.pipeline.compiled import compile_blocks
+from pipetrain.pipeline.local import block_named, build_stages
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
+from pipetrain.pipeline.metrics import (
+    StepResult, add_sums, global_count_of, merge_outputs, step_result, whole, zero_sums,
+)
 from pipetrain.pipeline.runs import Run, plan_runs
-from pipetrain.pipeline.offload import ActivationOffload
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
-from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule
+from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule, grads_kept
 from pipetrain.pipeline.tied import TiedWeights, model_ties
-from pipetrain.pipeline.timeline import span
 
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
 
@@ -46,33 +43,6 @@ class SequenceCut(Protocol):
     def targets(self, targets: torch.Tensor) -> torch.Tensor: ...
 
     def loss(self, loss: Loss) -> Loss: ...
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A vocabulary-sharded DTensor made whole (the metrics read every class); any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Metrics of one step or evaluation, identical on every rank (reduced over the whole job).
-
-    `loss` is the mean over what the loss counts (`count`: the samples, or the non-padding tokens of a
-    token loss); `accuracy` is the fraction of them predicted right (None unless outputs are logits of
-    integer targets); `perplexity` is exp(loss) for a token cross-entropy (else None). `outputs` holds the
-    last stage's merged outputs on the rank(s) that own it (None elsewhere, and None when the engine's
-    `keep_outputs` is False: a loop that never reads them, such as `pipetrain train`, need not hold the logits).
-    `extras`: the means over `count` of the figures a loss names in `extra_names` (e.g. a preference loss's
-    `rewards/chosen`), empty for a loss without them.
-    """
-
-    loss: float
-    accuracy: float | None
-    samples: int
-    outputs: torch.Tensor | None = None
-    count: int = 0
-    perplexity: float | None = None
-    extras: dict[str, float] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -144,24 +114,11 @@ class PipelineEngine:
         self.balance = resolve_balance(model, config)
         self._bounds = balance_bounds(self.balance)
         self.stage_ids = config.stage_ids(self.pp_rank)
-        self._recompute: list[RecomputeWrapper] = []
-        self._norms: list[StageNorms] = []
-        self.modules: list[nn.Module] = []
-        for stage_id in self.stage_ids:
-            start, stop = self._bounds[stage_id]
-            blocks = build_blocks(model, range(start, stop), seed=seed, device=device)
-            if split_block is not None:
-                blocks = [split_block(start + i, block) for i, block in enumerate(blocks)]
-            if config.compile:
-                compile_blocks(blocks, dynamic=config.compile_dynamic)
-            stage = BlockSequential(*blocks)
-            norms = StageNorms(stage, deferred=config.deferred_batchnorm)
-            wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing,
-                                       unit=config.recompute_unit, every=config.recompute_every, first_block=start,
-                                       offload=ActivationOffload(device) if config.offload_activations else None)
-            self._norms.append(norms)
-            self._recompute.append(wrapper)
-            self.modules.append(wrap(wrapper) if wrap else wrapper)
+        local = build_stages(model, config, self._bounds, self.stage_ids, seed=seed, device=device,
+                             split_block=split_block, wrap=wrap)
+        self._recompute: list[RecomputeWrapper] = local.recompute
+        self._norms: list[StageNorms] = local.norms
+        self.modules: list[nn.Module] = local.modules
         # tensor parallelism (`BlockSplit`): the sequence shards between stages, vocabulary-sharded logits
         self._sequence_shards = getattr(split_block, "sequence_shards", 1)
         self._loss_parallel = getattr(split_block, "loss_parallel", False)
@@ -205,19 +162,11 @@ class PipelineEngine:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters named `<block index>.<name in block>`, as in the unsplit `nn.Sequential`."""
-        for stage_id, wrapper in zip(self.stage_ids, self._recompute):
-            first_block = self._bounds[stage_id][0]
-            for name, param in wrapper.module.named_parameters():
-                index, _, rest = name.partition(".")
-                yield f"{first_block + int(index)}.{rest}", param
+        yield from block_named(self._recompute, self.stage_ids, self._bounds)
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers (BatchNorm running statistics...) named as `named_parameters` names parameters."""
-        for stage_id, wrapper in zip(self.stage_ids, self._recompute):
-            first_block = self._bounds[stage_id][0]
-            for name, buffer in wrapper.module.named_buffers():
-                index, _, rest = name.partition(".")
-                yield f"{first_block + int(index)}.{rest}", buffer
+        yield from block_named(self._recompute, self.stage_ids, self._bounds, buffers=True)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -284,13 +233,14 @@ class PipelineEngine:
         runs = plan_runs(batch_size, self.config.n_microbatches)
         targets = targets.to(self.device) if targets is not None else None
         if train and self.has_last_stage:
-            self._loss_denominator = self._global_count(targets, global_count) / self.dp
+            self._loss_denominator = global_count_of(self.loss, targets, global_count, dp=self.dp, group=self.dp_group,
+                                                     device=self.device) / self.dp
         for wrapper in self._recompute:
             wrapper.start_step(sum(run.count for run in runs))
         local = tuple(t.to(self.device) for t in inputs) if inputs is not None and self.has_first_stage else None
         # training: each micro-batch's metrics summed as its loss is computed (`_weighted_loss`), so the schedule
         # need not keep its outputs (`return_outputs`) unless the caller reads them
-        self._sums = self._zero_sums() if train else None
+        self._sums = zero_sums(self.loss, self.device) if train else None
         outputs = []
         offset = 0
         for run in runs:
@@ -299,50 +249,14 @@ class PipelineEngine:
             schedule, fresh = self._schedule(run, train, inputs)
             args = tuple(t[part] for t in local) if local is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
-            with self._grads_kept(fresh), vocab_parallel(self._loss_parallel and train):
+            with grads_kept(self.parameters(), fresh), vocab_parallel(self._loss_parallel and train):
                 out = schedule.step(*args, target=target, return_outputs=self.keep_outputs) if train \
                     else schedule.eval(*args)
             if self.has_last_stage and (self.keep_outputs or not train):
                 outputs.append(out)
-        # one run: the schedule's merged output as it is (a copy more of the step's outputs would be held for nothing)
-        if self._reads > 1:  # several tensors: each merged over the runs, the loss reads them together
-            merged = tuple(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in zip(*outputs)) \
-                if outputs else None
-        else:
-            merged = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else None
-        if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
-            merged = merged.full_tensor()
+        merged = merge_outputs(outputs, self._reads)
         sums, self._sums = self._sums, None
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None, sums=sums)
-
-    def _global_count(self, targets: torch.Tensor | None, given: int | None) -> float | torch.Tensor:
-        """What the loss of this step is averaged over, across the data-parallel replicas: `given`, else a tensor
-        on the device (no host sync; a batch of padding only is refused with the step's metrics)."""
-        if given is not None:
-            return float(given)
-        if targets is None:
-            raise ConfigError("the last pipeline stage got no targets", hint="pass the targets on every rank")
-        count = torch.as_tensor(self.loss.count(targets), dtype=torch.float64, device=self.device).reshape(1)
-        if self.dp > 1 and self.dp_group is not None:
-            dist.all_reduce(count, group=self.dp_group)
-        else:
-            count = count * self.dp
-        return count[0]
-
-    @contextmanager
-    def _grads_kept(self, fresh: bool) -> Iterator[None]:
-        """Keep the gradients already accumulated across the first run of a new schedule.
-
-        torch 2.13 sets the `.grad` of FSDP modules to None when a schedule initialises its stages, even
-        with static shapes (`_post_metadata_inference_cleanup`), which would drop the first run's gradients
-        of a step made of two runs, or gradients the user accumulates over several steps.
-        """
-        kept = [(p, p.grad) for p in self.parameters() if p.grad is not None] if fresh else []
-        for param, _ in kept:
-            param.grad = None
-        yield
-        for param, grad in kept:
-            param.grad = grad if param.grad is None else param.grad + grad
 
     def _weighted_loss(self, output: Tensors, target: torch.Tensor) -> torch.Tensor:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
@@ -350,59 +264,22 @@ class PipelineEngine:
         if self._sums is not None:  # training: the metrics of this micro-batch, now
             with torch.no_grad():
                 # vocabulary-sharded logits made whole on every tensor-parallel rank (a collective), counted by one
-                whole = tuple(_whole(t) for t in output) if isinstance(output, tuple) else _whole(output)
+                made_whole = tuple(whole(t) for t in output) if isinstance(output, tuple) else whole(output)
                 if self.counts_metrics:
-                    self._add_sums(self._sums, whole, target, total.detach())
+                    add_sums(self.loss, self._sums, made_whole, target, total.detach())
         return total / self._loss_denominator
-
-    def _zero_sums(self) -> torch.Tensor:
-        """The step's metric sums (loss, count, samples, correct, classified, the loss's extras), on the device."""
-        return torch.zeros(5 + len(getattr(self.loss, "extra_names", ())), dtype=torch.float64, device=self.device)
-
-    def _add_sums(self, sums: torch.Tensor, whole: Tensors, targets: torch.Tensor,
-                  total: torch.Tensor | None = None) -> None:
-        """Add the metrics of the outputs `whole` (a micro-batch's or a batch's, not vocabulary-sharded) to `sums`;
-        `total`: the loss total already computed on them."""
-        sums[0] += (self.loss.total(whole, targets) if total is None else total).double()
-        sums[1] += self.loss.count(targets)
-        correct = self.loss.correct(whole, targets)
-        if correct is not None:
-            sums[3] += correct
-            sums[4] = 1
-        names = tuple(getattr(self.loss, "extra_names", ()))  # a loss's own figures (sums over what it counts)
-        if names:
-            extras = self.loss.extras(whole, targets)
-            sums[5:] += torch.stack([torch.as_tensor(extras[n], dtype=torch.float64, device=self.device)
-                                     for n in names])
 
     def _metrics(self, outputs: Tensors | None, targets: torch.Tensor | None, batch_size: int, *,
                  refuse_empty: bool = False, sums: torch.Tensor | None = None) -> StepResult:
-        """The step's loss, counts and accuracy on every rank, from device-side sums (`sums`, summed micro-batch by
-        micro-batch in training; else computed here from the merged `outputs`): one host sync per step (`tolist`;
-        the built-in losses count on the device)."""
-        names = tuple(getattr(self.loss, "extra_names", ()))
-        totals = self._zero_sums() if sums is None else sums
+        """The step's metrics on every rank, from device-side sums (`sums`, summed micro-batch by micro-batch in
+        training; else computed here from the merged `outputs`)."""
+        totals = zero_sums(self.loss, self.device) if sums is None else sums
         if sums is None and outputs is not None and targets is not None and self.counts_metrics:
-            self._add_sums(totals, outputs, targets)
+            add_sums(self.loss, totals, outputs, targets)
         if self.has_last_stage and targets is not None and self.counts_metrics:
             totals[2] = batch_size if self.sequence_split is None or self.sequence_split.rank == 0 else 0
-        if dist.is_initialized():
-            with span("metrics"):
-                dist.all_reduce(totals, group=self.metrics_group)
-        loss_sum, count, samples, correct, classified, *extra = totals.tolist()
-        if refuse_empty and count == 0:  # every rank sees it: the same message everywhere, before the update
-            raise ConfigError("every target of this batch is padding (ignore_index): nothing to learn from",
-                              hint="drop batches without any non-padding target")
-        loss = loss_sum / max(count, 1.0)
-        return StepResult(
-            loss=loss,
-            accuracy=correct / max(count, 1.0) if classified else None,
-            samples=int(samples),
-            outputs=(outputs[0] if isinstance(outputs, tuple) else outputs) if self.keep_outputs else None,
-            count=int(count),
-            perplexity=math.exp(min(loss, 700.0)) if self.loss.perplexity else None,
-            extras={name: value / max(count, 1.0) for name, value in zip(names, extra)},
-        )
+        return step_result(self.loss, totals, outputs, group=self.metrics_group, keep_outputs=self.keep_outputs,
+                           refuse_empty=refuse_empty)
 
     # ---- stages and schedules, one set per micro-batch shape ----------------------------------------
 

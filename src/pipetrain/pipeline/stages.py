@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from pipetrain.config import V_SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.pipeline.runs import Run
 
-__all__ = ["SCHEDULE_CLASSES", "build_schedule", "ScheduleCache"]
+__all__ = ["SCHEDULE_CLASSES", "build_schedule", "ScheduleCache", "grads_kept"]
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -113,3 +114,19 @@ class ScheduleCache:
             self.evictions += 1
         self._entries[key] = entry = build()
         return entry, True
+
+
+@contextmanager
+def grads_kept(parameters: Iterable[nn.Parameter], fresh: bool) -> Iterator[None]:
+    """Keep the gradients already accumulated across the first run of a new schedule (`fresh`).
+
+    torch 2.13 sets the `.grad` of FSDP modules to None when a schedule initialises its stages, even
+    with static shapes (`_post_metadata_inference_cleanup`), which would drop the first run's gradients
+    of a step made of two runs, or gradients the user accumulates over several steps.
+    """
+    kept = [(p, p.grad) for p in parameters if p.grad is not None] if fresh else []
+    for param, _ in kept:
+        param.grad = None
+    yield
+    for param, grad in kept:
+        param.grad = grad if param.grad is None else param.grad + grad
