@@ -2,8 +2,9 @@
 
 This module is the only reader of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, SLURM_*, OMPI_* and PMI_* (handed to
 launch/mpi.py), PIPETRAIN_DEVICE, PIPETRAIN_START_METHOD and the socket-interface variables (GLOO_SOCKET_IFNAME,
-NCCL_SOCKET_IFNAME). It never creates processes; launchers use what `detect` reports, or spawn the ranks themselves
-when it reports None.
+NCCL_SOCKET_IFNAME). Each launcher's variables are parsed from the mapping read here by launch/torchrun.py,
+launch/slurm.py and launch/mpi.py. It never creates processes; launchers use what `detect` reports, or spawn the
+ranks themselves when it reports None.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from pipetrain.launch import netif
 from pipetrain.launch.nodelist import expand_nodelist, expand_tasks_per_node
 from pipetrain.launch.mpi import OPEN_MPI_RANK, PMI_RANK, from_open_mpi, from_pmi
 from pipetrain.launch.ranks import ClusterEnv
-from pipetrain.launch.variables import agreed_port
-from pipetrain.launch.variables import below as _below
+from pipetrain.launch.slurm import from_slurm, slurm_port, slurm_task
+from pipetrain.launch.torchrun import from_torchrun
 from pipetrain.launch.variables import integer as _int
-from pipetrain.launch.variables import port as _port
 
 __all__ = [
     "ClusterEnv",
@@ -74,20 +74,14 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
     """
     env = os.environ if environ is None else environ
     if "RANK" in env or "WORLD_SIZE" in env:
-        return _from_torchrun(env)
+        return from_torchrun(env)
     if OPEN_MPI_RANK in env:  # before Slurm: mpirun in an allocation starts its daemons with srun
         return from_open_mpi(env)
-    if PMI_RANK in env and not _slurm_task(env):
+    if PMI_RANK in env and not slurm_task(env):
         return from_pmi(env)
     if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
-        return _from_slurm(env)
+        return from_slurm(env)
     return None
-
-
-def _slurm_task(env: Mapping[str, str]) -> bool:
-    """True when srun started this process as a task of its own (its PMI rank, if any, is its Slurm rank); False
-    for a process that a PMI launcher started under a daemon srun placed (Hydra in an allocation)."""
-    return ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and env.get("SLURM_PROCID") == env.get(PMI_RANK)
 
 
 def device_override(environ: Mapping[str, str] | None = None) -> str | None:
@@ -280,97 +274,3 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def slurm_port(job_id: int) -> int:
-    """The rendezvous port every task of Slurm job `job_id` agrees on without talking: in [20000, 40000)."""
-    return agreed_port(job_id)
-
-
-def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-        raise LaunchError(f"{given} is set but {missing} is not", hint="set both (torchrun does) or neither")
-    rank = _int(env, "RANK")
-    world_size = _int(env, "WORLD_SIZE", minimum=1)
-    _below("RANK", rank, "WORLD_SIZE", world_size)
-    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size, minimum=1)
-    if local_world_size > world_size:
-        raise LaunchError(
-            f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}",
-            hint="a node cannot run more ranks than the job has",
-        )
-    local_rank = _int(env, "LOCAL_RANK", rank if local_world_size == world_size else None)
-    _below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
-    num_nodes = _int(env, "GROUP_WORLD_SIZE", -(-world_size // local_world_size), minimum=1)
-    node_rank = _int(env, "GROUP_RANK", rank // local_world_size)
-    _below("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE", num_nodes)
-    if world_size > 1 and "MASTER_PORT" not in env:
-        raise LaunchError(
-            f"WORLD_SIZE={world_size} but MASTER_PORT is not set",
-            hint="launch with torchrun, or export MASTER_ADDR and MASTER_PORT for every rank",
-        )
-    if num_nodes > 1 and "MASTER_ADDR" not in env:
-        raise LaunchError(
-            f"{num_nodes} nodes but MASTER_ADDR is not set", hint="export MASTER_ADDR=<host of rank 0>"
-        )
-    master_addr, master_port = env.get("MASTER_ADDR", "127.0.0.1"), _port(env, "MASTER_PORT", 29500)
-    return ClusterEnv(rank, world_size, local_rank, local_world_size, node_rank, num_nodes, master_addr, master_port,
-                      "torchrun")
-
-
-def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
-    rank = _int(env, "SLURM_PROCID")
-    tasks_name = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    world_size = _int(env, tasks_name, minimum=1)
-    _below("SLURM_PROCID", rank, tasks_name, world_size)
-    nodes_name = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES"
-    num_nodes = _int(env, nodes_name, 1, minimum=1)
-    node_rank = _int(env, "SLURM_NODEID", 0)
-    _below("SLURM_NODEID", node_rank, nodes_name, num_nodes)
-
-    per_node_name = next(
-        (n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE") if n in env), None
-    )
-    if per_node_name is None:
-        local_world_size = world_size if num_nodes == 1 else 0
-        if not local_world_size:
-            raise LaunchError(
-                f"{num_nodes} nodes but no SLURM_STEP_TASKS_PER_NODE", hint="launch the ranks with srun"
-            )
-    else:
-        counts = expand_tasks_per_node(env[per_node_name])
-        if len(counts) == 1:
-            counts *= num_nodes
-        if len(counts) != num_nodes or sum(counts) != world_size:
-            raise LaunchError(
-                f"{per_node_name}={env[per_node_name]!r} does not describe {world_size} tasks "
-                f"({tasks_name}) on {num_nodes} nodes ({nodes_name})",
-                hint="unset stale SLURM_* variables; launch with srun inside the allocation",
-            )
-        local_world_size = counts[node_rank]
-    local_rank = _int(env, "SLURM_LOCALID", 0)
-    if local_rank >= local_world_size:
-        raise LaunchError(
-            f"SLURM_LOCALID={local_rank} but node {node_rank} runs {local_world_size} task(s) "
-            f"({per_node_name or tasks_name})",
-            hint="SLURM_LOCALID counts the tasks of one node from 0; unset stale SLURM_* variables",
-        )
-
-    master_addr = env.get("MASTER_ADDR")
-    if master_addr is None:
-        list_name = next(
-            (n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if n in env), None
-        )
-        if list_name is None:
-            raise LaunchError(
-                "cannot find rank 0's host: no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST",
-                hint="export MASTER_ADDR=<host of rank 0>",
-            )
-        master_addr = expand_nodelist(env[list_name])[0]
-    if "MASTER_PORT" in env:
-        master_port = _port(env, "MASTER_PORT", 0)
-    else:
-        master_port = slurm_port(_int(env, "SLURM_JOB_ID"))
-    return ClusterEnv(rank, world_size, local_rank, local_world_size, node_rank, num_nodes, master_addr, master_port,
-                      "slurm")
