@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from pipetrain.bench import calibrate
+from pipetrain.bench.calibrate_device import compute_figures
 from pipetrain.launch.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 from pipetrain.blocks import build_sequential
 from pipetrain.config import ParallelConfig, PipelineConfig
@@ -81,7 +81,7 @@ def pipetrain_step(args, device: torch.device) -> dict:
         if args.calibrate:
             c = PRESETS[args.preset]
             shape = dict(seq_len=c.seq_len, emsize=c.emsize, nhead=c.nhead, nhid=c.nhid, dropout=c.dropout)
-            figures = calibrate._compute(shape, args.calibrate, session.device, 3)
+            figures = compute_figures(shape, args.calibrate, session.device, 3)
             out["calibrated_layer_flops_per_s"] = figures["flops_per_s"]
             out["calibrated_rate_by_samples"] = figures["rate_by_samples"]
             out["calibrated_kernel_overhead_s"] = figures["kernel_overhead_s"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.bench import calibrate
+from pipetrain.bench import calibrate_timing
 from pipetrain.pipeline.clock import CudaClock, HostClock, clock_for
 from pipetrain.pipeline.timeline import Recorder, span
 
@@ -60,7 +60,7 @@ def test_seconds_wait_for_the_queued_work():
 
 def test_the_calibration_times_through_the_clock():
     gpu = FakeGpu()
-    seconds = calibrate._median_time(lambda: gpu.launch(2), 3, gpu.clock())
+    seconds = calibrate_timing.median_time(lambda: gpu.launch(2), 3, gpu.clock())
     assert seconds == pytest.approx(2e-3, rel=1e-2)
 
 
