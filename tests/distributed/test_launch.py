@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipetrain.launch.env import free_port
-from pipetrain.launch.spawn import _failure
+from pipetrain.launch.rank_reports import first_failure
 
 JOB = ["--preset", "tiny", "--data", "synthetic", "--dp", "2", "--pp", "2", "--schedule", "gpipe", "--chunks", "2",
        "--batch-size", "16", "--train-samples", "64", "--test-samples", "32", "--epochs", "1", "--no-progress"]
@@ -222,11 +222,11 @@ def test_the_first_failure_is_the_silent_death_else_the_earliest_report():
     consequence = (2.0, 0, "Traceback ...\nRuntimeError: Connection reset by peer", True)
     cause = (1.0, 1, "Traceback ...\nValueError: boom", True)
     # rank 0 saw the connection drop and reported before rank 1's death was seen
-    assert str(_failure([consequence], [(1, killed)])).startswith("pipetrain-rank1 exited with code -9 (SIGKILL)")
+    assert str(first_failure([consequence], [(1, killed)])).startswith("pipetrain-rank1 exited with code -9 (SIGKILL)")
     # rank 1 reported, then died during the settle time: its report is the cause, it is not "silent"
-    assert str(_failure([consequence, cause], [(1, raised)])) == "rank 1 failed:\nTraceback ...\nValueError: boom"
+    assert str(first_failure([consequence, cause], [(1, raised)])) == "rank 1 failed:\nTraceback ...\nValueError: boom"
     user_error = (3.0, 1, "unknown schedule 'x' (hint: choose one of: gpipe)", False)
-    assert str(_failure([user_error], [])) == "unknown schedule 'x' (hint: choose one of: gpipe)"
+    assert str(first_failure([user_error], [])) == "unknown schedule 'x' (hint: choose one of: gpipe)"
 
 
 # torchrun: a layout that does not fit the launched ranks is said once, by rank 0

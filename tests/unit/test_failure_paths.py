@@ -18,7 +18,8 @@ from pipetrain.bench import cell as cell_mod
 from pipetrain.bench.grid import Cell
 from pipetrain.checkpoint.durable import DurableConfig
 from pipetrain.launch.failures import backend_failure, signal_hint
-from pipetrain.launch.spawn import RankSpec, _failure
+from pipetrain.launch.rank_reports import first_failure
+from pipetrain.launch.spawn import RankSpec
 from pipetrain.parallel.mesh import PRIVATE_C10D, leave_after_error
 
 SPEC = RankSpec(0, 0, 2, "127.0.0.1", 1, "cpu")
@@ -105,9 +106,9 @@ def test_backend_messages_become_one_line(text, expected):
 def test_sigabrt_has_its_own_hint():
     assert "NCCL's watchdog" in signal_hint("SIGABRT") and "out of memory" in signal_hint("SIGKILL")
     dead = SimpleNamespace(exitcode=-signal.SIGABRT, name="pipetrain-rank1")
-    err = _failure([], [(1, dead)])
+    err = first_failure([], [(1, dead)])
     assert "code -6 (SIGABRT)" in err.message and "NCCL's watchdog" in err.hint
-    assert "out of memory" in _failure([], [(1, SimpleNamespace(exitcode=-9, name="r"))]).hint
+    assert "out of memory" in first_failure([], [(1, SimpleNamespace(exitcode=-9, name="r"))]).hint
 
 
 def test_a_peer_lost_during_a_save_is_named_as_lost_not_as_a_failed_save(monkeypatch, tmp_path):

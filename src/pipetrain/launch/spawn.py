@@ -16,23 +16,22 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
-from pipetrain.errors import PipetrainError, RankFailedError, RankTimeoutError
+from pipetrain.errors import PipetrainError, RankTimeoutError
 from pipetrain.launch.device import check_local_ranks, resolve_device
 from pipetrain.launch.env import free_port
-from pipetrain.launch.failures import signal_hint
 from pipetrain.launch.forkserver import Inherited, context, server_pid
 from pipetrain.launch.lifeline import Lifeline, process_runs, signal_pids
+from pipetrain.launch.rank_reports import (
+    STARTED, deaths_within, died_starting, drain_started, first_failure, read_reports, server_died,
+)
 from pipetrain.launch.ranks import RankSpec, process_start_s
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS", "spawned_rank"]
 
 
-#: Seconds to wait, after a rank's report, for a rank that died without one at the same moment (see _failure).
+#: Seconds to wait, after a rank's report, for a rank that died without one at the same moment
+#: (see rank_reports.first_failure).
 _SETTLE_S = 0.5
-#: One rank's failure report: (time.monotonic() when raised, rank, message or traceback, unexpected error?).
-Report = tuple[float, int, str, bool]
-#: What a rank sends first, once it runs (a rank that dies before sending it died while starting).
-_STARTED = "started"
 #: Signals the launcher passes on to its ranks (a stop request from Slurm or `kill`; see checkpoint.stop).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: This rank's report pipe, when the rank was started by `spawn` (set once per rank process, see `fail_now`).
@@ -67,7 +66,7 @@ def _child(fn: Callable[..., None], spec: RankSpec, args: tuple, report: Connect
     inherited.apply(spec.rank)
     inherited.watch_launcher(spec.rank, say=spec.local_rank == 0)
     _REPORT = (report, spec.rank)
-    report.send(_STARTED)
+    report.send(STARTED)
     try:
         fn(spec, *args)
     except PipetrainError as err:  # a user error: its message says it all
@@ -175,21 +174,21 @@ def spawn(
                         except EOFError:  # closed without a report: this rank is ending, its sentinel tells how
                             listening.discard(handle)
                             continue
-                        if first == _STARTED:
+                        if first == STARTED:
                             started.add(handle)
                             continue
-                        deaths = _deaths(running, settle_s=_SETTLE_S)  # first: a rank's report precedes its death
-                        raise _failure([first, *_reports(readers)], deaths)
+                        deaths = deaths_within(running, settle_s=_SETTLE_S)  # first: a rank's report precedes its death
+                        raise first_failure([first, *read_reports(readers)], deaths)
                     if handle in running:
                         rank, process = running.pop(handle)
                         process.join()
                         if process.exitcode != 0 and process_runs(process.pid):  # its fork server died, not the rank
-                            raise _server_died(server or server_pid(), processes)
+                            raise server_died(server or server_pid(), processes)
                         if process.exitcode != 0:
                             reader = readers[processes.index(process)]
-                            if reader not in started and not _drain_started(reader):
-                                raise _died_starting(rank, process, fn)
-                            raise _failure(_reports(readers), [(rank, process)])
+                            if reader not in started and not drain_started(reader):
+                                raise died_starting(rank, process, fn)
+                            raise first_failure(read_reports(readers), [(rank, process)])
         except BaseException:
             _stop(processes)
             raise
@@ -236,87 +235,6 @@ def _forwarding(processes: list[mp.process.BaseProcess]) -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-
-
-def _server_died(pid: int | None, processes: Sequence[mp.process.BaseProcess]) -> RankFailedError:
-    """The error when the fork server that started the ranks died while they ran (they are then stopped)."""
-    alive = [process.name for process in processes if process_runs(process.pid)]
-    return RankFailedError(f"the fork server{'' if pid is None else f' (pid {pid})'} that started the ranks died while "
-                           f"they ran, without a report; {', '.join(alive) or 'no rank'} still ran and "
-                           f"{'were' if len(alive) > 1 else 'was'} stopped",
-                           hint=signal_hint("SIGKILL") + "; the fork server holds torch preloaded, a likely pick of "
-                                "the out-of-memory killer (PIPETRAIN_START_METHOD=spawn starts ranks without it)")
-
-
-def _drain_started(reader: Connection) -> bool:
-    """Whether the start marker is still unread in `reader` (read it, and put nothing else back)."""
-    try:
-        return reader.poll() and reader.recv() == _STARTED
-    except (EOFError, OSError):
-        return False
-
-
-def _died_starting(rank: int, process: mp.process.BaseProcess, fn: Callable[..., None]) -> RankFailedError:
-    """The error of a rank that ended before running `fn`: most often a script without a main guard."""
-    name = getattr(fn, "__qualname__", repr(fn))
-    return RankFailedError(
-        f"{process.name} died while starting, before running {name}() (exit code {process.exitcode})",
-        hint="every rank imports your script again (as with multiprocessing's 'spawn'): a "
-             "script that calls launch_local() (or spawn) at module level must do it under "
-             "`if __name__ == \"__main__\":`",
-    )
-
-
-def _reports(readers: Sequence[Connection]) -> list[Report]:
-    """The reports already sent by any rank (a report is in its pipe before the rank's process ends)."""
-    reports = []
-    for reader in readers:
-        try:
-            while reader.poll():
-                message = reader.recv()
-                if message != _STARTED:
-                    reports.append(message)
-                    break
-        except (EOFError, OSError):
-            pass
-    return reports
-
-
-def _deaths(
-    running: dict[int, tuple[int, mp.process.BaseProcess]], *, settle_s: float
-) -> list[tuple[int, mp.process.BaseProcess]]:
-    """The ranks of `running` that end in failure within `settle_s` seconds, as (rank, process)."""
-    deaths = []
-    deadline = time.monotonic() + settle_s
-    while running:
-        ready = wait(list(running), timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        for sentinel in ready:
-            rank, process = running.pop(sentinel)
-            process.join()
-            if process.exitcode != 0:
-                deaths.append((rank, process))
-    return deaths
-
-
-def _failure(reports: list[Report], deaths: list[tuple[int, mp.process.BaseProcess]]) -> RankFailedError:
-    """The first failure: a rank that ended in failure without a report, else the earliest report.
-
-    A rank that ends without a report (a signal, the out-of-memory killer) is the cause: its peers see their
-    connections to it close as it dies and may report that before its death is seen, but those are consequences.
-    """
-    reported = {report[1] for report in reports}
-    silent = [process for rank, process in deaths if rank not in reported]
-    if silent:
-        code = silent[0].exitcode
-        name = signal.Signals(-code).name if code is not None and -code in signal.valid_signals() else None
-        return RankFailedError(f"{silent[0].name} exited with code {code if name is None else f'{code} ({name})'} "
-                               "without a report", hint=signal_hint(name))
-    _, rank, detail, unexpected = min(reports)
-    if unexpected:
-        return RankFailedError(f"rank {rank} failed:\n{detail.rstrip()}")
-    return RankFailedError(detail)
 
 
 def launch_local(fn: Callable[..., None], world_size: int, *args: object, timeout_s: float | None = None,
