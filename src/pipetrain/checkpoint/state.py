@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,7 +23,6 @@ from pipetrain.checkpoint.folders import (
     commit,
     damaged_hint,
     final_folder,
-    latest_checkpoint,
     partial_folder,
     prune,
     read_meta,
@@ -32,32 +30,18 @@ from pipetrain.checkpoint.folders import (
 )
 from pipetrain.checkpoint.experts import expert_slices, fsdp_layouts, fsdp_shards, local_experts, shard_experts
 from pipetrain.checkpoint.keys import StageNames, fingerprint
+from pipetrain.checkpoint.meta import check_compatible, checkpoint_meta, engine_layout, find_checkpoint, frozen_model
 from pipetrain.checkpoint.rng import restore_rng, rng_state, rng_targets
+from pipetrain.checkpoint.save_errors import failure_text, save_failed
 from pipetrain.checkpoint.strided import full_targets, gather_strided
-from pipetrain.errors import CheckpointError, ConfigError, PipetrainError, RankFailedError
+from pipetrain.errors import CheckpointError
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.tied import tied_aliases
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_checkpoint", "engine_layout"]
+# also importable from here, as before their modules: checkpoint_meta, check_compatible, frozen_model, save_failed
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def engine_layout(engine: PipelineEngine) -> dict[str, Any]:
-    """The parallel layout of `engine` as plain data (recorded in a checkpoint; loading does not need it): `dp` the
-    data replicas, `cp` the ranks each sequence is cut over (context parallelism; they reduce gradients with the
-    data ranks, `engine.dp` counting both)."""
-    cp = engine.sequence_split.cp if engine.sequence_split is not None else 1
-    return {
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "dp": engine.dp // cp,
-        "cp": cp,
-        "pp": engine.config.pp,
-        "schedule": engine.config.schedule,
-        "virtual_stages": engine.config.virtual_stages,
-        "balance": list(engine.balance),
-        "stage_module": type(engine.modules[0]).__name__,
-    }
 
 
 def _rank() -> int:
@@ -67,11 +51,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def frozen_model(model: Any) -> bool:
-    """Whether `model`'s job trains adapters on a frozen base (a LoRA `BlockModel`: it has `base_identity`)."""
-    return callable(getattr(model, "base_identity", None))
 
 
 def _model_options(engine: PipelineEngine) -> StateDictOptions:
@@ -179,18 +158,6 @@ def saved_state(engine: PipelineEngine, optimizer: torch.optim.Optimizer | None)
     return state
 
 
-def checkpoint_meta(engine: PipelineEngine, step: int, model_name: str, config: Mapping[str, Any] | None,
-                    extras: Mapping[str, Any] | None, *, fingerprint_: str | None = None) -> CheckpointMeta:
-    """The metadata rank 0 writes beside the shards (`fingerprint_`: the model's, when already known)."""
-    layout = engine_layout(engine)
-    extras = dict(extras or {})
-    if frozen_model(engine.model):  # adapters only: the base they adapt, checked on resume and export
-        extras["base"] = engine.model.base_identity()
-    return CheckpointMeta(step=step, model=model_name, fingerprint=fingerprint_ or fingerprint(engine.model),
-                          layout=layout, world_size=layout["world_size"], config=dict(config or {}),
-                          extras=extras)
-
-
 def commit_save(partial: Path, final: Path, meta: CheckpointMeta, keep: int | None) -> str | None:
     """On rank 0, once every rank's shards are in `partial`: write the metadata, commit, prune older
     checkpoints beyond `keep`. Returns what went wrong, or None."""
@@ -201,51 +168,6 @@ def commit_save(partial: Path, final: Path, meta: CheckpointMeta, keep: int | No
     except OSError as err:
         return f"could not commit checkpoint {str(final)!r}: {err}"
     return None
-
-
-def _root(err: BaseException) -> tuple[BaseException, int | None]:
-    """The lowest failing rank's underlying exception of a DCP CheckpointException, and that rank."""
-    rank = None
-    if isinstance(err, dcp.CheckpointException) and err.failures:
-        rank = min(err.failures)
-        err = err.failures[rank][0]
-    while err.__cause__ is not None:
-        err = err.__cause__
-    return err, rank
-
-
-def _cause(err: BaseException) -> str:
-    root, rank = _root(err)
-    return f"{type(root).__name__}: {root}" + ("" if rank is None else f" (rank {rank})")
-
-
-def save_failed(final: Path, err: BaseException) -> PipetrainError:
-    """A full or read-only disk says so; a peer lost during the save (a rank died) is a rank failure."""
-    root, _ = _root(err)
-    if isinstance(root, OSError):
-        return CheckpointError(f"could not write checkpoint {str(final)!r}: {_cause(err)}",
-                               hint="free space or pass a --save-dir you can write to; "
-                                    "the previous checkpoints are intact")
-    return RankFailedError(f"the save of checkpoint {str(final)!r} failed: {_cause(err)}",
-                           hint="another rank probably failed first; the previous checkpoints are intact")
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """`path` itself when it is a committed checkpoint, else the latest one inside it; ConfigError if none."""
-    path = Path(path)
-    if _read_meta_or_none(path) is not None:
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        what = "no complete checkpoint in" if path.is_dir() else "no such checkpoint or folder:"
-        raise ConfigError(f"{what} {str(path)!r}",
-                          hint="pass a step-NNNNNNNN folder or the --save-dir holding them (train once with "
-                               "--save-dir to write one), or drop --resume to start afresh")
-    return latest
-
-
-def _read_meta_or_none(folder: Path) -> CheckpointMeta | None:
-    return read_meta(folder) if (folder / "pipetrain.json").is_file() else None
 
 
 def load_checkpoint(
@@ -274,7 +196,7 @@ def load_checkpoint(
     try:
         dcp.load(state, checkpoint_id=str(folder), process_group=process_group)
     except (Exception, dcp.CheckpointException) as err:
-        raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {_cause(err)}",
+        raise CheckpointError(f"could not read checkpoint {str(folder)!r}: {failure_text(err)}",
                               hint=damaged_hint(folder)) from None
     state = split(state)
     if getattr(engine, "expert_mesh", None) is not None:
@@ -296,26 +218,3 @@ def saved_keys(folder: Path) -> set[str]:
         return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
     except Exception:  # a damaged checkpoint: dcp.load reports it with its hint
         return set()
-
-
-def check_compatible(meta: CheckpointMeta, folder: Path, *, model_name: str | None, fingerprint_: str,
-                     model: Any = None) -> None:
-    """ConfigError when the checkpoint in `folder` was written for another model than this job's (for adapters,
-    `model` a LoRA `BlockModel`: another base model than the one they were trained on)."""
-    saved = meta.extras.get("base")
-    if saved is not None and frozen_model(model):
-        current = model.base_identity(saved.get("method", "edges"))  # an older checkpoint: by its own method
-        if saved.get("digest") != current.get("digest"):
-            where = saved.get("folder") or "a preset's config"
-            now = current.get("folder") or "a preset's config"
-            raise ConfigError(f"checkpoint {str(folder)!r} holds LoRA adapters of the base model {where} (digest "
-                              f"{str(saved.get('digest'))[:12]}), but this job's base is {now} (digest "
-                              f"{str(current.get('digest'))[:12]}): its config or weights differ",
-                              hint=f"pass --model {where} (the base the adapters were trained on), or another "
-                                   "--save-dir to start afresh")
-    if model_name is not None and meta.model != model_name:
-        raise ConfigError(f"checkpoint {str(folder)!r} was written for model {meta.model!r}, this job trains {model_name!r}",
-                          hint="resume with the same workload and preset, or pass another --save-dir")
-    if meta.fingerprint != fingerprint_:
-        raise ConfigError(f"checkpoint {str(folder)!r} holds parameters of another shape than this model's",
-                          hint="resume with the model configuration that wrote it, or pass another --save-dir")

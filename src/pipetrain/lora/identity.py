@@ -8,7 +8,7 @@ hashed side by side in threads. It runs at the speed the files are read: 1.4 GB/
 from the page cache on a loaded 2-core machine (0.38 s; benchmarks/base_identity.py), so a 7-8B base (15-16 GB)
 costs some seconds and a 70B one a minute or two, once per job (the model keeps it). Checkpoints written before (method
 "edges": each file's size, safetensors header and first and last MiB only) are compared by their own method.
-`pipetrain.checkpoint.state.check_compatible` compares the digests (the folder may have moved).
+`pipetrain.checkpoint.meta.check_compatible` compares the digests (the folder may have moved).
 """
 
 from __future__ import annotations
