@@ -15,18 +15,15 @@ Needs the optional extra: `pip install pipetrain[hf]`."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.blocks import tp_plan_hook
 from pipetrain.errors import ConfigError
 from pipetrain.parallel.tensor import TPPlan
-from pipetrain.pipeline.loss import IGNORE_INDEX
 from pipetrain.workloads.hf.checkpoint import HFCheckpoint
 from pipetrain.moe.capacity import check_capacity
 from pipetrain.moe.router import RouterAuxLoss
@@ -34,6 +31,8 @@ from pipetrain.workloads.hf.blocks import (DecoderLayer, Embedding, Head, HFBloc
                                            init_like_transformers)
 from pipetrain.workloads.hf.families import FAMILIES, Family, family_of, require_transformers
 from pipetrain.workloads.hf.families.family import default_attention
+from pipetrain.workloads.hf.folder_checks import check_folder_config, check_weights
+from pipetrain.workloads.hf.loss import CausalLMLoss, causal_lm_loss
 from pipetrain.workloads.hf.proof import prove
 from pipetrain.workloads.hf.tp import hf_tp_plan
 
@@ -41,43 +40,6 @@ __all__ = ["SUPPORTED_FAMILIES", "HFCausalLM", "CausalLMLoss", "causal_lm_loss",
 
 #: model_type of a transformers config -> the family description pipetrain builds it by
 SUPPORTED_FAMILIES: dict[str, Family] = FAMILIES
-
-
-#: the config fields a disagreement message names (those the config has)
-_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "n_embd", "n_inner", "n_head")
-
-
-class CausalLMLoss:
-    """Next-token cross-entropy as transformers computes it (`model(input_ids, labels=labels).loss`): position t
-    predicts label t+1, labels equal to `ignore_index` (padding) are skipped. As a pipetrain `Loss` (sum and
-    count), the engine averages it over the non-padding tokens of the global batch, whatever the split.
-    Calling it gives the mean (transformers' loss)."""
-
-    perplexity = True
-    #: position t is scored against target t + 1: context parallelism shifts the targets before cutting sequences
-    shifts_targets = True
-
-    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
-        self.ignore_index = ignore_index
-
-    def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = output[:, :-1].flatten(0, 1).float()
-        return F.cross_entropy(logits, target[:, 1:].flatten(), ignore_index=self.ignore_index, reduction="sum")
-
-    def count(self, target: torch.Tensor) -> torch.Tensor:
-        return (target[:, 1:] != self.ignore_index).sum()
-
-    def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
-        shifted = target[:, 1:]
-        return ((output[:, :-1].argmax(dim=-1) == shifted) & (shifted != self.ignore_index)).sum()
-
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.total(output, target) / self.count(target).clamp_min(1)
-
-
-#: the loss to give the engine (`build_session(..., loss_fn=causal_lm_loss)`), with the labels as targets
-causal_lm_loss = CausalLMLoss()
 
 
 #: the old name of the checkpoint reader (tests patch its `read`)
@@ -137,8 +99,8 @@ class HFCausalLM:
         self.checkpoint = None if checkpoint is None else HFCheckpoint(Path(checkpoint), config)
         self._experts_kept: tuple[int, int] | None = None  # (rank, ep): `keep_experts`
         if self.checkpoint is not None:
-            self._check_folder_config(Path(checkpoint))
-            self._check_weights()
+            check_folder_config(self.config, Path(checkpoint))
+            check_weights(self)
 
     @classmethod
     def from_folder(cls, folder: str | Path, *, seq_len: int = 64, documents: bool = False) -> HFCausalLM:
@@ -152,47 +114,6 @@ class HFCausalLM:
         model = cls(config, checkpoint=path, seq_len=seq_len, documents=documents)
         prove(config)
         return model
-
-    def _check_folder_config(self, folder: Path) -> None:
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            return  # shapes are still checked tensor by tensor when loading
-        theirs = json.loads(config_file.read_text())
-        ours = self.config.to_dict()
-        for field in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "n_embd", "n_layer"):
-            if field in theirs and field in ours and theirs[field] != ours[field]:
-                raise ConfigError(
-                    f"checkpoint folder {str(folder)!r} holds another model: its {field} is {theirs[field]!r}, "
-                    f"the configured model's is {ours[field]!r}",
-                    hint="pass the folder of this model, or build the model from that folder (HFCausalLM.from_folder)",
-                )
-
-    def _check_weights(self) -> None:
-        """One ConfigError for the first tensor this config needs that the folder lacks or holds in another shape
-        (a config.json that does not describe its weights), before any rank loads a block."""
-        stored, folder = self.checkpoint.shapes(), str(self.checkpoint.folder)
-        for index in range(self.num_blocks):
-            with torch.device("meta"):
-                block = self.build_block(index)
-            state = block.state_dict()
-            for name, key in block.checkpoint_keys():
-                found = self.checkpoint.find(key, self.family.base)
-                if found is None and key == f"{self.family.head}.weight" and self.tied:
-                    found = self.checkpoint.find(f"{self.family.embed}.weight", self.family.base)
-                sizes = ", ".join(f"{field}={getattr(self.config, field)}" for field in _SIZE_FIELDS
-                                  if isinstance(getattr(self.config, field, None), int))
-                if found is None:
-                    raise ConfigError(f"checkpoint folder {folder!r} has no tensor {key!r}, which its config "
-                                      f"({self.family.name}: {sizes}) needs: the config and the weights disagree",
-                                      hint=f"pass a folder whose config.json was saved with its weights "
-                                           f"(save_pretrained), or fix config.json (e.g. its model_type, "
-                                           f"{self.config.model_type!r})")
-                if list(stored[found]) != list(state[name].shape):
-                    raise ConfigError(f"checkpoint folder {folder!r}: tensor {found!r} has shape "
-                                      f"{list(stored[found])}, its config ({self.family.name}: {sizes}) needs "
-                                      f"{list(state[name].shape)}: the config and the weights disagree",
-                                      hint="pass a folder whose config.json was saved with its weights "
-                                           "(save_pretrained), or fix the sizes in config.json")
 
     # ---- BlockModel ----------------------------------------------------------------------------------
 
