@@ -6,7 +6,7 @@ the median step of pipetrain (`--chunks` micro-batches, `--checkpoint` policy) a
 blocks as one `nn.Sequential`, the whole batch, the same AdamW), their ratio (pipetrain's overhead), tokens per
 second and MFU (PaLM FLOPs over the GPU's dense peak at `--precision`; none on the CPU), peak memory allocated and
 reserved (CUDA's caching allocator; the CPU reports its peak resident size), the planner's prediction for the
-same run (built-in figures at `--precision`), and the calibration's single-device parts (`_compute`: the layer's
+same run (built-in figures at `--precision`), and the calibration's single-device parts (`compute_figures`: the layer's
 rate by micro-batch size, the per-kernel overhead) on this one rank.
 
 Prints one JSON object per run (`--runs`), and one for `--profile`: the per-block profile's forward+backward total.
