@@ -10,7 +10,8 @@ judge the plan: Table 6's 1F1B row FSDP 8 × TP 8 × PP 8, CP 1, local batch 8 o
 is that layout as torchtitan ran it by default (8 micro-batches = pp, 2 stages per rank for the interleaved
 schedule, seq len 8192) with the what-if flags for what pipetrain's engine does differently (per-layer
 recomputation, vocabulary-parallel embedding and head, Float8 weights gathered in float8, the last stage's outputs
-kept by torch's schedule to the step's end as torchtitan's loop leaves them), on the stated H100 node
+kept by torch's schedule to the step's end as torchtitan's loop leaves them, in bf16: torchtitan's model returns its
+output layer's bf16 logits and its loss casts a copy to fp32, `--bf16-logits`), on the stated H100 node
 (`hardware.NODES`, bf16: 950 TFLOP/s). Then the same layout as pipetrain itself would run it (its own recomputation
 of a whole stage, embedding and head whole on each tensor-parallel rank, no Float8, each micro-batch's outputs
 dropped after its loss). Last, the whole command's wall
@@ -38,7 +39,7 @@ LAYOUT = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", 
           "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
           "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
           "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--gpu", "h100-sxm"]
-TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--vocab-parallel", "--keep-outputs"]
+TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--vocab-parallel", "--keep-outputs", "--bf16-logits"]
 
 
 def _plan(argv: list[str]) -> dict:

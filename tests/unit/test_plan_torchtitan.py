@@ -2,7 +2,8 @@
 (docs/performance.md of pytorch/torchtitan at 9dec370, now benchmarks/llama3_h100_202412_torchtitan.md; Table 5: 512 H100 96 GB, FSDP 8 × TP 8 × PP 8, local batch 32, global
 256, full recomputation, bf16 with Float8 linears, torch.compile, async TP). See docs/planning.md for what is
 assumed; the planned layouts are torchtitan's defaults at the commit it names (8 micro-batches = pp, 2 stages per
-rank for the interleaved schedule, seq len 8192)."""
+rank for the interleaved schedule, `generate_split_points`' layers per stage, seq len 8192), and its model's bf16
+logits kept by the schedule (its loss casts a copy to fp32: `--bf16-logits`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 
 from pipetrain.cli.main import build_parser
 from pipetrain.cli.plan import planned
+from pipetrain.errors import ConfigError
+from pipetrain.plan.transformer import read_config, sizes_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks" / "models" / "llama-3.1-405b" / "config.json"
@@ -24,7 +27,11 @@ ARGV = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", "-
         "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
         "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
         "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--float8", "--recompute-unit", "layer",
-        "--vocab-parallel", "--keep-outputs", "--gpu", "h100-sxm"]
+        "--vocab-parallel", "--keep-outputs", "--bf16-logits", "--gpu", "h100-sxm"]
+#: why torchtitan's two published 1F1B figures stay out of 10 % (docs/memory.md, "Llama 3.1 405B")
+RESERVE = ("every allocation the planner knows at torchtitan's settings (read at 9dec370) plans 61.1 GiB; torchtitan "
+           "reports the caching allocator's reserved peak, and its two 1F1B figures for the same allocations differ "
+           "by 7.2 GiB (Table 5: 82.5, Table 6: 75.3); no reserve factor is tuned to them")
 
 
 @pytest.fixture(scope="module")
@@ -36,32 +43,40 @@ def predicted():
     return by_schedule
 
 
+def test_bf16_logits_halve_the_kept_outputs_not_the_log_softmax():
+    """`--bf16-logits`: the head outputs 2 bytes per logit (torchtitan's model), its loss's log-softmax stays fp32."""
+    sizes = sizes_from_config(read_config(CONFIG)[0])
+    fp32, bf16 = sizes.blocks(8192)[-1], sizes.blocks(8192, logits_element=2)[-1]
+    assert bf16.output_bytes == fp32.output_bytes / 2 == 2 * 8192 * 128256
+    assert bf16.loss_bytes == fp32.loss_bytes == 4 * 8192 * 128256
+    argv = [a for a in ARGV if a != "--float8"]
+    argv[argv.index("--precision") + 1] = "fp32"
+    with pytest.raises(ConfigError, match="--bf16-logits"):
+        planned(build_parser(argv).parse_args(argv))
+
+
 def test_the_interleaved_to_1f1b_throughput_ratio_within_10_percent(predicted):
     ratio = predicted["1f1b"].step_s / predicted["interleaved-1f1b"].step_s
     assert ratio == pytest.approx(128 / 100, rel=0.10)
 
 
 def test_interleaved_peak_memory_within_10_percent(predicted):
-    """Planned 79.4 GiB on the last rank (+9.2 %): as its last loss backward starts (plan/loss.py)."""
+    """Planned 70.6 GiB on the last rank (-2.9 %): as its last loss backward starts (plan/loss.py)."""
     assert max(predicted["interleaved-1f1b"].memory_bytes) / 2**30 == pytest.approx(72.7, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: 69.4 GiB planned for 1F1B, 16 % under torchtitan's 82.5 with "
-                                       "every allocation the planner knows (its Table 6 measured 75.3 for the same "
-                                       "allocations, 8 % above the plan); torchtitan reports the caching allocator's "
-                                       "reserved bytes, whose slack the planner does not model (docs/memory.md)")
+@pytest.mark.xfail(strict=True, reason="known miss, 26 % under the published 82.5: " + RESERVE)
 def test_1f1b_peak_memory_within_10_percent(predicted):
     assert max(predicted["1f1b"].memory_bytes) / 2**30 == pytest.approx(82.5, rel=0.10)
 
 
 def test_the_1f1b_miss_is_the_one_the_docs_state(predicted):
-    """69.4 GiB on the last rank, 15.9 % under the published 82.5 (docs/memory.md says why it is left): the step's
-    end no longer counts FSDP's gathered weights and unsharded gradients, which torch frees after the last backward
-    (-3.8 GiB before the loss's temporaries moved the peak to the last loss backward)."""
-    assert 0.83 < max(predicted["1f1b"].memory_bytes) / 2**30 / 82.5 < 0.86
+    """61.1 GiB on pipeline rank 1, 26 % under the published 82.5 (docs/memory.md says why it is left): was 69.4 on
+    the last rank before its kept logits were counted in bf16, as torchtitan's model returns them (-7.8 GiB)."""
+    assert 0.73 < max(predicted["1f1b"].memory_bytes) / 2**30 / 82.5 < 0.75
 
 
-def test_table_6_1f1b_row_with_the_same_allocations_within_10_percent():
+def _table_6() -> float:
     """Kept back to judge the planner: Table 6 of the same page, FSDP 8 × TP 8 × PP 8 (CP 1), 1F1B, local batch 8 of
     32768 tokens, full recomputation: 8 micro-batches of 32768 tokens, as Table 5's 1F1B (4 × 8192), so the same
     allocations (flash attention keeps no s² tensor); torchtitan measured 75.3 GiB there, 7.2 below Table 5's."""
@@ -70,16 +85,28 @@ def test_table_6_1f1b_row_with_the_same_allocations_within_10_percent():
         argv[argv.index(flag) + 1] = value
     result, _ = planned(build_parser(argv).parse_args(argv))
     (prediction,) = result.best + result.too_big
-    assert max(prediction.memory_bytes) / 2**30 == pytest.approx(75.3, rel=0.10)
+    return max(prediction.memory_bytes) / 2**30
 
 
-def test_both_peaks_are_the_last_rank(predicted):
-    """The terms that set them: the last stage's outputs (fp32 logits, vocabulary-parallel: 1.96 GiB per micro-batch
-    on each rank), kept to the step's end, and, as the last micro-batch's loss backward starts, its log-softmax and
-    torch's loss_parallel's three temporaries beside them (plan/loss.py)."""
-    for schedule in PUBLISHED:
-        memory = predicted[schedule].memory_bytes
-        assert memory.index(max(memory)) == len(memory) - 1
+@pytest.mark.xfail(strict=True, reason="known miss, 19 % under the published 75.3: " + RESERVE)
+def test_table_6_1f1b_row_with_the_same_allocations_within_10_percent():
+    assert _table_6() == pytest.approx(75.3, rel=0.10)
+
+
+def test_table_6_plans_what_table_5_1f1b_plans(predicted):
+    """The same allocations plan the same peak (61.1 GiB, 0.811 of Table 6's 75.3; 0.740 of Table 5's 82.5)."""
+    assert _table_6() == pytest.approx(max(predicted["1f1b"].memory_bytes) / 2**30, rel=1e-3)
+    assert 0.80 < _table_6() / 75.3 < 0.82
+
+
+def test_where_the_peaks_are(predicted):
+    """Interleaved: the last rank, set by the last stage's outputs (bf16 logits, vocabulary-parallel: 0.98 GiB per
+    micro-batch on each rank) kept to the step's end and, as the last micro-batch's loss backward starts, its fp32
+    log-softmax and torch's loss_parallel's three temporaries beside them (plan/loss.py). 1F1B: pipeline rank 1 (16
+    layers' weights and fp32 gradients, 7 micro-batches' layer inputs in flight), 0.5 GiB above the last rank."""
+    interleaved, one = predicted["interleaved-1f1b"].memory_bytes, predicted["1f1b"].memory_bytes
+    assert interleaved.index(max(interleaved)) == len(interleaved) - 1
+    assert one.index(max(one)) == 1 and max(one) - one[-1] == pytest.approx(0.5 * 2**30, rel=0.1)
 
 
 def test_planning_405b_loads_nothing_and_takes_seconds_at_most():

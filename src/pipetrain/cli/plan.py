@@ -60,8 +60,10 @@ def _devices(args: argparse.Namespace) -> tuple[int, int]:
 def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
     """The block costs and a description of where they come from."""
     model = getattr(args, "model", None)
-    if model is None and (getattr(args, "seq_len", None) is not None or getattr(args, "vocab_parallel", False)):
-        raise ConfigError("--seq-len and --vocab-parallel price a --model", hint="pass --model DIR|config.json")
+    if model is None and (getattr(args, "seq_len", None) is not None or getattr(args, "vocab_parallel", False)
+                          or getattr(args, "bf16_logits", False)):
+        raise ConfigError("--seq-len, --vocab-parallel and --bf16-logits price a --model",
+                          hint="pass --model DIR|config.json")
     if model is not None:
         given = [flag for flag, value in (("--preset", args.preset), ("--profile", args.profile)) if value is not None]
         if given:
@@ -74,8 +76,11 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
             raise ConfigError(f"--seq-len {seq_len} is longer than the model's {longest} positions",
                               hint=f"pass --seq-len {longest} or less")
         element = 2 if args.precision == "bf16" else 4
+        if getattr(args, "bf16_logits", False) and element != 2:
+            raise ConfigError("--bf16-logits needs bf16 activations", hint="add --precision bf16")
         args.model_sizes, args.model_seq_len = sizes, seq_len
-        blocks = sizes.blocks(seq_len, element=element, vocab_parallel=getattr(args, "vocab_parallel", False))
+        blocks = sizes.blocks(seq_len, element=element, vocab_parallel=getattr(args, "vocab_parallel", False),
+                              logits_element=2 if getattr(args, "bf16_logits", False) else 4)
         return blocks, f"{file} priced from its config at seq len {seq_len} ({sizes.summary()})"
     if args.profile is not None:
         if args.preset is not None:
@@ -233,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {line}")
     what_if = [flag for flag, on in (("--vocab-parallel", getattr(args, "vocab_parallel", False)),
                                      ("--float8", getattr(args, "float8", False)),
+                                     ("--bf16-logits", getattr(args, "bf16_logits", False)),
                                      ("--keep-outputs", getattr(args, "keep_outputs", False))) if on]
     if what_if:
         print(f"  what-if: {', '.join(what_if)}: pipetrain's train does not run these; its line below is the nearest "

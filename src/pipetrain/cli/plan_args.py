@@ -114,6 +114,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what_if.add_argument("--keep-outputs", action="store_true",
                          help="the last stage's outputs kept by torch's schedule to the step's end and merged there "
                               "(torchtitan's loop; pipetrain's train drops each micro-batch's after its loss)")
+    what_if.add_argument("--bf16-logits", action="store_true",
+                         help="with --model and --precision bf16: the head's logits kept in bf16 (torchtitan's model "
+                              "returns them uncast, its loss casts a copy to fp32; pipetrain's stage outputs fp32)")
     what_if.add_argument("--float8", action="store_true",
                          help="with --precision bf16: Float8 projections gathered by FSDP in float8 (1 byte per "
                               "weight; torchtitan's enable_fsdp_float8_all_gather); rates stay the device's")

@@ -266,7 +266,10 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         if layout.recompute_unit in ("layer", "selective"):
             kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
             # the stage's output stays for its backward too, unless its last block keeps all its activations anyway
-            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] else 0.0
+            # (then counted as without recomputation); the last stage's output (the logits) is none of its blocks'
+            # activations: torch's stage holds it to the backward (plan/loss.py adds it there when kept longer)
+            last = stop == len(blocks) and not layout.keep_outputs
+            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] or last else 0.0
             held = samples * (sum(kept) + output)
             # recomputing one block at a time brings back its activations (selective: those it had dropped)
             dropped = [acts[i - start] - (kept[i - start] if layout.recompute_unit == "selective" else 0.0)

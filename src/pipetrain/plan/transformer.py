@@ -185,9 +185,12 @@ class DecoderSizes:
         h, q, k, f = self.hidden, self.q_width, self.kv_width, self.intermediate
         return float(element * seq_len * (3 * h + 2 * q + 2 * k + (2 if self.gated else 1) * f))
 
-    def blocks(self, seq_len: int, *, element: int = 2, vocab_parallel: bool = False) -> list[BlockCost]:
+    def blocks(self, seq_len: int, *, element: int = 2, vocab_parallel: bool = False,
+               logits_element: int = 4) -> list[BlockCost]:
         """The planner's costs of pipetrain's blocks (embedding, layers, head) at `seq_len`, activations of
-        `element` bytes (2 under bf16 autocast, 4 in fp32), parameters counted in fp32."""
+        `element` bytes (2 under bf16 autocast, 4 in fp32), parameters counted in fp32, the head's logits of
+        `logits_element` bytes (4: pipetrain casts a stage's outputs to fp32; 2: a model that returns its bf16
+        logits and a loss that casts a copy, torchtitan's; the log-softmax stays fp32 either way)."""
         s, e, h, V = seq_len, element, self.hidden, self.vocab
         sh = s * h
         vocab_split = {"params": V * h, "comm_bytes": float(e * sh), "collectives": 1,
@@ -228,7 +231,7 @@ class DecoderSizes:
                 selective_bytes=self.layer_selective_bytes(s, e),
             ))
         head = self.head_params()
-        logits = 4 * s * V  # the fp32 logits the stage outputs (kept to the step's end); the loss's log-softmax as much
+        logits = logits_element * s * V  # the logits the stage outputs (kept to the step's end)
         blocks.append(BlockCost(
             name="Head", params=head, param_bytes=4.0 * head, activation_bytes=float(2 * e * sh),
             output_bytes=float(logits), forward_flops=float(2 * s * h * V),
