@@ -148,3 +148,23 @@ def test_the_cuda_kernels_calls_match_their_schemas(bias):
     assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     grads = fused_attention_backward(torch.empty_like(out), q, k, v, out, lse, mask, False, 0.125)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_ring_under_non_reentrant_checkpoint_equals_the_ring(kernel):
+    """torch.utils.checkpoint (non-reentrant) runs the ring's function again in the backward: the same gradients."""
+    q, k, v, grad = _inputs(4)
+    starts = torch.tensor([[0] * 5 + [5] * 7 + [12] * 4, [0] * 9 + [9] * 7])
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+        def attend(*inputs: torch.Tensor) -> torch.Tensor:
+            return ring_attention(*(t * 1.5 for t in inputs), _one_rank(starts, kernel), SCALE)
+
+        out = torch.utils.checkpoint.checkpoint(attend, *leaves, use_reentrant=False) if checkpointed else attend(*leaves)
+        out.backward(grad.transpose(1, 2))
+        return [out.detach()] + [leaf.grad for leaf in leaves]
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
