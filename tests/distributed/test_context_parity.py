@@ -2,7 +2,7 @@
 transformers model on the same tokens.
 
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
-recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
+recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP, FSDP2, HSDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
 over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
@@ -62,6 +62,8 @@ CASES = {
     "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", True),
     "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", False),
     "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 1, 2, "ring", "gpipe", "never", False),
+    # HSDP: shard groups of one data replica's 2 cp ranks, the 2 replicas' groups replicated (--dp-shard 1)
+    "llama-ring-cp2xdp2-hsdp": ("llama", 2, "hsdp", 1, 1, 2, "ring", "gpipe", "never", False),
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
     "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
     "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
@@ -138,7 +140,8 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     if variant == "lora":
         model = LoraBlocks(model, SETTINGS)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
-    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention)
+    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention,
+                              dp_shard=1 if dp_mode == "hsdp" else None)
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss,
                             precision="bf16" if variant == "bf16" else "fp32")
     engine, replica = session.engine, session.mesh.dp_rank
@@ -225,6 +228,10 @@ def test_context_parallel_matches_unsplit(case, runs):
     if CASES[case][4] > 1:  # tp: the attention's projections are split over tp x (dp x cp) ranks, not dp x cp alone
         name = "model.layers.0.self_attn.q_proj.weight" if family == "llama" else "transformer.h.0.attn.c_attn.weight"
         assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                        ref["params"][name].numel())}
+    if CASES[case][2] == "hsdp":  # sharded within a shard group (a replica's 2 cp ranks), not over all 4 ranks
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 2,
                                                                         ref["params"][name].numel())}
 
 
