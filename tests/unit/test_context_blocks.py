@@ -162,7 +162,10 @@ def test_the_ring_under_non_reentrant_checkpoint_equals_the_ring(kernel):
         def attend(*inputs: torch.Tensor) -> torch.Tensor:
             return ring_attention(*(t * 1.5 for t in inputs), _one_rank(starts, kernel), SCALE)
 
-        out = torch.utils.checkpoint.checkpoint(attend, *leaves, use_reentrant=False) if checkpointed else attend(*leaves)
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(attend, *leaves, use_reentrant=False)
+        else:
+            out = attend(*leaves)
         out.backward(grad.transpose(1, 2))
         return [out.detach()] + [leaf.grad for leaf in leaves]
 

@@ -37,6 +37,7 @@ __all__ = ["EXCHANGES", "ring_attention"]
 #: (a local copy: measurement only)
 EXCHANGES = ("overlap", "sync", "local")
 
+
 def _peers(group: dist.ProcessGroup) -> tuple[int, int]:
     """The global ranks this rank sends to (the next of the ring) and receives from (the previous)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -71,8 +72,6 @@ class _InFlight:
         received, self.requests, self.received, self._sent = self.received, [], None, None
         assert received is not None
         return received
-
-
 
 
 def _start(tensor: torch.Tensor, layout: Any) -> Callable[[], torch.Tensor]:
