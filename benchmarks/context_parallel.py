@@ -7,13 +7,14 @@ config (hidden 64, 2 layers, 4 query and 4 key/value heads, so ulysses runs at c
 one random sequence of `--seq` tokens per step (SGD). The ring runs three ways at cp 2 (and 4): its exchange
 overlapped with the block attention (the default), synchronous (`sync`: send, wait, then attend), and removed
 (`local`: a local copy of the same shape instead of the exchange; wrong attention, the same compute: measurement
-only), set through `ContextParallel.exchange` in the ranks. Printed per cell: the median step time (a step's time:
+only), set through `ContextParallel.exchange` in the ranks; `-ops` cells run the ring's block attention in torch ops
+instead of torch's fused kernel (`ContextParallel.kernel`). Printed per cell: the median step time (a step's time:
 the slowest rank's) over `--steps` timed steps of each of `--rounds` rounds, the spread of the rounds' medians,
 tokens/s and its ratio to cp 1, and the activation memory per rank: the bytes autograd saves for the backward in one
 step (`saved_tensors_hooks`), the most of any rank. cp 1 is the unsplit model with transformers' sdpa attention (the
-fused CPU kernel, which saves no score matrix); cp > 1 runs pipetrain's ring or all-to-all attention, whose blocks
-are written in torch ops. Then, per cp: the exchange's exposed time (sync - local) and the share of it the overlap
-hides ((sync - overlap) / (sync - local)).
+fused CPU kernel, which saves no score matrix); cp > 1 runs pipetrain's ring (its blocks through the same fused
+kernel, or torch ops in `-ops` cells) or all-to-all attention. Then, per cp: the exchange's exposed time (sync -
+local) and the share of it the overlap hides ((sync - overlap) / (sync - local)).
 The rounds run every cell one after another, so that a shared machine's changing load falls on all alike.
 Run: `.venv/bin/python benchmarks/context_parallel.py [--seq 4096] [--steps 3] [--rounds 3] [--cells ...]`.
 """
@@ -35,12 +36,15 @@ from pipetrain.context import ContextParallel
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
 
-#: name -> (cp, attention, the ring's exchange)
-CELLS = {"cp1": (1, "ring", "overlap"), "cp2-ring": (2, "ring", "overlap"), "cp2-ring-sync": (2, "ring", "sync"),
-         "cp2-ring-local": (2, "ring", "local"), "cp2-ulysses": (2, "ulysses", "overlap"),
-         "cp4-ring": (4, "ring", "overlap"), "cp4-ring-sync": (4, "ring", "sync"), "cp4-ring-local": (4, "ring", "local"),
-         "cp4-ulysses": (4, "ulysses", "overlap")}
-DEFAULT_CELLS = ("cp1", "cp2-ring", "cp2-ring-sync", "cp2-ring-local", "cp2-ulysses", "cp4-ring", "cp4-ulysses")
+#: name -> (cp, attention, the ring's exchange, the ring's block kernel)
+CELLS = {"cp1": (1, "ring", "overlap", "fused"), "cp2-ring": (2, "ring", "overlap", "fused"),
+         "cp2-ring-sync": (2, "ring", "sync", "fused"), "cp2-ring-local": (2, "ring", "local", "fused"),
+         "cp2-ring-ops": (2, "ring", "overlap", "ops"), "cp2-ulysses": (2, "ulysses", "overlap", "fused"),
+         "cp4-ring": (4, "ring", "overlap", "fused"), "cp4-ring-sync": (4, "ring", "sync", "fused"),
+         "cp4-ring-local": (4, "ring", "local", "fused"), "cp4-ring-ops": (4, "ring", "overlap", "ops"),
+         "cp4-ulysses": (4, "ulysses", "overlap", "fused")}
+DEFAULT_CELLS = ("cp1", "cp2-ring", "cp2-ring-sync", "cp2-ring-local", "cp2-ring-ops", "cp2-ulysses", "cp4-ring",
+                 "cp4-ulysses")
 POSITIONS = 32768
 
 
@@ -52,10 +56,10 @@ def _config(seq: int):
                                     max_position_embeddings=max(seq, POSITIONS))
 
 
-def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, exchange: str, steps: int, warmup: int,
-          out: str) -> None:
+def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, exchange: str, kernel: str, steps: int,
+          warmup: int, out: str) -> None:
     device = join_job(spec)
-    ContextParallel.exchange = exchange  # the measurement switch, in this rank's process only
+    ContextParallel.exchange, ContextParallel.kernel = exchange, kernel  # measurement switches, this rank only
     try:
         parallel = ParallelConfig(pipeline=PipelineConfig(pp=1), cp=cp, cp_attention=attention)
         session = build_session(HFCausalLM(_config(seq), seq_len=seq), parallel, device, loss_fn=causal_lm_loss)
@@ -94,9 +98,9 @@ def main() -> None:
     saved: dict[str, int] = {}
     for _ in range(args.rounds):  # rounds interleave the cells: the shared machine's load falls on all of them alike
         for name in names:
-            cp, attention, exchange = CELLS[name]
+            cp, attention, exchange, kernel = CELLS[name]
             out = tempfile.mkdtemp()
-            pipetrain.launch_local(_cell, cp, args.seq, cp, attention, exchange, args.steps, args.warmup, out)
+            pipetrain.launch_local(_cell, cp, args.seq, cp, attention, exchange, kernel, args.steps, args.warmup, out)
             records = [torch.load(Path(out) / f"rank{r}.pt") for r in range(cp)]
             times[name].append([max(step) for step in zip(*(r["step_s"] for r in records))])  # the slowest rank's
             saved[name] = max(r["saved"] for r in records)

@@ -2,19 +2,23 @@
 transformers model on the same tokens.
 
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
-recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP); all-to-all attention at cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
+recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP, FSDP2, HSDP); all-to-all attention at
+cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
 over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
 schedules (zero-bubble, zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2
-over FSDP2. Over three SGD steps
+over FSDP2; ring cp 2 x pp 2 with recomputation and packed documents of which one starts at every row's last
+zig-zag part, so that rank 0's second ring step is wholly masked (no block computed, its exchanges still run). Over
+three SGD steps
 (a full batch, a right-padded one, one smaller than the micro-batch count) the loss on every rank, every gradient of
 every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5. The checkpoint
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
 
 In the same job: PEFT's LoRA adapters at ring cp 2 x pp 2 against `peft.get_peft_model` on the unsplit model (same
 fp32 tolerance), and bf16 autocast at ring and all-to-all cp 2 x pp 2 against the unsplit model under bf16 autocast
-(twice the bf16 budget of tests/tolerances.py; the ring's block attention computes in fp32).
+(twice the bf16 budget of tests/tolerances.py; the ring's blocks run torch's fused kernel on the bf16 inputs,
+accumulating in fp32, merged in fp32).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from pipetrain.checkpoint.folders import read_meta  # noqa: E402
 from pipetrain.checkpoint.state import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
+from pipetrain.context.attention import ContextMask  # noqa: E402
+from pipetrain.context.layout import zigzag_index, zigzag_split  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.lora import LoraBlocks  # noqa: E402
@@ -57,6 +63,8 @@ CASES = {
     "llama-ulysses-cp2xdp2-documents": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", True),
     "gpt2-ring-cp2xpp2": ("gpt2", 1, "ddp", 2, 1, 2, "ring", "1f1b", "never", False),
     "llama-ring-cp2xdp2-fsdp": ("llama", 2, "fsdp", 1, 1, 2, "ring", "gpipe", "never", False),
+    # HSDP: shard groups of one data replica's 2 cp ranks, the 2 replicas' groups replicated (--dp-shard 1)
+    "llama-ring-cp2xdp2-hsdp": ("llama", 2, "hsdp", 1, 1, 2, "ring", "gpipe", "never", False),
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
     "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
     "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
@@ -65,7 +73,12 @@ CASES = {
     "llama-ring-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zbv", "always", False),
     "llama-ring-cp2xpp2-dualpipev-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "dualpipev", "never", True),
     "llama-ulysses-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ulysses", "zbv", "never", False),
+    # a document starts at every row's last part: rank 0's second ring step is wholly masked (skipped, exchanged)
+    "llama-ring-cp2xpp2-recompute-boundary": ("llama", 1, "ddp", 2, 1, 2, "ring", "1f1b", "always", "boundary"),
 }
+
+#: the token where every row of the "boundary" documents starts a document: the first of cp 2's last zig-zag part
+BOUNDARY = 3 * SEQ // 4
 
 #: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")
 VARIANTS = {
@@ -78,23 +91,28 @@ VARIANTS = {
 RESUMED = "llama-ring-cp2xpp2"
 
 
-def document_positions(n: int, seed: int) -> torch.Tensor:
-    """Per-row positions of packed documents of unequal lengths (1 to 9 tokens), restarting at each document."""
+def document_positions(n: int, seed: int, boundary: int | None = None) -> torch.Tensor:
+    """Per-row positions of packed documents of unequal lengths (1 to 9 tokens), restarting at each document (and
+    at `boundary`, when given)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(n):
         row: list[int] = []
-        while len(row) < SEQ:
-            row += range(int(torch.randint(1, 10, (1,), generator=gen)))
-        rows.append(row[:SEQ])
+        for end in ([boundary, SEQ] if boundary else [SEQ]):
+            while len(row) < end:
+                row += range(int(torch.randint(1, 10, (1,), generator=gen)))
+            row = row[:end]
+        rows.append(row)
     return torch.tensor(rows)
 
 
-def batches(dp: int, documents: bool) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """test_hf_parity's batches (inputs as a tuple), with per-document positions when `documents`."""
+def batches(dp: int, documents: bool | str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """test_hf_parity's batches (inputs as a tuple), with per-document positions when `documents` (a document
+    starting at `BOUNDARY` in every row too when "boundary")."""
     out = []
+    boundary = BOUNDARY if documents == "boundary" else None
     for step, (ids, labels) in enumerate(make_batches(dp)):
-        out.append(((ids, document_positions(ids.shape[0], step)) if documents else (ids,), labels))
+        out.append(((ids, document_positions(ids.shape[0], step, boundary)) if documents else (ids,), labels))
     return out
 
 
@@ -119,11 +137,12 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     """One case's three steps; `variant` "lora" (PEFT's adapters, SGD with momentum, the adapters trained) or
     "bf16" (bf16 autocast, fp32 weights)."""
     _, dp, dp_mode, pp, tp, cp, attention, schedule, recompute, documents = CASES[case]
-    model = HFCausalLM.from_folder(folder, seq_len=SEQ, documents=documents)
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ, documents=bool(documents))
     if variant == "lora":
         model = LoraBlocks(model, SETTINGS)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
-    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention)
+    parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention,
+                              dp_shard=1 if dp_mode == "hsdp" else None)
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss,
                             precision="bf16" if variant == "bf16" else "fp32")
     engine, replica = session.engine, session.mesh.dp_rank
@@ -191,6 +210,8 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
                 model.load_state_dict(initial)
                 references[family, dp, documents] = reference(model, dp, documents)
         model.load_state_dict(initial)
+        references[family, 1, "boundary"] = reference(model, 1, "boundary")
+        model.load_state_dict(initial)
         references[family, "bf16"] = reference(model, 1, False, "bf16")
     references["llama", "lora"] = peft_reference(folders["llama"], 1)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
@@ -209,12 +230,28 @@ def test_context_parallel_matches_unsplit(case, runs):
         name = "model.layers.0.self_attn.q_proj.weight" if family == "llama" else "transformer.h.0.attn.c_attn.weight"
         assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
                                                                         ref["params"][name].numel())}
+    if CASES[case][2] == "hsdp":  # sharded within a shard group (a replica's 2 cp ranks), not over all 4 ranks
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 2,
+                                                                        ref["params"][name].numel())}
 
 
 def test_documents_reference_differs_from_one_sequence(runs):
     """The packed cases can fail: the reference with documents is not the reference of one long sequence."""
     _, references = runs
     assert abs(references["llama", 1, True]["losses"][0] - references["llama", 1, False]["losses"][0]) > 1e-3
+
+
+def test_the_boundary_documents_leave_a_ring_step_wholly_masked():
+    """The "boundary" case can catch an exchange left unwaited: at cp 2, rank 0's second step (rank 1's keys) has
+    every block wholly masked in every row of every step's batch, rank 1's none."""
+    index = torch.stack([zigzag_index(SEQ, 2, r) for r in range(2)])
+    for inputs, _ in batches(1, "boundary"):
+        positions = inputs[1]
+        starts = torch.stack([index[r][None] - zigzag_split(positions, 2, r) for r in range(2)])
+        masks = [ContextMask(None, rank, 2, "ring", index, starts) for rank in (0, 1)]
+        assert all(masks[0].block_mask(1, a, b) is False for a in (0, 1) for b in (0, 1))
+        assert any(masks[1].block_mask(0, a, b) is not False for a in (0, 1) for b in (0, 1))
 
 
 def test_checkpoint_written_at_cp2_resumes_at_cp4(runs):
@@ -251,9 +288,9 @@ def test_bf16_with_context_parallelism_matches_the_unsplit_bf16_model(case, runs
     """bf16 autocast at cp2 x pp2 against the unsplit model under bf16 autocast, tensor by tensor in the 2-norm,
     relative to the fp32 run's: two bf16 runs of one model agree within twice the bf16 budget of
     tests/tolerances.py (3 (u) sqrt(D), D = 14 rounding stages for the losses of this 2-layer model, 28 for the
-    gradients; the final parameters within LR times the gradients' bounds). The ring's block attention computes in
-    fp32 whatever the input dtype (autocast off inside it), the all-to-all's in transformers' sdpa as the
-    reference's: both are within the budget of the reference, not equal to it. bf16 really ran: the step-0
+    gradients; the final parameters within LR times the gradients' bounds). The ring's blocks run the fused kernel
+    on the bf16 inputs (autocast off inside the ring, fp32 accumulation and merge), the all-to-all's transformers'
+    sdpa as the reference's: both are within the budget of the reference, not equal to it. bf16 really ran: the step-0
     gradients are more than u/4 away from fp32's."""
     per_rank, references = runs
     exact, ref = references["llama", 1, False], references["llama", "bf16"]

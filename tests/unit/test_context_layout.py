@@ -131,8 +131,9 @@ def test_cp_refuses_what_it_does_not_compose_with():
     with pytest.raises(ConfigError, match="tp composes with cp by heads only") as info:
         ParallelConfig(cp=2, tp=2, dp_mode="fsdp", sequence_parallel=True)
     assert info.value.hint == "drop --sequence-parallel with --cp"
+    assert ParallelConfig(cp=2, dp=4, dp_mode="hsdp", dp_shard=2).world_size == 8  # shard groups of 2 x cp ranks
     with pytest.raises(ConfigError, match="the data-parallel groups span the context ranks"):
-        ParallelConfig(cp=2, dp=4, dp_mode="hsdp", dp_shard=2)
+        ParallelConfig(cp=2, dp=4, dp_mode="fsdp", fsdp_reshard=2)
     with pytest.raises(ConfigError, match="unknown --cp-attention 'flash'"):
         ParallelConfig(cp=2, cp_attention="flash")
     with pytest.raises(ConfigError, match=r"dp=1 x pp=1 x cp=2 x tp=1 = 2 ranks, but the job has 4"):

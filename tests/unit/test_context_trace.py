@@ -1,5 +1,5 @@
 """Context parallelism in traces, without a process group: each ring step's exchange and each all-to-all is a span
-of a recorded step, forward and backward (the exchanges faked: a ring of one rank receives what it sends), nothing
+of a recorded step, forward and backward (the exchanges faked: a rank receives what it sends), nothing
 outside one; the pure reports place the spans in their compute span and total them per step."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.context import ring, ulysses
+from pipetrain.context.attention import ContextMask
+from pipetrain.context.layout import zigzag_index
 from pipetrain.pipeline.timeline import Recorder
 from pipetrain.trace.spans import CP_KINDS, KIND_LABELS, Span, within_compute
 from pipetrain.trace.summary import summarize, summary_lines
@@ -42,37 +44,26 @@ def _kinds(recorder: Recorder) -> list[str]:
     return [record[0] for record in recorder.records]
 
 
-def test_each_ring_exchange_is_a_span_forward_and_backward(one_rank):
-    x = torch.randn(2, 3, requires_grad=True)
+def _two_rank_layout(exchange: str) -> ContextMask:
+    """Rank 0 of a ring of 2 (the exchanges faked: rank 0 receives its own blocks)."""
+    index = torch.stack([zigzag_index(8, 2, r) for r in range(2)])
+    return ContextMask(None, 0, 2, "ring", index, None, exchange=exchange)
+
+
+@pytest.mark.parametrize("exchange", ["overlap", "sync"])
+def test_each_ring_exchange_is_a_span_forward_and_backward(one_rank, monkeypatch, exchange):
+    """Forward: one exchange of keys and values (2 ranks: one step after the first); backward: that one again and
+    the key/value gradients' two (after each step, the last one home to the owner); nothing outside a step."""
+    monkeypatch.setattr(ring, "_peers", lambda group: (0, 0))
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
     recorder = Recorder()
     with recorder.recording(0):
-        y = ring._Exchange.apply(x, None, 0, 0)
-        y.sum().backward()
-    assert torch.equal(y, x) and torch.equal(x.grad, torch.ones(2, 3))
-    assert _kinds(recorder) == ["cp_ring", "cp_ring", "step"]  # the keys and values, then their gradients
-    ring._Exchange.apply(x, None, 0, 0)  # outside a recorded step: nothing
-    assert len(recorder.records) == 3 and len(one_rank) == 3
-
-
-def test_an_overlapped_exchange_is_a_span_at_each_wait(one_rank, monkeypatch):
-    """The overlapped exchange (posted, then waited for after the attention): a span at the forward's wait and one
-    at the backward's; the gradient is the one received back (a peer that adds 1 to what it is sent tells it from
-    the gradient that was sent)."""
-    def batch(ops):
-        (_, tensor), (_, received) = ops
-        received.copy_(tensor + 1)
-        one_rank.append(tensor)
-        return [_Done(), _Done()]
-
-    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
-    x = torch.randn(2, 3, requires_grad=True)
-    recorder = Recorder()
-    with recorder.recording(0):
-        flight = ring._InFlight(None, 0, 0)
-        y = ring._Wait.apply(ring._Post.apply(x, flight), flight)
-        (2 * y).sum().backward()
-    assert torch.equal(y, x + 1) and torch.equal(x.grad, torch.full((2, 3), 3.0))
-    assert _kinds(recorder) == ["cp_ring", "cp_ring", "step"] and len(one_rank) == 2
+        ring.ring_attention(q, k, v, _two_rank_layout(exchange), 0.5).sum().backward()
+    assert _kinds(recorder) == ["cp_ring"] * 4 + ["step"]
+    assert [t.shape for t in one_rank] == [(2, 1, 2, 4, 8)] * 4  # keys and values stacked, and their gradients
+    assert k.grad is not None and v.grad is not None and q.grad is not None
+    ring.ring_attention(q, k, v, _two_rank_layout(exchange), 0.5)  # outside a recorded step: no span
+    assert len(recorder.records) == 5 and len(one_rank) == 5
 
 
 def test_each_all_to_all_is_a_span_forward_and_backward(one_rank):

@@ -6,7 +6,8 @@ strided placement and the placement methods that run collectives; `tensor_styles
 built on torch's private style hooks; `grouped`: the experts' grouped matmul; `modules`: the dropout and batch-norm
 base classes, `_foreach_mul_`, aborting a process group, the parameters DDP ignores; `mesh`: flattening two mesh
 dimensions into one (HSDP's dp axis); `overlap`: DualPipeV's fused forward-and-backward actions run concurrently,
-and whether a thread is inside a backward pass; `live`: a dispatch mode counting the bytes of live storages.
+and whether a thread is inside a backward pass; `live`: a dispatch mode counting the bytes of live storages;
+`attention_kernels`: the fused attention kernels that return the log-sum-exp, forward and backward (the ring's blocks).
 """
 
 from __future__ import annotations
@@ -70,4 +71,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # live.py: the bytes a CPU run allocates, storage by storage
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_flatten"),
+    # attention_kernels.py: the fused attention kernels with their log-sum-exp, and their backwards
+    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu"),
+    ("torch", "ops.aten._scaled_dot_product_flash_attention_for_cpu_backward"),
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention"),
+    ("torch", "ops.aten._scaled_dot_product_efficient_attention_backward"),
 )

@@ -207,11 +207,10 @@ def _check_cp(parallel: ParallelConfig) -> None:
                           "tp rank runs the ring or all-to-all over its own heads), and sequence parallelism would cut "
                           "the cut sequence again, loss parallelism the per-token loss of the cut targets",
                           hint=f"drop {flag} with --cp")
-    if parallel.dp_mode == "hsdp" or parallel.fsdp_reshard not in ("never", "always"):
-        raise ConfigError(f"cp={parallel.cp} with --dp-mode {parallel.dp_mode}, --fsdp-reshard "
-                          f"{parallel.fsdp_reshard}: the data-parallel groups span the context ranks, and pipetrain "
-                          "does not split them into HSDP or reshard groups yet",
-                          hint="use --dp-mode ddp or fsdp with --fsdp-reshard never or always with --cp")
+    if parallel.fsdp_reshard not in ("never", "always"):
+        raise ConfigError(f"cp={parallel.cp} with --fsdp-reshard {parallel.fsdp_reshard}: the data-parallel groups "
+                          "span the context ranks, and pipetrain does not split them into reshard groups yet",
+                          hint="use --fsdp-reshard never or always with --cp")
     if parallel.pipeline.compile:
         raise ConfigError(f"--compile with cp={parallel.cp}: the ring's and all-to-all's exchanges inside each "
                           "attention would break every compiled block's graph", hint="drop --compile, or use --cp 1")

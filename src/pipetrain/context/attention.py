@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.config import CP_ATTENTIONS
+from pipetrain.context.blocks import KERNELS
 from pipetrain.context.layout import zigzag_index
 from pipetrain.context.ring import EXCHANGES, ring_attention
 from pipetrain.context.ulysses import check_heads, ulysses_attention
@@ -37,7 +38,8 @@ class ContextMask:
     """What attention needs to know of a split sequence: the group, this rank, the mode, and the global index and
     document start of every token of every rank (`index` [N, L]; `starts` [N, B, L] or None without documents).
     `window`: a sliding window (keys at most `window - 1` tokens back), or None. `exchange`: how the ring passes its
-    blocks (`ring.EXCHANGES`: overlapped with the attention by default)."""
+    blocks (`ring.EXCHANGES`: overlapped with the attention by default). `kernel`: the ring's block attention
+    (`blocks.KERNELS`: torch's fused kernel by default, torch ops where it cannot run)."""
 
     group: Any
     rank: int
@@ -47,6 +49,7 @@ class ContextMask:
     starts: torch.Tensor | None
     window: int | None = None
     exchange: str = "overlap"
+    kernel: str = "fused"
 
     def _allowed(self, q_rank: int, q_part: slice, k_rank: int, k_part: slice) -> torch.Tensor:
         iq, ik = self.index[q_rank, q_part], self.index[k_rank, k_part]
@@ -85,15 +88,19 @@ class ContextParallel:
     """The context-parallel group of a stage's ranks and its attention (`mode`: "ring" or "ulysses").
 
     `exchange` (class default "overlap"): how the ring passes its blocks, one of `ring.EXCHANGES`; "sync" and
-    "local" are for measuring the overlap (benchmarks/context_parallel.py sets the class attribute in its ranks)."""
+    "local" are for measuring the overlap. `kernel` (class default "fused"): the ring's block attention, one of
+    `blocks.KERNELS`; "ops" is for measuring (benchmarks/context_parallel.py sets the class attributes in its ranks)."""
 
     exchange = "overlap"
+    kernel = "fused"
 
     def __init__(self, group: Any, mode: str = "ring", *, tp: int = 1) -> None:
         if mode not in CP_ATTENTIONS:
             raise ConfigError(f"unknown --cp-attention {mode!r}", hint=f"choose one of: {', '.join(CP_ATTENTIONS)}")
         if self.exchange not in EXCHANGES:
             raise ConfigError(f"unknown ring exchange {self.exchange!r}", hint=f"choose one of: {', '.join(EXCHANGES)}")
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"unknown ring kernel {self.kernel!r}", hint=f"choose one of: {', '.join(KERNELS)}")
         self.group, self.mode, self.tp = group, mode, tp
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
@@ -125,13 +132,14 @@ class ContextParallel:
         length = hidden.shape[1]
         index = torch.stack([zigzag_index(length * self.size, self.size, r) for r in range(self.size)])
         if hidden.device.type == "meta":
-            return ContextMask(self.group, self.rank, self.size, self.mode, index, None, exchange=self.exchange)
+            return ContextMask(self.group, self.rank, self.size, self.mode, index, None, exchange=self.exchange,
+                               kernel=self.kernel)
         gathered = [torch.empty_like(positions) for _ in range(self.size)]
         dist.all_gather(gathered, positions.contiguous(), group=self.group)
         index = index.to(positions.device)
         starts = torch.stack([index[r][None] - gathered[r] for r in range(self.size)])  # [N, B, L]
         return ContextMask(self.group, self.rank, self.size, self.mode, index,
-                           starts if bool(starts.any()) else None, exchange=self.exchange)
+                           starts if bool(starts.any()) else None, exchange=self.exchange, kernel=self.kernel)
 
 
 def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

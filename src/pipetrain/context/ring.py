@@ -3,77 +3,45 @@
 Each rank keeps its queries and passes its keys and values around the ring (point-to-point, one step per rank);
 at each step it attends its two query parts to the two key/value parts it holds, and the partial results are
 combined exactly through their log-sum-exp. Blocks that the mask hides wholly (a key part after a query part, or
-parts with no document in common) are skipped; a step whose blocks are all skipped still passes a zero gradient back,
-since the peers of the ring wait for every exchange's backward. The block attention is an autograd function that keeps only q, k, v, its
-output and log-sum-exp, and recomputes the scores in its backward (with the log-sum-exp's own gradient, which the
-merge needs); the ring's exchange is an autograd function whose backward sends the gradients the other way round,
-so forward and backward are exact, recomputation included.
+parts with no document in common) are skipped; a step whose blocks are all skipped still exchanges (its peers wait).
+
+The whole ring is one autograd function (ring-flash-attention's algorithm): the forward keeps only this rank's q, k,
+v and the merged output and log-sum-exp; the backward runs the ring again, each block's kernel backward taking the
+global output and log-sum-exp (so each block's gradient is exactly its share, with no gradient through the merge),
+and the key/value gradients of a block travel round the ring with it, each rank adding its share, back to the rank
+that owns the block. The block attention is `blocks.block_kernel`'s: torch's fused kernel by default, torch ops
+where it cannot run. The exchanges run inside the function's forward and backward, in one fixed order on every rank,
+so torch.utils.checkpoint (non-reentrant) and the pipeline's recomputation run the ring again as they run any op.
 
 The exchange overlaps the block attention (`exchange="overlap"`, the default): each step posts the next key/value
-block's send and receive (asynchronous) before attending to the block it holds, and waits for them after; in the
-backward the gradients of the blocks travel back the same way, posted when a block's gradient is complete and waited
-for after the autograd engine has run the previous step's block attention. `exchange="sync"` sends and waits before
-each step (no overlap); `exchange="local"` replaces the exchange by a local copy of the same shape (wrong attention:
-a measurement of the step without communication only). (torch 2.13's CPU flash kernel,
-`aten._scaled_dot_product_flash_attention_for_cpu`, returns the log-sum-exp without a gradient: a merge through it
-would drop that term of the backward, so it is not used here.)
+block's send and receive before attending to the block it holds, and waits for them after; in the backward the
+accumulated key/value gradients are posted after a step's blocks and waited for after the next step's. `"sync"`
+sends and waits at once (no overlap); `"local"` replaces the exchange by a local copy of the same shape (wrong
+attention: a measurement of the step without communication only). Each wait is a "cp_ring" span of a traced step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.context.blocks import BlockKernel, Mask, block_kernel, merge_
 from pipetrain.pipeline.timeline import span
 
-__all__ = ["EXCHANGES", "ring_attention", "ring_exchange", "block_attention", "merge"]
+__all__ = ["EXCHANGES", "ring_attention"]
 
 #: how the ring passes its key/value blocks: overlapped with the attention, synchronous, or not at all
 #: (a local copy: measurement only)
 EXCHANGES = ("overlap", "sync", "local")
-
-#: the score of a masked pair: exp() of it against any real score is 0, and a wholly masked row stays finite
-_MASKED = -1e30
-
-
-class _Exchange(torch.autograd.Function):
-    """Send a tensor to the next rank of the ring and receive the previous rank's; backward: the other way."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
-        ctx.group, ctx.send_to, ctx.recv_from = group, send_to, recv_from
-        return _send_recv(tensor, group, send_to, recv_from)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _send_recv(grad.contiguous(), ctx.group, ctx.recv_from, ctx.send_to), None, None, None
-
-
-def _send_recv(tensor: torch.Tensor, group: dist.ProcessGroup, send_to: int, recv_from: int) -> torch.Tensor:
-    """One ring step's exchange, a "cp_ring" span of a traced step (forward: keys and values; backward: their
-    gradients)."""
-    tensor = tensor.contiguous()  # first: empty_like keeps a permuted tensor's strides
-    received = torch.empty_like(tensor)
-    with span("cp_ring"):
-        ops = [dist.P2POp(dist.isend, tensor, send_to, group),
-               dist.P2POp(dist.irecv, received, recv_from, group)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return received
 
 
 def _peers(group: dist.ProcessGroup) -> tuple[int, int]:
     """The global ranks this rank sends to (the next of the ring) and receives from (the previous)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     return dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
-
-
-def ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The previous rank's `tensor` (this rank's goes to the next one); differentiable."""
-    return _Exchange.apply(tensor, group, *_peers(group))
 
 
 class _InFlight:
@@ -86,14 +54,13 @@ class _InFlight:
         self.received: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
 
-    def post(self, tensor: torch.Tensor, backward: bool = False) -> torch.Tensor:
-        """Send `tensor` (the gradient: the other way round when `backward`) and post the receive; returns the
-        receive buffer, filled once `wait` returns."""
-        send_to, recv_from = (self.recv_from, self.send_to) if backward else (self.send_to, self.recv_from)
-        self._sent = tensor.contiguous()
+    def post(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Send `tensor` to the next rank and post the receive from the previous one; returns the receive buffer,
+        filled once `wait` returns."""
+        self._sent = tensor.contiguous()  # first: empty_like keeps a permuted tensor's strides
         self.received = torch.empty_like(self._sent)
-        ops = [dist.P2POp(dist.isend, self._sent, send_to, self.group),
-               dist.P2POp(dist.irecv, self.received, recv_from, self.group)]
+        ops = [dist.P2POp(dist.isend, self._sent, self.send_to, self.group),
+               dist.P2POp(dist.irecv, self.received, self.recv_from, self.group)]
         self.requests = dist.batch_isend_irecv(ops)
         return self.received
 
@@ -107,139 +74,104 @@ class _InFlight:
         return received
 
 
-class _Post(torch.autograd.Function):
-    """Post the send of `tensor` to the next rank and the receive from the previous one, without waiting; the
-    receive buffer (`_Wait` gives it once filled). Backward: wait for the gradient `_Wait`'s backward posted."""
+def _start(tensor: torch.Tensor, layout: Any) -> Callable[[], torch.Tensor]:
+    """Start passing `tensor` to the next rank of the ring (`layout.exchange`'s way); a function that returns the
+    previous rank's (a ring of one rank: `tensor` itself)."""
+    if layout.size == 1:
+        return lambda: tensor
+    if layout.exchange == "local":
+        copy = tensor.clone()  # measurement only: the step's compute without its communication
+        return lambda: copy
+    flight = _InFlight(layout.group, *_peers(layout.group))
+    flight.post(tensor)
+    if layout.exchange == "sync":
+        received = flight.wait()
+        return lambda: received
+    return flight.wait
+
+
+def _visible(layout: Any, source: int, half: int) -> Iterator[tuple[slice, slice, Mask]]:
+    """This rank's query part and rank `source`'s key part of each block the mask does not wholly hide, with the
+    block's mask (None: all visible)."""
+    parts = (slice(0, half), slice(half, 2 * half))
+    for a in (0, 1):
+        for b in (0, 1):
+            mask = layout.block_mask(source, a, b)
+            if mask is not False:
+                yield parts[a], parts[b], None if mask is True else mask
+
+
+class _Ring(torch.autograd.Function):
+    """The ring's attention of this rank's queries over every rank's keys and values, forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, flight: _InFlight) -> torch.Tensor:
-        ctx.flight = flight
-        return flight.post(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, _posted: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return ctx.flight.wait(), None
-
-
-class _Wait(torch.autograd.Function):
-    """Wait for the exchange `_Post` posted; `received` filled. Backward: post the gradient's way back (to the rank
-    the block came from) without waiting; `_Post`'s backward waits, after the attention of the step before."""
-
-    @staticmethod
-    def forward(ctx: Any, received: torch.Tensor, flight: _InFlight) -> torch.Tensor:
-        ctx.flight = flight
-        return flight.wait()
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, scale: float,
+                kernel: BlockKernel) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # the inputs' dtype, autocast or not
+            out, lse = _forward(q, k, v, layout, scale, kernel)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.scale, ctx.kernel = layout, scale, kernel
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.flight.post(grad, backward=True)
-        return grad, None  # a placeholder: `_Post`'s backward returns the received gradient
-
-
-def _next_block(held: torch.Tensor, group: dist.ProcessGroup, exchange: str) -> Callable[[], torch.Tensor]:
-    """Start passing `held` round the ring; a function that returns the previous rank's block (differentiable)."""
-    if exchange == "sync":
-        received = ring_exchange(held, group)
-        return lambda: received
-    if exchange == "local":
-        copy = held.clone()  # measurement only: the step's compute without its communication
-        return lambda: copy
-    flight = _InFlight(group, *_peers(group))
-    posted = _Post.apply(held, flight)
-    return lambda: _Wait.apply(posted, flight)
-
-
-class _BlockAttention(torch.autograd.Function):
-    """Softmax attention of one query part over one key/value part, returning its output and log-sum-exp; the
-    backward recomputes the scores (FlashAttention's way) and takes the log-sum-exp's gradient too, so that only
-    q, k, v, the output and the log-sum-exp are kept between forward and backward."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(q.device.type, enabled=False):  # fp32 whatever the inputs' dtype, autocast or not
-            scores = _scores(q, k, mask, scale)
-            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-            out = torch.matmul(torch.exp(scores - lse), v.float())
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.scale = scale
-        return out, lse
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return _BlockAttention._grads(q, k, v, out, lse, mask, ctx.scale, grad_out, grad_lse)
-
-    @staticmethod
-    def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-               mask: torch.Tensor | None, scale: float, grad_out: torch.Tensor,
-               grad_lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_out, grad_lse = grad_out.float(), grad_lse.float()
-        probs = torch.exp(_scores(q, k, mask, scale) - lse)
-        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
-        grad_probs = torch.matmul(grad_out, v.float().transpose(-1, -2))
-        # d out / d scores: P * (dP - rowsum(dO * O)); d lse / d scores: P
-        grad_scores = probs * (grad_probs - (grad_out * out).sum(dim=-1, keepdim=True) + grad_lse) * scale
-        grad_q = torch.matmul(grad_scores, k.float())
-        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float())
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+            grad_q, grad_k, grad_v = _backward(grad, q, k, v, out, lse, ctx.layout, ctx.scale, ctx.kernel)
+        return grad_q, grad_k, grad_v, None, None, None
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    return scores if mask is None else scores.masked_fill(~mask, _MASKED)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, scale: float,
+             kernel: BlockKernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged output [B, H, L, D] and log-sum-exp [B, H, L] (fp32) of this rank's queries over the ring."""
+    half = q.shape[2] // 2
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    held = torch.stack([k, v])
+    for step in range(layout.size):
+        source = (layout.rank - step) % layout.size
+        incoming = _start(held, layout) if step + 1 < layout.size else None  # posted before the attention
+        for qs, ks, mask in _visible(layout, source, half):
+            block = kernel.forward(q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], mask, scale)
+            merge_(out[:, :, qs], lse[:, :, qs], *block)
+        if incoming is not None:
+            held = incoming()
+    return out, lse
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of `q` [B, H, Lq, D] over `k`, `v` [B, H, Lk, D] (`mask` [B, 1, Lq, Lk], True = attend):
-    the output (fp32) and each query's log-sum-exp of scores [B, H, Lq, 1]; differentiable in both."""
-    return _BlockAttention.apply(q, k, v, mask, scale)
-
-
-def merge(acc: tuple[torch.Tensor, torch.Tensor] | None,
-          block: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions of the same queries over disjoint keys, combined exactly by their log-sum-exps."""
-    if acc is None:
-        return block
-    (out, lse), (block_out, block_lse) = acc, block
-    total = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - total) + block_out * torch.exp(block_lse - total), total
+def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, layout: Any, scale: float,
+              kernel: BlockKernel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v: the ring run again, each block's key/value gradients accumulated as they pass
+    from rank to rank and arriving, after the last step, at the rank that owns the block."""
+    half = q.shape[2] // 2
+    grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    held = torch.stack([k, v])
+    passed: Callable[[], torch.Tensor] | None = None  # the gradient of the held block from the ranks before
+    for step in range(layout.size):
+        source = (layout.rank - step) % layout.size
+        incoming = _start(held, layout) if step + 1 < layout.size else None
+        grad_kv = torch.zeros(held.shape, dtype=torch.float32, device=q.device)
+        for qs, ks, mask in _visible(layout, source, half):
+            gq, gk, gv = kernel.backward(grad[:, :, qs], q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks],
+                                         out[:, :, qs], lse[:, :, qs], mask, scale)
+            grad_q[:, :, qs] += gq
+            grad_kv[0][:, :, ks] += gk
+            grad_kv[1][:, :, ks] += gv
+        if passed is not None:
+            grad_kv += passed()
+        passed = _start(grad_kv, layout)  # to the next rank, which holds this block at the next step
+        if incoming is not None:
+            held = incoming()
+    assert passed is not None
+    grad_kv = passed()
+    return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, scale: float) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence: `q` [B, H, L, D], `k`, `v` [B, Hkv, L, D] (GQA:
-    H a multiple of Hkv) of this rank's two zig-zag parts; `layout` (a `ContextMask`) gives each part pair's mask.
-    Returns [B, L, H, D] in `q`'s dtype, as transformers' attention functions do."""
-    group, rank, size = layout.group, layout.rank, layout.size
-    repeat = q.shape[1] // k.shape[1]
-    half = q.shape[2] // 2
-    queries = (q[:, :, :half], q[:, :, half:])
-    held = torch.stack([k, v])
-    acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
-    unused: list[torch.Tensor] = []
-    exchange = layout.exchange
-    for step in range(size):
-        source = (rank - step) % size
-        incoming = _next_block(held, group, exchange) if step + 1 < size else None  # posted before the attention
-        keys, values = (held[0], held[1]) if repeat == 1 else (held[0].repeat_interleave(repeat, dim=1),
-                                                               held[1].repeat_interleave(repeat, dim=1))
-        used = False
-        for a in (0, 1):
-            for b in (0, 1):
-                mask = layout.block_mask(source, a, b)
-                if mask is False:
-                    continue  # wholly masked: skipped
-                used = True
-                part = slice(b * half, (b + 1) * half)
-                acc[a] = merge(acc[a], block_attention(queries[a], keys[:, :, part], values[:, :, part],
-                                                       None if mask is True else mask, scale))
-        if not used and held.requires_grad:
-            unused.append(held)
-        if incoming is not None:
-            held = incoming()
-    out = torch.cat([acc[0][0], acc[1][0]], dim=2)
-    for tensor in unused:  # every rank must run every exchange's backward (its peers wait for it): a zero gradient
-        out = out + 0.0 * tensor.sum()
-    return out.to(q.dtype).transpose(1, 2).contiguous()
+    H a multiple of Hkv) of this rank's two zig-zag parts; `layout` (a `ContextMask`) gives each part pair's mask,
+    the exchange and the block kernel. Returns [B, L, H, D] in `q`'s dtype, as transformers' attention functions do."""
+    out = _Ring.apply(q, k, v, layout, scale, block_kernel(layout.kernel, q))
+    return out.transpose(1, 2).contiguous()

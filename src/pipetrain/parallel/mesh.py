@@ -150,7 +150,7 @@ def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, dp_shard: in
     `dp_shard` (HSDP) the dp axis is made of dp / dp_shard replicas of shard groups of `dp_shard` neighbours; with
     context parallelism, dp × cp × pp × tp (the mesh's "dp" dimension of dp * cp ranks, see `Mesh`)."""
     if cp > 1:
-        return _context_mesh(dp, pp, device, tp, cp)
+        return _context_mesh(dp, pp, device, tp, cp, dp_shard)
     rank = dist.get_rank()
     if dp_shard:
         names = ("dp_replicate", "dp_shard", "pp") + (("tp",) if tp > 1 else ())
@@ -166,14 +166,21 @@ def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, dp_shard: in
     return Mesh(device_mesh=mesh, dp_rank=rank // (pp * tp), pp_rank=(rank // tp) % pp, tp_rank=rank % tp)
 
 
-def _context_mesh(dp: int, pp: int, device: torch.device, tp: int, cp: int) -> Mesh:
-    """The mesh with cp > 1: rank = ((dp_rank * cp + cp_rank) * pp + pp_rank) * tp + tp_rank."""
+def _context_mesh(dp: int, pp: int, device: torch.device, tp: int, cp: int, dp_shard: int | None = None) -> Mesh:
+    """The mesh with cp > 1: rank = ((dp_rank * cp + cp_rank) * pp + pp_rank) * tp + tp_rank. Under HSDP a shard
+    group is `dp_shard` data replicas with their cp ranks (dp_shard * cp neighbours of the "dp" dimension, so a
+    replica's cp ranks share one group), dp / dp_shard such groups replicated."""
     rank = dist.get_rank()
-    mesh = init_device_mesh(device.type, (dp * cp, pp, tp) if tp > 1 else (dp * cp, pp),
-                            mesh_dim_names=("dp", "pp", "tp") if tp > 1 else ("dp", "pp"))
+    tail, tail_names = ((pp, tp), ("pp", "tp")) if tp > 1 else ((pp,), ("pp",))
+    if dp_shard:
+        mesh = init_device_mesh(device.type, (dp // dp_shard, dp_shard * cp) + tail,
+                                mesh_dim_names=("dp_replicate", "dp_shard") + tail_names)
+        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+    else:
+        mesh = init_device_mesh(device.type, (dp * cp,) + tail, mesh_dim_names=("dp",) + tail_names)
     groups = [[((d * cp + c) * pp + p) * tp + t for c in range(cp)]
               for d in range(dp) for p in range(pp) for t in range(tp)]
     cp_group, _ = dist.new_subgroups_by_enumeration(groups)
     replica = rank // (pp * tp)
     return Mesh(device_mesh=mesh, dp_rank=replica // cp, pp_rank=(rank // tp) % pp, tp_rank=rank % tp,
-                cp_rank=replica % cp, cp=cp, cp_group=cp_group)
+                cp_rank=replica % cp, cp=cp, cp_group=cp_group, dp_shard=dp_shard * cp if dp_shard else 0)
