@@ -13,10 +13,10 @@ import pytest
 
 from pipetrain.launch.env import DEVICE_VARIABLE
 from pipetrain.launch.forkserver import preload_also
+from pipetrain.workloads.hf import RANK_IMPORTS
 
 #: What a Hugging Face test job's ranks import beyond the server's own preloads (a module not installed is skipped).
-HF_RANK_IMPORTS = ("pytest", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-                   "pipetrain.workloads.hf.causal_lm", "peft", "trl", "datasets")
+HF_RANK_IMPORTS = ("pytest", *RANK_IMPORTS, "peft", "trl", "datasets")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

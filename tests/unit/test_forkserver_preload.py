@@ -1,12 +1,15 @@
 """What the fork server imports before it forks (launch/forkserver.py): its own preloads, then the modules a launcher
-asked for with `preload_also` (the test suite: transformers and its kin, tests/conftest.py), then its set-up, last.
-Checked on the list handed to multiprocessing (no server is started)."""
+asked for with `preload_also` (the test suite: transformers and its kin, tests/conftest.py; `pipetrain` for a
+Hugging Face model's ranks), then its set-up, last. Checked on the list handed to multiprocessing (no server is
+started)."""
 
 from __future__ import annotations
 
 import pytest
 
+from pipetrain.cli import main as cli_main
 from pipetrain.launch import forkserver
+from pipetrain.workloads.hf import RANK_IMPORTS
 
 
 class _Recorder:
@@ -36,3 +39,19 @@ def test_modules_preloaded_too_come_before_the_servers_set_up_once_each(recorded
 def test_without_a_request_the_server_imports_its_own_preloads(recorded):
     forkserver.context("cpu", "forkserver")
     assert recorded.preload == list(forkserver.PRELOAD)
+
+
+@pytest.mark.parametrize("argv, hf", [
+    (["train", "--workload", "hf", "--pp", "2"], True),
+    (["check", "--workload=hf"], True),
+    (["eval", "--checkpoint", "ck"], True),
+    (["generate", "--model", "folder"], True),
+    (["train", "--workload", "hf", "--workload", "lm"], False),  # the last one wins, as argparse has it
+    (["train", "--preset", "tiny"], False),
+    (["plan", "--workload", "hf"], False),  # starts no rank
+    (["train", "--workload", "hf", "--help"], False),
+])
+def test_a_hugging_face_command_has_its_server_import_transformers(argv, hf, recorded, monkeypatch):
+    monkeypatch.setattr(cli_main, "warm_up", lambda: None)
+    cli_main._start_rank_server(argv)
+    assert forkserver._ALSO == (list(RANK_IMPORTS) if hf else []), argv
