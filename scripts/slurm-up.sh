@@ -57,9 +57,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # A requeued batch job waits cred_expire + 1 s before it may start again (the old job's credential must be
-# revoked first; starting it sooner fails it with "Job credential revoked"). Slurm's default is 120 s;
-# 30 s is what Slurm's own test suite uses for a quicker requeue, and leaves steps ample time to launch.
-AuthInfo=cred_expire=30
+# revoked first; starting it sooner fails it with "Job credential revoked"). Slurm's default is 120 s, its
+# minimum 5 s; the same value bounds how long a step may take to launch. 15 s: the requeue test's hold is 16 s
+# (it was 31 s at 30, the value Slurm's own test suite uses), still ample for a step launched on a loaded machine
+# (the two-node cluster of scripts/slurm-netns.sh runs at 10 s).
+AuthInfo=cred_expire=15
 CredType=cred/munge
 MpiDefault=none
 MailProg=/bin/true

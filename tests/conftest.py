@@ -1,11 +1,27 @@
 """Every test outside tests/gpu runs its ranks on the CPU (gloo), even on a GPU node: the tolerances and the
-backend the CPU tier asserts are the CPU's. tests/gpu/conftest.py pins its tier to CUDA instead."""
+backend the CPU tier asserts are the CPU's. tests/gpu/conftest.py pins its tier to CUDA instead.
+
+When the collected tests import transformers, the fork server their ranks start from (launch/forkserver.py) imports
+what the Hugging Face jobs' ranks import (transformers, peft, trl, datasets; pytest, which every test module
+imports) once, instead of every rank of every such job importing it again (about 2.5 s of CPU per rank)."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
 from pipetrain.launch.env import DEVICE_VARIABLE
+from pipetrain.launch.forkserver import preload_also
+from pipetrain.workloads.hf import RANK_IMPORTS
+
+#: What a Hugging Face test job's ranks import beyond the server's own preloads (a module not installed is skipped).
+HF_RANK_IMPORTS = ("pytest", *RANK_IMPORTS, "peft", "trl", "datasets")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if "transformers" in sys.modules:  # a collected module imports it: so will its jobs' ranks
+        preload_also(*HF_RANK_IMPORTS)
 
 
 @pytest.fixture(autouse=True)

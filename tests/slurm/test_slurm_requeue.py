@@ -1,7 +1,7 @@
 """Slurm time limits on the real local cluster: SIGUSR1 (what `--signal=USR1@N` sends before the limit) makes
 every rank stop at one step and save; the job requeues itself, resumes, completes, and its final losses equal
 an uninterrupted local run's. The uninterrupted run starts once the signal is sent: it runs while Slurm holds the
-requeued job (about 31 s), time the test spent waiting anyway. The job saves every 25 of its 200 steps (every 4, its
+requeued job (about 16 s), time the test spent waiting anyway. The job saves every 25 of its 200 steps (every 4, its
 50 saves took most of the resumed run's time): the first checkpoint, at step 25, triggers the signal with 175 steps
 still to go, and the stop's own save is the one resumed from."""
 
@@ -57,7 +57,7 @@ def test_warning_signal_saves_requeues_and_the_job_resumes_to_the_same_losses(jo
 
     def each(fields: dict[str, str]) -> None:
         # Slurm then holds the requeued job until the old credential is revoked (scripts/slurm-up.sh sets
-        # cred_expire=30, so about 31 s): nothing here hurries it, which would race that revocation.
+        # cred_expire=15, so about 16 s): nothing here hurries it, which would race that revocation.
         nonlocal signalled
         if not signalled and complete_checkpoints(tmp_path / "ckpt"):  # training under way: time is up
             subprocess.run(["scancel", "--signal=USR1", job_id], check=True, timeout=30)

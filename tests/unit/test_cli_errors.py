@@ -20,6 +20,7 @@ import pytest
 from pipetrain.cli import bench as bench_cli
 from pipetrain.cli import main as cli_main
 from pipetrain.cli import train as train_cli
+from pipetrain.launch.env import START_METHOD_VARIABLE
 
 #: a job on real data (the tests below name the data), and a small job on the synthetic corpus
 REAL = ["train", "--preset", "tiny", "--epochs", "1", "--no-progress"]
@@ -315,7 +316,9 @@ END_TO_END = {
 
 
 def test_command_line_end_to_end():
-    env = clean_environ() | {"OMP_NUM_THREADS": "1"}
+    # PIPETRAIN_START_METHOD=spawn: no fork server warmed up beside each command (it would import torch for ranks
+    # these errors never start: about 3 s of CPU each); a rank started by mistake would still start, and fail the test
+    env = clean_environ() | {"OMP_NUM_THREADS": "1", START_METHOD_VARIABLE: "spawn"}
     start = time.monotonic()
     runs = {name: subprocess.Popen([sys.executable, "-m", "pipetrain", *argv], env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pipetrain.cli.config_file import apply_config_file
 from pipetrain.errors import PipetrainError
 from pipetrain.launch.env import detect
-from pipetrain.launch.forkserver import warm_up
+from pipetrain.launch.forkserver import preload_also, warm_up
+from pipetrain.workloads.hf import RANK_IMPORTS as HF_RANK_IMPORTS
 
 __all__ = ["main"]
 
@@ -20,6 +21,8 @@ __all__ = ["main"]
 VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export", "data", "generate", "eval")
 #: the verbs that start local ranks when no launcher (torchrun, srun) started this process
 SPAWNING_VERBS = ("train", "check", "bench", "generate", "eval")
+#: the verbs whose ranks always run a Hugging Face model (the others: with --workload hf)
+HF_VERBS = ("generate", "eval")
 #: what `pipetrain --help` says above the verbs
 DESCRIPTION = (
     "Train a PyTorch model over several devices with pipeline, data and tensor parallelism, on one machine or many: "
@@ -58,11 +61,24 @@ def _verb(argv: Sequence[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value given to `flag` on the command line (`FLAG VALUE` or `FLAG=VALUE`; the last one wins), else None."""
+    value = None
+    for arg, following in zip(argv, [*argv[1:], None]):
+        if arg == flag:
+            value = following
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
 def _start_rank_server(argv: Sequence[str]) -> None:
     """For a verb that will start local ranks, start the server they are forked from (launch/forkserver.py) now:
     its imports of torch then run beside this process's own instead of after them."""
     if _verb(argv) not in SPAWNING_VERBS or {"-h", "--help", "--print-config"} & set(argv):
         return
+    if _verb(argv) in HF_VERBS or _flag_value(argv, "--workload") == "hf":
+        preload_also(*HF_RANK_IMPORTS)  # imported once by the server, not once per rank
     try:
         if detect() is None:
             warm_up()

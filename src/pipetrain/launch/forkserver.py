@@ -22,7 +22,7 @@ from typing import Any
 from pipetrain.launch.env import device_override, start_method
 from pipetrain.launch.lifeline import watch_fd
 
-__all__ = ["PRELOAD", "context", "warm_up", "Inherited", "RANK_NAME_PREFIX", "server_pid"]
+__all__ = ["PRELOAD", "context", "preload_also", "warm_up", "Inherited", "RANK_NAME_PREFIX", "server_pid"]
 
 #: What the server imports before it forks: the bulk of a rank's start-up (not `__main__`: see the module doc).
 PRELOAD = (
@@ -35,6 +35,8 @@ PRELOAD = (
     "pipetrain.train.loop",
     "pipetrain.launch.forkserver_setup",  # last: the server's own set-up, once the rest is imported
 )
+#: Modules a launcher asked the server to import too (`preload_also`), before its own set-up.
+_ALSO: list[str] = []
 #: What a rank is called in `ps -o comm` and top (Linux, at most 15 characters: pipetrain-r0, pipetrain-r12, ...);
 #: its command line is the fork server's.
 RANK_NAME_PREFIX = "pipetrain-r"
@@ -50,8 +52,15 @@ def context(device: str = "cpu", method: str | None = None) -> BaseContext:
     if (method or start_method()) == "spawn" or device != "cpu":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([*PRELOAD[:-1], *_ALSO, PRELOAD[-1]])
     return ctx
+
+
+def preload_also(*modules: str) -> None:
+    """Have the server import `modules` too before it forks, for a launcher whose every job's ranks import them
+    (the test suite's Hugging Face jobs: transformers). A module that fails to import is skipped by the server, and
+    a rank imports it itself; no effect once this process's server runs."""
+    _ALSO.extend(name for name in modules if name not in _ALSO and name not in PRELOAD)
 
 
 def server_pid() -> int | None:
