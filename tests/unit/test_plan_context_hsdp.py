@@ -62,3 +62,15 @@ def test_plan_prints_an_hsdp_layout_with_cp_and_refuses_a_shard_group_without_hs
     assert main([*common, "--dp-mode", "fsdp", "--dp-shard", "2"]) == 2
     err = capsys.readouterr().err
     assert "--dp-shard 2: shard groups are hsdp's" in err and "Traceback" not in err
+
+
+def test_cp_ranks_are_placed_as_trains_mesh_places_them():
+    """rank = ((replica · cp + cp rank) · pp + pp rank) · tp + tp rank: at pp 2 × cp 2 on nodes of 2 GPUs a pipeline
+    is one node and a CP group spans two, so the ring pays the network and the stage-to-stage sends do not."""
+    from pipetrain.plan.context import _link
+    from pipetrain.plan.predict import _crosses_node
+
+    layout = Layout(dp=1, pp=2, batch=2, chunks=2, precision="bf16", cp=2, gpus_per_node=2)
+    assert _link(layout, NETWORK)[:2] == (NETWORK.inter_latency_s, NETWORK.inter_bytes_per_s)
+    assert _link(replace(layout, gpus_per_node=4), NETWORK)[:2] == (NETWORK.p2p_latency_s, NETWORK.p2p_bytes_per_s)
+    assert not _crosses_node(0, layout) and _crosses_node(0, replace(layout, gpus_per_node=1))

@@ -17,8 +17,9 @@ reduced over the dp · cp ranks that hold them (`context_replicas`). What CP add
   cp (`cp_problem`).
 
 A block's `ContextSplit` holds, per sequence, the key/value bytes, the query and output bytes, the attention's
-score FLOPs and its head counts. CP ranks sit inside a stage, next to the tensor-parallel ones (tp innermost):
-a CP group stays in a node when cp · tp ranks fit in one.
+score FLOPs and its head counts. CP ranks are placed as train's mesh places them (parallel/mesh.py: rank =
+((replica · cp + cp rank) · pp + pp rank) · tp + tp rank): a CP group's ranks are pp · tp apart, so it stays in a
+node when cp · pp · tp ranks fit in one.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ GRAD_ELEMENT = 4
 class _Layout(Protocol):
     cp: int
     cp_attention: str
+    pp: int
     tp: int
     dp: int
     gpus_per_node: int
@@ -85,7 +87,7 @@ def context_replicas(layout: _Layout) -> int:
 
 def _link(layout: _Layout, network: Network) -> tuple[float, float, float, float]:
     """(point-to-point latency, bandwidth, collective latency, bandwidth) of a CP group's ranks."""
-    inside = layout.gpus_per_node <= 0 or layout.cp * layout.tp <= layout.gpus_per_node
+    inside = layout.gpus_per_node <= 0 or layout.cp * layout.pp * layout.tp <= layout.gpus_per_node
     if inside:
         return (network.p2p_latency_s, network.p2p_bytes_per_s, network.collective_latency_s,
                 network.collective_bytes_per_s)

@@ -84,7 +84,8 @@ class Layout:
     ep: int = 1
     #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
     moe_imbalance: float = 1.0
-    #: context parallelism: each sequence split over `cp` ranks of a stage (beside tp), and their attention
+    #: context parallelism: each sequence split over `cp` ranks of a stage (pp · tp apart, as train's mesh), and
+    #: their attention
     cp: int = 1
     cp_attention: str = "ring"
     #: with unit "layer" or "selective": only every K-th block recomputes (the others keep all their activations)
@@ -216,7 +217,7 @@ def _crosses_node(stage: int, layout: Layout) -> bool:
         return False
     style = placement(layout.schedule)
     rank, nxt = stage_rank(stage, layout.pp, style), stage_rank(stage + 1, layout.pp, style)
-    width = layout.tp * layout.cp  # a pipeline rank's tensor- and context-parallel ranks, side by side
+    width = layout.tp  # a pipeline rank's tensor-parallel ranks (its cp ranks are other replicas': parallel/mesh.py)
     return rank * width // layout.gpus_per_node != nxt * width // layout.gpus_per_node
 
 

@@ -16,7 +16,8 @@ traffic, stage-to-stage bytes), so it is never slower nor larger in this model.
 Expert parallelism: `SearchSpace.eps` lists the degrees to try for a mixture-of-experts model (default 1 only);
 a degree is enumerated where it divides dp and every MoE block's experts (`experts.ep_problem`). Context
 parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default 1 only); a degree takes its
-ranks beside tp (its exchange crosses nodes where cp · tp ranks do not fit in one) and is kept where it splits
+ranks as train's mesh does (pp · tp apart: its exchange crosses nodes where cp · pp · tp ranks do not fit in one,
+plan/context.py) and is kept where it splits
 the sequence and, for all-to-all attention, the heads (`context.cp_problem`). HSDP (`dp_modes` with "hsdp"): a
 shard group is the data replicas of one node with their cp ranks (train's mesh: rank = ((replica · cp + cp rank)
 · pp + pp rank) · tp + tp rank), or `SearchSpace.dp_shard` replicas when given.
@@ -228,7 +229,8 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
            space: SearchSpace = SearchSpace(), gpus_per_node: int = 0, top: int = 10) -> SearchResult:
     """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
     tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
-    tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps]  # sequence parallelism dominates: see above
+    # sequence parallelism dominates (see above), but cp > 1 cuts the sequence without it
+    tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps or max(space.cps) > 1]
     layouts = [layout for layout in enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
                if ep_problem(blocks, layout.ep) is None
                and cp_problem(blocks, layout.cp, layout.cp_attention) is None]
