@@ -47,10 +47,10 @@ def test_a_cp_rank_holds_its_share_of_the_activations_and_the_compute():
 def test_the_ring_hides_behind_long_attention_and_shows_on_short_sequences():
     long, short = _blocks(16384)[1], _blocks(256)[1]
     slow = replace(NETWORK, p2p_bytes_per_s=1e9)
-    assert context_comm_s(long, 2, _layout(cp=4), NETWORK, DEVICE) == pytest.approx((3 * NETWORK.p2p_latency_s,
-                                                                                     6 * NETWORK.p2p_latency_s))
+    forward, backward = context_comm_s(long, 2, _layout(cp=4), NETWORK, DEVICE)
+    assert forward == pytest.approx(3 * NETWORK.p2p_latency_s)  # hidden: a latency per step
     forward, backward = context_comm_s(short, 2, _layout(cp=4), slow, DEVICE)
-    assert forward > 3 * slow.p2p_latency_s and backward == pytest.approx(2 * forward)
+    assert forward > 3 * slow.p2p_latency_s and backward > 2 * forward  # the backward's fp32 gradients go round too
     ulysses = context_comm_s(long, 2, _layout(cp=3, cp_attention="ulysses"), NETWORK, DEVICE)
     assert ulysses[0] > 0 and context_comm_s(long, 2, _layout(), NETWORK, DEVICE) == (0.0, 0.0)
 

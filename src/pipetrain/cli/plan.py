@@ -11,7 +11,7 @@ from pathlib import Path
 from pipetrain.cli.device_args import device_choice
 from pipetrain.cli.plan_args import DEFAULT_MODEL_SEQ_LEN, add_plan_arguments
 from pipetrain.cli.plan_calibration import calibration
-from pipetrain.cli.plan_space import context_space, engine_has, expert_space, tensor_space
+from pipetrain.cli.plan_space import context_space, engine_has, expert_space, shard_space, tensor_space
 from pipetrain.errors import ConfigError
 from pipetrain.launch.env import detect
 from pipetrain.plan.auto import memory_flags
@@ -136,6 +136,7 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
         chosen.update(tensor_space(args, blocks, gpus, per_node))
     chosen.update(expert_space(args, blocks, gpus))
     chosen.update(context_space(args, blocks))
+    chosen.update(shard_space(args))
     space = SearchSpace(**{**chosen, **fixed})
     start = time.perf_counter()
     result = search(blocks, gpus=gpus, batch=args.batch, device=device, network=calib.network, space=space,

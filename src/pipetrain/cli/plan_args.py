@@ -76,8 +76,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "pipeline where the gathered weights would not fit) (default: auto)")
     limits.add_argument("--offload-activations", choices=("off", "on", "both"), default="off",
                         help="consider activation offloading: off, on, or both (default: off)")
-    limits.add_argument("--dp-modes", type=_names(DP_MODES), default=("ddp", "fsdp"),
+    limits.add_argument("--dp-modes", "--dp-mode", type=_names(DP_MODES), default=("ddp", "fsdp"),
                         help="ddp, fsdp, hsdp (shard groups of a node's ranks, with --gpus-per-node) (default: ddp,fsdp)")
+    limits.add_argument("--dp-shard", type=int, default=None, metavar="K",
+                        help="hsdp: shard groups of K data replicas (with --cp, K replicas and their cp ranks) "
+                             "(default: the replicas of one node)")
     limits.add_argument("--max-pp", type=int, default=None, help="largest pipeline degree to consider")
     limits.add_argument("--pp", type=int, default=None, help="consider only this pipeline degree")
     limits.add_argument("--tp", type=int, default=None,

@@ -13,7 +13,7 @@ from pipetrain.plan.experts import ep_problem, expert_degrees, moe_blocks
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.tensor import tp_problem
 
-__all__ = ["engine_has", "tensor_space", "expert_space", "context_space"]
+__all__ = ["engine_has", "tensor_space", "expert_space", "context_space", "shard_space"]
 
 
 def engine_has(axis: str) -> bool:
@@ -74,3 +74,14 @@ def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
         raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
                                                         "by 2 x cp for ring attention), or --cp 1")
     return {"cps": (cp,), "cp_attention": attention}
+
+
+def shard_space(args: argparse.Namespace) -> dict:
+    """HSDP's shard group fixed by `--dp-shard K` (data replicas; with cp, K replicas and their cp ranks)."""
+    shard = getattr(args, "dp_shard", None)
+    if shard is None:
+        return {}
+    if shard < 1 or "hsdp" not in getattr(args, "dp_modes", ()):
+        raise ConfigError(f"--dp-shard {shard}: shard groups are hsdp's, of K >= 1 data replicas",
+                          hint="pass --dp-mode hsdp with --dp-shard K >= 1, or drop --dp-shard")
+    return {"dp_shard": shard}

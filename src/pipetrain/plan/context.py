@@ -4,17 +4,22 @@ Every per-token cost of a block divides by cp (each rank holds s / cp tokens of 
 each rank an equal share of the causal attention too), so a micro-batch of b sequences costs a rank what b / cp
 sequences cost without it (`context_samples`); parameters are whole on every CP rank and their gradients are
 reduced over the dp · cp ranks that hold them (`context_replicas`). What CP adds is each attention layer's exchange
-(`context_comm_s`), per forward and twice per backward (the gradients of what was exchanged go back):
+(`context_comm_s`):
 
-- ring (`cp_attention="ring"`): each rank passes its key/value part around the ring, cp − 1 steps, each overlapped
-  with the attention over the part it holds: the exposed time is what the sends take beyond that attention, plus
-  a latency per step;
+- ring (`cp_attention="ring"`, context/ring.py, `ring_messages`): the forward sends this rank's key/value part (the
+  activations' dtype) to the next rank cp − 1 times; the backward runs the ring again, sending the key/value part
+  cp − 1 times and the part's accumulated gradients (fp32) cp times, until they are back with their owner. Each
+  send overlaps the attention (backward: twice its FLOPs) of the step it was posted in (a gradient: of the next
+  step); the exposed time is what the sends take beyond that, plus a latency per message; the backward's last
+  gradient send waits for nothing;
 - all-to-all (`"ulysses"`): q, k, v from sequence-split to head-split and the output back, four all-to-alls that
-  wait for nothing to overlap them; heads (and key/value heads) must divide by cp (`cp_problem`).
+  wait for nothing to overlap them, per forward and twice per backward; heads (and key/value heads) must divide by
+  cp (`cp_problem`).
 
 A block's `ContextSplit` holds, per sequence, the key/value bytes, the query and output bytes, the attention's
-score FLOPs and its head counts. CP ranks sit inside a stage, next to the tensor-parallel ones (tp innermost):
-a CP group stays in a node when cp · tp ranks fit in one.
+score FLOPs and its head counts. CP ranks are placed as train's mesh places them (parallel/mesh.py: rank =
+((replica · cp + cp rank) · pp + pp rank) · tp + tp rank): a CP group's ranks are pp · tp apart, so it stays in a
+node when cp · pp · tp ranks fit in one.
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ from typing import Protocol
 
 from pipetrain.config import CP_ATTENTIONS
 from pipetrain.plan.hardware import Device, Network
-from pipetrain.plan.model import BlockCost
+from pipetrain.plan.model import BlockCost, ContextSplit
 
-__all__ = ["CP_ATTENTIONS", "cp_problem", "context_degrees", "context_samples", "context_replicas", "context_comm_s"]
+__all__ = ["CP_ATTENTIONS", "cp_problem", "context_degrees", "context_samples", "context_replicas", "context_comm_s",
+           "ring_messages"]
 
+#: bytes per element of the ring's key/value gradients (accumulated and sent in fp32 whatever the activations')
+GRAD_ELEMENT = 4
 
 
 class _Layout(Protocol):
     cp: int
     cp_attention: str
+    pp: int
     tp: int
     dp: int
     gpus_per_node: int
@@ -78,7 +87,7 @@ def context_replicas(layout: _Layout) -> int:
 
 def _link(layout: _Layout, network: Network) -> tuple[float, float, float, float]:
     """(point-to-point latency, bandwidth, collective latency, bandwidth) of a CP group's ranks."""
-    inside = layout.gpus_per_node <= 0 or layout.cp * layout.tp <= layout.gpus_per_node
+    inside = layout.gpus_per_node <= 0 or layout.cp * layout.pp * layout.tp <= layout.gpus_per_node
     if inside:
         return (network.p2p_latency_s, network.p2p_bytes_per_s, network.collective_latency_s,
                 network.collective_bytes_per_s)
@@ -99,7 +108,28 @@ def context_comm_s(block: BlockCost, samples: float, layout: _Layout, network: N
         moved = part * (split.kv_bytes + split.qo_bytes) * (cp - 1) / cp
         forward = moved / bandwidth + 4 * (cp - 1) * latency
         return forward, 2 * forward
-    send = part * split.kv_bytes / p2p_bandwidth + p2p_latency  # one step of the ring
     attend = part * split.flops / cp / device.flops_per_s  # the attention over one part, meanwhile
-    forward = (cp - 1) * max(0.0, send - attend) + (cp - 1) * p2p_latency
-    return forward, 2 * forward
+    forward, backward = ring_messages(split, cp)
+    forward_s = sum(_exposed([m], part, attend, p2p_latency, p2p_bandwidth) for m in forward)
+    kv, grads = backward[0:-1:2], backward[1:-1:2] + backward[-1:]
+    # step i's attention backward overlaps its key/value send and the gradients posted after step i - 1
+    steps = [kv[i:i + 1] + (grads[i - 1:i] if i else []) for i in range(cp)]
+    backward_s = sum(_exposed(step, part, 2 * attend, p2p_latency, p2p_bandwidth) for step in steps)
+    return forward_s, backward_s + _exposed(grads[-1:], part, 0.0, p2p_latency, p2p_bandwidth)  # waited at once
+
+
+def ring_messages(split: ContextSplit, cp: int) -> tuple[list[float], list[float]]:
+    """The bytes of each message one rank of the ring sends per sequence, in order (forward, backward), with the
+    whole heads (a tensor-parallel rank sends its share): the forward's cp − 1 key/value parts (k and v of its
+    sequence / cp tokens, in the activations' dtype); the backward's key/value part and, after each step, the fp32
+    gradients of the part it held: cp − 1 of each, then the last step's gradients."""
+    part = split.kv_bytes / cp
+    grads = part * GRAD_ELEMENT / split.element
+    return [part] * (cp - 1), [part, grads] * (cp - 1) + [grads]
+
+
+def _exposed(messages: list[float], samples: float, overlap_s: float, latency: float, bandwidth: float) -> float:
+    """Seconds `messages` (bytes per sequence, `samples` sequences) sent together show beyond `overlap_s` of
+    computation, plus a latency per message."""
+    send = sum(samples * m / bandwidth + latency for m in messages)
+    return max(0.0, send - overlap_s) + latency * len(messages)

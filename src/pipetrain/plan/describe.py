@@ -6,6 +6,7 @@ activations kept per layer and sample, what tensor and context parallelism split
 
 from __future__ import annotations
 
+from pipetrain.plan.context import ring_messages
 from pipetrain.plan.transformer import DecoderSizes
 
 __all__ = ["describe"]
@@ -54,11 +55,12 @@ def describe(sizes: DecoderSizes, seq_len: int, *, element: int = 2, tp: int = 1
                      f"{layer_input / mib:.1f} MiB per forward and per backward")
     if cp > 1:
         split = sizes.context_split(seq_len, element)
+        forward, backward = ring_messages(split, cp)
         lines.append(f"at cp={cp}: each rank holds {seq_len // cp} tokens of a sequence (activations and compute / "
-                     f"{cp}); per layer and sample the ring passes {split.kv_bytes / cp / mib:.1f} MiB of keys and "
-                     f"values in {cp - 1} ring steps (all-to-all attention moves "
-                     f"{(split.kv_bytes + split.qo_bytes) / cp * (cp - 1) / cp / mib:.1f} MiB), as much again twice "
-                     "in backward")
+                     f"{cp}); per layer and sample the ring sends {sum(forward) / mib:.1f} MiB of keys and values in "
+                     f"{cp - 1} step{'s' if cp > 2 else ''} forward, {sum(backward) / mib:.1f} MiB in backward (the "
+                     f"parts again and their fp32 gradients, {cp} steps); all-to-all attention moves "
+                     f"{(split.kv_bytes + split.qo_bytes) / cp * (cp - 1) / cp / mib:.1f} MiB, twice that in backward")
     lines.append("per parameter: fp32 16 B (weights, gradient, 2 AdamW moments; DDP +4 B of buckets); FSDP keeps the "
                  "stage's weights gathered (fp32 4 B, bf16 2 B, Float8 1 B) and its gradients (4 B) plus 16 B / dp")
     return moe + lines

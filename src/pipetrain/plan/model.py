@@ -78,7 +78,8 @@ class ExpertSplit:
 class ContextSplit:
     """What context parallelism exchanges in one attention block, per sequence of `sequence` tokens (plan/context.py):
     the keys and values (`kv_bytes`), the queries and the output (`qo_bytes`), the attention's score FLOPs in the
-    forward (`flops`), and the head counts all-to-all attention divides."""
+    forward (`flops`), the head counts all-to-all attention divides, and the activations' bytes per element
+    (`element`: what the keys and values are sent in)."""
 
     sequence: int
     heads: int
@@ -86,6 +87,7 @@ class ContextSplit:
     kv_bytes: float
     qo_bytes: float
     flops: float
+    element: int = 2
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,8 +26,9 @@ busiest expert's excess work in every forward and backward.
 With context parallelism (`cp` > 1, plan/context.py) each of a stage's cp ranks holds 1/cp of every sequence: it
 costs what a micro-batch of samples / cp sequences costs, plus each attention layer's exchange (the ring's
 key/value passes beyond the attention they overlap, or all-to-all attention's four all-to-alls); its parameters
-are whole and their gradients reduced (or FSDP-sharded) over dp · cp ranks.
-"""
+are whole and their gradients reduced (or FSDP-sharded) over dp · cp ranks; under HSDP a shard group is
+dp_shard replicas with their cp ranks: the sharded state divides by dp_shard · cp, the FSDP collectives run over
+those ranks and the all-reduce across the dp / dp_shard groups (`Layout.gradient_layout`)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ class Layout:
     ep: int = 1
     #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
     moe_imbalance: float = 1.0
-    #: context parallelism: each sequence split over `cp` ranks of a stage (beside tp), and their attention
+    #: context parallelism: each sequence split over `cp` ranks of a stage (pp · tp apart, as train's mesh), and
+    #: their attention
     cp: int = 1
     cp_attention: str = "ring"
     #: with unit "layer" or "selective": only every K-th block recomputes (the others keep all their activations)
@@ -93,7 +95,8 @@ class Layout:
     fsdp_reshard: bool = False
     #: activations of micro-batches waiting for their backward held in host memory (`--offload-activations`)
     offload: bool = False
-    #: with dp_mode "hsdp": ranks of one shard group (FSDP within, replicas across: `--dp-shard`)
+    #: with dp_mode "hsdp": data replicas of one shard group (FSDP within, replicas across: `--dp-shard`); with cp
+    #: a shard group is those replicas with their cp ranks (dp_shard · cp ranks hold a parameter's shards)
     dp_shard: int = 0
     #: what-if: the last stage's outputs kept by torch's schedule to the step's end and merged there (torchtitan's
     #: loop); pipetrain's engine drops each micro-batch's once its loss and metrics are computed (plan/loss.py)
@@ -101,7 +104,8 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks a parameter is sharded over: dp under FSDP, the shard group under HSDP, else 1."""
+        """Ranks a parameter is sharded over: dp under FSDP, the shard group under HSDP, else 1 (of one cp rank's
+        replicas: `gradient_layout` counts the cp ranks in)."""
         if self.dp_mode == "hsdp":
             return self.dp_shard or self.dp
         return self.dp if self.dp_mode == "fsdp" else 1
@@ -111,8 +115,12 @@ class Layout:
         return self.dp * self.pp * self.tp * self.cp
 
     def gradient_layout(self) -> Layout:
-        """The layout whose dp is every rank a stage's gradients are reduced over (its replicas and its CP ranks)."""
-        return self if self.cp == 1 else replace(self, dp=context_replicas(self), cp=1)
+        """The layout whose dp is every rank a stage's gradients are reduced over (its replicas and its CP ranks);
+        under HSDP its shard groups hold their replicas' CP ranks too (dp_shard · cp ranks, as train's mesh)."""
+        if self.cp == 1:
+            return self
+        shard = self.dp_shard * self.cp if self.dp_mode == "hsdp" and self.dp_shard else self.dp_shard
+        return replace(self, dp=context_replicas(self), cp=1, dp_shard=shard)
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,7 @@ def _crosses_node(stage: int, layout: Layout) -> bool:
         return False
     style = placement(layout.schedule)
     rank, nxt = stage_rank(stage, layout.pp, style), stage_rank(stage + 1, layout.pp, style)
-    width = layout.tp * layout.cp  # a pipeline rank's tensor- and context-parallel ranks, side by side
+    width = layout.tp  # a pipeline rank's tensor-parallel ranks (its cp ranks are other replicas': parallel/mesh.py)
     return rank * width // layout.gpus_per_node != nxt * width // layout.gpus_per_node
 
 

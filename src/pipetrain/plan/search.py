@@ -16,8 +16,11 @@ traffic, stage-to-stage bytes), so it is never slower nor larger in this model.
 Expert parallelism: `SearchSpace.eps` lists the degrees to try for a mixture-of-experts model (default 1 only);
 a degree is enumerated where it divides dp and every MoE block's experts (`experts.ep_problem`). Context
 parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default 1 only); a degree takes its
-ranks beside tp (its exchange crosses nodes where cp · tp ranks do not fit in one) and is kept where it splits
-the sequence and, for all-to-all attention, the heads (`context.cp_problem`).
+ranks as train's mesh does (pp · tp apart: its exchange crosses nodes where cp · pp · tp ranks do not fit in one,
+plan/context.py) and is kept where it splits
+the sequence and, for all-to-all attention, the heads (`context.cp_problem`). HSDP (`dp_modes` with "hsdp"): a
+shard group is the data replicas of one node with their cp ranks (train's mesh: rank = ((replica · cp + cp rank)
+· pp + pp rank) · tp + tp rank), or `SearchSpace.dp_shard` replicas when given.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class SearchSpace:
     #: context-parallel degrees to try, and the attention they use (`Layout`'s)
     cps: tuple[int, ...] = (1,)
     cp_attention: str = "ring"
+    #: HSDP's shard group in data replicas (`--dp-shard`; None: the replicas of one node)
+    dp_shard: int | None = None
 
 
 @dataclass
@@ -113,7 +118,7 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
         for cp in sorted(set(space.cps)):
             if cp < 1 or (gpus // tp) % cp or (cp > 1 and sp):  # cp cuts the sequence: not sequence parallelism too
                 continue
-            found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp)
+            found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp, cp)
             if cp > 1:  # the cp ranks reduce gradients as data ranks: FSDP2 under tp or a split backward, as with dp
                 found = [replace(lay, dp_mode="fsdp") if lay.dp == 1 and _needs_fsdp(lay, tp) else lay for lay in found
                          if lay.dp_mode != "ddp" or lay.dp == 1 or not _needs_fsdp(lay, tp)]
@@ -128,8 +133,8 @@ def _needs_fsdp(layout: Layout, tp: int) -> bool:
 
 
 def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_per_node: int, tp: int,
-             sp: bool) -> list[Layout]:
-    """The layouts of `ranks` = dp * pp pipeline-rank slots, each `tp` GPUs wide."""
+             sp: bool, cp: int = 1) -> list[Layout]:
+    """The layouts of `ranks` = dp * pp pipeline-rank slots, each `tp` GPUs wide (and `cp` of them per slot)."""
     layouts = []
     for pp in range(1, min(num_blocks, space.max_pp or num_blocks, ranks) + 1):
         if ranks % pp or batch % (ranks // pp) or space.only_pp not in (None, pp):
@@ -157,9 +162,9 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                         policy, unit = ("always", "selective") if checkpoint == "selective" else (
                             checkpoint, space.recompute_unit)
                         for mode in space.dp_modes if dp > 1 else ("ddp",):
-                            shard = _shard_group(mode, dp, pp, tp, gpus_per_node)
+                            shard = _shard_group(mode, dp, pp, tp, gpus_per_node, cp, space.dp_shard)
                             if mode == "hsdp" and not shard:
-                                continue  # HSDP needs shard groups of a node's ranks, more than one of them
+                                continue  # HSDP needs shard groups (a node's ranks) and several of them
                             if dp > 1 and mode == "ddp" and schedule in SPLIT_BACKWARD_SCHEDULES:
                                 continue  # refused by ParallelConfig: DDP gets such a backward wrong
                             if dp > 1 and mode == "ddp" and tp > 1:
@@ -224,7 +229,8 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
            space: SearchSpace = SearchSpace(), gpus_per_node: int = 0, top: int = 10) -> SearchResult:
     """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
     tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
-    tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps]  # sequence parallelism dominates: see above
+    # sequence parallelism dominates (see above), but cp > 1 cuts the sequence without it
+    tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps or max(space.cps) > 1]
     layouts = [layout for layout in enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
                if ep_problem(blocks, layout.ep) is None
                and cp_problem(blocks, layout.cp, layout.cp_attention) is None]
@@ -264,13 +270,18 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
     return result
 
 
-def _shard_group(mode: str, dp: int, pp: int, tp: int, gpus_per_node: int) -> int:
-    """HSDP's shard group: the dp ranks of one node (rank = (dp_rank * pp + pp_rank) * tp + tp_rank), when there are
-    several of them and several nodes' worth of replicas; 0 otherwise (and for the other modes)."""
-    if mode != "hsdp" or not gpus_per_node or gpus_per_node % (pp * tp):
+def _shard_group(mode: str, dp: int, pp: int, tp: int, gpus_per_node: int, cp: int = 1,
+                 given: int | None = None) -> int:
+    """HSDP's shard group in data replicas: `given`, or the replicas of one node (train's rank = ((dp_rank * cp +
+    cp_rank) * pp + pp_rank) * tp + tp_rank: a replica's cp ranks beside it), when it shards over several ranks
+    (shard · cp) and leaves several groups; 0 otherwise (and for the other modes)."""
+    if mode != "hsdp":
         return 0
-    shard = gpus_per_node // (pp * tp)
-    return shard if 1 < shard < dp and dp % shard == 0 else 0
+    if given is None:
+        if not gpus_per_node or gpus_per_node % (pp * tp * cp):
+            return 0
+        given = gpus_per_node // (pp * tp * cp)
+    return given if 0 < given < dp and dp % given == 0 and given * cp > 1 else 0
 
 
 def _reshards(space: SearchSpace, mode: str, dp: int, pp: int, schedule: str) -> tuple[bool, ...]:

@@ -296,7 +296,7 @@ class DecoderSizes:
         """What context parallelism exchanges in one layer's attention, per sequence of `s` tokens."""
         return ContextSplit(sequence=s, heads=self.heads, kv_heads=self.kv_heads,
                             kv_bytes=float(2 * e * s * self.kv_width), qo_bytes=float(2 * e * s * self.q_width),
-                            flops=float(4 * s * s * self.q_width))
+                            flops=float(4 * s * s * self.q_width), element=e)
 
     def summary(self) -> str:
         """One line: the family and its sizes."""
