@@ -11,7 +11,10 @@ only), set through `ContextParallel.exchange` in the ranks; `-ops` cells run the
 instead of torch's fused kernel (`ContextParallel.kernel`). Printed per cell: the median step time (a step's time:
 the slowest rank's) over `--steps` timed steps of each of `--rounds` rounds, the spread of the rounds' medians,
 tokens/s and its ratio to cp 1, and the activation memory per rank: the bytes autograd saves for the backward in one
-step (`saved_tensors_hooks`), the most of any rank. cp 1 is the unsplit model with transformers' sdpa attention (the
+step (`saved_tensors_hooks`), the most of any rank: each save counted (`saves`: a tensor several ops save, as the
+normed input of the q, k and v projections, counts each time) and each storage once (`held`: what the saved tensors
+occupy), beside the planner's figure for the same config, sequence and cp (`planned`: `stage_costs` and
+`last_stage` of plan/, fp32 activations, activation factor 1: the bytes counted, not an allocator's). cp 1 is the unsplit model with transformers' sdpa attention (the
 fused CPU kernel, which saves no score matrix); cp > 1 runs pipetrain's ring (its blocks through the same fused
 kernel, or torch ops in `-ops` cells) or all-to-all attention. Then, per cp: the exchange's exposed time (sync -
 local) and the share of it the overlap hides ((sync - overlap) / (sync - local)).
@@ -33,6 +36,10 @@ import torch
 import pipetrain
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.context import ContextParallel
+from pipetrain.plan.hardware import DEFAULT_NETWORK, default_device
+from pipetrain.plan.loss import last_stage
+from pipetrain.plan.predict import Layout, stage_costs
+from pipetrain.plan.transformer import sizes_from_config
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
 
@@ -56,6 +63,15 @@ def _config(seq: int):
                                     max_position_embeddings=max(seq, POSITIONS))
 
 
+def planned(seq: int, cp: int, attention: str) -> float:
+    """The bytes of activations the planner prices one rank to keep for its backward: one sequence of `seq`
+    tokens split over `cp` ranks, one stage, fp32 (its blocks', the logits and the loss's log-softmax)."""
+    blocks = sizes_from_config(_config(seq).to_dict()).blocks(seq, element=4)
+    layout = Layout(dp=1, pp=1, batch=1, chunks=1, cp=cp, cp_attention=attention)
+    cost = stage_costs(blocks, layout, default_device(), DEFAULT_NETWORK, [(0, len(blocks))])[0]
+    return last_stage(cost, blocks[-1], 1 / cp, keep=False).activation_bytes
+
+
 def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, exchange: str, kernel: str, steps: int,
           warmup: int, out: str) -> None:
     device = join_job(spec)
@@ -65,14 +81,17 @@ def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, exchange:
         session = build_session(HFCausalLM(_config(seq), seq_len=seq), parallel, device, loss_fn=causal_lm_loss)
         opt = torch.optim.SGD(session.engine.parameters(), lr=0.01)
         ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(0))
-        saved, times = [0], []
+        saved, held, times = [0], {}, []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             saved[0] += tensor.numel() * tensor.element_size()
+            storage = tensor.untyped_storage()  # alive to the backward: its address is not reused meanwhile
+            held[storage.data_ptr()] = storage.nbytes()
             return tensor
 
         for step in range(warmup + steps):
             saved[0] = 0
+            held.clear()
             opt.zero_grad()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -80,7 +99,7 @@ def _cell(spec: pipetrain.RankSpec, seq: int, cp: int, attention: str, exchange:
             opt.step()
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-        torch.save({"step_s": times, "saved": saved[0]}, Path(out) / f"rank{spec.rank}.pt")
+        torch.save({"step_s": times, "saved": saved[0], "held": sum(held.values())}, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
 
@@ -96,6 +115,7 @@ def main() -> None:
     names = args.cells.split(",")
     times: dict[str, list[list[float]]] = {name: [] for name in names}
     saved: dict[str, int] = {}
+    held: dict[str, int] = {}
     for _ in range(args.rounds):  # rounds interleave the cells: the shared machine's load falls on all of them alike
         for name in names:
             cp, attention, exchange, kernel = CELLS[name]
@@ -104,22 +124,25 @@ def main() -> None:
             records = [torch.load(Path(out) / f"rank{r}.pt") for r in range(cp)]
             times[name].append([max(step) for step in zip(*(r["step_s"] for r in records))])  # the slowest rank's
             saved[name] = max(r["saved"] for r in records)
+            held[name] = max(r["held"] for r in records)
     rows = {}
     for name in names:
         rounds = [statistics.median(steps) for steps in times[name]]
         every = [t for steps in times[name] for t in steps]
-        rows[name] = (CELLS[name][0], statistics.median(every), min(rounds), max(rounds), saved[name])
+        rows[name] = (CELLS[name][0], statistics.median(every), min(rounds), max(rounds), saved[name], held[name],
+                      planned(args.seq, CELLS[name][0], CELLS[name][1]))
     print(f"{args.seq} tokens a step, Llama hidden 64 x 2 layers (positions to {POSITIONS}), median of "
           f"{args.steps * args.rounds} timed steps ({args.steps} after {args.warmup} warm-up in each of {args.rounds} "
           f"rounds; spread: the rounds' medians), gloo, one thread per rank, 2 CPU cores shared with other jobs "
           f"(1-min load at the end: {os.getloadavg()[0]:.1f})\n")
-    print("| cell | ranks | median step (s) | spread (s) | tokens/s | vs cp1 | activation memory per rank (MB) | vs cp1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| cell | ranks | median step (s) | spread (s) | tokens/s | vs cp1 | activation memory per rank, saves (MB) "
+          "| vs cp1 | held (MB) | planned (MB) | held / planned |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     base = rows.get("cp1")
-    for name, (cp, step, low, high, saved) in rows.items():
+    for name, (cp, step, low, high, saved, kept, plan) in rows.items():
         speed, memory = (f"{base[1] / step:.2f}x", f"{saved / base[4]:.2f}x") if base else ("-", "-")
         print(f"| {name} | {cp} | {step:.3f} | {low:.3f}-{high:.3f} | {args.seq / step:,.0f} | {speed} | "
-              f"{saved / 2**20:.1f} | {memory} |")
+              f"{saved / 2**20:.1f} | {memory} | {kept / 2**20:.1f} | {plan / 2**20:.1f} | {kept / plan:.2f} |")
     print("\nvs cp1 (speed): cp1's step time / this cell's (> 1 is faster); (memory): this cell's / cp1's.")
     for cp in (2, 4):
         cells = [rows.get(f"cp{cp}-ring{tail}") for tail in ("", "-sync", "-local")]
