@@ -30,7 +30,6 @@ from pipetrain.moe.router import RouterAuxLoss
 from pipetrain.workloads.hf.blocks import (DecoderLayer, Embedding, Head, HFBlock, carries_router_statistics,
                                            init_like_transformers)
 from pipetrain.workloads.hf.families import FAMILIES, Family, family_of, require_transformers
-from pipetrain.workloads.hf.families.family import default_attention
 from pipetrain.workloads.hf.folder_checks import check_folder_config, check_weights
 from pipetrain.workloads.hf.loss import CausalLMLoss, causal_lm_loss
 from pipetrain.workloads.hf.proof import prove
