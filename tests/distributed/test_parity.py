@@ -33,10 +33,11 @@ POLICIES = ("never", "except_last", "always")
 
 
 def _pipe(pp: int, schedule: str, policy: str = "never", dp: int = 1, dp_mode: str = "ddp", shape_cache: int = 16,
-          chunks: int = 4, unit: str = "stage", every: int = 1, offload: bool = False, **parallel) -> ParallelConfig:
+          chunks: int = 4, unit: str = "stage", every: int = 1, offload: bool = False, matmuls: str = "all",
+          **parallel) -> ParallelConfig:
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=chunks, checkpoint=policy,
                               shape_cache=shape_cache, recompute_unit=unit, recompute_every=every,
-                              offload_activations=offload)
+                              offload_activations=offload, selective_matmuls=matmuls)
     return ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, **parallel)
 
 
@@ -98,7 +99,8 @@ GPT_CASES = {
         "gpt-mask-input-dp2xpp2-gpipe-ddp": (_pipe(2, "gpipe", dp=2), "dp"),
     },
 }
-# the memory modes on the decoder: selective recomputation with offloading inside an interleaved pipeline; FSDP's
+# the memory modes on the decoder: selective recomputation with offloading inside an interleaved pipeline, and
+# keeping every other matrix product (torchtitan's op-level policy); FSDP's
 # "auto" (resharding at pp 1) with selective recomputation; resharding, sharded gradients and offloading in dp x pp
 GPT_MEMORY_CASES = {
     2: {
@@ -107,6 +109,8 @@ GPT_MEMORY_CASES = {
         "gpt-dp2-fsdp-auto-selective": (
             _pipe(1, "gpipe", "always", dp=2, dp_mode="fsdp", unit="selective", fsdp_reshard="auto"),
             "dp"),
+        "gpt-pp2-1f1b-selective-alternate": (_pipe(2, "1f1b", "always", unit="selective", matmuls="alternate"),
+                                             "pipe"),
     },
     4: {
         "gpt-dp2xpp2-1f1b-fsdp-reshard-offload": (

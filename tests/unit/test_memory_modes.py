@@ -36,6 +36,9 @@ def test_flags_reach_the_configuration():
     assert _flags("--pp", "1", "--dp", "4", "--dp-mode", "fsdp", "--fsdp-reshard", "2").fsdp_reshard == 2
     every = _flags("--checkpoint", "except_last", "--recompute-unit", "layer", "--recompute-every", "3").pipeline
     assert (every.recompute_unit, every.recompute_every) == ("layer", 3)
+    alternate = _flags("--checkpoint", "selective", "--selective-matmuls", "alternate").pipeline
+    assert (alternate.recompute_unit, alternate.selective_matmuls) == ("selective", "alternate")
+    assert alternate.recompute_text == "always (selective, alternate matrix products)"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -52,6 +55,7 @@ def test_flags_reach_the_configuration():
     (("--recompute-unit", "layer",), "nothing recomputes"),
     (("--checkpoint", "selective", "--recompute-unit", "layer"), "selective is a unit"),
     (("--checkpoint", "always", "--recompute-unit", "ops"), "recomputation unit"),
+    (("--checkpoint", "always", "--recompute-unit", "layer", "--selective-matmuls", "alternate"), "selective"),
 ])
 def test_bad_combinations_are_refused(argv, words):
     with pytest.raises(ConfigError, match=words):
@@ -86,10 +90,11 @@ class _Block(nn.Module):
         return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-def _stage(unit: str, policy: str = "always", every: int = 1, offload: ActivationOffload | None = None):
+def _stage(unit: str, policy: str = "always", every: int = 1, offload: ActivationOffload | None = None,
+           matmuls: str = "all"):
     torch.manual_seed(0)
     blocks = BlockSequential(*[_Block() for _ in range(4)])
-    return RecomputeWrapper(blocks, policy, unit=unit, every=every, offload=offload)
+    return RecomputeWrapper(blocks, policy, unit=unit, every=every, offload=offload, matmuls=matmuls)
 
 
 def _run(stage: RecomputeWrapper, steps: int = 1) -> dict[str, torch.Tensor]:
@@ -132,6 +137,14 @@ def test_selective_recomputation_keeps_the_matrix_products():
     plain = _matmuls_in_backward(_stage("stage", "never"))
     assert _matmuls_in_backward(_stage("layer")) == plain + 4 * 2 * (2 * 4 * 16 * 32)
     assert _matmuls_in_backward(_stage("selective")) == plain
+    # every other product kept: each block's second (its `down`, 32 -> 16) runs again, its first does not
+    assert _matmuls_in_backward(_stage("selective", matmuls="alternate")) == plain + 4 * (2 * 4 * 32 * 16)
+
+
+def test_alternate_products_keep_the_gradients():
+    reference = _run(_stage("stage", "never"))
+    for name, grad in _run(_stage("selective", matmuls="alternate"), steps=2).items():
+        torch.testing.assert_close(grad, 2 * reference[name], rtol=1e-6, atol=1e-7)
 
 
 def test_offloading_moves_saved_activations_through_host_copies():

@@ -51,6 +51,37 @@ def test_parameters_equal_transformers_own_model(name, tmp_path):
     assert load_sizes(tmp_path / "config.json") == sizes  # a bare config.json reads the same
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_products_are_the_models_matrix_products_in_order(name):
+    """`layer_products` (what `--selective-matmuls alternate` counts: keep the 1st, 3rd, ...) lists the output widths
+    of the matrix products transformers' own model runs, in its order: each layer's, then the head's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipetrain.pipeline.recompute import MATMUL_OPS
+
+    class Products(TorchDispatchMode):
+        widths: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in MATMUL_OPS:
+                self.widths.append(out.shape[-1])
+            return out
+
+    config = _config(name)
+    config._attn_implementation = "sdpa"
+    sizes = sizes_from_config(config.to_dict())
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad(), Products() as products:
+        model(torch.randint(0, sizes.vocab, (1, 8)))
+    assert products.widths == sizes.layer_products() * sizes.layers + [sizes.vocab]
+    kept = sizes.layer_products()[::2]
+    assert sizes.layer_selective_bytes(8, 2, "alternate") == 2 * 8 * (sizes.hidden + sizes.q_width + sum(kept))
+    assert sizes.layer_selective_bytes(8, 2, "alternate") < sizes.layer_selective_bytes(8, 2)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2-untied"])
 def test_flops_are_the_runs_mfu_arithmetic(name):
     pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipetrain.cli.device_args import device_choice
 from pipetrain.config import (CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, PARTITION_METHODS,
-                              RECOMPUTE_UNITS, SCHEDULES, ParallelConfig, PipelineConfig)
+                              RECOMPUTE_UNITS, SCHEDULES, SELECTIVE_MATMULS, ParallelConfig, PipelineConfig)
 from pipetrain.errors import ConfigError
 from pipetrain.plan.transformer import load_sizes
 from pipetrain.train.config import TrainConfig
@@ -88,6 +88,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "stage; each block; each block keeping its matrix products and attention) (default: stage)")
     group.add_argument("--recompute-every", type=int, default=1, metavar="K",
                        help="with --recompute-unit layer|selective: recompute only every K-th block (default: 1)")
+    group.add_argument("--selective-matmuls", choices=SELECTIVE_MATMULS, default="all",
+                       help="with selective recomputation: the matrix products each block keeps, all or every other "
+                            "one (alternate: torchtitan's op-level policy, less memory, some products run again) "
+                            "(default: all)")
     group.add_argument("--offload-activations", action="store_true",
                        help="move saved activations of micro-batches waiting for their backward to pinned host "
                             "memory, back one micro-batch ahead (CUDA; a no-op on the CPU)")
@@ -136,6 +140,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
         checkpoint=checkpoint,
         recompute_unit=unit,
         recompute_every=getattr(args, "recompute_every", 1),
+        selective_matmuls=getattr(args, "selective_matmuls", "all"),
         offload_activations=getattr(args, "offload_activations", False),
         stages_per_rank=args.stages_per_rank,
         balance=args.balance,

@@ -56,6 +56,7 @@ def _settled(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
         flags.update(layout="manual", pp=pipeline.pp, dp=parallel.dp, dp_mode=parallel.dp_mode,
                      schedule=pipeline.schedule, chunks=pipeline.n_microbatches, checkpoint=pipeline.checkpoint,
                      recompute_unit=pipeline.recompute_unit, recompute_every=pipeline.recompute_every,
+                     selective_matmuls=pipeline.selective_matmuls,
                      offload_activations=pipeline.offload_activations, fsdp_reshard=parallel.fsdp_reshard,
                      dp_shard=parallel.dp_shard,
                      stages_per_rank=pipeline.stages_per_rank, balance=pipeline.balance, partition=None, profile=None,

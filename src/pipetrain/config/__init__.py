@@ -4,8 +4,8 @@ words (`choices`), one pipeline (`pipeline`), the device mesh around it (`parall
 from __future__ import annotations
 
 from pipetrain.config.choices import (CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, PARTITION_METHODS,
-                                      RECOMPUTE_UNITS, SCHEDULES, SHARDED_DP_MODES, SPLIT_BACKWARD_SCHEDULES,
-                                      V_SCHEDULES, schedule_is_multi_stage)
+                                      RECOMPUTE_UNITS, SCHEDULES, SELECTIVE_MATMULS, SHARDED_DP_MODES,
+                                      SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, schedule_is_multi_stage)
 from pipetrain.config.parallel import ParallelConfig
 from pipetrain.config.pipeline import PipelineConfig
 
@@ -21,6 +21,7 @@ __all__ = [
     "SPLIT_BACKWARD_SCHEDULES",
     "CP_ATTENTIONS",
     "RECOMPUTE_UNITS",
+    "SELECTIVE_MATMULS",
     "FSDP_RESHARD",
     "SHARDED_DP_MODES",
 ]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pipetrain.errors import ConfigError
 
 __all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "CHECKPOINT_POLICIES", "CP_ATTENTIONS", "DP_MODES",
-           "SHARDED_DP_MODES", "RECOMPUTE_UNITS", "FSDP_RESHARD", "PARTITION_METHODS", "schedule_is_multi_stage"]
+           "SHARDED_DP_MODES", "RECOMPUTE_UNITS", "SELECTIVE_MATMULS", "FSDP_RESHARD", "PARTITION_METHODS",
+           "schedule_is_multi_stage"]
 
 #: Schedule name -> number of stages each pipeline rank holds by default.
 SCHEDULES: dict[str, int] = {
@@ -29,6 +30,9 @@ DP_MODES = ("ddp", "fsdp", "hsdp")
 SHARDED_DP_MODES = ("fsdp", "hsdp")
 #: what one recomputation checkpoints: the whole stage, each block (`layer`), or each block's cheap ops only
 RECOMPUTE_UNITS = ("stage", "layer", "selective")
+#: `--selective-matmuls`: which matrix products a selectively recomputed block keeps: all, or every other one
+#: (the 1st, 3rd, ... of each block's forward: torchtitan's op-level policy)
+SELECTIVE_MATMULS = ("all", "alternate")
 #: `--fsdp-reshard` words (an integer N >= 2 is also accepted: reshard to groups of N ranks after forward)
 FSDP_RESHARD = ("never", "always", "auto")
 PARTITION_METHODS = ("parameters", "uniform", "time", "memory", "priced")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipetrain.config.choices import (CHECKPOINT_POLICIES, PARTITION_METHODS, RECOMPUTE_UNITS, SCHEDULES,
-                                      SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, _choice, _positive,
+                                      SELECTIVE_MATMULS, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, _choice, _positive,
                                       schedule_is_multi_stage)
 from pipetrain.errors import ConfigError
 
@@ -47,6 +47,9 @@ class PipelineConfig:
     recompute_unit: str = "stage"
     #: with unit "layer" or "selective": only every K-th block of the model recomputes (`--recompute-every`)
     recompute_every: int = 1
+    #: with unit "selective": which matrix products each recomputed block keeps (`--selective-matmuls`): "all", or
+    #: "alternate" (the 1st, 3rd, ... of the block's forward; the others run again: torchtitan's op-level policy)
+    selective_matmuls: str = "all"
     #: saved activations of micro-batches waiting for their backward go to pinned host memory
     #: (`--offload-activations`, pipeline/offload.py; CUDA only, a no-op that says so on the CPU)
     offload_activations: bool = False
@@ -64,6 +67,11 @@ class PipelineConfig:
         _choice("partition method", self.partition, PARTITION_METHODS)
         _choice("recomputation unit (--recompute-unit)", self.recompute_unit, RECOMPUTE_UNITS)
         _positive("recompute_every (--recompute-every)", self.recompute_every)
+        _choice("--selective-matmuls", self.selective_matmuls, SELECTIVE_MATMULS)
+        if self.selective_matmuls != "all" and self.recompute_unit != "selective":
+            raise ConfigError(f"--selective-matmuls {self.selective_matmuls} picks the matrix products selective "
+                              f"recomputation keeps, but the recomputation unit is {self.recompute_unit!r}",
+                              hint="add --checkpoint selective (or --recompute-unit selective)")
         if self.recompute_every > 1 and self.recompute_unit == "stage":
             raise ConfigError(f"--recompute-every {self.recompute_every} picks blocks, but the recomputation unit is "
                               "the whole stage", hint="add --recompute-unit layer (or selective)")
@@ -143,7 +151,8 @@ class PipelineConfig:
     def recompute_text(self) -> str:
         """The recomputation in words: the policy, its unit and frequency, offloading ("always (selective)")."""
         unit = "" if self.recompute_unit == "stage" or self.checkpoint == "never" else (
-            f" ({self.recompute_unit}" + (f" every {self.recompute_every}" if self.recompute_every > 1 else "") + ")")
+            f" ({self.recompute_unit}" + (f" every {self.recompute_every}" if self.recompute_every > 1 else "")
+            + (f", {self.selective_matmuls} matrix products" if self.selective_matmuls != "all" else "") + ")")
         return self.checkpoint + unit + (", offloading activations" if self.offload_activations else "")
 
     @property

@@ -49,7 +49,8 @@ def build_stages(model: BlockModel, config: PipelineConfig, bounds: Sequence[tup
         norms = StageNorms(stage, deferred=config.deferred_batchnorm)
         wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing,
                                    unit=config.recompute_unit, every=config.recompute_every, first_block=start,
-                                   offload=ActivationOffload(device) if config.offload_activations else None)
+                                   offload=ActivationOffload(device) if config.offload_activations else None,
+                                   matmuls=config.selective_matmuls)
         norms_of.append(norms)
         recompute.append(wrapper)
         modules.append(wrap(wrapper) if wrap else wrapper)

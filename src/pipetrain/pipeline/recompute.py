@@ -15,7 +15,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from pipetrain.blocks import as_tuple
 from pipetrain.pipeline.offload import ActivationOffload
 
-__all__ = ["recomputes", "recomputed_blocks", "RecomputeWrapper", "SAVED_OPS", "is_recomputing"]
+__all__ = ["recomputes", "recomputed_blocks", "RecomputeWrapper", "SAVED_OPS", "MATMUL_OPS", "selective_policy",
+           "is_recomputing"]
 
 _state = threading.local()
 
@@ -51,8 +52,31 @@ SAVED_OPS = frozenset(
     ))
 
 
+#: the matrix products among `SAVED_OPS`, which the "alternate" policy counts
+MATMUL_OPS = frozenset(op.default for op in _ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm"))
+
+
 def _keep_expensive(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_policy(matmuls: str = "all") -> Callable[..., CheckpointPolicy]:
+    """A policy for one checkpointed forward (`create_selective_checkpoint_contexts`): keep `SAVED_OPS`' outputs
+    (`matmuls` "all"), or all but every second matrix product in the forward's order ("alternate": the 1st, 3rd,
+    ... kept; torchtitan's op-level policy). torch asks the policy in the first forward only (the recomputation
+    reads the kept outputs back in order), so one count per checkpointed forward decides."""
+    if matmuls == "all":
+        return _keep_expensive
+    seen = [0]  # matrix products so far in this forward
+
+    def keep_alternate(ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        if op in MATMUL_OPS:
+            seen[0] += 1
+            if seen[0] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _keep_expensive(ctx, op)
+
+    return keep_alternate
 
 
 def recomputes(policy: str, index: int, count: int) -> bool:
@@ -95,7 +119,8 @@ class RecomputeWrapper(nn.Module):
 
     `unit` (`PipelineConfig.recompute_unit`): "stage" checkpoints the whole stage (keeping its input); "layer" each
     block of `recomputed_blocks` (keeping every block's input); "selective" those blocks under torch's selective
-    policy (`SAVED_OPS` kept, the rest recomputed). `first_block` is the model index of the stage's first block.
+    policy (`SAVED_OPS` kept, or with `matmuls` "alternate" every other matrix product among them; the rest
+    recomputed). `first_block` is the model index of the stage's first block.
     `offload` (see `pipeline.offload`) moves the saved activations of micro-batches waiting for their backward to
     host memory. The engine calls `start_step(count)` before each step; forwards then arrive in micro-batch order
     (true of every pipeline schedule: a stage runs its forwards in order). `recompute_context` (e.g.
@@ -106,11 +131,12 @@ class RecomputeWrapper(nn.Module):
     def __init__(self, module: nn.Module, policy: str,
                  recompute_context: Callable[[], AbstractContextManager[Any]] | None = None, *,
                  unit: str = "stage", every: int = 1, first_block: int = 0,
-                 offload: ActivationOffload | None = None) -> None:
+                 offload: ActivationOffload | None = None, matmuls: str = "all") -> None:
         super().__init__()
         self.module = module
         self.policy = policy
         self.unit = unit
+        self.matmuls = matmuls
         self._recompute_context = recompute_context or nullcontext
         self._blocks = [] if unit == "stage" else recomputed_blocks(first_block, len(module), every)
         self.offload = offload
@@ -150,6 +176,6 @@ class RecomputeWrapper(nn.Module):
     def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""
         if self.unit == "selective":
-            first, again = create_selective_checkpoint_contexts(_keep_expensive)
+            first, again = create_selective_checkpoint_contexts(selective_policy(self.matmuls))
             return first, _Both(again, self._recompute_context(), _Recomputing())
         return nullcontext(), _Both(self._recompute_context(), _Recomputing())

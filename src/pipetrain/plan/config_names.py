@@ -24,6 +24,8 @@ class ConfigNames:
     positions_default: int = 0
     tied_default: bool = False  #: whether the head is tied when the config does not say
     gated: bool = True
+    fused_qkv: bool = False  #: q, k and v are one matrix product (GPT-2's c_attn, Phi-3's qkv_proj)
+    fused_gate_up: bool = False  #: the gate and up projections are one matrix product (Phi-3's gate_up_proj)
     layer_norm: bool = False
     qkv_bias: str | bool = "attention_bias"
     o_bias: str | bool = "attention_bias"
@@ -56,7 +58,7 @@ CONFIG_NAMES: dict[str, ConfigNames] = {
     "qwen3": ConfigNames(qk_norm="head", note="as llama, with q/k norms over the head dimension"),
     "mistral": ConfigNames(qkv_bias=False, o_bias=False, note="as llama, no biases"),
     "gemma": ConfigNames(tied_default=True, note="as llama, with head_dim, tied by default"),
-    "phi3": ConfigNames(qkv_bias=False, o_bias=False, dropout="resid_pdrop",
+    "phi3": ConfigNames(qkv_bias=False, o_bias=False, dropout="resid_pdrop", fused_qkv=True, fused_gate_up=True,
                         note="as llama, fused qkv_proj and gate_up_proj, no biases"),
     "olmo2": ConfigNames(qk_norm="projection", note="as llama, with q/k norms over the whole projection width"),
     "qwen3_moe": ConfigNames(qk_norm="head", experts=_EXPERTS, sparse_layers="qwen",
@@ -77,7 +79,7 @@ CONFIG_NAMES: dict[str, ConfigNames] = {
                                 "intermediate_size with biases, a router with a bias"),
     "gpt2": ConfigNames(hidden="n_embd", layers="n_layer", heads="n_head", kv_heads=None, intermediate="n_inner",
                         intermediate_default=4, positions="n_positions", positions_default=1024, tied_default=True,
-                        gated=False, layer_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                        gated=False, fused_qkv=True, layer_norm=True, qkv_bias=True, o_bias=True, mlp_bias=True,
                         dropout="resid_pdrop", dropout_default=0.1,
                         note="n_embd, n_inner, n_layer, n_head, n_positions, LayerNorm, plain MLP, all biases"),
 }

@@ -119,6 +119,10 @@ class BlockCost:
     #: of `activation_bytes`, what selective recomputation keeps (the block's input and its matrix products' and
     #: attention's outputs); None: unknown (a profile), counted as all of them
     selective_bytes: float | None = None
+    #: the same keeping every other matrix product (`--selective-matmuls alternate`), and the forward FLOPs of the
+    #: products it recomputes; None: unknown, planned as `selective_bytes` (a bound from above)
+    alternate_bytes: float | None = None
+    alternate_flops: float = 0.0
     #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
     experts: ExpertSplit | None = None
     #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)

@@ -72,6 +72,8 @@ class DecoderSizes:
     vocab: int
     tied: bool
     gated: bool = True  #: gate, up and down projections (SwiGLU, GeGLU); False: two (GPT-2's c_fc, c_proj)
+    fused_qkv: bool = False  #: q, k and v one matrix product (GPT-2's c_attn, Phi-3's qkv_proj)
+    fused_gate_up: bool = False  #: gate and up one matrix product (Phi-3's gate_up_proj)
     layer_norm: bool = False  #: LayerNorm (weight and bias) rather than RMSNorm (weight)
     qkv_bias: bool = False
     o_bias: bool = False  #: the attention output projection's bias (row-parallel: replicated)
@@ -178,12 +180,31 @@ class DecoderSizes:
         replicated = 4 * e * s * self.hidden + (normed - normed_split) + (2 * s * self.hidden if self.dropout else 0)
         return float(replicated + split), float(split)
 
-    def layer_selective_bytes(self, seq_len: int, element: int = 2) -> float:
-        """Bytes one layer keeps per sample under selective recomputation (`SAVED_OPS`): its input, the q, k, v
-        projections, the attention output, the output projection, the MLP's gate and up (or first) products and
-        its down product; the norms, rotary, activation and residual sums are recomputed."""
+    def layer_products(self) -> list[int]:
+        """The output widths of one dense layer's matrix products, in its forward's order: q, k, v (one fused
+        product under `fused_qkv`), the attention output projection, the MLP's gate and up (one under
+        `fused_gate_up`; a plain MLP's first) and its down projection."""
         h, q, k, f = self.hidden, self.q_width, self.kv_width, self.intermediate
-        return float(element * seq_len * (3 * h + 2 * q + 2 * k + (2 if self.gated else 1) * f))
+        attention = [q + 2 * k] if self.fused_qkv else [q, k, k]
+        first = ([2 * f] if self.fused_gate_up else [f, f]) if self.gated else [f]
+        return [*attention, h, *first, h]
+
+    def layer_selective_bytes(self, seq_len: int, element: int = 2, matmuls: str = "all") -> float:
+        """Bytes one layer keeps per sample under selective recomputation (`SAVED_OPS`): its input, the attention's
+        output and its matrix products' outputs (`layer_products`): all, or with `matmuls` "alternate" the 1st,
+        3rd, ... (`pipeline.recompute.selective_policy`); the norms, rotary, activation and residual sums are
+        recomputed."""
+        products = self.layer_products()
+        kept = products if matmuls == "all" else products[::2]
+        return float(element * seq_len * (self.hidden + self.q_width + sum(kept)))
+
+    def layer_alternate_flops(self, seq_len: int) -> float:
+        """Forward FLOPs per sample of the matrix products "alternate" selective recomputation runs again (the 2nd,
+        4th, ... of `layer_products`; each reads `hidden` inputs but the down projection, which reads the MLP's
+        width)."""
+        products = self.layer_products()
+        widths = [self.intermediate if i == len(products) - 1 else self.hidden for i in range(len(products))]
+        return float(sum(2 * seq_len * widths[i] * products[i] for i in range(1, len(products), 2)))
 
     def blocks(self, seq_len: int, *, element: int = 2, vocab_parallel: bool = False,
                logits_element: int = 4) -> list[BlockCost]:
@@ -229,6 +250,8 @@ class DecoderSizes:
                 output_bytes=float(e * sh), forward_flops=float(flops), forward_traffic=float(traffic), kernels=20,
                 tensors=tensors, tensor=split, matmul_params=self.matmul_params(), context=context,
                 selective_bytes=self.layer_selective_bytes(s, e),
+                alternate_bytes=self.layer_selective_bytes(s, e, "alternate"),
+                alternate_flops=self.layer_alternate_flops(s),
             ))
         head = self.head_params()
         logits = logits_element * s * V  # the logits the stage outputs (kept to the step's end)
@@ -353,6 +376,7 @@ def sizes_from_config(config: dict[str, Any], where: str = "config.json") -> Dec
         heads=heads, kv_heads=kv,
         head_dim=head_dim, vocab=_number(config, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", names.tied_default)), gated=names.gated,
+        fused_qkv=names.fused_qkv, fused_gate_up=names.fused_gate_up,
         layer_norm=names.layer_norm, qkv_bias=_flag(config, names.qkv_bias), o_bias=_flag(config, names.o_bias),
         mlp_bias=_flag(config, names.mlp_bias),
         qk_norm={"head": 2 * head_dim, "projection": (heads + kv) * head_dim}.get(names.qk_norm, 0),
