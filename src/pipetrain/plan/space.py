@@ -9,9 +9,14 @@ Expert parallelism: `SearchSpace.eps` lists the degrees to try for a mixture-of-
 a degree is enumerated where it divides dp (`search` keeps those dividing every MoE block's experts:
 `experts.ep_problem`). Context parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default
 1 only); a degree takes its ranks as train's mesh does (pp · tp apart: its exchange crosses nodes where cp · pp · tp
-ranks do not fit in one, plan/context.py). HSDP (`dp_modes` with "hsdp"): a shard group is the data replicas of
-one node with their cp ranks (train's mesh: rank = ((replica · cp + cp rank) · pp + pp rank) · tp + tp rank), or
-`SearchSpace.dp_shard` replicas when given.
+ranks do not fit in one, plan/context.py).
+
+HSDP (in `dp_modes` by default, beside ddp and fsdp, each with the same resharding options as fsdp): a shard group
+is the data replicas of one node with their cp ranks (train's mesh: rank = ((replica · cp + cp rank) · pp + pp
+rank) · tp + tp rank), or `SearchSpace.dp_shard` replicas when given; so a job on one node has no HSDP layout
+unless `dp_shard` is given. Only the node's group is tried: a smaller one holds more state and all-reduces more
+over the inter-node link; a larger one would cross nodes with its gathers (priced on the node's links by
+`predict.reduce_s`, so not searched). Expert parallelism is not built beside HSDP (ParallelConfig): no ep > 1 there.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ class SearchSpace:
 
     schedules: tuple[str, ...] = SIMULATED_SCHEDULES
     checkpoints: tuple[str, ...] = ("never", "except_last", "always")
-    dp_modes: tuple[str, ...] = ("ddp", "fsdp")
+    #: data-parallel modes; "hsdp" only where there are shard groups (several nodes, or `dp_shard` given)
+    dp_modes: tuple[str, ...] = ("ddp", "fsdp", "hsdp")
     balances: tuple[str, ...] = ("uniform", "time")
     virtual: tuple[int, ...] = (2, 4)
     max_chunks: int = 64
@@ -97,7 +103,8 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
                          if lay.dp_mode != "ddp" or lay.dp == 1 or not _needs_fsdp(lay, tp)]
             layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
     return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
-            for layout in layouts for ep in sorted(set(space.eps)) if layout.dp % ep == 0]
+            for layout in layouts for ep in sorted(set(space.eps))
+            if layout.dp % ep == 0 and (ep == 1 or layout.dp_mode != "hsdp")]
 
 
 def _needs_fsdp(layout: Layout, tp: int) -> bool:
