@@ -44,6 +44,9 @@ def test_hsdp_is_searched_by_default_where_the_gpus_span_nodes():
     assert modes == {("ddp", 0), ("fsdp", 0), ("hsdp", 8)}  # a node's 8 ranks shard, the 8 nodes replicate
     one_node = {lay.dp_mode for lay in enumerate_layouts(len(blocks), 8, 128, SPACE, gpus_per_node=8)}
     assert one_node == {"ddp", "fsdp"}  # one node: no groups to replicate across
+    with_ep = enumerate_layouts(len(blocks), 64, 128, replace(SPACE, eps=(1, 2)), gpus_per_node=8)
+    assert {lay.ep for lay in with_ep if lay.dp_mode == "hsdp"} == {1}  # experts split beside HSDP: not built
+    assert {lay.ep for lay in with_ep if lay.dp_mode == "fsdp"} == {1, 2}
 
 
 def test_hsdp_beats_fsdp_across_nodes_where_it_fits():

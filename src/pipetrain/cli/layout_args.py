@@ -107,5 +107,4 @@ def one_rank(args: argparse.Namespace) -> argparse.Namespace:
     does not choose, such as --tp, kept)."""
     return argparse.Namespace(**{**vars(args), "pp": 1, "dp": 1, "dp_mode": "ddp", "schedule": "gpipe", "chunks": 1,
                                  "checkpoint": "never", "stages_per_rank": None, "ep": 1, "cp": 1, "balance": None, "partition": None,
-                                 "dp_shard": None,
-                                 "mem_cap": None, "profile": None})
+                                 "dp_shard": None, "mem_cap": None, "profile": None})

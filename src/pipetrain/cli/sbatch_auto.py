@@ -17,8 +17,8 @@ __all__ = ["choose_for_script"]
 log = logging.getLogger("pipetrain")
 
 #: `pipetrain train` flags --layout auto consumes (each takes one value); the script gets the chosen layout instead.
-_CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--dp-shard", "--fsdp-reshard", "--schedule", "--chunks", "--n-microbatches", "--checkpoint",
-             "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
+_CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--dp-shard", "--fsdp-reshard", "--schedule", "--chunks",
+             "--n-microbatches", "--checkpoint", "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
              "--layout-prediction")
 
 

@@ -69,8 +69,8 @@ class Fixed:
 
     def space(self, max_chunks: int, offload: bool = False, eps: tuple[int, ...] = (1,),
               cps: tuple[int, ...] = (1,)) -> SearchSpace:
-        """The search space these choices leave: with both FSDP (and HSDP) resharding choices, selective recomputation,
-        activation offloading where it moves something (`offload`: a GPU), the expert-parallel degrees `eps` (a
+        """The search space these choices leave: with both FSDP (and HSDP) resharding choices, selective
+        recomputation, activation offloading where it moves something (`offload`: a GPU), the expert-parallel degrees `eps` (a
         mixture-of-experts model) unless --ep is fixed and the context-parallel ones `cps` unless --cp is."""
         base = SearchSpace()
         return SearchSpace(
