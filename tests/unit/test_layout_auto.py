@@ -77,6 +77,13 @@ def test_refusals_one_message_each(chosen):
     assert code == 2 and "no layout of 7 ranks" in err
 
 
+def test_a_given_hsdp_shard_group_reaches_train_and_one_without_is_refused_on_one_node(chosen):
+    code, config, _ = chosen([*AUTO, "--nproc", "4", "--dp-mode", "hsdp", "--dp-shard", "2"])
+    assert code == 0 and (config.parallel.dp_mode, config.parallel.dp, config.parallel.dp_shard) == ("hsdp", 4, 2)
+    code, _, err = chosen([*AUTO, "--nproc", "4", "--dp-mode", "hsdp"])
+    assert code == 2 and "one node" in err and "--dp-shard K" in err and "Traceback" not in err
+
+
 def test_sbatch_renders_the_chosen_layout_and_its_prediction(chosen, capsys):
     code = cli_main.main(["sbatch", "--nodes", "2", "--ntasks-per-node", "2", "--pp", "2", "--layout", "auto", "--",
                           "--preset", "tiny", "--batch-size", "32", "--profile", str(PROFILE),
@@ -87,6 +94,14 @@ def test_sbatch_renders_the_chosen_layout_and_its_prediction(chosen, capsys):
     assert "--pp 2" in line and "--dp 2" in line and "--layout-prediction " in line and "--layout" not in \
         line.replace("--layout-prediction", "")
     assert "--profile" not in line and "--calibration" not in line and "--balance " in line
+
+
+def test_sbatch_renders_a_chosen_hsdp_layout_with_its_shard_group(chosen, capsys):
+    code = cli_main.main(["sbatch", "--nodes", "2", "--ntasks-per-node", "2", "--layout", "auto", "--",
+                          "--preset", "tiny", "--batch-size", "32", "--dp-mode", "hsdp", "--profile", str(PROFILE),
+                          "--calibration", str(CALIBRATION)])
+    line = next(item for item in capsys.readouterr().out.splitlines() if " -m pipetrain train " in item)
+    assert code == 0 and "--dp 4" in line and "--dp-mode hsdp" in line and "--dp-shard 2" in line  # a node's ranks
 
 
 def test_prediction_sink_logs_the_measured_beside_the_predicted(caplog):

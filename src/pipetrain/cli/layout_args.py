@@ -18,7 +18,7 @@ __all__ = ["add_layout_arguments", "explicit_layout", "on_resize", "one_rank", "
 
 #: The flags --layout auto chooses (dest names); given on the command line (or in --config), they fix that choice.
 LAYOUT_DESTS = ("pp", "dp", "dp_mode", "schedule", "chunks", "checkpoint", "stages_per_rank", "balance", "partition",
-                "ep", "cp", "cp_attention")
+                "ep", "cp", "cp_attention", "dp_shard")
 
 
 class _DefaultInt(int):
@@ -89,7 +89,8 @@ def explicit_layout(args: argparse.Namespace) -> Fixed:
                           hint="use --partition uniform or time with --layout auto, or drop it")
     return Fixed(pp=given("pp"), dp=given("dp"), dp_mode=given("dp_mode"), schedule=given("schedule"),
                  chunks=given("chunks"), checkpoint=given("checkpoint"), virtual=given("stages_per_rank"),
-                 balance=partition, ep=given("ep"), cp=given("cp"), cp_attention=given("cp_attention"))
+                 balance=partition, ep=given("ep"), cp=given("cp"), cp_attention=given("cp_attention"),
+                 dp_shard=given("dp_shard"))
 
 
 def on_resize(args: argparse.Namespace) -> str:
@@ -106,4 +107,4 @@ def one_rank(args: argparse.Namespace) -> argparse.Namespace:
     does not choose, such as --tp, kept)."""
     return argparse.Namespace(**{**vars(args), "pp": 1, "dp": 1, "dp_mode": "ddp", "schedule": "gpipe", "chunks": 1,
                                  "checkpoint": "never", "stages_per_rank": None, "ep": 1, "cp": 1, "balance": None, "partition": None,
-                                 "mem_cap": None, "profile": None})
+                                 "dp_shard": None, "mem_cap": None, "profile": None})

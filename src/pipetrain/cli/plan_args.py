@@ -76,8 +76,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "pipeline where the gathered weights would not fit) (default: auto)")
     limits.add_argument("--offload-activations", choices=("off", "on", "both"), default="off",
                         help="consider activation offloading: off, on, or both (default: off)")
-    limits.add_argument("--dp-modes", "--dp-mode", type=_names(DP_MODES), default=("ddp", "fsdp"),
-                        help="ddp, fsdp, hsdp (shard groups of a node's ranks, with --gpus-per-node) (default: ddp,fsdp)")
+    limits.add_argument("--dp-modes", "--dp-mode", type=_names(DP_MODES), default=DP_MODES,
+                        help="ddp, fsdp, hsdp (FSDP within shard groups of a node's ranks, replicated across nodes: "
+                             "searched where the GPUs span nodes, or with --dp-shard) (default: ddp,fsdp,hsdp)")
     limits.add_argument("--dp-shard", type=int, default=None, metavar="K",
                         help="hsdp: shard groups of K data replicas (with --cp, K replicas and their cp ranks) "
                              "(default: the replicas of one node)")

@@ -17,8 +17,8 @@ __all__ = ["choose_for_script"]
 log = logging.getLogger("pipetrain")
 
 #: `pipetrain train` flags --layout auto consumes (each takes one value); the script gets the chosen layout instead.
-_CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--schedule", "--chunks", "--n-microbatches", "--checkpoint",
-             "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
+_CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--dp-shard", "--fsdp-reshard", "--schedule", "--chunks",
+             "--n-microbatches", "--checkpoint", "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
              "--layout-prediction")
 
 
@@ -61,6 +61,10 @@ def choose_for_script(args: argparse.Namespace, train_argv: list[str], *,
                       launched=False, say=True, calibrate=train_verb._calibrate)
     parallel, pipeline = job.parallel, job.parallel.pipeline
     rest = _without(list(train_argv), _CONSUMED) + ["--dp-mode", parallel.dp_mode, "--checkpoint", pipeline.checkpoint]
+    if parallel.dp_mode == "hsdp":  # a node's ranks shard, the nodes replicate: the shard group goes with the mode
+        rest += ["--dp-shard", str(parallel.dp_shard)]
+    if parallel.fsdp_reshard != "never":
+        rest += ["--fsdp-reshard", str(parallel.fsdp_reshard)]
     if pipeline.stages_per_rank:
         rest += ["--stages-per-rank", str(pipeline.stages_per_rank)]
     if pipeline.balance:

@@ -46,7 +46,8 @@ def plainness(layout: Layout) -> tuple[bool, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class Fixed:
-    """The layout choices the user fixed (None: the search chooses)."""
+    """The layout choices the user fixed (None: the search chooses). HSDP is searched where the ranks span nodes
+    (a node's ranks shard, the nodes replicate) or `dp_shard` is given."""
 
     pp: int | None = None
     dp: int | None = None
@@ -59,6 +60,7 @@ class Fixed:
     ep: int | None = None
     cp: int | None = None
     cp_attention: str | None = None
+    dp_shard: int | None = None  # HSDP's shard group (`--dp-shard K`): the layout is hsdp with it
 
     def allows(self, layout: Layout) -> bool:
         """Whether `layout` keeps every fixed choice."""
@@ -67,15 +69,16 @@ class Fixed:
 
     def space(self, max_chunks: int, offload: bool = False, eps: tuple[int, ...] = (1,),
               cps: tuple[int, ...] = (1,)) -> SearchSpace:
-        """The search space these choices leave: with both FSDP resharding choices, selective recomputation,
-        activation offloading where it moves something (`offload`: a GPU), the expert-parallel degrees `eps` (a
+        """The search space these choices leave: with both FSDP (and HSDP) resharding choices, selective
+        recomputation, activation offloading where it moves something (`offload`: a GPU), the expert-parallel degrees `eps` (a
         mixture-of-experts model) unless --ep is fixed and the context-parallel ones `cps` unless --cp is."""
         base = SearchSpace()
         return SearchSpace(
             schedules=(self.schedule,) if self.schedule else SIMULATED_SCHEDULES,
             checkpoints=(self.checkpoint,) if self.checkpoint else (*base.checkpoints, "selective"),
             fsdp_reshard="both", offload=(False, True) if offload else (False,),
-            dp_modes=(self.dp_mode,) if self.dp_mode else base.dp_modes,
+            dp_modes=(self.dp_mode,) if self.dp_mode else ("hsdp",) if self.dp_shard else base.dp_modes,
+            dp_shard=self.dp_shard,
             balances=(self.balance,) if self.balance else base.balances,
             virtual=(self.virtual,) if self.virtual else base.virtual,
             max_chunks=max(max_chunks, self.chunks or 1), only_pp=self.pp,
@@ -98,6 +101,10 @@ def choose_layout(blocks: Sequence[BlockCost], *, world: int, batch: int, device
     """The fastest layout of `world` ranks for the global `batch` whose predicted memory per rank fits
     `device.memory_bytes`, among those `fixed` allows and `accepts` takes; `precision` the job's ("bf16": FSDP
     gathers its weights in bf16, see `Layout.precision`)."""
+    if fixed.dp_mode == "hsdp" and fixed.dp_shard is None and not gpus_per_node:
+        raise ConfigError(f"--layout auto with --dp-mode hsdp: the {world} {unit}s are on one node, so HSDP has no "
+                          "node's ranks to shard within", hint="pass --dp-shard K (the ranks of a shard group, a "
+                                                               "divisor of dp), or another --dp-mode")
     cps = context_degrees(blocks, world, fixed.cp_attention or "ring")
     space = replace(fixed.space(max_chunks, offload=not device.cores, eps=expert_degrees(blocks, world), cps=cps),
                     precision=precision)
