@@ -111,6 +111,9 @@ def test_plan_cp_prints_the_split_and_refuses_what_cannot(tmp_path, capsys):
     assert main([*common, "--cp", "2", "--cp-attention", "ulysses"]) == 2
     err = capsys.readouterr().err
     assert "--cp 2: cp=2 does not divide the 9 heads" in err and "Traceback" not in err
+    assert main([*common, "--cp", "2", "--sequence-parallel", "on"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp 2 with --sequence-parallel on" in err and "--sequence-parallel off" in err
 
 
 def test_layout_auto_splits_a_sequence_that_does_not_fit_whole_and_keeps_a_given_cp():

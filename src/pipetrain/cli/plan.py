@@ -127,6 +127,8 @@ def planned(args: argparse.Namespace, **fixed) -> tuple[SearchResult, dict]:
                   float8=float8, recompute_unit=getattr(args, "recompute_unit", "stage"),
                   keep_outputs=getattr(args, "keep_outputs", False),
                   recompute_every=getattr(args, "recompute_every", 1),
+                  selective_matmuls={"both": ("all", "alternate")}.get(
+                      getattr(args, "selective_matmuls", "both"), (getattr(args, "selective_matmuls", "both"),)),
                   fsdp_reshard=getattr(args, "fsdp_reshard", "never"),
                   offload={"off": (False,), "on": (True,), "both": (False, True)}[
                       getattr(args, "offload_activations", "off")])
@@ -182,7 +184,8 @@ def _row(rank: int, p: Prediction) -> str:
     tp = (f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"
           f"{f'/cp{lay.cp}' if lay.cp > 1 else ''}")
     checkpoint = lay.checkpoint if lay.recompute_unit == "stage" or lay.checkpoint == "never" else (
-        "selective" if lay.recompute_unit == "selective" and lay.checkpoint == "always" else
+        ("selective" if lay.selective_matmuls == "all" else "sel-alt")
+        if lay.recompute_unit == "selective" and lay.checkpoint == "always" else
         f"{lay.checkpoint}/{lay.recompute_unit}") + (f"/{lay.recompute_every}" if lay.recompute_every > 1 else "")
     mode = (lay.dp_mode + ("+rs" if lay.fsdp_reshard else "")) if lay.dp > 1 else "-"
     checkpoint += "+off" if lay.offload else ""

@@ -110,6 +110,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a recomputing micro-batch checkpoints: its whole stage, keeping the stage's input "
                              "(default), each layer alone, keeping every layer's input (torchtitan's and Megatron's "
                              "full recomputation), or selective (each layer keeps its products' outputs)")
+    limits.add_argument("--selective-matmuls", choices=("all", "alternate", "both"), default="both",
+                        help="under selective recomputation: price blocks keeping all their matrix products, every "
+                             "other one (alternate; `sel-alt` in the table), or both ways (default: both)")
     limits.add_argument("--recompute-every", type=int, default=1, metavar="K",
                         help="with --recompute-unit layer|selective: only every K-th block recomputes (default: 1)")
     what_if.add_argument("--vocab-parallel", action="store_true",

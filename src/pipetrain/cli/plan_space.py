@@ -73,6 +73,9 @@ def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
     if problem:
         raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
                                                         "by 2 x cp for ring attention), or --cp 1")
+    if cp > 1 and getattr(args, "sequence_parallel", "both") == "on":
+        raise ConfigError(f"--cp {cp} with --sequence-parallel on: train splits a sequence over cp ranks or over tp "
+                          "ranks' norms, not both", hint="pass --sequence-parallel off (or --cp 1)")
     return {"cps": (cp,), "cp_attention": attention}
 
 

@@ -41,7 +41,7 @@ def plainness(layout: Layout) -> tuple[bool, ...]:
     weights kept gathered, whole-stage recomputation, no offloading (the memory modes pay only where they must)."""
     return (layout.dp > 1 and layout.dp_mode != "ddp", layout.ep > 1, layout.cp > 1, layout.checkpoint != "never",
             layout.schedule in SPLIT_BACKWARD_SCHEDULES, layout.virtual > 1, layout.fsdp_reshard,
-            layout.recompute_unit != "stage", layout.offload)
+            layout.recompute_unit != "stage", layout.selective_matmuls != "all", layout.offload)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +77,7 @@ class Fixed:
             schedules=(self.schedule,) if self.schedule else SIMULATED_SCHEDULES,
             checkpoints=(self.checkpoint,) if self.checkpoint else (*base.checkpoints, "selective"),
             fsdp_reshard="both", offload=(False, True) if offload else (False,),
+            selective_matmuls=("all", "alternate"),
             dp_modes=(self.dp_mode,) if self.dp_mode else ("hsdp",) if self.dp_shard else base.dp_modes,
             dp_shard=self.dp_shard,
             balances=(self.balance,) if self.balance else base.balances,
@@ -159,6 +160,8 @@ def memory_flags(layout: Layout) -> list[str]:
         flags += ["--recompute-unit", layout.recompute_unit]
         if layout.recompute_every > 1:
             flags += ["--recompute-every", str(layout.recompute_every)]
+        if layout.selective_matmuls != "all":
+            flags += ["--selective-matmuls", layout.selective_matmuls]
     if layout.dp_mode == "hsdp":
         flags += ["--dp-shard", str(layout.dp_shard)]
     if layout.fsdp_reshard and layout.shards > 1 and layout.dp > 1:

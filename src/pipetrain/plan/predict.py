@@ -90,6 +90,9 @@ class Layout:
     cp_attention: str = "ring"
     #: with unit "layer" or "selective": only every K-th block recomputes (the others keep all their activations)
     recompute_every: int = 1
+    #: with unit "selective": the matrix products each block keeps, "all" or "alternate" (every other one:
+    #: `BlockCost.alternate_bytes`, its recomputed products `alternate_flops`)
+    selective_matmuls: str = "all"
     #: FSDP only: weights resharded after each block's forward (gathered again for its backward) and gradients
     #: reduce-scattered per micro-batch, accumulated sharded (`--fsdp-reshard always`; see plan/reshard.py)
     fsdp_reshard: bool = False
@@ -287,8 +290,8 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
             raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}",
                               hint="use 'stage', 'layer' or 'selective'")
         forward = sum(t[0] for t in times)
-        share = SELECTIVE_RECOMPUTE_SHARE if layout.recompute_unit == "selective" else 1.0
-        redo = forward if layout.recompute_unit == "stage" else share * sum(times[i - start][0] for i in chosen)
+        redo = forward if layout.recompute_unit == "stage" else sum(
+            _recomputed_share(blocks[i], layout) * times[i - start][0] for i in chosen)
         moved = samples * sum(acts) / device.host_bytes_per_s if layout.offload else 0.0  # each way, overlapped
         costs.append(StageCost(
             forward_s=forward + comm + moe_forward + max(0.0, moved - forward),
@@ -311,6 +314,16 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
 SELECTIVE_RECOMPUTE_SHARE = 0.1
 
 
+def _recomputed_share(block: BlockCost, layout: Layout) -> float:
+    """The share of `block`'s forward time its recomputation runs again: all of it (a whole block), the cheap ops
+    (selective), and under "alternate" the FLOPs of the matrix products it did not keep."""
+    if layout.recompute_unit != "selective":
+        return 1.0
+    extra = block.alternate_flops / block.forward_flops if layout.selective_matmuls == "alternate" and \
+        block.forward_flops else 0.0
+    return min(1.0, SELECTIVE_RECOMPUTE_SHARE + extra)
+
+
 def _kept_bytes(blocks: Sequence[BlockCost], index: int, layout: Layout, acts: float, chosen: bool) -> float:
     """Per sample, what block `index` keeps for its backward under a per-block unit: all its activations when not
     `chosen` to recompute; its input ("layer"); its selectively kept tensors ("selective", the input among them)."""
@@ -321,9 +334,11 @@ def _kept_bytes(blocks: Sequence[BlockCost], index: int, layout: Layout, acts: f
     if layout.recompute_unit == "layer":
         return entry
     block = blocks[index]
-    if block.selective_bytes is None or not block.activation_bytes:
+    selective = block.alternate_bytes if layout.selective_matmuls == "alternate" and \
+        block.alternate_bytes is not None else block.selective_bytes
+    if selective is None or not block.activation_bytes:
         return acts  # nothing known to recompute cheaply: counted as kept
-    return max(entry, acts * block.selective_bytes / block.activation_bytes)
+    return max(entry, acts * selective / block.activation_bytes)
 
 
 def reduce_scatter_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:

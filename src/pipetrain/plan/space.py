@@ -54,6 +54,9 @@ class SearchSpace:
     keep_outputs: bool = False
     recompute_unit: str = "stage"
     recompute_every: int = 1
+    #: under selective recomputation, the matrix products a block keeps ("all", "alternate", or both: each selective
+    #: layout both ways)
+    selective_matmuls: tuple[str, ...] = ("all",)
     #: FSDP's resharding after forward: "never", "always", "auto" (plan/reshard.py: at pp 1 always; in a pipeline
     #: only where the layout would not fit with its weights gathered) or "both" (each FSDP layout both ways)
     fsdp_reshard: str = "never"
@@ -149,8 +152,10 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                                 continue  # refused by ParallelConfig: DDP gets such a backward wrong
                             if dp > 1 and mode == "ddp" and tp > 1:
                                 continue  # refused by ParallelConfig: tensor parallelism composes with FSDP2
-                            for balance, reshard in ((b, r) for b in (space.balances if pp * v > 1 else ("uniform",))
-                                                     for r in _reshards(space, mode, dp, pp, schedule)):
+                            products = space.selective_matmuls if unit == "selective" else ("all",)
+                            for balance, reshard, matmuls in (
+                                    (b, r, m) for b in (space.balances if pp * v > 1 else ("uniform",))
+                                    for r in _reshards(space, mode, dp, pp, schedule) for m in products):
                                 layouts.append(Layout(dp=dp, pp=pp, batch=batch, chunks=chunks, schedule=schedule,
                                                       virtual=v, checkpoint=policy, dp_mode=mode, balance=balance,
                                                       gpus_per_node=gpus_per_node, tp=tp, sequence_parallel=sp,
@@ -158,7 +163,7 @@ def _layouts(num_blocks: int, ranks: int, batch: int, space: SearchSpace, gpus_p
                                                       keep_outputs=space.keep_outputs,
                                                       recompute_unit=unit, fsdp_reshard=reshard, offload=offload,
                                                       recompute_every=space.recompute_every if unit != "stage"
-                                                      else 1, dp_shard=shard))
+                                                      else 1, dp_shard=shard, selective_matmuls=matmuls))
     return layouts
 
 

@@ -200,6 +200,7 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
     pipeline = replace(config.parallel.pipeline, pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks,
                        checkpoint=lay.checkpoint, recompute_unit=lay.recompute_unit,
                        recompute_every=lay.recompute_every, offload_activations=lay.offload,
+                       selective_matmuls=lay.selective_matmuls,
                        stages_per_rank=lay.virtual if lay.virtual > 1 else None,
                        balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform",
                        # --moe-overlap on asks for overlap where there is some: DualPipeV with experts split
