@@ -168,3 +168,16 @@ def test_a_given_cp_is_laid_out_from_a_priced_folder_and_refused_on_measured_cos
     assert (config.parallel.cp, config.parallel.cp_attention, config.parallel.dp) == (2, "ring", 1)
     code, _, err = chosen([*argv, "--preset", "llama-tiny"])  # costs measured here: no attention figures
     assert code == 2 and "--layout auto with --cp 2 prices the attention" in err
+
+
+def test_sbatch_script_carries_the_chosen_recomputation():
+    from pipetrain.cli.sbatch_auto import _recompute_flags, _without
+    from pipetrain.config import PipelineConfig
+
+    chosen = PipelineConfig(checkpoint="always", recompute_unit="selective", recompute_every=2,
+                            selective_matmuls="alternate", offload_activations=True)
+    assert _recompute_flags(chosen) == ["--recompute-unit", "selective", "--recompute-every", "2",
+                                        "--selective-matmuls", "alternate", "--offload-activations"]
+    assert _recompute_flags(PipelineConfig(checkpoint="always")) == []
+    given = ["--preset", "tiny", "--offload-activations", "--recompute-unit", "layer", "--lr", "1e-3"]
+    assert _without(given, ("--recompute-unit",), ("--offload-activations",)) == ["--preset", "tiny", "--lr", "1e-3"]

@@ -9,7 +9,7 @@ import logging
 
 from pipetrain.cli.config_file import apply_config_file
 from pipetrain.cli.layout_args import is_default
-from pipetrain.config import ParallelConfig
+from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.errors import ConfigError
 
 __all__ = ["choose_for_script"]
@@ -18,20 +18,31 @@ log = logging.getLogger("pipetrain")
 
 #: `pipetrain train` flags --layout auto consumes (each takes one value); the script gets the chosen layout instead.
 _CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--dp-shard", "--fsdp-reshard", "--schedule", "--chunks",
-             "--n-microbatches", "--checkpoint", "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
+             "--n-microbatches", "--checkpoint", "--recompute-unit", "--recompute-every", "--selective-matmuls",
+             "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
              "--layout-prediction")
+#: the same, switches (no value)
+_SWITCHES = ("--offload-activations",)
 
 
-def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+def _without(argv: list[str], flags: tuple[str, ...], switches: tuple[str, ...] = ()) -> list[str]:
     out, skip = [], False
     for item in argv:
         if skip:
             skip = False
         elif item in flags:
             skip = True
-        elif not any(item.startswith(flag + "=") for flag in flags):
+        elif item not in switches and not any(item.startswith(flag + "=") for flag in flags):
             out.append(item)
     return out
+
+
+def _recompute_flags(pipeline: PipelineConfig) -> list[str]:
+    """The chosen recomputation's flags beyond `--checkpoint` (none for the whole-stage default)."""
+    flags = [] if pipeline.recompute_unit == "stage" else ["--recompute-unit", pipeline.recompute_unit]
+    flags += ["--recompute-every", str(pipeline.recompute_every)] if pipeline.recompute_every > 1 else []
+    flags += ["--selective-matmuls", pipeline.selective_matmuls] if pipeline.selective_matmuls != "all" else []
+    return flags + (["--offload-activations"] if pipeline.offload_activations else [])
 
 
 def choose_for_script(args: argparse.Namespace, train_argv: list[str], *,
@@ -60,7 +71,9 @@ def choose_for_script(args: argparse.Namespace, train_argv: list[str], *,
     job = auto_layout(describe(targs), world=args.nodes * ranks_per_node, per_node=ranks_per_node, device=device,
                       launched=False, say=True, calibrate=train_verb._calibrate)
     parallel, pipeline = job.parallel, job.parallel.pipeline
-    rest = _without(list(train_argv), _CONSUMED) + ["--dp-mode", parallel.dp_mode, "--checkpoint", pipeline.checkpoint]
+    rest = _without(list(train_argv), _CONSUMED, _SWITCHES) + ["--dp-mode", parallel.dp_mode,
+                                                                "--checkpoint", pipeline.checkpoint]
+    rest += _recompute_flags(pipeline)
     if parallel.dp_mode == "hsdp":  # a node's ranks shard, the nodes replicate: the shard group goes with the mode
         rest += ["--dp-shard", str(parallel.dp_shard)]
     if parallel.fsdp_reshard != "never":
