@@ -144,10 +144,16 @@ def _whole(engine, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value.clone()
 
 
-def _steps(engine, model: HFCausalLM | LoraBlocks, dp: int, replica: int, save: Path | None = None) -> dict:
-    """Two SGD steps of `engine`: its losses, the gradients and final values of what it trains, and how far its
-    frozen parameters moved (0 unless a LoRA base changed); then a checkpoint to `save`, when given."""
+def _steps(engine, model: HFCausalLM | LoraBlocks, dp: int, replica: int, save: Path | None = None,
+           gather: bool = False) -> dict:
+    """Two SGD steps of `engine`: its losses, the gradients and final values of what it trains (with `gather`, expert
+    slices whole: `_whole`; else each rank's own), and how far its frozen parameters moved (0 unless a LoRA base
+    changed); then a checkpoint to `save`, when given."""
     keys = transformers_names(model)
+
+    def held(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return _whole(engine, param, value) if gather else _full(value).clone()
+
     trained = [(n, p) for n, p in engine.named_parameters() if p.requires_grad]
     frozen = {n: _full(p.detach()).clone() for n, p in engine.named_parameters() if not p.requires_grad}
     opt = torch.optim.SGD([p for _, p in trained], lr=LR)
@@ -156,12 +162,12 @@ def _steps(engine, model: HFCausalLM | LoraBlocks, dp: int, replica: int, save: 
         share = slice(replica * SIZE, (replica + 1) * SIZE)
         opt.zero_grad()
         losses.append(engine.step(x[share], labels[share]).loss)
-        grads.append([(keys[n], _whole(engine, p, p.grad)) for n, p in trained])
+        grads.append([(keys[n], held(p, p.grad)) for n, p in trained])
         opt.step()
     if save is not None:
         save_checkpoint(save, engine, opt, step=2)
     named = dict(engine.named_parameters())
-    return {"losses": losses, "grads": grads, "params": [(keys[n], _whole(engine, p, p.detach())) for n, p in trained],
+    return {"losses": losses, "grads": grads, "params": [(keys[n], held(p, p.detach())) for n, p in trained],
             "base_moved": max([(_full(named[n].detach()) - v).abs().max().item() for n, v in frozen.items()] + [0.0])}
 
 
@@ -188,7 +194,8 @@ def _lora_cases(folders: dict[str, str], device: torch.device, pair, out: Path) 
         session = build_session(model, ParallelConfig(dp=dp, ep=2, pipeline=pipeline), device, seed=SEED,
                                 loss_fn=model.loss())
         save = out / "lora-ep2" if layout == "dp2xep2xpp2" else None
-        records[f"{LORA_EP}-lora-{layout}"] = _steps(session.engine, model, dp, session.mesh.dp_rank, save)
+        records[f"{LORA_EP}-lora-{layout}"] = _steps(session.engine, model, dp, session.mesh.dp_rank, save,
+                                                     gather=True)
     for name, ep in (("ep2", 2), ("ep1", 1)):
         parallel = ParallelConfig(dp=2, ep=ep, pipeline=PipelineConfig(pp=2, n_microbatches=CHUNKS))
         records[f"{LORA_EP}-lora-reloaded-{name}"] = _reloaded(folders[LORA_EP], parallel, device, out / "lora-ep2")

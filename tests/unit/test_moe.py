@@ -270,11 +270,12 @@ def test_tensor_parallelism_is_refused_where_a_moe_family_has_no_plan(name):
 EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
-def test_split_expert_adapters_are_each_rank_s_experts_of_peft_s_update(name, folders):
-    """PEFT's adapters of the fused experts (A [r x E, in], B [out, r x E]) split over ep 2: each rank's factors give
-    exactly its experts' rows of PEFT's whole update, in both of PEFT's paths (its factors, its delta weight), and
-    are marked as expert slices (A by rows, B by columns in r blocks)."""
+@pytest.mark.parametrize(("name", "ep"), [("qwen3_moe", 2), ("qwen3_moe", 8), ("gpt_oss", 2)])
+def test_split_expert_adapters_are_each_rank_s_experts_of_peft_s_update(name, ep, folders):
+    """PEFT's adapters of the fused experts (A [r x E, in], B [out, r x E]) split over `ep` ranks: each rank's factors
+    give exactly its experts' rows of PEFT's whole update, in both of PEFT's paths (its factors, its delta weight;
+    one expert a rank, its delta weight only, [out, in], added to the [1, out, in] expert as PEFT adds it), and are
+    marked as expert slices (A by rows, B by columns in r blocks)."""
     model = LoraBlocks(HFCausalLM.from_folder(folders[name][0], seq_len=SEQ),
                        LoraSettings(rank=2, init=False, targets=EXPERT_TARGETS))
     torch.manual_seed(0)
@@ -282,7 +283,7 @@ def test_split_expert_adapters_are_each_rank_s_experts_of_peft_s_update(name, fo
     ((experts_name, experts),) = list(experts_in(block))
     wrappers = adapter_wrappers(block, experts_name)
     assert [w.parameter_name for w in wrappers] == ["down_proj", "gate_up_proj"]
-    total, ep = experts.gate_up_proj.shape[0], 2
+    total = experts.gate_up_proj.shape[0]
     local = total // ep
     for wrapper in wrappers:
         whole = wrapper.get_delta_weight("default")
@@ -290,10 +291,12 @@ def test_split_expert_adapters_are_each_rank_s_experts_of_peft_s_update(name, fo
         for rank in range(ep):
             part = copy.deepcopy(wrapper)
             split_adapters(part, rank * local, local)
-            lhs, rhs, scaling = part.get_delta_factors("default")
             mine = whole[rank * local:(rank + 1) * local]
-            torch.testing.assert_close(part.get_delta_weight("default"), mine, rtol=0, atol=1e-6)
-            torch.testing.assert_close(scaling * lhs @ rhs, mine, rtol=0, atol=1e-6)
+            base = getattr(experts, wrapper.parameter_name).detach()[rank * local:(rank + 1) * local]
+            torch.testing.assert_close(base + part.get_delta_weight("default"), base + mine, rtol=0, atol=1e-6)
+            if local > 1:
+                lhs, rhs, scaling = part.get_delta_factors("default")
+                torch.testing.assert_close(scaling * lhs @ rhs, mine, rtol=0, atol=1e-6)
             a, b = part.lora_A["default"].weight, part.lora_B["default"].weight
             assert part.num_experts == local and is_expert(a) and is_expert(b)
             assert expert_layout(a) == (0, 1) and expert_layout(b) == (1, 2)
