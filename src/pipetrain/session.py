@@ -112,7 +112,7 @@ def build_session(
         cut = SequenceSplit(parallel.cp, mesh.cp_rank)
     if experts is not None:  # after tensor parallelism's split (ParallelConfig refuses ep > 1 with cp > 1)
         split = expert_parallel_blocks(experts.ep_group, model=model, backward_group=experts.ep_backward_group,
-                                       before=split)
+                                       before=split, dp_mode=parallel.dp_mode)
     with startup.phase("stages"):
         engine = _engine(model, parallel, device, mesh, loss_fn, seed, wrap, split, cut)
     if experts is not None:

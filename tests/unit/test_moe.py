@@ -5,6 +5,7 @@ twice under recomputation), the bias balancing that moves, export as save_pretra
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -13,12 +14,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pipetrain.blocks import build_blocks, build_sequential  # noqa: E402
-from pipetrain.checkpoint.experts import expert_slices  # noqa: E402
+from pipetrain.checkpoint.experts import ExpertSlice, expert_slices  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
+from pipetrain.lora import LoraBlocks, LoraSettings  # noqa: E402
+from pipetrain.moe.adapters import adapter_wrappers, split_adapters  # noqa: E402
 from pipetrain.moe.balance import DEFAULT_BIAS_RATE, ExpertBalancer, routed_blocks  # noqa: E402
 from pipetrain.moe.experts import ExpertParallelExperts  # noqa: E402
 from pipetrain.moe.split import check_expert_parallel, experts_in  # noqa: E402
 from pipetrain.moe.router import RouterAuxLoss  # noqa: E402
+from pipetrain.parallel.experts import expert_layout, is_expert, mark_expert  # noqa: E402
 from pipetrain.pipeline.recompute import RecomputeWrapper  # noqa: E402
 from pipetrain.workloads.hf import causal_lm as hf_causal_lm  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
@@ -115,7 +119,10 @@ def test_gpt_oss_experts_under_ep_keep_their_biases_in_reads_and_checkpoint_keys
     container = torch.nn.Module()
     container.experts = ExpertParallelExperts(module, None)
     assert [n for n, _ in container.experts.named_parameters()] == list(GPT_OSS_EXPERTS)
-    assert expert_slices(container, lambda key: key) == {f"experts.{param}": experts for param in GPT_OSS_EXPERTS}
+    for param in container.experts.parameters():  # as the split marks them
+        mark_expert(param)
+    assert expert_slices(container, lambda key: key) == {
+        f"experts.{name}": ExpertSlice(param.shape) for name, param in container.experts.named_parameters()}
 
 
 @pytest.mark.parametrize("name", sorted(moe_configs()))
@@ -258,3 +265,55 @@ def test_tensor_parallelism_is_refused_where_a_moe_family_has_no_plan(name):
 
     with pytest.raises(ConfigError, match=f"the Hugging Face {name} model has no tensor-parallel plan"):
         hf_tp_plan(moe_configs()[name], MOE_FAMILIES[name], 1, 6, 2)
+
+
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.mark.parametrize(("name", "ep"), [("qwen3_moe", 2), ("qwen3_moe", 8), ("gpt_oss", 2)])
+def test_split_expert_adapters_are_each_rank_s_experts_of_peft_s_update(name, ep, folders):
+    """PEFT's adapters of the fused experts (A [r x E, in], B [out, r x E]) split over `ep` ranks: each rank's factors
+    give exactly its experts' rows of PEFT's whole update, in both of PEFT's paths (its factors, its delta weight;
+    one expert a rank, its delta weight only, [out, in], added to the [1, out, in] expert as PEFT adds it), and are
+    marked as expert slices (A by rows, B by columns in r blocks)."""
+    model = LoraBlocks(HFCausalLM.from_folder(folders[name][0], seq_len=SEQ),
+                       LoraSettings(rank=2, init=False, targets=EXPERT_TARGETS))
+    torch.manual_seed(0)
+    block = model.build_block(2)
+    ((experts_name, experts),) = list(experts_in(block))
+    wrappers = adapter_wrappers(block, experts_name)
+    assert [w.parameter_name for w in wrappers] == ["down_proj", "gate_up_proj"]
+    total = experts.gate_up_proj.shape[0]
+    local = total // ep
+    for wrapper in wrappers:
+        whole = wrapper.get_delta_weight("default")
+        assert whole.shape == getattr(experts, wrapper.parameter_name).shape
+        for rank in range(ep):
+            part = copy.deepcopy(wrapper)
+            split_adapters(part, rank * local, local)
+            mine = whole[rank * local:(rank + 1) * local]
+            base = getattr(experts, wrapper.parameter_name).detach()[rank * local:(rank + 1) * local]
+            torch.testing.assert_close(base + part.get_delta_weight("default"), base + mine, rtol=0, atol=1e-6)
+            if local > 1:
+                lhs, rhs, scaling = part.get_delta_factors("default")
+                torch.testing.assert_close(scaling * lhs @ rhs, mine, rtol=0, atol=1e-6)
+            a, b = part.lora_A["default"].weight, part.lora_B["default"].weight
+            assert part.num_experts == local and is_expert(a) and is_expert(b)
+            assert expert_layout(a) == (0, 1) and expert_layout(b) == (1, 2)
+
+
+def test_adapters_on_split_experts_are_refused_where_they_cannot_be_split(folders):
+    """--ep with adapters on the experts: accepted under DDP; under FSDP2, and with one transposed expert a rank
+    (GPT-OSS's 4 at ep 4), one ConfigError each."""
+    settings = LoraSettings(rank=2, targets=("q_proj",) + EXPERT_TARGETS)
+    qwen = LoraBlocks(HFCausalLM.from_folder(folders["qwen3_moe"][0], seq_len=SEQ), settings)
+    check_expert_parallel(qwen, 2)
+    check_expert_parallel(qwen, 8)
+    with pytest.raises(ConfigError, match=r"--ep 2 --dp-mode fsdp with LoRA adapters on the experts "
+                                          r"\(layer.mlp.experts\): FSDP2 does not gather"):
+        check_expert_parallel(qwen, 2, dp_mode="fsdp")
+    gpt = LoraBlocks(HFCausalLM.from_folder(folders["gpt_oss"][0], seq_len=SEQ), settings)
+    check_expert_parallel(gpt, 2)
+    with pytest.raises(ConfigError, match=r"--ep 4 leaves one expert a rank, and PEFT adapts a lone transposed "
+                                          r"expert \(GptOssExperts, layer.mlp.experts\) the wrong way round"):
+        check_expert_parallel(gpt, 4)

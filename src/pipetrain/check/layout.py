@@ -17,25 +17,27 @@ from torch.distributed.tensor import DTensor
 from pipetrain.check.reference import QuietModel
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
-from pipetrain.parallel.experts import gather_experts, is_expert
+from pipetrain.parallel.experts import expert_layout, gather_experts, is_expert
 from pipetrain.session import build_session, close_session, join_job
 
 __all__ = ["layout_runs"]
 
 
-def _full(t: torch.Tensor | None, experts: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+def _full(t: torch.Tensor | None, experts: dist.ProcessGroup | None = None,
+          layout: tuple[int, int] = (0, 1)) -> torch.Tensor | None:
     """`t` whole on the CPU: a DTensor's full tensor; with `experts` (an expert parameter's expert-parallel group)
-    every rank's slice of the layer's experts."""
+    every rank's slice of the layer's experts (placed by the parameter's `layout`: `expert_layout`)."""
     if t is None:
         return None
     t = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-    return (gather_experts(t, experts) if experts is not None else t).cpu().clone()
+    dim, parts = layout
+    return (gather_experts(t, experts, dim=dim, parts=parts) if experts is not None else t).cpu().clone()
 
 
 def _whole(engine, tensors) -> dict[str, torch.Tensor | None]:
     """name -> each parameter's `tensors(param)` whole (expert slices gathered over the expert-parallel group)."""
     group = engine.expert_group
-    return {name: _full(tensors(p), group if group is not None and is_expert(p) else None)
+    return {name: _full(tensors(p), group if group is not None and is_expert(p) else None, expert_layout(p))
             for name, p in engine.named_parameters()}
 
 

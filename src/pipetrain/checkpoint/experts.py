@@ -6,7 +6,9 @@ saves or loads, each such tensor (parameter, and optimizer state of its shape) b
 1-D expert-parallel mesh, sharded on its first dimension, of the whole tensor's shape: DCP writes each slice as its
 box of the whole tensor (ranks of other expert-parallel groups write the same boxes; DCP keeps one) and reads any
 layout's boxes into it. After a load the DTensors are plain slices again (`local_experts`; no copy: a DTensor made by
-`from_local` shares its slice's storage).
+`from_local` shares its slice's storage). A slice that is not one box of the whole tensor (a LoRA B of fused experts,
+[out, rank x E] with the expert innermost: `parallel.experts.mark_expert`'s `parts`) is a strided DTensor, which
+`checkpoint.strided` writes whole and splits again after a load.
 
 Under FSDP2 (`--dp-mode fsdp`) a rank's slice is itself sharded over the expert-data-parallel ranks (a DTensor of the
 EDP mesh): before a save it is gathered into the slice (`full_tensor`, one tensor at a time) and written as above;
@@ -17,6 +19,7 @@ same slice on every EDP rank, no communication).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,42 +27,56 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from pipetrain.moe.experts import ExpertParallelExperts
+from pipetrain.compat.dtensor import strided_shard
+from pipetrain.parallel.experts import expert_layout, is_expert
 
-__all__ = ["expert_slices", "shard_experts", "local_experts", "fsdp_layouts", "fsdp_shards"]
-
-
-def expert_slices(container: nn.Module, clean: Callable[[str], str]) -> dict[str, int]:
-    """Container key (wrappers' prefixes removed by `clean`) -> the layer's expert count, for every parameter of an
-    `ExpertParallelExperts` in `container` (its biases too: GPT-OSS's)."""
-    return {clean(f"{name}.{leaf}"): module.num_experts for name, module in container.named_modules()
-            if isinstance(module, ExpertParallelExperts) for leaf, _ in module.named_parameters(recurse=False)}
+__all__ = ["ExpertSlice", "expert_slices", "shard_experts", "local_experts", "fsdp_layouts", "fsdp_shards"]
 
 
-def _whole(local: torch.Tensor, experts: int, mesh: DeviceMesh) -> DTensor:
-    shape = torch.Size((experts, *local.shape[1:]))
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+@dataclass(frozen=True)
+class ExpertSlice:
+    """How a rank's slice of `shape` sits in the whole tensor (`parallel.experts.mark_expert`'s `dim` and `parts`)."""
+
+    shape: torch.Size
+    dim: int = 0
+    parts: int = 1
+
+
+def expert_slices(container: nn.Module, clean: Callable[[str], str]) -> dict[str, ExpertSlice]:
+    """Container key (wrappers' prefixes removed by `clean`) -> its slice, for every expert parameter of `container`
+    (`parallel.experts.is_expert`: an `ExpertParallelExperts`' weights and biases, the LoRA adapters of them)."""
+    return {clean(name): ExpertSlice(param.shape, *expert_layout(param))
+            for name, param in container.named_parameters() if is_expert(param)}
+
+
+def _whole(local: torch.Tensor, piece: ExpertSlice, mesh: DeviceMesh) -> DTensor:
+    shape = list(local.shape)
+    shape[piece.dim] *= mesh.size()
+    shape = torch.Size(shape)
+    placement = Shard(piece.dim) if piece.parts == 1 else strided_shard(piece.parts, piece.dim)
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _experts_of(key: str, slices: dict[str, int], clean: Callable[[str], str], optimizer: bool) -> int | None:
-    """The expert count of the layer whose slice `key` holds (None: not an expert slice)."""
+def _experts_of(key: str, slices: dict[str, ExpertSlice], clean: Callable[[str], str],
+                optimizer: bool) -> ExpertSlice | None:
+    """The slice `key` holds (None: not an expert slice)."""
     name = key.partition(".")[2].rpartition(".")[0] if optimizer and key.startswith("state.") else key
     return slices.get(clean(name))
 
 
-def shard_experts(state: dict[str, Any], slices: dict[str, int], mesh: DeviceMesh, clean: Callable[[str], str], *,
-                  optimizer: bool = False) -> dict[str, Any]:
+def shard_experts(state: dict[str, Any], slices: dict[str, ExpertSlice], mesh: DeviceMesh,
+                  clean: Callable[[str], str], *, optimizer: bool = False) -> dict[str, Any]:
     """`state` (a model state dict, or with `optimizer` a flattened optimizer one: `state.<key>.<what>`) with every
     expert slice (`slices`, keyed as `expert_slices` keys them; `clean` the same) a shard of the whole tensor on the
     expert-parallel `mesh`."""
     out = {}
     for key, value in state.items():
-        experts = _experts_of(key, slices, clean, optimizer)
-        if experts is not None and isinstance(value, torch.Tensor) and value.dim() >= 1 and (
-                not isinstance(value, DTensor) or value.device_mesh is not mesh) and value.shape[0] * mesh.size() == experts:
+        piece = _experts_of(key, slices, clean, optimizer)
+        if piece is not None and isinstance(value, torch.Tensor) and value.shape == piece.shape and (
+                not isinstance(value, DTensor) or value.device_mesh is not mesh):
             local = value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2's shard: the whole slice
-            value = _whole(local, experts, mesh)
+            value = _whole(local, piece, mesh)
         out[key] = value
     return out
 
@@ -70,7 +87,7 @@ def local_experts(state: dict[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
             for key, value in state.items()}
 
 
-def fsdp_layouts(state: dict[str, Any], slices: dict[str, int], mesh: DeviceMesh, clean: Callable[[str], str], *,
+def fsdp_layouts(state: dict[str, Any], slices: dict[str, ExpertSlice], mesh: DeviceMesh, clean: Callable[[str], str], *,
                  optimizer: bool = False) -> dict[str, tuple[DeviceMesh, tuple]]:
     """Key -> (mesh, placements) of every expert slice of `state` (as `shard_experts` takes them) that FSDP2 shards (a
     DTensor on another mesh than the expert-parallel `mesh`), taken before `shard_experts` replaces them."""

@@ -86,7 +86,7 @@ def eval_job(args: argparse.Namespace) -> EvalJob:
                          batch_size=args.batch_size, parallel=parallel, progress=False,
                          lora=LoraSettings(**source.lora) if source.lora is not None else None,
                          objective=_objective(args, saved))
-    check_expert_parallel(config.model(), args.ep)
+    check_expert_parallel(config.model(), args.ep, dp_mode=dp_mode)
     return EvalJob(config, source.checkpoint, answers=not args.no_answers, max_new_tokens=args.max_new_tokens,
                    max_answers=args.max_answers, out=args.out)
 

@@ -27,21 +27,33 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetrain.parallel.mesh import Mesh
 
-__all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert", "gather_experts"]
+__all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert", "expert_layout",
+           "gather_experts"]
 
 #: the attribute that marks a parameter held by one rank of an expert-parallel group (its slice of the experts)
 EXPERT_MARK = "expert_parallel"
+#: the attribute holding how a marked parameter's slice sits in the whole tensor: (dim, parts), see `mark_expert`
+EXPERT_LAYOUT = "expert_layout"
 
 
-def mark_expert(param: nn.Parameter) -> nn.Parameter:
-    """Mark `param` as an expert parameter: reduced over the expert-data-parallel group, not by DDP."""
+def mark_expert(param: nn.Parameter, *, dim: int = 0, parts: int = 1) -> nn.Parameter:
+    """Mark `param` as an expert parameter: reduced over the expert-data-parallel group, not by DDP. Its slice of
+    the whole tensor: along `dim`, the whole made of `parts` stacked blocks each split over the expert-parallel
+    ranks (1: the rank's rows of the experts, `gate_up_proj`; a LoRA B of fused experts, [out, rank x E] with the
+    expert innermost, is `dim=1, parts=rank`)."""
     setattr(param, EXPERT_MARK, True)
+    setattr(param, EXPERT_LAYOUT, (dim, parts))
     return param
 
 
 def is_expert(param: torch.Tensor) -> bool:
     """Whether `param` was marked by `mark_expert`."""
     return getattr(param, EXPERT_MARK, False)
+
+
+def expert_layout(param: torch.Tensor) -> tuple[int, int]:
+    """(dim, parts) of a parameter marked by `mark_expert` (see there); (0, 1) when it was marked without them."""
+    return getattr(param, EXPERT_LAYOUT, (0, 1))
 
 
 @dataclass(frozen=True)
@@ -111,9 +123,14 @@ class ExpertGradients:
             param.grad = grad if before is None else before + grad
 
 
-def gather_experts(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The whole tensor of a layer's experts from each rank's slice `local` (its rows, in the group's rank order):
-    a collective over the expert-parallel `group` (not differentiable)."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts)
+def gather_experts(local: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0, parts: int = 1) -> torch.Tensor:
+    """The whole tensor of a layer's experts from each rank's slice `local` (its rows, in the group's rank order;
+    `dim` and `parts` as `mark_expert` takes them): a collective over the expert-parallel `group` (not
+    differentiable)."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    if parts == 1 and dim == 0:
+        return torch.cat(pieces)
+    shape = local.shape
+    blocks = [piece.reshape(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:]) for piece in pieces]
+    return torch.cat(blocks, dim=dim + 1).reshape(*shape[:dim], -1, *shape[dim + 1:])

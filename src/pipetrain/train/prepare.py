@@ -45,7 +45,7 @@ def check_model(config: TrainConfig) -> None:
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
     check_context(model, config.parallel.cp, config.parallel.cp_attention, config.seq_len, config.parallel.tp)
-    check_expert_parallel(model, config.parallel.ep)
+    check_expert_parallel(model, config.parallel.ep, dp_mode=config.parallel.dp_mode)
 
 
 def settled(config: TrainConfig) -> TrainConfig:
