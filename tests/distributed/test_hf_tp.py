@@ -16,10 +16,13 @@ the key/value heads or the MLP; sequence parallelism).
 The vocabulary-parallel head (`--loss-parallel`, `VOCAB_CASES`), in the same job: the untied Llama at pp2 × tp2
 (1F1B), the tied Llama at pp2 × tp2 (the embedding on the first stage, the head on the last, both split on the
 vocabulary alike, their copies summed shard by shard) and the tied GPT-2 at dp2 × tp2 with FSDP2 (both copies on one
-rank, FSDP2 on top of the vocabulary shards): the same three steps against the unsplit (tied or untied) transformers
+rank, FSDP2 on top of the vocabulary shards); sequence parallelism (`--sequence-parallel`): the untied Llama at
+pp2 × tp2 with the vocabulary-parallel head (sequence shards cross the stage boundary) and the tied Llama at
+dp2 × tp2 with FSDP2 (its norms' replicated weights under FSDP2): the same three steps against the unsplit (tied or untied) transformers
 model, the same tolerance (rtol 1e-5, atol 4e-5); the embedding's and the head's matrices are really split (local
 halves), and `CausalLMLoss.correct` of vocabulary-sharded logits (ties across the shards included) equals it on the
-whole logits. Without processes: its refusals (a vocabulary tp does not divide, LoRA on lm_head).
+whole logits; under sequence parallelism the norms' weights are DTensors (they run on the shards). Without
+processes: the refusals (test_hf_loss_parallel.py).
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ CASES = {
     "llama-pp4<-pp2xtp2": ("llama", 1, 4, "1f1b", "llama-pp2xtp2-1f1b"),
 }
 SAVE_AT = 2
-#: vocabulary-parallel cases (`--loss-parallel`): case -> (folder: "untied" or "tied", family, dp, pp, schedule)
+#: the vocabulary-parallel head (`--loss-parallel`) and sequence parallelism: case -> (folder: "untied" or "tied",
+#: family, dp, pp, schedule, sequence-parallel, loss-parallel)
 VOCAB_CASES = {
-    "llama-pp2xtp2-1f1b-lp": ("untied", "llama", 1, 2, "1f1b"),
-    "tied-llama-pp2xtp2-1f1b-lp": ("tied", "llama", 1, 2, "1f1b"),
-    "tied-gpt2-dp2xtp2-fsdp-lp": ("tied", "gpt2", 2, 1, "gpipe"),
+    "llama-pp2xtp2-1f1b-lp": ("untied", "llama", 1, 2, "1f1b", False, True),
+    "tied-llama-pp2xtp2-1f1b-lp": ("tied", "llama", 1, 2, "1f1b", False, True),
+    "tied-gpt2-dp2xtp2-fsdp-lp": ("tied", "gpt2", 2, 1, "gpipe", False, True),
+    "llama-pp2xtp2-1f1b-sp-lp": ("untied", "llama", 1, 2, "1f1b", True, True),
+    "tied-llama-dp2xtp2-fsdp-sp": ("tied", "llama", 2, 1, "gpipe", True, False),
 }
 #: a decoder projection of each family and its local shape at tp=2 (global: Llama q [32, 32], k [16, 32]; GPT-2
 #: c_attn [32, 96] split by heads along dim 1, c_proj [32, 32] by rows)
@@ -94,17 +100,16 @@ def _case(folder: str, name: str, device: torch.device, out: Path) -> dict:
 
 
 def _vocab_case(folder: str, name: str, device: torch.device) -> dict:
-    kind, family, dp, pp, schedule = VOCAB_CASES[name]
+    kind, family, dp, pp, schedule, sp, lp = VOCAB_CASES[name]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ)
-    parallel = ParallelConfig(dp=dp, tp=2, dp_mode="fsdp", loss_parallel=True,
+    parallel = ParallelConfig(dp=dp, tp=2, dp_mode="fsdp", sequence_parallel=sp, loss_parallel=lp,
                               pipeline=PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4))
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
     engine, replica = session.engine, session.mesh.dp_rank
     keys = transformers_names(model)
     if kind == "tied":  # the head's copy is the tied tensor (the reference's embedding)
         keys = {n: EMBEDDING[family] if hf == "lm_head.weight" else hf for n, hf in keys.items()}
-    local = {n: tuple(p.to_local().shape) for n, p in engine.named_parameters()
-             if isinstance(p, DTensor) and n.endswith(("lm_head.weight", "embed_tokens.weight", "wte.weight"))}
+    local = {n: tuple(p.to_local().shape) for n, p in engine.named_parameters() if isinstance(p, DTensor)}
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
     losses, grads = [], []
     for x, labels in make_batches(dp):
@@ -116,7 +121,7 @@ def _vocab_case(folder: str, name: str, device: torch.device) -> dict:
     params = [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]
     head = next((p for n, p in engine.named_parameters() if n.endswith("lm_head.weight")), None)
     correct = None
-    if head is not None:  # accuracy of vocabulary-sharded logits: the best token, ties across the shards included
+    if head is not None and lp:  # accuracy of vocabulary-sharded logits: the best token, ties across the shards included
         tp_mesh = session.mesh.tp_mesh
         logits = torch.randint(0, 4, (3, SEQ, VOCAB), generator=torch.Generator().manual_seed(2)).float()
         targets = logits.argmax(dim=-1)
@@ -176,7 +181,7 @@ def test_tensor_parallel_transformers_model_matches_unsplit(name, runs):
 @pytest.mark.parametrize("name", list(VOCAB_CASES))
 def test_vocabulary_parallel_head_matches_unsplit(name, tmp_path_factory):
     job = spawned(tmp_path_factory)
-    kind, family, dp, _, _ = VOCAB_CASES[name]
+    kind, family, dp, _, _, sp, lp = VOCAB_CASES[name]
     ref = (job["tied_references"] if kind == "tied" else job["references"])[family, dp]
     vocab = job["tied_vocab"][family] if kind == "tied" else VOCAB
     seen, split, correct = set(), {}, []
@@ -193,11 +198,14 @@ def test_vocabulary_parallel_head_matches_unsplit(name, tmp_path_factory):
         split.update(record["local"])
         correct += [record["correct"]] if record["correct"] is not None else []
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
-    names = {name.rpartition(".")[0].rpartition(".")[2] for name in split}
-    assert names == {"lm_head", "wte" if family == "gpt2" else "embed_tokens"}, split  # both split on the vocabulary
-    if dp == 1:  # (FSDP2 cuts the rows again over dp)
-        assert set(split.values()) == {(vocab // 2, 32)}, split
-    assert correct and all(sharded == whole > 0 for sharded, whole in correct), correct
+    ends = {key: shape for key, shape in split.items() if key.endswith(("lm_head.weight", "embed_tokens.weight",
+                                                                           "wte.weight"))}
+    names = {key.rpartition(".")[0].rpartition(".")[2] for key in ends}
+    assert names == ({"lm_head", "wte" if family == "gpt2" else "embed_tokens"} if lp else set()), split
+    if dp == 1 and lp:  # both split on the vocabulary (FSDP2 cuts the rows again over dp)
+        assert set(ends.values()) == {(vocab // 2, 32)}, split
+    assert sp == any("layernorm" in key for key in split), split  # the norms run on sequence shards
+    assert not lp or (correct and all(sharded == whole > 0 for sharded, whole in correct)), correct
 
 
 def test_export_hf_of_a_tp_checkpoint_is_the_unsplit_model(runs, tmp_path):
@@ -246,5 +254,6 @@ def test_hf_plans_split_the_decoder_layers_only(family):
     check_tensor_parallel(model, 2)
     plans = [model.tp_plan(i, 2) for i in range(model.num_blocks)]
     assert plans[0] is None and plans[-1] is None and all(plans[1:-1])
-    with pytest.raises(ConfigError, match="sequence-parallel"):
-        model.tp_plan(1, 2, sequence_parallel=True)
+    if family == "gpt2":  # GPT-2 has no sequence-parallel plan (Llama's: test_hf_loss_parallel.py)
+        with pytest.raises(ConfigError, match="sequence-parallel"):
+            model.tp_plan(1, 2, sequence_parallel=True)

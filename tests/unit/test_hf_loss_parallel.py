@@ -1,8 +1,9 @@
-"""`--loss-parallel` for the Hugging Face workload without processes: the vocabulary-parallel embedding and head in
-its plans (tied copies split alike), the refusals (a vocabulary tp does not divide, LoRA on the head or the
-embedding, a model type without a plan), and the planner pricing it (`plan --model ... --loss-parallel`, the train
-line it prints carrying the flag; the old `--vocab-parallel` still working with a deprecation warning). The
-parity of the split (losses, gradients, parameters) is test_hf_tp's, in the spawned HF job."""
+"""`--loss-parallel` and `--sequence-parallel` for the Hugging Face workload, without processes: the
+vocabulary-parallel embedding and head in its plans (tied copies split alike), the sequence-parallel plans, the
+refusals (a vocabulary or a sequence tp does not divide, LoRA on the head, packed documents or a family without a
+sequence-parallel plan under --sequence-parallel), and the planner pricing --loss-parallel (`plan --model`, the
+train line it prints carrying the flag; the old `--vocab-parallel` still working with a deprecation warning). The
+parity of the splits (losses, gradients, parameters) is test_hf_tp's, in the spawned HF job."""
 
 from __future__ import annotations
 
@@ -88,3 +89,23 @@ def test_plan_prices_loss_parallel_and_its_train_line_carries_it(tmp_path, capsy
     with pytest.warns(DeprecationWarning, match="--vocab-parallel is deprecated: pass --loss-parallel"):
         old = _plan(capsys, tmp_path, "--vocab-parallel")
     assert _memory(old) == _memory(split) and "--loss-parallel" in old
+
+
+def test_sequence_parallel_plans_and_refusals():
+    model = _llama()
+    plans = block_plans(model, 2, sequence_parallel=True, loss_parallel=True)
+    assert set(plans[0]) == {"embed_tokens", "drop"} and set(plans[-1]) == {"norm", "lm_head"}
+    layer = plans[1]
+    assert "" in layer  # the block takes and returns its sequence shard
+    assert {"layer.input_layernorm", "layer.post_attention_layernorm"} <= set(layer)
+    assert set(block_plans(model, 2, sequence_parallel=True)[-1]) == {"norm"}
+    with pytest.raises(ConfigError, match="sequence length 15 is not divisible by 2"):
+        check_tensor_parallel(HFCausalLM(transformers.LlamaConfig(**SMALL), seq_len=15), 2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="packed documents"):
+        check_tensor_parallel(HFCausalLM(transformers.LlamaConfig(**SMALL), seq_len=16, documents=True), 2,
+                              sequence_parallel=True)
+    gemma2 = HFCausalLM(transformers.Gemma2Config(**SMALL, head_dim=16), seq_len=16)
+    check_tensor_parallel(gemma2, 2)
+    with pytest.raises(ConfigError, match="--sequence-parallel is not available for the Hugging Face gemma2") as info:
+        check_tensor_parallel(gemma2, 2, sequence_parallel=True)
+    assert "drop --sequence-parallel" in info.value.hint
