@@ -22,7 +22,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from pipetrain.blocks import BlockModel, tp_ability
@@ -118,11 +118,13 @@ class BlockSplit:
 
 
 def _grad_as_param(param: nn.Parameter) -> None:
-    """Lay out a split parameter's gradient as the parameter: torch's backward of a row-parallel embedding returns
-    its gradient replicated (every rank the whole table), where the parameter, the tied copies' sums
-    (`pipetrain.pipeline.tied`) and the optimizer's state hold this rank's rows (a local slice, no exchange)."""
+    """Lay out a split parameter's replicated gradient as the parameter: torch's backward of a row-parallel
+    embedding returns its gradient replicated (every rank the whole table), where the parameter, the tied copies'
+    sums (`pipetrain.pipeline.tied`) and the optimizer's state hold this rank's rows (a local slice, no exchange).
+    Other gradients (the `Partial` sums of replicated norms under sequence parallelism) are left as they are."""
     grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
+    if isinstance(grad, DTensor) and grad.placements != param.placements and \
+            all(isinstance(p, Replicate) for p in grad.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
