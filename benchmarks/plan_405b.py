@@ -13,8 +13,9 @@ recomputation, vocabulary-parallel embedding and head, Float8 weights gathered i
 kept by torch's schedule to the step's end as torchtitan's loop leaves them, in bf16: torchtitan's model returns its
 output layer's bf16 logits and its loss casts a copy to fp32, `--bf16-logits`), on the stated H100 node
 (`hardware.NODES`, bf16: 950 TFLOP/s). Then the same layout as pipetrain itself would run it (its own recomputation
-of a whole stage, embedding and head whole on each tensor-parallel rank, no Float8, each micro-batch's outputs
-dropped after its loss). Last, the whole command's wall
+of a whole stage, embedding and head split over the vocabulary as train's `--loss-parallel` runs them, no Float8,
+each micro-batch's outputs dropped after its loss), and beside it without `--loss-parallel` (embedding and head
+whole on each tensor-parallel rank). Last, the whole command's wall
 time in a fresh interpreter (median of `--repeats`), and whether it imported torch or transformers. The memory is the
 largest of the planner's moments (plan/predict.py); what it does not model is in docs/memory.md.
 """
@@ -39,7 +40,7 @@ LAYOUT = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", 
           "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
           "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
           "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--gpu", "h100-sxm"]
-TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--vocab-parallel", "--keep-outputs", "--bf16-logits"]
+TORCHTITAN = LAYOUT + ["--float8", "--recompute-unit", "layer", "--loss-parallel", "--keep-outputs", "--bf16-logits"]
 
 
 def _plan(argv: list[str]) -> dict:
@@ -53,21 +54,21 @@ def main() -> None:
     args = parser.parse_args()
     gib, tokens = 2**30, 256 * 8192 / 512
     print("| schedule | torchtitan tokens/s/GPU | planned | torchtitan GiB | planned GiB | planned / published "
-          "| pipetrain's own engine: planned GiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "| pipetrain's own engine (--loss-parallel): planned GiB | without --loss-parallel |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     roomy = [a if b != "--gpu-mem" else "1000" for b, a in zip([""] + LAYOUT, LAYOUT)]  # pipetrain's own: too big
-    titan, own = _plan(TORCHTITAN), _plan(roomy)
+    titan, own, whole = _plan(TORCHTITAN), _plan(roomy + ["--loss-parallel"]), _plan(roomy)
     for schedule, (tps, mem) in PUBLISHED.items():
-        p, q = titan[schedule], own[schedule]
+        p, q, w = titan[schedule], own[schedule], whole[schedule]
         planned_mem = max(p.memory_bytes) / gib
         print(f"| {schedule} | {tps} | {tokens / p.step_s:.1f} | {mem} | {planned_mem:.1f} | "
-              f"{planned_mem / mem:.3f} | {max(q.memory_bytes) / gib:.1f} |")
+              f"{planned_mem / mem:.3f} | {max(q.memory_bytes) / gib:.1f} | {max(w.memory_bytes) / gib:.1f} |")
     table6 = [a if b not in ("--seq-len", "--batch", "--schedules") else {"--seq-len": "32768", "--batch": "64",
               "--schedules": "1f1b"}[b] for b, a in zip([""] + TORCHTITAN, TORCHTITAN)]
     (t6,) = _plan(table6).values()
     t6_mem = max(t6.memory_bytes) / gib
     print(f"| 1f1b, Table 6 (FSDP 8, CP 1, 8 × 32768 tokens) | 76 | {64 * 32768 / 512 / t6.step_s:.1f} | 75.3 | "
-          f"{t6_mem:.1f} | {t6_mem / 75.3:.3f} | |")
+          f"{t6_mem:.1f} | {t6_mem / 75.3:.3f} | | |")
     ratio = titan["1f1b"].step_s / titan["interleaved-1f1b"].step_s
     engine = own["1f1b"].step_s / own["interleaved-1f1b"].step_s
     print(f"\ninterleaved / 1F1B throughput: published {128 / 100:.2f}, planned {ratio:.3f} "

@@ -34,7 +34,7 @@ FSDP_PP1 = ["--dp-modes", "fsdp", "--pp", "1", "--chunks", "1", "--fsdp-reshard"
 SELECTIVE = ["--checkpoints", "always", "--recompute-unit", "selective", "--selective-matmuls", "alternate"]
 FULL = ["--checkpoints", "always", "--recompute-unit", "layer"]
 PP_405B = ["--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp", "--chunks", "8",
-           "--float8", "--vocab-parallel", "--keep-outputs", "--bf16-logits", *FULL]
+           "--float8", "--loss-parallel", "--keep-outputs", "--bf16-logits", *FULL]
 
 #: (table, row, compiled, published GiB, plan arguments)
 ROWS = [
@@ -50,7 +50,7 @@ ROWS = [
       for cp, mem in ((1, 83.9), (2, 84.2), (4, 84.0))],
     ("4", "70B FSDP 32 TP 8", True, 71.9,
      ["--model", "llama-3.1-70b", "--gpus", "256", "--batch", "512", "--seq-len", "8192", "--tp", "8",
-      "--sequence-parallel", "on", "--vocab-parallel", "--float8", *FSDP_PP1, *FULL]),
+      "--sequence-parallel", "on", "--loss-parallel", "--float8", *FSDP_PP1, *FULL]),
     ("5", "405B 1F1B", True, 82.5,
      ["--model", "llama-3.1-405b", "--gpus", "512", "--batch", "256", "--seq-len", "8192", "--schedules", "1f1b",
       *PP_405B]),

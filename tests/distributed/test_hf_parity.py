@@ -146,7 +146,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], tied_folders: dict[str, str
         records = {f"{family}-{layout}": _train(folder, layout, device) for family, folder in folders.items()
                    for layout in LAYOUTS}
         records.update(tied_records(tied_folders, device, Path(out)))  # test_hf_tied's cases, in the same job
-        records.update(tp_records(folders, device, Path(out)))  # and test_hf_tp's
+        records.update(tp_records(folders, device, Path(out), tied_folders))  # and test_hf_tp's
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -159,7 +159,7 @@ def spawned(tmp_path_factory) -> dict:
     """One job of 4 ranks for this module's cases, test_hf_tied's and test_hf_tp's (one start-up), run once."""
     if _SPAWNED:
         return _SPAWNED
-    from tests.distributed.test_hf_tied import tied_setup
+    from tests.distributed.test_hf_tied import tied_configs, tied_setup
 
     root = tmp_path_factory.mktemp("hf")
     folders, references = _untied_setup(root)
@@ -167,7 +167,8 @@ def spawned(tmp_path_factory) -> dict:
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, tied_folders, str(root)), timeout_s=600)
     _SPAWNED.update(per_rank=[torch.load(root / f"rank{r}.pt") for r in range(4)], references=references,
-                    tied_references=tied_references, root=root, tied_folders=tied_folders)
+                    tied_references=tied_references, root=root, tied_folders=tied_folders,
+                    tied_vocab={family: config.vocab_size for family, config in tied_configs().items()})
     return _SPAWNED
 
 

@@ -12,6 +12,17 @@ the same job resumes it at pp4 (tp 1) and its third step gives the uninterrupted
 (same tolerance); `export_hf` (what `pipetrain export --hf` runs) of that checkpoint is a folder transformers loads whose logits equal
 the unsplit model's after the same two steps. Without processes: the refusals (tp not dividing the query heads,
 the key/value heads or the MLP; sequence parallelism).
+
+The vocabulary-parallel head (`--loss-parallel`, `VOCAB_CASES`), in the same job: the untied Llama at pp2 × tp2
+(1F1B), the tied Llama at pp2 × tp2 (the embedding on the first stage, the head on the last, both split on the
+vocabulary alike, their copies summed shard by shard) and the tied GPT-2 at dp2 × tp2 with FSDP2 (both copies on one
+rank, FSDP2 on top of the vocabulary shards); sequence parallelism (`--sequence-parallel`): the untied Llama at
+pp2 × tp2 with the vocabulary-parallel head (sequence shards cross the stage boundary) and the tied Llama at
+dp2 × tp2 with FSDP2 (its norms' replicated weights under FSDP2): the same three steps against the unsplit (tied or untied) transformers
+model, the same tolerance (rtol 1e-5, atol 4e-5); the embedding's and the head's matrices are really split (local
+halves), and `CausalLMLoss.correct` of vocabulary-sharded logits (ties across the shards included) equals it on the
+whole logits; under sequence parallelism the norms' weights are DTensors (they run on the shards). Without
+processes: the refusals (test_hf_loss_parallel.py).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 
 from pipetrain.checkpoint.state import load_checkpoint, save_checkpoint  # noqa: E402
 from pipetrain.workloads.hf.export import export_hf  # noqa: E402
@@ -34,8 +45,9 @@ from pipetrain.parallel.tensor import check_tensor_parallel  # noqa: E402
 from pipetrain.session import build_session  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
-from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, make_batches, spawned,  # noqa: E402
-                                             tiny_configs)
+from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, make_batches,  # noqa: E402
+                                             spawned, tiny_configs)
+from tests.distributed.test_hf_tied import EMBEDDING  # noqa: E402
 
 #: case -> (family, dp, pp, schedule, checkpoint folder to resume from or None)
 CASES = {
@@ -45,6 +57,15 @@ CASES = {
     "llama-pp4<-pp2xtp2": ("llama", 1, 4, "1f1b", "llama-pp2xtp2-1f1b"),
 }
 SAVE_AT = 2
+#: the vocabulary-parallel head (`--loss-parallel`) and sequence parallelism: case -> (folder: "untied" or "tied",
+#: family, dp, pp, schedule, sequence-parallel, loss-parallel)
+VOCAB_CASES = {
+    "llama-pp2xtp2-1f1b-lp": ("untied", "llama", 1, 2, "1f1b", False, True),
+    "tied-llama-pp2xtp2-1f1b-lp": ("tied", "llama", 1, 2, "1f1b", False, True),
+    "tied-gpt2-dp2xtp2-fsdp-lp": ("tied", "gpt2", 2, 1, "gpipe", False, True),
+    "llama-pp2xtp2-1f1b-sp-lp": ("untied", "llama", 1, 2, "1f1b", True, True),
+    "tied-llama-dp2xtp2-fsdp-sp": ("tied", "llama", 2, 1, "gpipe", True, False),
+}
 #: a decoder projection of each family and its local shape at tp=2 (global: Llama q [32, 32], k [16, 32]; GPT-2
 #: c_attn [32, 96] split by heads along dim 1, c_proj [32, 32] by rows)
 SPLIT = {"llama": {"model.layers.0.self_attn.q_proj.weight": (16, 32), "model.layers.0.self_attn.k_proj.weight": (8, 32),
@@ -78,9 +99,47 @@ def _case(folder: str, name: str, device: torch.device, out: Path) -> dict:
             "seconds": time.perf_counter() - started}  # this case's share of the job (reported, not asserted)
 
 
-def tp_records(folders: dict[str, str], device: torch.device, out: Path) -> dict:
-    """This rank's records of every TP case (called by test_hf_parity's worker, in its job)."""
-    return {f"tp-{name}": _case(folders[family], name, device, out) for name, (family, *_) in CASES.items()}
+def _vocab_case(folder: str, name: str, device: torch.device) -> dict:
+    kind, family, dp, pp, schedule, sp, lp = VOCAB_CASES[name]
+    model = HFCausalLM.from_folder(folder, seq_len=SEQ)
+    parallel = ParallelConfig(dp=dp, tp=2, dp_mode="fsdp", sequence_parallel=sp, loss_parallel=lp,
+                              pipeline=PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4))
+    session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
+    engine, replica = session.engine, session.mesh.dp_rank
+    keys = transformers_names(model)
+    if kind == "tied":  # the head's copy is the tied tensor (the reference's embedding)
+        keys = {n: EMBEDDING[family] if hf == "lm_head.weight" else hf for n, hf in keys.items()}
+    local = {n: (tuple(p.to_local().shape), "tp" in (p.device_mesh.mesh_dim_names or ()))  # split over tp or not
+             for n, p in engine.named_parameters() if isinstance(p, DTensor)}
+    opt = torch.optim.SGD(engine.parameters(), lr=LR)
+    losses, grads = [], []
+    for x, labels in make_batches(dp):
+        share = slice(replica * x.shape[0] // dp, (replica + 1) * x.shape[0] // dp)
+        opt.zero_grad()
+        losses.append(engine.step(x[share], labels[share]).loss)
+        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
+        opt.step()
+    params = [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]
+    head = next((p for n, p in engine.named_parameters() if n.endswith("lm_head.weight")), None)
+    correct = None
+    if head is not None and lp:  # accuracy of vocabulary-sharded logits: the best token, ties across the shards included
+        tp_mesh = session.mesh.tp_mesh
+        logits = torch.randint(0, 4, (3, SEQ, VOCAB), generator=torch.Generator().manual_seed(2)).float()
+        targets = logits.argmax(dim=-1)
+        targets[0] = (targets[0] + 1) % VOCAB  # some wrong
+        sharded = distribute_tensor(logits, tp_mesh, [Shard(-1)])
+        correct = (causal_lm_loss.correct(sharded, targets).item(), causal_lm_loss.correct(logits, targets).item())
+    return {"losses": losses, "grads": grads, "params": params, "local": local, "correct": correct}
+
+
+def tp_records(folders: dict[str, str], device: torch.device, out: Path,
+               tied_folders: dict[str, str] | None = None) -> dict:
+    """This rank's records of every TP case (called by test_hf_parity's worker, in its job); with `tied_folders`,
+    the vocabulary-parallel cases too."""
+    records = {f"tp-{name}": _case(folders[family], name, device, out) for name, (family, *_) in CASES.items()}
+    for name, (kind, family, *_) in VOCAB_CASES.items() if tied_folders else ():
+        records[f"tp-{name}"] = _vocab_case((tied_folders if kind == "tied" else folders)[family], name, device)
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +177,36 @@ def test_tensor_parallel_transformers_model_matches_unsplit(name, runs):
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
     held = {key for records in per_rank for key in records[f"tp-{name}"]["local"]}
     assert source or set(SPLIT[family]) <= held
+
+
+@pytest.mark.parametrize("name", list(VOCAB_CASES))
+def test_vocabulary_parallel_head_matches_unsplit(name, tmp_path_factory):
+    job = spawned(tmp_path_factory)
+    kind, family, dp, _, _, sp, lp = VOCAB_CASES[name]
+    ref = (job["tied_references"] if kind == "tied" else job["references"])[family, dp]
+    vocab = job["tied_vocab"][family] if kind == "tied" else VOCAB
+    seen, split, correct = set(), {}, []
+    for records in job["per_rank"]:
+        record = records[f"tp-{name}"]
+        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+        for step, grads in enumerate(record["grads"]):
+            for key, grad in grads:
+                torch.testing.assert_close(grad, ref["grads"][step][key], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"step {step} gradient of {key}: {m}")
+        for key, value in record["params"]:
+            torch.testing.assert_close(value, ref["params"][key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
+            seen.add(key)
+        split.update(record["local"])
+        correct += [record["correct"]] if record["correct"] is not None else []
+    assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+    split = {key: shape for key, (shape, over_tp) in split.items() if over_tp}  # (FSDP2 makes every weight a DTensor)
+    ends = {key: shape for key, shape in split.items() if key.endswith(("lm_head.weight", "embed_tokens.weight",
+                                                                           "wte.weight"))}
+    names = {key.rpartition(".")[0].rpartition(".")[2] for key in ends}
+    assert names == ({"lm_head", "wte" if family == "gpt2" else "embed_tokens"} if lp else set()), split
+    assert set(ends.values()) <= {(vocab // 2 // dp, 32)}, split  # the vocabulary's rows over tp (FSDP2: over dp too)
+    assert sp == any("layernorm" in key for key in split), split  # the norms run on sequence shards
+    assert not lp or (correct and all(sharded == whole > 0 for sharded, whole in correct)), correct
 
 
 def test_export_hf_of_a_tp_checkpoint_is_the_unsplit_model(runs, tmp_path):
@@ -166,5 +255,6 @@ def test_hf_plans_split_the_decoder_layers_only(family):
     check_tensor_parallel(model, 2)
     plans = [model.tp_plan(i, 2) for i in range(model.num_blocks)]
     assert plans[0] is None and plans[-1] is None and all(plans[1:-1])
-    with pytest.raises(ConfigError, match="sequence-parallel"):
-        model.tp_plan(1, 2, sequence_parallel=True)
+    if family == "gpt2":  # GPT-2 has no sequence-parallel plan (Llama's: test_hf_loss_parallel.py)
+        with pytest.raises(ConfigError, match="sequence-parallel"):
+            model.tp_plan(1, 2, sequence_parallel=True)

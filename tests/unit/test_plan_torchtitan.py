@@ -27,7 +27,7 @@ ARGV = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", "-
         "--gpu-mem", "95", "--tp", "8", "--pp", "8", "--sequence-parallel", "on", "--dp-modes", "fsdp",
         "--checkpoints", "always", "--batch", "256", "--chunks", "8", "--stages-per-rank", "2",
         "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--float8", "--recompute-unit", "layer",
-        "--vocab-parallel", "--keep-outputs", "--bf16-logits", "--gpu", "h100-sxm"]
+        "--loss-parallel", "--keep-outputs", "--bf16-logits", "--gpu", "h100-sxm"]
 #: why torchtitan's two published 1F1B figures stay out of 10 % (docs/memory.md, "Llama 3.1 405B")
 RESERVE = ("every allocation the planner knows at torchtitan's settings (read at 9dec370) plans 61.1 GiB; torchtitan "
            "reports the caching allocator's reserved peak, and its two 1F1B figures for the same allocations differ "

@@ -69,8 +69,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --tp: also split the norm and dropout regions along the sequence (the sequence "
                             "length, and every --bucket length, a multiple of tp)")
     group.add_argument("--loss-parallel", action="store_true",
-                       help="with --tp, for the lm: split the head over the vocabulary and compute the cross-entropy "
-                            "on the shards (the vocabulary a multiple of tp)")
+                       help="with --tp, for the lm and hf workloads: split the head (hf: and the embedding, tied or "
+                            "not) over the vocabulary and compute the cross-entropy on the shards (the vocabulary a "
+                            "multiple of tp)")
     group.add_argument("--cp", type=int, default=1,
                        help="context-parallel ranks cutting each sequence (zig-zag: its length a multiple of 2 x cp; "
                             "the hf workload) (default: 1)")

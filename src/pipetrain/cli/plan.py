@@ -60,9 +60,9 @@ def _devices(args: argparse.Namespace) -> tuple[int, int]:
 def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
     """The block costs and a description of where they come from."""
     model = getattr(args, "model", None)
-    if model is None and (getattr(args, "seq_len", None) is not None or getattr(args, "vocab_parallel", False)
+    if model is None and (getattr(args, "seq_len", None) is not None or getattr(args, "loss_parallel", False)
                           or getattr(args, "bf16_logits", False)):
-        raise ConfigError("--seq-len, --vocab-parallel and --bf16-logits price a --model",
+        raise ConfigError("--seq-len, --loss-parallel and --bf16-logits price a --model",
                           hint="pass --model DIR|config.json")
     if model is not None:
         given = [flag for flag, value in (("--preset", args.preset), ("--profile", args.profile)) if value is not None]
@@ -79,7 +79,7 @@ def model_blocks(args: argparse.Namespace) -> tuple[list[BlockCost], str]:
         if getattr(args, "bf16_logits", False) and element != 2:
             raise ConfigError("--bf16-logits needs bf16 activations", hint="add --precision bf16")
         args.model_sizes, args.model_seq_len = sizes, seq_len
-        blocks = sizes.blocks(seq_len, element=element, vocab_parallel=getattr(args, "vocab_parallel", False),
+        blocks = sizes.blocks(seq_len, element=element, vocab_parallel=getattr(args, "loss_parallel", False),
                               logits_element=2 if getattr(args, "bf16_logits", False) else 4)
         return blocks, f"{file} priced from its config at seq len {seq_len} ({sizes.summary()})"
     if args.profile is not None:
@@ -159,6 +159,8 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
             "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)] + memory_flags(lay)
     if lay.sequence_parallel:
         out.append("--sequence-parallel")
+    if lay.tp > 1 and getattr(args, "loss_parallel", False):  # priced with the vocabulary-parallel head
+        out.append("--loss-parallel")
     if lay.virtual > 1:
         out += ["--stages-per-rank", str(lay.virtual)]
     if lay.balance == "time" and len(prediction.balance) > 1:
@@ -240,8 +242,7 @@ def run(args: argparse.Namespace) -> int:
                              tp=result.best[0].layout.tp, ep=result.best[0].layout.ep,
                              cp=result.best[0].layout.cp):
             print(f"  {line}")
-    what_if = [flag for flag, on in (("--vocab-parallel", getattr(args, "vocab_parallel", False)),
-                                     ("--float8", getattr(args, "float8", False)),
+    what_if = [flag for flag, on in (("--float8", getattr(args, "float8", False)),
                                      ("--bf16-logits", getattr(args, "bf16_logits", False)),
                                      ("--keep-outputs", getattr(args, "keep_outputs", False))) if on]
     if what_if:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -19,6 +21,17 @@ __all__ = ["add_plan_arguments", "DEFAULT_MODEL_SEQ_LEN"]
 PLANNED_CHECKPOINTS = (*CHECKPOINT_POLICIES, "selective")
 #: Tokens per sample of a --model plan without --seq-len.
 DEFAULT_MODEL_SEQ_LEN = 2048
+
+
+class _VocabParallel(argparse.Action):
+    """`--vocab-parallel`, the old spelling of `--loss-parallel`: still works, with a warning naming it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        warnings.warn("--vocab-parallel is deprecated: pass --loss-parallel", DeprecationWarning, stacklevel=2)
+        logging.getLogger("pipetrain").warning("--vocab-parallel is deprecated: pass --loss-parallel (the same "
+                                               "pricing, and train runs it)")
+        namespace.loss_parallel = True
 
 
 def _names(allowed: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
@@ -115,9 +128,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "other one (alternate; `sel-alt` in the table), or both ways (default: both)")
     limits.add_argument("--recompute-every", type=int, default=1, metavar="K",
                         help="with --recompute-unit layer|selective: only every K-th block recomputes (default: 1)")
-    what_if.add_argument("--vocab-parallel", action="store_true",
-                         help="with --model: split the embedding and the head over tp by vocabulary (torchtitan's "
-                              "loss parallelism; pipetrain keeps them whole)")
+    limits.add_argument("--loss-parallel", action="store_true",
+                        help="with --model: price train's --loss-parallel, the embedding and the head split over tp "
+                             "by vocabulary (torchtitan's loss parallelism); the train line printed carries it")
+    what_if.add_argument("--vocab-parallel", action=_VocabParallel, nargs=0, help="deprecated: --loss-parallel")
     what_if.add_argument("--keep-outputs", action="store_true",
                          help="the last stage's outputs kept by torch's schedule to the step's end and merged there "
                               "(torchtitan's loop; pipetrain's train drops each micro-batch's after its loss)")

@@ -136,15 +136,26 @@ class LoraBlocks:
         hook = getattr(self.inner, "tied_parameters", None)
         return hook() if hook is not None else []
 
-    @tp_plan_hook(loss_parallel=False)
-    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False) -> TPPlan:
+    @tp_plan_hook(loss_parallel=True)
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> TPPlan:
         """The wrapped model's plan for block `index`, each adapted projection's style moved to its base layer and
-        its adapter split to follow (`lora_tp_plan`)."""
-        if tp_ability(self.inner) is None:
+        its adapter split to follow (`lora_tp_plan`); `loss_parallel`: the wrapped model's vocabulary-parallel
+        embedding and head, refused when an adapter sits on either."""
+        ability = tp_ability(self.inner)
+        if ability is None:
             raise ConfigError(f"the model {type(self.inner).__name__} has no tensor-parallel plan, so --tp {tp} "
                               "cannot split it", hint="run it with --tp 1")
-        plan = self.inner.tp_plan(index, tp, sequence_parallel=sequence_parallel)
-        return None if plan is None else lora_tp_plan(plan, self.adapted_modules(index))
+        if loss_parallel and not ability.loss_parallel:
+            raise ConfigError(f"the model {type(self.inner).__name__} has no vocabulary-parallel head for "
+                              "--loss-parallel", hint="drop --loss-parallel")
+        extra = {"loss_parallel": True} if loss_parallel else {}
+        plan = self.inner.tp_plan(index, tp, sequence_parallel=sequence_parallel, **extra)
+        adapted = self.adapted_modules(index) if plan is not None else []
+        if loss_parallel and index in (0, self.num_blocks - 1) and set(plan or {}) & set(adapted):
+            raise ConfigError(f"--loss-parallel splits {', '.join(sorted(set(plan or {}) & set(adapted)))} over the "
+                              "vocabulary, but LoRA adapts it", hint="drop --loss-parallel, or leave it out of "
+                                                                      "--lora-targets")
+        return None if plan is None else lora_tp_plan(plan, adapted)
 
     def parameter_keys(self, index: int) -> dict[str, str]:
         """Block `index`'s parameter names -> their names in the transformers model with PEFT's layers

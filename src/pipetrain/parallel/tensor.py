@@ -18,9 +18,11 @@ the last block then returns logits as a DTensor sharded on the vocabulary, and t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from pipetrain.blocks import BlockModel, tp_ability
@@ -60,17 +62,29 @@ def block_plans(model: BlockModel, tp: int, *, sequence_parallel: bool = False,
             hint="run it with --tp 1, or give the BlockModel a tp_plan(index, tp, sequence_parallel) method "
                  "(see docs/tensor-parallel.md)",
         )
-    if loss_parallel and getattr(model, "tied_parameters", None) is not None and model.tied_parameters():
-        raise ConfigError(f"--loss-parallel splits the head over the vocabulary, but the model "
-                          f"{type(model).__name__} ties it to its embedding, which stays whole",
-                          hint="drop --loss-parallel (the tied head then runs whole on every TP rank)")
     if loss_parallel and not ability.loss_parallel:
         raise ConfigError(f"the model {type(model).__name__} has no vocabulary-parallel head for --loss-parallel",
                           hint="drop --loss-parallel, or accept loss_parallel=True in its tp_plan "
                                "(see docs/tensor-parallel.md)")
     extra = {"loss_parallel": True} if loss_parallel else {}
-    return [model.tp_plan(index, tp, sequence_parallel=sequence_parallel, **extra)  # type: ignore[attr-defined]
-            for index in range(model.num_blocks)]
+    plans = [model.tp_plan(index, tp, sequence_parallel=sequence_parallel, **extra)  # type: ignore[attr-defined]
+             for index in range(model.num_blocks)]
+    if loss_parallel:
+        _check_ties_split_alike(model, plans)
+    return plans
+
+
+def _check_ties_split_alike(model: BlockModel, plans: list[TPPlan]) -> None:
+    """Raise when a tie's copies (`tied_parameters`) are split by some plans and kept whole by others (a head split
+    over the vocabulary tied to an embedding that stays whole): the copies would no longer be one tensor."""
+    hook = getattr(model, "tied_parameters", None)
+    for group in (hook() if hook is not None else ()):
+        split = {any(fnmatch(name.rpartition(".")[0], pattern) for pattern in plans[block] or {})
+                 for block, name in group}
+        if len(split) > 1:
+            raise ConfigError(f"--loss-parallel splits the head over the vocabulary, but the model "
+                              f"{type(model).__name__} ties it to its embedding, which its plan keeps whole",
+                              hint="drop --loss-parallel, or split the tied embedding over the vocabulary too")
 
 
 def check_tensor_parallel(model: BlockModel, tp: int, *, sequence_parallel: bool = False,
@@ -94,7 +108,24 @@ class BlockSplit:
 
     def __call__(self, index: int, block: nn.Module) -> nn.Module:
         plan = self.plans[index]
-        return parallelize_module(block, self.mesh, plan) if plan else block
+        if not plan:
+            return block
+        block = parallelize_module(block, self.mesh, plan)
+        for param in block.parameters():
+            if isinstance(param, DTensor):
+                param.register_post_accumulate_grad_hook(_grad_as_param)
+        return block
+
+
+def _grad_as_param(param: nn.Parameter) -> None:
+    """Lay out a split parameter's replicated gradient as the parameter: torch's backward of a row-parallel
+    embedding returns its gradient replicated (every rank the whole table), where the parameter, the tied copies'
+    sums (`pipetrain.pipeline.tied`) and the optimizer's state hold this rank's rows (a local slice, no exchange).
+    Other gradients (the `Partial` sums of replicated norms under sequence parallelism) are left as they are."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements and \
+            all(isinstance(p, Replicate) for p in grad.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def tensor_parallel_blocks(model: BlockModel, mesh: DeviceMesh, *, sequence_parallel: bool = False,

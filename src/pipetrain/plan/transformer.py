@@ -40,8 +40,9 @@ multi-head latent attention is not priced yet.
 `blocks` turns this into the planner's `BlockCost`s, one per block of pipetrain's Hugging Face adapter: the
 embedding, one per decoder layer, the head (final norm and LM head). Parameters are counted in fp32 (`param_bytes`:
 pipetrain keeps fp32 weights and optimizer state; bf16 gathers and Float8 are `predict`'s precision). The
-embedding and the head stay whole on every tensor-parallel rank, as pipetrain runs them; `vocab_parallel=True`
-splits them over the vocabulary (torchtitan's row-wise embedding and loss-parallel head), for what-if plans.
+embedding and the head stay whole on every tensor-parallel rank, as pipetrain runs them by default;
+`vocab_parallel=True` splits them over the vocabulary, as train's `--loss-parallel` runs them (torchtitan's row-wise
+embedding and loss-parallel head).
 """
 
 from __future__ import annotations

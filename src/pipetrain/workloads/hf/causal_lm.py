@@ -183,10 +183,13 @@ class HFCausalLM:
         """The attention and MLP projections' leaf names, LoRA's default targets (the family description's)."""
         return self.family.lora_targets
 
-    @tp_plan_hook(loss_parallel=False)  # the head stays whole: no vocabulary-parallel head
-    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False) -> TPPlan:
-        """Block `index`'s tensor-parallel plan: the family's decoder-layer split (see `pipetrain.workloads.hf.tp`)."""
-        return hf_tp_plan(self.config, self.family, index, self.num_blocks, tp, sequence_parallel=sequence_parallel)
+    @tp_plan_hook(loss_parallel=True)
+    def tp_plan(self, index: int, tp: int, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> TPPlan:
+        """Block `index`'s tensor-parallel plan: the family's decoder-layer split; under `loss_parallel` the embedding
+        and the head split over the vocabulary too, alike when tied; under `sequence_parallel` the residual stream
+        on sequence shards (see `pipetrain.workloads.hf.tp`)."""
+        return hf_tp_plan(self.config, self.family, index, self.num_blocks, tp, sequence_parallel=sequence_parallel,
+                          loss_parallel=loss_parallel, seq_len=self.seq_len, documents=self.documents)
 
     def attention_shape(self) -> tuple[int, int, int]:
         """(layers, query heads, head dimension), for MFU (`pipetrain.logs.mfu`)."""

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from pipetrain.pipeline.loss import IGNORE_INDEX
 
-__all__ = ["CausalLMLoss", "causal_lm_loss"]
+__all__ = ["CausalLMLoss", "causal_lm_loss", "vocab_argmax"]
 
 
 class CausalLMLoss:
     """Next-token cross-entropy as transformers computes it (`model(input_ids, labels=labels).loss`): position t
     predicts label t+1, labels equal to `ignore_index` (padding) are skipped. As a pipetrain `Loss` (sum and
     count), the engine averages it over the non-padding tokens of the global batch, whatever the split.
-    Calling it gives the mean (transformers' loss)."""
+    Calling it gives the mean (transformers' loss). Logits that are a DTensor sharded on the vocabulary (the
+    vocabulary-parallel head, `--loss-parallel`) give the same sum where the shards lie, under torch's
+    `loss_parallel()` (the engine runs the loss and its backward inside it), and the same `correct`."""
 
     perplexity = True
     #: position t is scored against target t + 1: context parallelism shifts the targets before cutting sequences
@@ -25,17 +29,36 @@ class CausalLMLoss:
 
     def total(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = output[:, :-1].flatten(0, 1).float()
-        return F.cross_entropy(logits, target[:, 1:].flatten(), ignore_index=self.ignore_index, reduction="sum")
+        total = F.cross_entropy(logits, target[:, 1:].flatten(), ignore_index=self.ignore_index, reduction="sum")
+        # vocabulary-parallel: a replicated DTensor whose local value is the whole sum (backward: loss_parallel's)
+        return total.to_local() if isinstance(total, DTensor) else total
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
         return (target[:, 1:] != self.ignore_index).sum()
 
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         shifted = target[:, 1:]
-        return ((output[:, :-1].argmax(dim=-1) == shifted) & (shifted != self.ignore_index)).sum()
+        return ((vocab_argmax(output[:, :-1]) == shifted) & (shifted != self.ignore_index)).sum()
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.total(output, target) / self.count(target).clamp_min(1)
+
+
+@torch.no_grad()
+def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` as a plain tensor; for a DTensor sharded evenly on its last dimension (the vocabulary),
+    without making the logits whole: each rank's maximum and its index are gathered (two small all-gathers) and the
+    first shard holding the largest wins, as torch's argmax takes the first maximum."""
+    if not isinstance(logits, DTensor):
+        return logits.argmax(dim=-1)
+    local = logits.to_local()
+    group, ranks = logits.device_mesh.get_group(), logits.device_mesh.size()
+    value, index = local.max(dim=-1)
+    values, indices = [torch.empty_like(value) for _ in range(ranks)], [torch.empty_like(index) for _ in range(ranks)]
+    dist.all_gather(values, value.contiguous(), group=group)
+    dist.all_gather(indices, index.contiguous(), group=group)
+    shard = torch.stack(values).argmax(dim=0, keepdim=True)  # the first shard holding the maximum
+    return torch.stack(indices).gather(0, shard)[0] + shard[0] * local.shape[-1]
 
 
 #: the loss to give the engine (`build_session(..., loss_fn=causal_lm_loss)`), with the labels as targets

@@ -157,6 +157,8 @@ class Family:
     tp_plan: Callable[[Any, int], TPPlan] | None = None  #: (config, tp) -> a decoder layer's plan; raises when tp
     #: does not divide what it splits (whole heads, GQA's key/value heads too, the MLP width); a "head" q/k norm
     #: is added by `layer_tp_plan`
+    #: the same under sequence parallelism (the layer takes and returns its sequence shard; None: not available)
+    sequence_tp_plan: Callable[[Any, int], TPPlan] | None = None
     # -- a mixture of experts (docs/moe.md); None: a dense family --
     experts: str | None = None  #: the config field of the routed experts' count ("num_experts", "num_local_experts");
     #: the router is the module transformers records "router_logits" from (`_can_record_outputs`), the experts its
@@ -178,13 +180,18 @@ class Family:
         """Whether `config`'s output head is its input embedding matrix."""
         return self.tie is not None and bool(getattr(config, self.tie, False))
 
-    def layer_tp_plan(self, config: Any, tp: int) -> TPPlan:
-        """A decoder layer's plan: `tp_plan`'s, plus, for a "head" q/k norm (applied to this rank's heads with the
-        whole weight), the norms' weights replicated with their gradients summed over the TP ranks (what
-        transformers' plan calls "replicated_with_grad_allreduce"); None when the family has no plan."""
+    def layer_tp_plan(self, config: Any, tp: int, *, sequence_parallel: bool = False) -> TPPlan:
+        """A decoder layer's plan: `tp_plan`'s (`sequence_tp_plan`'s under `sequence_parallel`: a ConfigError when
+        the family has none), plus, for a "head" q/k norm (applied to this rank's heads with the whole weight), the
+        norms' weights replicated with their gradients summed over the TP ranks (what transformers' plan calls
+        "replicated_with_grad_allreduce"); None when the family has no plan."""
         if self.tp_plan is None:
             return None
-        plan = self.tp_plan(config, tp)
+        if sequence_parallel and self.sequence_tp_plan is None:
+            raise ConfigError(f"--sequence-parallel is not available for the Hugging Face {self.name} model's TP "
+                              "plan in this version (its norms stay whole)",
+                              hint="drop --sequence-parallel (tensor parallelism without it is exact)")
+        plan = (self.sequence_tp_plan if sequence_parallel else self.tp_plan)(config, tp)  # type: ignore[misc]
         if plan is not None and self.qk_norm == "head":
             plan = {**plan, **{f"layer.self_attn.{name}": heads_replicated() for name in ("q_norm", "k_norm")}}
         return plan

@@ -24,7 +24,7 @@ _GEMMA3 = "transformers.models.gemma3.modeling_gemma3."  # gemma3_text's classes
 
 GEMMA2 = replace(GEMMA, name="gemma2", layer_class="Gemma2DecoderLayer", norm_class="Gemma2RMSNorm",
                  rotary_class="Gemma2RotaryEmbedding", mask=layer_types_mask, sandwich_norms=True,
-                 logit_softcap="final_logit_softcapping")
+                 logit_softcap="final_logit_softcapping", sequence_tp_plan=None)  # four norms: not described
 GEMMA3 = replace(GEMMA2, name="gemma3_text", layer_class=_GEMMA3 + "Gemma3DecoderLayer",
                  norm_class=_GEMMA3 + "Gemma3RMSNorm", rotary_class=_GEMMA3 + "Gemma3RotaryEmbedding",
                  rotary_by_layer_type=True, qk_norm="head")

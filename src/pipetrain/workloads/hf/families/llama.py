@@ -15,12 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel)
+
+from pipetrain.compat.tensor_styles import SEQUENCE
 
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.workloads.hf.families.family import Family, tp_divides
 
-__all__ = ["LLAMA", "llama_tp_plan", "gathered_attention_tp_plan", "attention_tp_plan", "decoder_tp_sizes"]
+__all__ = ["LLAMA", "llama_tp_plan", "llama_sequence_tp_plan", "gathered_attention_tp_plan", "attention_tp_plan",
+           "decoder_tp_sizes"]
 
 
 def decoder_tp_sizes(config: Any) -> dict[str, int]:
@@ -61,6 +65,32 @@ def llama_tp_plan(config: Any, tp: int) -> TPPlan:
     }
 
 
+def llama_sequence_tp_plan(config: Any, tp: int) -> TPPlan:
+    """Llama's plan under sequence parallelism (torchtitan's): the layer block takes this rank's sequence shard
+    `[batch, seq / tp, hidden]` as a DTensor of the whole sequence (so the block builds its mask and rotary tables
+    for the whole length) and returns its shard; the two RMSNorms and the residual adds run on the shard
+    (`SequenceParallel`: their weights replicated, the gradients summed over TP); the attention and the MLP
+    all-gather their input, `o_proj` and `down_proj` reduce-scatter their output back to the shard."""
+    tp_divides(tp, decoder_tp_sizes(config))
+    return {
+        "": PrepareModuleInputOutput(input_layouts=(SEQUENCE,), desired_input_layouts=(SEQUENCE,),
+                                     use_local_input=False, output_layouts=(SEQUENCE,),
+                                     desired_output_layouts=(SEQUENCE,), use_local_output=True),
+        "layer.input_layernorm": SequenceParallel(use_local_output=False),
+        "layer.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": SEQUENCE},
+                                              desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                              use_local_output=False),
+        "layer.self_attn.q_proj": ColwiseParallel(), "layer.self_attn.k_proj": ColwiseParallel(),
+        "layer.self_attn.v_proj": ColwiseParallel(),
+        "layer.self_attn.o_proj": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False),
+        "layer.post_attention_layernorm": SequenceParallel(use_local_output=False),
+        "layer.mlp": PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),),
+                                        use_local_output=False),
+        "layer.mlp.gate_proj": ColwiseParallel(), "layer.mlp.up_proj": ColwiseParallel(),
+        "layer.mlp.down_proj": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False),
+    }
+
+
 def gathered_attention_tp_plan(config: Any, tp: int) -> TPPlan:
     """Llama's MLP split, and an attention whose q/k/v outputs are all-gathered (each rank attends over all heads,
     `o_proj` takes its slice of the replicated input): for layers that read the whole projection, OLMo-2's q/k
@@ -74,5 +104,5 @@ LLAMA = Family(
     layer_class="LlamaDecoderLayer", norm_class="LlamaRMSNorm", norm_eps="rms_norm_eps",
     rotary_class="LlamaRotaryEmbedding", position_ids=True,
     qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
-    tp_plan=llama_tp_plan,
+    tp_plan=llama_tp_plan, sequence_tp_plan=llama_sequence_tp_plan,
 )

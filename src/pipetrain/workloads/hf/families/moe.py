@@ -37,7 +37,7 @@ from pipetrain.workloads.hf.families.llama import LLAMA, attention_tp_plan
 
 __all__ = ["QWEN3_MOE", "QWEN2_MOE", "MIXTRAL", "OLMOE", "DEEPSEEK_V3", "GPT_OSS", "MOE_FAMILIES"]
 
-_MOE = {"tp_plan": None, "qkv_bias": False, "o_bias": False, "mlp_bias": False,
+_MOE = {"tp_plan": None, "sequence_tp_plan": None, "qkv_bias": False, "o_bias": False, "mlp_bias": False,
         "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 

@@ -35,6 +35,7 @@ GRANITE = replace(LLAMA, name="granite", layer_class="GraniteDecoderLayer", norm
                   logit_divisor="logits_scaling")
 COHERE = replace(LLAMA, name="cohere", layer_class="CohereDecoderLayer", norm_class="CohereLayerNorm",
                  norm_eps="layer_norm_eps", rotary_class="CohereRotaryEmbedding", logit_multiplier="logit_scale",
-                 parallel_block=True, mlp_bias=False, tp_plan=cohere_tp_plan)
+                 parallel_block=True, mlp_bias=False, tp_plan=cohere_tp_plan,
+                 sequence_tp_plan=None)  # one norm for attention and MLP: not described
 COHERE2 = replace(COHERE, name="cohere2", layer_class="Cohere2DecoderLayer", norm_class="Cohere2LayerNorm",
                   rotary_class="Cohere2RotaryEmbedding", mask=layer_types_mask)
