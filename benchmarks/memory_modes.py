@@ -59,6 +59,7 @@ from pipetrain.plan.predict import Layout, predict, static_bytes
 from pipetrain.plan.schedules import rank_stages
 from pipetrain.plan.transformer import load_sizes
 from pipetrain.session import build_session, close_session, join_job
+from pipetrain.train.profiling import selective_form
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
 from pipetrain.workloads.hf.workload import HF_PRESETS
 from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
@@ -262,7 +263,8 @@ def _job(spec: RankSpec, cases: list[tuple], batch: int, seq_len: int, out: str,
 def _blocks(name: str, seq_len: int, batch: int):
     if name == "lm":
         model, loss = _model(name, seq_len)
-        return with_loss(profile_blocks(profile_model(model, max(1, batch // 8), repeats=1)), loss)
+        profile = profile_model(model, max(1, batch // 8), repeats=1, selective=selective_form)
+        return with_loss(profile_blocks(profile), loss)
     with tempfile.TemporaryDirectory() as folder:
         HF_PRESETS["llama-cpu"].config().save_pretrained(folder)
         return load_sizes(folder).blocks(seq_len, element=4)

@@ -44,7 +44,11 @@ def _fit_block(measured: Sequence[BlockProfile], sizes: Sequence[int], reference
     backward_fixed, backward = fitted("backward_s")
     activation_fixed, activation = fitted("activation_bytes")
     outputs = [b.output_bytes / n for b, n in zip(measured, sizes)]
+    selective_fixed, selective = (fitted("selective_bytes") if all(b.selective_bytes is not None for b in measured)
+                                  else (0.0, None))
     return replace(measured[0], forward_s=forward, backward_s=backward, forward_fixed_s=forward_fixed,
+                   selective_bytes=None if selective is None else round(selective),
+                   selective_fixed_bytes=round(selective_fixed),
                    backward_fixed_s=backward_fixed, activation_bytes=round(activation),
                    activation_fixed_bytes=round(activation_fixed),
                    output_bytes=round(max(outputs) * reference))
