@@ -12,9 +12,10 @@ bytes of this rank's parameters, gradients and optimizer state (counted tensor b
 peak of the activations saved for backward (a saved-tensor hook around the step that counts each storage while
 autograd holds it; weights and views of weights, FSDP's gathered ones included, are static bytes: what the
 recomputation and offloading hooks keep out of it is not counted, and selective recomputation's kept products,
-held by torch's policy, are not seen), the step's peak of live tensor bytes (`allocated`: the shards and optimizer
-state at its start plus every storage an operator creates during the step and the optimizer's step, while it
-lives: `compat/live.py`; a storage FSDP frees by resizing it to 0 counts until it dies: resharding reads high),
+held by torch's policy, are not seen), the step's peak of live tensor bytes (`allocated`: every storage alive at
+its start — shards, optimizer state, the schedule's receive buffers, DDP's bucket — plus every storage an operator
+creates during the step and the optimizer's step, while it lives, and FSDP's gathered weights at the size FSDP
+resizes them to: `compat/live.py`),
 and the process's peak RSS above what it held before the case. The process's figure is planned as the session's
 baseline (its RSS once built, before any step, less its weights' shards: modules, FSDP's and the schedule's state,
 gloo) plus the plan. glibc keeps freed blocks for reuse below a threshold it raises to the largest block freed (up
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipetrain.compat.live import LiveBytes
+from pipetrain.compat.live import LiveBytes, live_storages
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
@@ -171,28 +172,31 @@ def measured_steps(engine, optimizer: torch.optim.Optimizer, batches: list[tuple
                    device: torch.device | str = "cpu") -> dict[str, int]:
     """An optimizer step per (inputs, targets) of `batches`, all but the first under the saved-tensor counter and
     the live-bytes counter: this rank's parameter, gradient (of the last step) and optimizer-state bytes, the
-    saved-activation peak, the peak of the bytes the step's tensors hold (`allocated`: the weights' shards and the
-    optimizer state at its start, plus every storage an operator creates during the step and the optimizer's step
-    while it lives: `compat/live.py`), and the process's peak RSS during the last step above its RSS at its start
+    saved-activation peak, the peak of the bytes the process's tensors hold (`allocated`: every storage alive at
+    the step's start, `compat/live.py: live_storages` — the weights' shards, the optimizer state, the schedule's
+    receive buffers, DDP's bucket — plus every storage an operator creates or FSDP resizes during the step and the
+    optimizer's step while it lives; views of the storages alive at the start are not counted again), and the process's peak RSS during the last step above its RSS at its start
     (`step_rss`, MB, glibc's free memory trimmed first)."""
     counter = _SavedPeak(engine.parameters())
     allocated = step_rss = hwm = rss = resting = 0
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
+        existing = []
         if step:
             hwm = max(hwm, peak_memory_mb(device))
+            existing = live_storages()  # before the peak's reset: the collector's list of objects takes memory
             _release()
             reset_peak_memory(device)
             rss = current_memory_mb(device)
         resting = _local_bytes(engine.parameters()) + _state_bytes(optimizer)
-        with (LiveBytes() if step else nullcontext()) as live, \
+        with (LiveBytes(existing=existing) if step else nullcontext()) as live, \
                 (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if step else nullcontext()):
             engine.step(inputs, targets)
             grads = _local_bytes(p.grad for p in engine.parameters())
             optimizer.step()
         if step:
             hwm = max(hwm, peak_memory_mb(device))
-            allocated, step_rss = resting + live.peak, peak_memory_mb(device) - rss
+            allocated, step_rss = live.held + live.peak, peak_memory_mb(device) - rss
             rss -= resting / MB  # what the process holds at the step's start beyond the counted shards and state
     return {"params": _local_bytes(engine.parameters()), "grads": grads, "saved": counter.peak,
             "optimizer": _state_bytes(optimizer), "allocated": allocated, "step_rss": step_rss,

@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from pipetrain.compat.live import LiveBytes
+from pipetrain.compat.live import LiveBytes, live_storages
 
 
 def test_a_storage_counts_until_it_dies():
@@ -36,3 +36,18 @@ def test_a_storage_resized_in_place_counts_at_its_size_once_per_cycle():
     assert torch.UntypedStorage.resize_ is original  # the counter's hook is gone with it
     storage.resize_(0)
     assert live.bytes == 4000  # no longer told
+
+
+def test_existing_storages_are_held_not_counted_again_through_their_views():
+    layer = torch.nn.Linear(100, 10)  # its forward makes a transposed view of its weight
+    inputs = torch.ones(4, 100)
+    with LiveBytes() as plain:
+        layer(inputs)
+    with LiveBytes(existing=live_storages()) as live:
+        out = layer(inputs)
+    assert plain.peak == 4000 + 4 * 10 * 4  # the weight met through its view, counted as made
+    assert live.peak == 4 * 10 * 4 and live.held >= 4000 + 40 + 1600
+    assert out.shape == (4, 10)
+    del layer, out  # the output's graph holds the weight's view
+    gc.collect()
+    assert live.bytes == -4040  # held storages that die count down (the output's 160 bytes went with it)
