@@ -277,9 +277,9 @@ def _blocks(name: str, seq_len: int, batch: int):
 def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, float]]:
     """What the planner predicts for each pipeline rank (no device baseline): its parameter, gradient and AdamW bytes
     at rest (after the step: FSDP's shards), its static peak within the step, its total (`plan.predict`'s peak),
-    and what of that total is the last stage's outputs and the loss backward's temporaries (no saved activations:
-    the outputs are held by torch's stage from each forward to its backward; the saved-tensor hook sees neither),
-    so that the rest is its saved activations."""
+    and what of that total is the stage's outputs, the loss backward's temporaries and the backward's working bytes
+    (no saved activations: the outputs are held by torch's stage from each forward to its backward; the
+    saved-tensor hook sees none of them), so that the rest is its saved activations."""
     dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
     layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
                     checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,
@@ -288,9 +288,9 @@ def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, 
         layout = replace(layout, dp=shard, batch=batch * shard // dp)
     device = replace(default_device("fp32"), baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
     prediction = predict(blocks, layout, device, DEFAULT_NETWORK)
-    bare = predict(blocks[:-1] + [replace(blocks[-1], output_bytes=0.0)], layout, device, DEFAULT_NETWORK)
     with patch.object(loss_terms, "BACKWARD_TEMPORARIES", 0):  # the same plan without the loss's temporaries
         calm = predict(blocks, layout, device, DEFAULT_NETWORK)
+    still = predict([replace(b, backward_bytes=0.0) for b in blocks], layout, device, DEFAULT_NETWORK)
     bounds, start = [], 0
     for count in prediction.balance:
         bounds.append((start, start + count))
@@ -302,9 +302,14 @@ def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, 
         params = sum(b.param_bytes for b in mine) / shards
         trained = sum(b.param_bytes * b.trained_share for b in mine) / shards
         static, total = static_bytes(mine, layout), prediction.memory_bytes[rank]
+        end = bounds[rank][1] - 1  # the stage's last block: its outputs are held by torch's stage, not saved
+        bare = predict([replace(b, output_bytes=0.0) if i == end else b for i, b in enumerate(blocks)], layout,
+                       device, DEFAULT_NETWORK)
         outputs, temporaries = total - bare.memory_bytes[rank], total - calm.memory_bytes[rank]
+        work = total - still.memory_bytes[rank]  # the backward's working bytes as it starts
         out.append({"params": params, "grads": trained, "optimizer": 2 * trained, "static": static, "total": total,
-                    "outputs": outputs, "temporaries": temporaries, "saved": total - static - outputs - temporaries})
+                    "outputs": outputs, "temporaries": temporaries + work,
+                    "saved": total - static - outputs - temporaries - work})
     return out
 
 

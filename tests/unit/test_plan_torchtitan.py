@@ -88,25 +88,26 @@ def _table_6() -> float:
     return max(prediction.memory_bytes) / 2**30
 
 
-@pytest.mark.xfail(strict=True, reason="known miss, 19 % under the published 75.3: " + RESERVE)
+@pytest.mark.xfail(strict=True, reason="known miss, 18 % under the published 75.3: " + RESERVE)
 def test_table_6_1f1b_row_with_the_same_allocations_within_10_percent():
     assert _table_6() == pytest.approx(75.3, rel=0.10)
 
 
 def test_table_6_plans_what_table_5_1f1b_plans(predicted):
-    """The same allocations plan the same peak (61.1 GiB, 0.811 of Table 6's 75.3; 0.740 of Table 5's 82.5)."""
+    """The same allocations plan the same peak (61.8 GiB, 0.820 of Table 6's 75.3; 0.749 of Table 5's 82.5)."""
     assert _table_6() == pytest.approx(max(predicted["1f1b"].memory_bytes) / 2**30, rel=1e-3)
-    assert 0.80 < _table_6() / 75.3 < 0.82
+    assert 0.81 < _table_6() / 75.3 < 0.83
 
 
 def test_where_the_peaks_are(predicted):
     """Interleaved: the last rank, set by the last stage's outputs (bf16 logits, vocabulary-parallel: 0.98 GiB per
     micro-batch on each rank) kept to the step's end and, as the last micro-batch's loss backward starts, its fp32
     log-softmax and torch's loss_parallel's three temporaries beside them (plan/loss.py). 1F1B: pipeline rank 1 (16
-    layers' weights and fp32 gradients, 7 micro-batches' layer inputs in flight), 0.5 GiB above the last rank."""
+    layers' weights and fp32 gradients, 7 micro-batches' layer inputs and stage outputs in flight), 1.2 GiB above
+    the last rank."""
     interleaved, one = predicted["interleaved-1f1b"].memory_bytes, predicted["1f1b"].memory_bytes
     assert interleaved.index(max(interleaved)) == len(interleaved) - 1
-    assert one.index(max(one)) == 1 and max(one) - one[-1] == pytest.approx(0.5 * 2**30, rel=0.1)
+    assert one.index(max(one)) == 1 and max(one) - one[-1] == pytest.approx(1.2 * 2**30, rel=0.1)
 
 
 def test_planning_405b_loads_nothing_and_takes_seconds_at_most():

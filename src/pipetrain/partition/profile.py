@@ -10,8 +10,9 @@ plain fields the fitted value at `micro_batch_size`. A format-1 file (one size) 
 which is the old linear rescaling; a profile of one size is still written as format 1.
 
 Either format may hold each block's `selective_bytes`: what the block keeps for backward under selective
-recomputation (its input and its matrix products' and attention's outputs, `pipetrain.partition.measure`); absent
-or null in older files: unknown.
+recomputation (its input and its matrix products' and attention's outputs, `pipetrain.partition.measure`), and
+its `backward_bytes`: the most its backward holds at once beyond its saved activations; absent or null in older
+files: unknown.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class BlockProfile:
     #: None: not measured), and its fixed part per micro-batch (a fitted profile)
     selective_bytes: int | None = None
     selective_fixed_bytes: int = 0
+    #: the most bytes its backward holds at once beyond its saved activations (the gradients it computes, its
+    #: parameters' gradients already there; None: not measured), and its fixed part (a fitted profile)
+    backward_bytes: int | None = None
+    backward_fixed_bytes: int = 0
 
     @property
     def time_s(self) -> float:
@@ -79,9 +84,12 @@ class BlockProfile:
         def scale(value: float, fixed: float) -> float:
             return fixed + (value - fixed) * ratio
 
-        selective = (None if self.selective_bytes is None
-                     else round(scale(self.selective_bytes, self.selective_fixed_bytes)))
-        return replace(self, forward_s=scale(self.forward_s, self.forward_fixed_s), selective_bytes=selective,
+        def optional(value: int | None, fixed: int) -> int | None:
+            return None if value is None else round(scale(value, fixed))
+
+        return replace(self, forward_s=scale(self.forward_s, self.forward_fixed_s),
+                       selective_bytes=optional(self.selective_bytes, self.selective_fixed_bytes),
+                       backward_bytes=optional(self.backward_bytes, self.backward_fixed_bytes),
                        backward_s=scale(self.backward_s, self.backward_fixed_s),
                        activation_bytes=round(scale(self.activation_bytes, self.activation_fixed_bytes)),
                        output_bytes=round(self.output_bytes * ratio))
@@ -170,8 +178,9 @@ def profile_to_dict(profile: ModelProfile) -> dict[str, Any]:
     data = asdict(profile)
     data["blocks"] = [asdict(block) for block in profile.blocks]
     for block in data["blocks"]:
-        if block["selective_bytes"] is None:  # not measured: written as before
-            del block["selective_bytes"], block["selective_fixed_bytes"]
+        for key in ("selective", "backward"):
+            if block[f"{key}_bytes"] is None:  # not measured: written as before
+                del block[f"{key}_bytes"], block[f"{key}_fixed_bytes"]
     if not profile.fitted:
         del data["sizes"]
         for block in data["blocks"]:
@@ -182,9 +191,10 @@ def profile_to_dict(profile: ModelProfile) -> dict[str, Any]:
     return {"format": PROFILE_FORMAT_FITTED, **data}
 
 
-_FIT_FIELDS = ("forward_fixed_s", "backward_fixed_s", "activation_fixed_bytes", "selective_fixed_bytes")
-#: fields a file may leave out or set to null (measured by newer versions only; the second only when fitted)
-_OPTIONAL = ("selective_bytes", "selective_fixed_bytes")
+_FIT_FIELDS = ("forward_fixed_s", "backward_fixed_s", "activation_fixed_bytes", "selective_fixed_bytes",
+               "backward_fixed_bytes")
+#: fields a file may leave out or set to null (measured by newer versions only; the fixed parts only when fitted)
+_OPTIONAL = ("selective_bytes", "selective_fixed_bytes", "backward_bytes", "backward_fixed_bytes")
 
 
 def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:

@@ -119,6 +119,9 @@ class BlockCost:
     #: of `activation_bytes`, what selective recomputation keeps (the block's input and its matrix products' and
     #: attention's outputs); None: unknown (a profile measured without it), counted as all of them
     selective_bytes: float | None = None
+    #: bytes per sample the block's backward holds at once beyond its saved activations (the gradients it computes
+    #: before the saved tensors they free; measured by a profile, 0: unknown), as each backward starts
+    backward_bytes: float = 0.0
     #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
     experts: ExpertSplit | None = None
     #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)
@@ -221,4 +224,6 @@ def profile_blocks(profile) -> list[BlockCost]:
         fixed_forward_s=block.forward_fixed_s, fixed_backward_s=block.backward_fixed_s,
         selective_bytes=(None if block.selective_bytes is None
                          else (block.selective_bytes - block.selective_fixed_bytes) / mbs),
+        backward_bytes=(0.0 if block.backward_bytes is None
+                        else (block.backward_bytes - block.backward_fixed_bytes) / mbs),
     ) for block in profile.blocks]
