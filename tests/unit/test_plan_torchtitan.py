@@ -29,7 +29,7 @@ ARGV = ["plan", "--model", str(CONFIG), "--seq-len", "8192", "--nodes", "64", "-
         "--schedules", "1f1b,interleaved-1f1b", "--precision", "bf16", "--float8", "--recompute-unit", "layer",
         "--vocab-parallel", "--keep-outputs", "--bf16-logits", "--gpu", "h100-sxm"]
 #: why torchtitan's two published 1F1B figures stay out of 10 % (docs/memory.md, "Llama 3.1 405B")
-RESERVE = ("every allocation the planner knows at torchtitan's settings (read at 9dec370) plans 61.1 GiB; torchtitan "
+RESERVE = ("every allocation the planner knows at torchtitan's settings (read at 9dec370) plans 61.8 GiB; torchtitan "
            "reports the caching allocator's reserved peak, and its two 1F1B figures for the same allocations differ "
            "by 7.2 GiB (Table 5: 82.5, Table 6: 75.3); no reserve factor is tuned to them")
 
@@ -65,15 +65,15 @@ def test_interleaved_peak_memory_within_10_percent(predicted):
     assert max(predicted["interleaved-1f1b"].memory_bytes) / 2**30 == pytest.approx(72.7, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason="known miss, 26 % under the published 82.5: " + RESERVE)
+@pytest.mark.xfail(strict=True, reason="known miss, 25 % under the published 82.5: " + RESERVE)
 def test_1f1b_peak_memory_within_10_percent(predicted):
     assert max(predicted["1f1b"].memory_bytes) / 2**30 == pytest.approx(82.5, rel=0.10)
 
 
 def test_the_1f1b_miss_is_the_one_the_docs_state(predicted):
-    """61.1 GiB on pipeline rank 1, 26 % under the published 82.5 (docs/memory.md says why it is left): was 69.4 on
+    """61.8 GiB on pipeline rank 1, 25 % under the published 82.5 (docs/memory.md says why it is left): was 69.4 on
     the last rank before its kept logits were counted in bf16, as torchtitan's model returns them (-7.8 GiB)."""
-    assert 0.73 < max(predicted["1f1b"].memory_bytes) / 2**30 / 82.5 < 0.75
+    assert 0.74 < max(predicted["1f1b"].memory_bytes) / 2**30 / 82.5 < 0.76
 
 
 def _table_6() -> float:

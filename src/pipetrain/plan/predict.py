@@ -293,7 +293,7 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         elif layout.recompute_unit != "stage":
             raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}",
                               hint="use 'stage', 'layer' or 'selective'")
-        elif middle:  # the whole stage recomputed: its input and output kept; then all its activations, and work
+        elif stop < len(blocks):  # the whole stage recomputed: its input and output kept; then all, and work
             held = (samples * tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0) + middle
             again = samples * (sum(acts) + work) + middle
         forward = sum(t[0] for t in times)
@@ -304,7 +304,7 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
             forward_s=forward + comm + moe_forward + max(0.0, moved - forward),
             backward_s=backward + comm + moe_backward + max(0.0, moved - backward),
             activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part)
-            + middle, transient_bytes=samples * work if middle else 0.0,  # the last stage's: plan/loss.py
+            + middle, transient_bytes=samples * work if stop < len(blocks) else 0.0,  # the last's: plan/loss.py
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
             reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in dense), grads, network,
