@@ -15,16 +15,16 @@ recomputation and offloading hooks keep out of it is not counted, and selective 
 held by torch's policy, are not seen), the step's peak of live tensor bytes (`allocated`: every storage alive at
 its start — shards, optimizer state, the schedule's receive buffers, DDP's bucket — plus every storage an operator
 creates during the step and the optimizer's step, while it lives, and FSDP's gathered weights at the size FSDP
-resizes them to: `compat/live.py`),
-and the process's peak RSS above what it held before the case. The process's figure is planned as the session's
+resizes them to: `compat/live.py`), and the process's peak RSS above what it held before the case. The process's figure is planned as the session's
 baseline (its RSS once built, before any step, less its weights' shards: modules, FSDP's and the schedule's state,
 gloo) plus the plan. glibc keeps freed blocks for reuse below a threshold it raises to the largest block freed (up
 to 32 MB): the CPU's counterpart of a caching allocator's reserve, in the RSS; `--exact-malloc` fixes that
 threshold at 64 KB (`mallopt`), so that each tensor's memory is mapped and unmapped with it and the RSS follows the
 live tensors. The planner's figures for the same layout and mode (`plan.predict`, no device baseline): parameters,
-gradients and AdamW state at rest, saved activations (the plan's total less its static bytes, the last stage's
-outputs and the loss backward's temporaries: no saved tensors, the hook does not see them) and the total.
-Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`; `--terms` first runs
+gradients and AdamW state at rest, saved activations (the plan's total less its static bytes, the stage's outputs
+and their gradients' receive buffers, the loss backward's temporaries and the backward's working bytes: no saved
+tensors, the hook does not see them) and the total. docs/memory.md runs the pp 2 rows at `--batch 128`.
+Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4] [--exact-malloc]`; `--terms` first runs
 benchmarks/memory_terms.py's single-process checks of the planner's terms (the loss's temporaries, an eager Llama
 layer's saved tensors, the engine's last stage).
 """
