@@ -12,18 +12,19 @@ bytes of this rank's parameters, gradients and optimizer state (counted tensor b
 peak of the activations saved for backward (a saved-tensor hook around the step that counts each storage while
 autograd holds it; weights and views of weights, FSDP's gathered ones included, are static bytes: what the
 recomputation and offloading hooks keep out of it is not counted, and selective recomputation's kept products,
-held by torch's policy, are not seen), the step's peak of live tensor bytes (`allocated`: the shards and optimizer
-state at its start plus every storage an operator creates during the step and the optimizer's step, while it
-lives: `compat/live.py`; a storage FSDP frees by resizing it to 0 counts until it dies: resharding reads high),
-and the process's peak RSS above what it held before the case. The process's figure is planned as the session's
+held by torch's policy, are not seen), the step's peak of live tensor bytes (`allocated`: every storage alive at
+its start — shards, optimizer state, the schedule's receive buffers, DDP's bucket — plus every storage an operator
+creates during the step and the optimizer's step, while it lives, and FSDP's gathered weights at the size FSDP
+resizes them to: `compat/live.py`), and the process's peak RSS above what it held before the case. The process's figure is planned as the session's
 baseline (its RSS once built, before any step, less its weights' shards: modules, FSDP's and the schedule's state,
 gloo) plus the plan. glibc keeps freed blocks for reuse below a threshold it raises to the largest block freed (up
 to 32 MB): the CPU's counterpart of a caching allocator's reserve, in the RSS; `--exact-malloc` fixes that
 threshold at 64 KB (`mallopt`), so that each tensor's memory is mapped and unmapped with it and the RSS follows the
 live tensors. The planner's figures for the same layout and mode (`plan.predict`, no device baseline): parameters,
-gradients and AdamW state at rest, saved activations (the plan's total less its static bytes, the last stage's
-outputs and the loss backward's temporaries: no saved tensors, the hook does not see them) and the total.
-Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4]`; `--terms` first runs
+gradients and AdamW state at rest, saved activations (the plan's total less its static bytes, the stage's outputs
+and their gradients' receive buffers, the loss backward's temporaries and the backward's working bytes: no saved
+tensors, the hook does not see them) and the total. docs/memory.md runs the pp 2 rows at `--batch 128`.
+Run: `.venv/bin/python benchmarks/memory_modes.py [--batch 32] [--models lm,hf] [--worlds 2,4] [--exact-malloc]`; `--terms` first runs
 benchmarks/memory_terms.py's single-process checks of the planner's terms (the loss's temporaries, an eager Llama
 layer's saved tensors, the engine's last stage).
 """
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipetrain.compat.live import LiveBytes
+from pipetrain.compat.live import LiveBytes, live_storages
 from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.memory import current_memory_mb, peak_memory_mb, reset_peak_memory
@@ -59,6 +60,7 @@ from pipetrain.plan.predict import Layout, predict, static_bytes
 from pipetrain.plan.schedules import rank_stages
 from pipetrain.plan.transformer import load_sizes
 from pipetrain.session import build_session, close_session, join_job
+from pipetrain.train.profiling import selective_form
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss
 from pipetrain.workloads.hf.workload import HF_PRESETS
 from pipetrain.workloads.lm.gpt import GPT_PRESETS, GPTModel
@@ -170,28 +172,31 @@ def measured_steps(engine, optimizer: torch.optim.Optimizer, batches: list[tuple
                    device: torch.device | str = "cpu") -> dict[str, int]:
     """An optimizer step per (inputs, targets) of `batches`, all but the first under the saved-tensor counter and
     the live-bytes counter: this rank's parameter, gradient (of the last step) and optimizer-state bytes, the
-    saved-activation peak, the peak of the bytes the step's tensors hold (`allocated`: the weights' shards and the
-    optimizer state at its start, plus every storage an operator creates during the step and the optimizer's step
-    while it lives: `compat/live.py`), and the process's peak RSS during the last step above its RSS at its start
+    saved-activation peak, the peak of the bytes the process's tensors hold (`allocated`: every storage alive at
+    the step's start, `compat/live.py: live_storages` — the weights' shards, the optimizer state, the schedule's
+    receive buffers, DDP's bucket — plus every storage an operator creates or FSDP resizes during the step and the
+    optimizer's step while it lives; views of the storages alive at the start are not counted again), and the process's peak RSS during the last step above its RSS at its start
     (`step_rss`, MB, glibc's free memory trimmed first)."""
     counter = _SavedPeak(engine.parameters())
     allocated = step_rss = hwm = rss = resting = 0
     for step, (inputs, targets) in enumerate(batches):
         optimizer.zero_grad(set_to_none=True)
+        existing = []
         if step:
             hwm = max(hwm, peak_memory_mb(device))
+            existing = live_storages()  # before the peak's reset: the collector's list of objects takes memory
             _release()
             reset_peak_memory(device)
             rss = current_memory_mb(device)
         resting = _local_bytes(engine.parameters()) + _state_bytes(optimizer)
-        with (LiveBytes() if step else nullcontext()) as live, \
+        with (LiveBytes(existing=existing) if step else nullcontext()) as live, \
                 (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack) if step else nullcontext()):
             engine.step(inputs, targets)
             grads = _local_bytes(p.grad for p in engine.parameters())
             optimizer.step()
         if step:
             hwm = max(hwm, peak_memory_mb(device))
-            allocated, step_rss = resting + live.peak, peak_memory_mb(device) - rss
+            allocated, step_rss = live.held + live.peak, peak_memory_mb(device) - rss
             rss -= resting / MB  # what the process holds at the step's start beyond the counted shards and state
     return {"params": _local_bytes(engine.parameters()), "grads": grads, "saved": counter.peak,
             "optimizer": _state_bytes(optimizer), "allocated": allocated, "step_rss": step_rss,
@@ -262,7 +267,8 @@ def _job(spec: RankSpec, cases: list[tuple], batch: int, seq_len: int, out: str,
 def _blocks(name: str, seq_len: int, batch: int):
     if name == "lm":
         model, loss = _model(name, seq_len)
-        return with_loss(profile_blocks(profile_model(model, max(1, batch // 8), repeats=1)), loss)
+        profile = profile_model(model, max(1, batch // 8), repeats=1, selective=selective_form)
+        return with_loss(profile_blocks(profile), loss)
     with tempfile.TemporaryDirectory() as folder:
         HF_PRESETS["llama-cpu"].config().save_pretrained(folder)
         return load_sizes(folder).blocks(seq_len, element=4)
@@ -271,9 +277,9 @@ def _blocks(name: str, seq_len: int, batch: int):
 def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, float]]:
     """What the planner predicts for each pipeline rank (no device baseline): its parameter, gradient and AdamW bytes
     at rest (after the step: FSDP's shards), its static peak within the step, its total (`plan.predict`'s peak),
-    and what of that total is the last stage's outputs and the loss backward's temporaries (no saved activations:
-    the outputs are held by torch's stage from each forward to its backward; the saved-tensor hook sees neither),
-    so that the rest is its saved activations."""
+    and what of that total is the stage's outputs, the loss backward's temporaries and the backward's working bytes
+    (no saved activations: the outputs are held by torch's stage from each forward to its backward; the
+    saved-tensor hook sees none of them), so that the rest is its saved activations."""
     dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
     layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
                     checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,
@@ -282,9 +288,9 @@ def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, 
         layout = replace(layout, dp=shard, batch=batch * shard // dp)
     device = replace(default_device("fp32"), baseline_bytes=0.0, activation_factor=1.0, memory_bytes=1e15)
     prediction = predict(blocks, layout, device, DEFAULT_NETWORK)
-    bare = predict(blocks[:-1] + [replace(blocks[-1], output_bytes=0.0)], layout, device, DEFAULT_NETWORK)
     with patch.object(loss_terms, "BACKWARD_TEMPORARIES", 0):  # the same plan without the loss's temporaries
         calm = predict(blocks, layout, device, DEFAULT_NETWORK)
+    still = predict([replace(b, backward_bytes=0.0) for b in blocks], layout, device, DEFAULT_NETWORK)
     bounds, start = [], 0
     for count in prediction.balance:
         bounds.append((start, start + count))
@@ -296,9 +302,14 @@ def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, 
         params = sum(b.param_bytes for b in mine) / shards
         trained = sum(b.param_bytes * b.trained_share for b in mine) / shards
         static, total = static_bytes(mine, layout), prediction.memory_bytes[rank]
+        end = bounds[rank][1] - 1  # the stage's last block: its outputs are held by torch's stage, not saved
+        bare = predict([replace(b, output_bytes=0.0) if i == end else b for i, b in enumerate(blocks)], layout,
+                       device, DEFAULT_NETWORK)
         outputs, temporaries = total - bare.memory_bytes[rank], total - calm.memory_bytes[rank]
+        work = total - still.memory_bytes[rank]  # the backward's working bytes as it starts
         out.append({"params": params, "grads": trained, "optimizer": 2 * trained, "static": static, "total": total,
-                    "outputs": outputs, "temporaries": temporaries, "saved": total - static - outputs - temporaries})
+                    "outputs": outputs, "temporaries": temporaries + work,
+                    "saved": total - static - outputs - temporaries - work})
     return out
 
 

@@ -215,8 +215,11 @@ def test_per_layer_recomputation_keeps_every_layer_input():
     # stage 1: the inputs of 3 layers and of the head, and the stage's output (the logits) kept for its backward
     assert each[1].held_bytes == samples * (4 * hidden + blocks[-1].output_bytes)
     assert each[0].held_bytes == samples * 4 * hidden  # 3 layer inputs and the output (the ids are not counted)
-    biggest = max(b.activation_bytes for b in blocks[4:8])
-    assert each[1].recompute_bytes == each[1].held_bytes + samples * biggest
+    # recomputing block k brings back its activations and its backward's working bytes beside the inputs the blocks
+    # before it kept (and the logits); the blocks after it have run their backward and freed what they kept
+    peaks = [k * hidden + b.activation_bytes + blocks[-1].output_bytes + b.backward_bytes
+             for k, b in enumerate(blocks[4:8])]
+    assert each[1].recompute_bytes == samples * max(peaks)
 
 
 def test_an_eager_rmsnorm_layer_keeps_its_two_normalised_tensors():

@@ -10,8 +10,9 @@ import torch
 
 from pipetrain.cli.device_args import add_device_argument, device_choice
 from pipetrain.errors import ConfigError
-from pipetrain.partition.measure import default_sizes, profile_model_sizes
+from pipetrain.partition.measure import default_sizes
 from pipetrain.partition.profile import ModelProfile, save_profile
+from pipetrain.train.profiling import measure_profile
 from pipetrain.workloads.registry import get_workload, workload_names
 
 __all__ = ["add_parser", "run", "profile_lines", "check_tp"]
@@ -92,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = args.sizes or default_sizes(args.micro_batch_size)
     if args.micro_batch_size not in sizes:
         sizes = (*sizes, args.micro_batch_size)
-    profile = profile_model_sizes(model, sizes, reference=args.micro_batch_size, device=device,
-                                  repeats=args.repeats, warmup=args.warmup, name=f"{args.workload}:{args.preset}")
+    profile = measure_profile(model, sizes, reference=args.micro_batch_size, device=device,
+                              repeats=args.repeats, warmup=args.warmup, name=f"{args.workload}:{args.preset}")
     save_profile(profile, args.output)
     for line in profile_lines(profile):
         print(line)

@@ -44,7 +44,18 @@ def _fit_block(measured: Sequence[BlockProfile], sizes: Sequence[int], reference
     backward_fixed, backward = fitted("backward_s")
     activation_fixed, activation = fitted("activation_bytes")
     outputs = [b.output_bytes / n for b, n in zip(measured, sizes)]
+
+    def optional(name: str) -> tuple[int, int | None]:  # (fixed, at reference) of a field some versions leave out
+        if any(getattr(b, name) is None for b in measured):
+            return 0, None
+        fixed, value = fitted(name)
+        return round(fixed), round(value)
+
+    selective_fixed, selective = optional("selective_bytes")
+    working_fixed, working = optional("backward_bytes")
     return replace(measured[0], forward_s=forward, backward_s=backward, forward_fixed_s=forward_fixed,
+                   selective_bytes=selective, selective_fixed_bytes=selective_fixed,
+                   backward_bytes=working, backward_fixed_bytes=working_fixed,
                    backward_fixed_s=backward_fixed, activation_bytes=round(activation),
                    activation_fixed_bytes=round(activation_fixed),
                    output_bytes=round(max(outputs) * reference))

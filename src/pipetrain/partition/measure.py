@@ -2,7 +2,13 @@
 
 Each block is built on its own, fed the previous block's output for one micro-batch, and timed: forward
 in training mode, then backward from a fixed random output gradient. Bytes saved for backward are
-counted with `torch.autograd.graph.saved_tensors_hooks` (each storage once, parameters excluded).
+counted with `torch.autograd.graph.saved_tensors_hooks` (each storage once, parameters excluded), and what the
+backward holds at once beyond them (`backward_bytes`: the gradients it makes before the saved tensors they
+free; `compat/live.py`'s counter, each storage once). Given the
+form a block takes under selective recomputation (`selective`: the caller's, the pipeline's own wrapper), one
+more forward through it counts what that keeps, each storage once as well: the block's inputs (the checkpoint
+holds them) and every storage its forward made that is still alive after it but its outputs (the policy's kept
+products: no saved-tensor hook sees them, so the live-bytes counter of `compat/live.py` does).
 On the CPU the clock is this process's CPU time (what the block costs, unaffected by other processes
 taking the cores: a profile taken on a busy machine still balances well); on a GPU it is wall time
 after synchronising the device.
@@ -10,15 +16,18 @@ after synchronising the device.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipetrain.blocks import BlockModel, build_blocks
+from pipetrain.compat.live import LiveBytes
 from pipetrain.errors import ConfigError
 from pipetrain.partition.fit import fit_profiles
 from pipetrain.partition.profile import BlockProfile, ModelProfile, fingerprint_of
@@ -73,18 +82,22 @@ def _sync(device: torch.device) -> None:
 def _measure_block(
     block: nn.Module, inputs: tuple[Any, ...], device: torch.device, repeats: int, warmup: int
 ) -> tuple[float, float, int, Any]:
-    """(median forward s, median backward s, bytes saved for backward, one output) of `block` on `inputs`."""
+    """(median forward s, median backward s, bytes saved for backward, the backward's working bytes, one output)
+    of `block` on `inputs`."""
     clock = time.process_time if device.type == "cpu" else time.perf_counter
     param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    forwards, backwards, saved_bytes = [], [], 0
+    forwards, backwards, saved_bytes, backward_bytes = [], [], 0, 0
     output: Any = None
     grads: list[torch.Tensor] | None = None
     for iteration in range(warmup + repeats):
         saved: dict[int, int] = {}
+        kept: list[weakref.ref[torch.UntypedStorage]] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in param_storages and tensor.device.type != "meta":
+                if storage.data_ptr() not in saved:
+                    kept.append(weakref.ref(storage))
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 
@@ -102,7 +115,9 @@ def _measure_block(
         if grads is None:
             generator = torch.Generator(device="cpu").manual_seed(0)
             grads = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in differentiable]
-        if differentiable:
+        if differentiable and iteration == 0:
+            backward_bytes = _backward_bytes(block, inputs, differentiable, grads, kept)
+        elif differentiable:
             torch.autograd.backward(differentiable, grads)
         _sync(device)
         stop = clock()
@@ -110,7 +125,39 @@ def _measure_block(
         if iteration >= warmup:
             forwards.append(middle - start)
             backwards.append(stop - middle)
-    return statistics.median(forwards), statistics.median(backwards), saved_bytes, output
+    return statistics.median(forwards), statistics.median(backwards), saved_bytes, backward_bytes, output
+
+
+def _backward_bytes(block: nn.Module, inputs: tuple[Any, ...], outputs: list[torch.Tensor],
+                    grads: list[torch.Tensor], saved: list[weakref.ref[torch.UntypedStorage]]) -> int:
+    """The backward of `outputs` (from `grads`) with the block's gradients already there (a later micro-batch's:
+    each new one is added in place), and the most bytes it held at once beyond what it started with: the
+    gradients it computes before their inputs' saved tensors are freed (each freed one counts down)."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    tensors = [*params, *(p.grad for p in params), *_tensors(inputs), *outputs, *grads]
+    with LiveBytes(existing=(s for s in [*(t.untyped_storage() for t in tensors), *(r() for r in saved)]
+                             if s is not None)) as live:
+        torch.autograd.backward(outputs, grads)
+    return max(0, live.peak)
+
+
+def _selective_bytes(wrapped: nn.Module, inputs: tuple[Any, ...]) -> int:
+    """What `wrapped` (a block under selective recomputation) keeps for its backward after one forward: its
+    inputs' storages and those its forward made that outlive it, but its outputs' (the stage holds those) and its
+    weights'."""
+    gc.collect()
+    with LiveBytes() as live:
+        output = wrapped(*inputs)
+    gc.collect()
+    # not its outputs', nor its weights' (a linear layer's transposed weight is a view the counter meets)
+    mine = {id(t.untyped_storage()) for t in [*_tensors(output), *wrapped.parameters(), *wrapped.buffers()]}
+    made = sum(size for key, size in live.live.items() if key not in mine)
+    held = {id(s): s.nbytes() for s in (t.untyped_storage() for t in _tensors(inputs)) if id(s) not in mine}
+    del output
+    wrapped.zero_grad(set_to_none=True)
+    return made + sum(held.values())
 
 
 def profile_model(
@@ -122,11 +169,13 @@ def profile_model(
     warmup: int = 1,
     seed: int = 0,
     name: str | None = None,
+    selective: Callable[[nn.Module], nn.Module] | None = None,
 ) -> ModelProfile:
     """Measure each block of `model` for one micro-batch of `micro_batch_size` samples on `device`.
 
     Times are medians over `repeats` runs after `warmup` untimed ones (the first run also counts the bytes
-    saved for backward). Blocks are built one at a time, so the model never needs to fit whole.
+    saved for backward). Blocks are built one at a time, so the model never needs to fit whole. `selective`
+    (a block -> the block under selective recomputation) adds each block's `selective_bytes`.
     """
     for label, value, least in (("micro_batch_size", micro_batch_size, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -146,7 +195,9 @@ def profile_model(
         params = list({id(p): p for p in block.parameters()}.values())
         if dtype is None and params:
             dtype = str(params[0].dtype).removeprefix("torch.")
-        forward_s, backward_s, saved_bytes, output = _measure_block(block, inputs, device, repeats, warmup)
+        forward_s, backward_s, saved_bytes, backward_bytes, output = _measure_block(block, inputs, device, repeats,
+                                                                                    warmup)
+        kept = None if selective is None else _selective_bytes(selective(block), inputs)
         outputs = _tensors(output)
         blocks.append(
             BlockProfile(
@@ -157,6 +208,7 @@ def profile_model(
                 param_bytes=_nbytes(params),
                 activation_bytes=saved_bytes,
                 output_bytes=_nbytes(outputs),
+                selective_bytes=kept, backward_bytes=backward_bytes,
             )
         )
         inputs = _as_inputs(output if isinstance(output, tuple) else output)

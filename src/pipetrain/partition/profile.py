@@ -8,6 +8,11 @@ Format 2 adds a fit over several measured micro-batch sizes (`sizes`): each bloc
 bytes) is a fixed cost per micro-batch plus a cost per sample, `*_fixed_*` holding the fixed part and the
 plain fields the fitted value at `micro_batch_size`. A format-1 file (one size) loads with fixed parts 0,
 which is the old linear rescaling; a profile of one size is still written as format 1.
+
+Either format may hold each block's `selective_bytes`: what the block keeps for backward under selective
+recomputation (its input and its matrix products' and attention's outputs, `pipetrain.partition.measure`), and
+its `backward_bytes`: the most its backward holds at once beyond its saved activations; absent or null in older
+files: unknown.
 """
 
 from __future__ import annotations
@@ -60,6 +65,14 @@ class BlockProfile:
     forward_fixed_s: float = 0.0
     backward_fixed_s: float = 0.0
     activation_fixed_bytes: int = 0
+    #: what selective recomputation keeps of it (the block's input, its matrix products' and attention's outputs;
+    #: None: not measured), and its fixed part per micro-batch (a fitted profile)
+    selective_bytes: int | None = None
+    selective_fixed_bytes: int = 0
+    #: the most bytes its backward holds at once beyond its saved activations (the gradients it computes, its
+    #: parameters' gradients already there; None: not measured), and its fixed part (a fitted profile)
+    backward_bytes: int | None = None
+    backward_fixed_bytes: int = 0
 
     @property
     def time_s(self) -> float:
@@ -71,7 +84,12 @@ class BlockProfile:
         def scale(value: float, fixed: float) -> float:
             return fixed + (value - fixed) * ratio
 
+        def optional(value: int | None, fixed: int) -> int | None:
+            return None if value is None else round(scale(value, fixed))
+
         return replace(self, forward_s=scale(self.forward_s, self.forward_fixed_s),
+                       selective_bytes=optional(self.selective_bytes, self.selective_fixed_bytes),
+                       backward_bytes=optional(self.backward_bytes, self.backward_fixed_bytes),
                        backward_s=scale(self.backward_s, self.backward_fixed_s),
                        activation_bytes=round(scale(self.activation_bytes, self.activation_fixed_bytes)),
                        output_bytes=round(self.output_bytes * ratio))
@@ -159,17 +177,24 @@ def profile_to_dict(profile: ModelProfile) -> dict[str, Any]:
     older pipetrain versions read)."""
     data = asdict(profile)
     data["blocks"] = [asdict(block) for block in profile.blocks]
+    for block in data["blocks"]:
+        for key in ("selective", "backward"):
+            if block[f"{key}_bytes"] is None:  # not measured: written as before
+                del block[f"{key}_bytes"], block[f"{key}_fixed_bytes"]
     if not profile.fitted:
         del data["sizes"]
         for block in data["blocks"]:
             for key in _FIT_FIELDS:
-                del block[key]
+                block.pop(key, None)
         return {"format": PROFILE_FORMAT, **data}
     data["sizes"] = list(profile.sizes)
     return {"format": PROFILE_FORMAT_FITTED, **data}
 
 
-_FIT_FIELDS = ("forward_fixed_s", "backward_fixed_s", "activation_fixed_bytes")
+_FIT_FIELDS = ("forward_fixed_s", "backward_fixed_s", "activation_fixed_bytes", "selective_fixed_bytes",
+               "backward_fixed_bytes")
+#: fields a file may leave out or set to null (measured by newer versions only; the fixed parts only when fitted)
+_OPTIONAL = ("selective_bytes", "selective_fixed_bytes", "backward_bytes", "backward_fixed_bytes")
 
 
 def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
@@ -199,7 +224,8 @@ def profile_from_dict(data: Any) -> ModelProfile:
     blocks_data = data.get("blocks")
     if not isinstance(blocks_data, list) or not blocks_data:
         raise ValueError("'blocks' is not a non-empty list")
-    kinds = {f.name: f.type for f in fields(BlockProfile) if fitted or f.name not in _FIT_FIELDS}
+    kinds = {f.name: f.type for f in fields(BlockProfile)
+             if (fitted or f.name not in _FIT_FIELDS) and f.name not in _OPTIONAL}
     blocks = []
     for position, item in enumerate(blocks_data):
         if not isinstance(item, dict):
@@ -207,6 +233,8 @@ def profile_from_dict(data: Any) -> ModelProfile:
         where = f"block {position}"
         values = {key: _field(item, key, {"int": int, "float": float, "str": str}[kind], where)
                   for key, kind in kinds.items()}
+        values.update({key: _field(item, key, int, where) for key in _OPTIONAL if item.get(key) is not None
+                       and (fitted or key not in _FIT_FIELDS)})
         blocks.append(BlockProfile(**values))
     micro_batch_size = _field(data, "micro_batch_size", int, "the profile")
     repeats = _field(data, "repeats", int, "the profile")

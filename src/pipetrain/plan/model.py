@@ -117,12 +117,15 @@ class BlockCost:
     #: data-parallel reduction
     frozen_params: int = 0
     #: of `activation_bytes`, what selective recomputation keeps (the block's input and its matrix products' and
-    #: attention's outputs); None: unknown (a profile), counted as all of them
+    #: attention's outputs); None: unknown (a profile measured without it), counted as all of them
     selective_bytes: float | None = None
     #: the same keeping every other matrix product (`--selective-matmuls alternate`), and the forward FLOPs of the
     #: products it recomputes; None: unknown, planned as `selective_bytes` (a bound from above)
     alternate_bytes: float | None = None
     alternate_flops: float = 0.0
+    #: bytes per sample the block's backward holds at once beyond its saved activations (the gradients it computes
+    #: before the saved tensors they free; measured by a profile, 0: unknown), as each backward starts
+    backward_bytes: float = 0.0
     #: the routed experts of a mixture-of-experts layer (their parameters are part of `params`), or None
     experts: ExpertSplit | None = None
     #: the attention a context-parallel split exchanges (None: the block has no attention CP can split)
@@ -212,7 +215,8 @@ def config_blocks(config) -> list[BlockCost]:
 def profile_blocks(profile) -> list[BlockCost]:
     """Block costs from a `pipetrain.partition.profile.ModelProfile`: times a fixed part per micro-batch plus a
     part per sample (a profile fitted over several sizes; one size: per sample only, linear), bytes per sample
-    (activations: the fitted slope; the fixed part is left out)."""
+    (activations and what selective recomputation keeps of them, where measured: the fitted slopes; the fixed
+    parts are left out)."""
     mbs = profile.micro_batch_size
     e = ELEMENT_BYTES.get(profile.dtype, 4)
     return [BlockCost(
@@ -222,4 +226,8 @@ def profile_blocks(profile) -> list[BlockCost]:
         forward_s=(block.forward_s - block.forward_fixed_s) / mbs,
         backward_s=(block.backward_s - block.backward_fixed_s) / mbs,
         fixed_forward_s=block.forward_fixed_s, fixed_backward_s=block.backward_fixed_s,
+        selective_bytes=(None if block.selective_bytes is None
+                         else (block.selective_bytes - block.selective_fixed_bytes) / mbs),
+        backward_bytes=(0.0 if block.backward_bytes is None
+                        else (block.backward_bytes - block.backward_fixed_bytes) / mbs),
     ) for block in profile.blocks]

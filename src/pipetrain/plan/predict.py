@@ -274,21 +274,31 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         held = again = None
         acts = [device.activation_factor * tp_activation_bytes(b, tp, sp) for b in part]
         chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0]
+        # torch's stage holds each micro-batch's output from its forward to its backward (`fwd_cache`, stage.py),
+        # none of its blocks' saved tensors (a block ending in a residual sum saves nothing of it); the last stage's
+        # output (the logits) is plan/loss.py's
+        middle = samples * tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) else 0.0
+        # as each backward starts: what a block's backward computes before the saved tensors it frees
+        # (`BlockCost.backward_bytes`), the blocks after it freed already
+        works = [b.backward_bytes / (tp if b.tensor is not None else 1) for b in part]
+        work = max([w - sum(acts[j + 1:]) for j, w in enumerate(works)] + [0.0])
         if layout.recompute_unit in ("layer", "selective"):
             kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
-            # the stage's output stays for its backward too, unless its last block keeps all its activations anyway
-            # (then counted as without recomputation); the last stage's output (the logits) is none of its blocks'
-            # activations: torch's stage holds it to the backward (plan/loss.py adds it there when kept longer)
+            # the last stage's output stays for its backward too, unless its last block keeps all its activations
+            # anyway (then counted as without recomputation), or plan/loss.py keeps it longer
             last = stop == len(blocks) and not layout.keep_outputs
-            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] or last else 0.0
+            output = tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) or kept[-1] < acts[-1] or last else 0.0
             held = samples * (sum(kept) + output)
-            # recomputing one block at a time brings back its activations (selective: those it had dropped)
-            dropped = [acts[i - start] - (kept[i - start] if layout.recompute_unit == "selective" else 0.0)
-                       for i in chosen]
-            again = held + samples * max(dropped, default=0.0)
+            # recomputing one block at a time brings back its activations (and its backward works) while the
+            # blocks before it keep what they kept; the blocks after it have run their backward and freed theirs
+            again = max([held] + [samples * (sum(kept[:i - start]) + acts[i - start] + output + works[i - start])
+                                  for i in chosen])
         elif layout.recompute_unit != "stage":
             raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}",
                               hint="use 'stage', 'layer' or 'selective'")
+        elif stop < len(blocks):  # the whole stage recomputed: its input and output kept; then all, and work
+            held = (samples * tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0) + middle
+            again = samples * (sum(acts) + work) + middle
         forward = sum(t[0] for t in times)
         redo = forward if layout.recompute_unit == "stage" else sum(
             _recomputed_share(blocks[i], layout) * times[i - start][0] for i in chosen)
@@ -296,7 +306,8 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         costs.append(StageCost(
             forward_s=forward + comm + moe_forward + max(0.0, moved - forward),
             backward_s=backward + comm + moe_backward + max(0.0, moved - backward),
-            activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part),
+            activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part)
+            + middle, transient_bytes=samples * work if stop < len(blocks) else 0.0,  # the last's: plan/loss.py
             input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
             send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
             reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in dense), grads, network,

@@ -74,8 +74,9 @@ def _calibration(config: TrainConfig, launched: bool, device: str, say: bool,
 
 def _blocks(config: TrainConfig, model: BlockModel, launched: bool, device: str,
             say: bool) -> tuple[list[BlockCost], str]:
-    from pipetrain.partition.measure import default_sizes, model_fingerprint, profile_model_sizes
+    from pipetrain.partition.measure import default_sizes, model_fingerprint
     from pipetrain.plan.model import profile_blocks
+    from pipetrain.train.profiling import measure_profile
 
     given = config.layout.profile
     analytic = _analytic_blocks(config, model) if given is None else None
@@ -97,7 +98,7 @@ def _blocks(config: TrainConfig, model: BlockModel, launched: bool, device: str,
             log.info("pipetrain: --layout auto: measuring each block at micro-batch sizes %s (pass --profile FILE "
                      "to reuse a profile)", ", ".join(map(str, sizes)))
         start = time.perf_counter()
-        profile = profile_model_sizes(model, sizes, device=device, repeats=3)
+        profile = measure_profile(model, sizes, device=device, repeats=3)
         source = f"measured now in {time.perf_counter() - start:.1f} s ({profile.describe()})"
     return with_loss(profile_blocks(profile), config.task().loss()), source
 
