@@ -197,11 +197,11 @@ def test_the_8b_question_finds_a_layout_where_torchtitan_ran():
             "--precision", "bf16", "--dp-modes", "fsdp", "--pp", "1", "--tp", "1", "--gpu", "h100"]
     result, _ = planned(build_parser(argv).parse_args(argv))
     best = result.best[0].layout
-    # two micro-batches of one sample: each one's logits (4.2 GB), their log-softmax and the loss backward's two
-    # temporaries beside selective recomputation's activations (one micro-batch of two samples needs ~100 GiB: the
-    # stage holds its logits to the backward); the logits are not kept to the step's end (the engine drops them)
-    assert (best.fsdp_reshard, best.recompute_unit, best.chunks) == (True, "selective", 2)
-    assert max(result.best[0].memory_bytes) / 2**30 < 96
+    # one micro-batch of two samples, as torchtitan ran it: the logits' log-softmax (8.4 GB) and the loss backward's
+    # two temporaries beside selective recomputation's activations, 92.6 GiB; the logits die with the loss's forward
+    # (the last stage computes its loss in its forward, pipeline/head.py): held to the backward they made it 100.4
+    assert (best.fsdp_reshard, best.recompute_unit, best.chunks) == (True, "selective", 1)
+    assert 85 < max(result.best[0].memory_bytes) / 2**30 < 96
 
 
 def test_auto_reshards_inside_a_pipeline_only_where_it_must():

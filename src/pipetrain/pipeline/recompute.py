@@ -100,7 +100,8 @@ class RecomputeWrapper(nn.Module):
     host memory. The engine calls `start_step(count)` before each step; forwards then arrive in micro-batch order
     (true of every pipeline schedule: a stage runs its forwards in order). `recompute_context` (e.g.
     `pipetrain.batchnorm.StageNorms.recomputing`) makes the context the recomputed forward runs in (the first forward
-    runs as without it): there, BatchNorm layers must not update their running statistics a second time.
+    runs as without it): there, BatchNorm layers must not update their running statistics a second time. `head`:
+    see `pipeline.head`.
     """
 
     def __init__(self, module: nn.Module, policy: str,
@@ -116,6 +117,9 @@ class RecomputeWrapper(nn.Module):
         self.offload = offload
         self._count = 1
         self._calls = 0
+        #: the last stage's loss in a training run (`pipeline.head.LossHead`, armed by the engine): the forward
+        #: returns `head(outputs)`, so the schedule keeps the loss for the backward, not the outputs
+        self.head: Callable[[Any], Any] | None = None
 
     @property
     def recompute_modules(self) -> list[nn.Module]:
@@ -134,18 +138,23 @@ class RecomputeWrapper(nn.Module):
         self._calls += 1
         offloading = self.offload.saving(index) if self.offload is not None and self.training else nullcontext()
         with offloading:
-            if not (self.training and recomputes(self.policy, index, self._count)):
-                return self.module(*args)
-            if self.unit == "stage":
-                return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._contexts)
-            values: Any = args
-            chosen = set(self._blocks)
-            for i, block in enumerate(self.module):
-                if i in chosen:
-                    values = checkpoint(block, *as_tuple(values), use_reentrant=False, context_fn=self._contexts)
-                else:
-                    values = block(*as_tuple(values))
-            return values
+            out = self._run(index, args)
+        # the last stage's loss (outside recomputation and offloading): the stage returns it, the outputs die here
+        return out if self.head is None else self.head(out)
+
+    def _run(self, index: int, args: tuple[Any, ...]) -> Any:
+        if not (self.training and recomputes(self.policy, index, self._count)):
+            return self.module(*args)
+        if self.unit == "stage":
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._contexts)
+        values: Any = args
+        chosen = set(self._blocks)
+        for i, block in enumerate(self.module):
+            if i in chosen:
+                values = checkpoint(block, *as_tuple(values), use_reentrant=False, context_fn=self._contexts)
+            else:
+                values = block(*as_tuple(values))
+        return values
 
     def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""

@@ -273,11 +273,11 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0]
         if layout.recompute_unit in ("layer", "selective"):
             kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
-            # the stage's output stays for its backward too, unless its last block keeps all its activations anyway
-            # (then counted as without recomputation); the last stage's output (the logits) is none of its blocks'
-            # activations: torch's stage holds it to the backward (plan/loss.py adds it there when kept longer)
-            last = stop == len(blocks) and not layout.keep_outputs
-            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] or last else 0.0
+            # the stage's output stays for its backward too (torch's stage holds it), unless its last block keeps all
+            # its activations anyway (then counted as without recomputation); the last stage's output (the logits)
+            # dies with the loss's forward, which runs in the stage's (plan/loss.py: kept to the step's end there)
+            last = stop == len(blocks)
+            output = tp_output_bytes(part[-1], tp, sp) if kept[-1] < acts[-1] and not last else 0.0
             held = samples * (sum(kept) + output)
             # recomputing one block at a time brings back its activations (selective: those it had dropped)
             dropped = [acts[i - start] - (kept[i - start] if layout.recompute_unit == "selective" else 0.0)
