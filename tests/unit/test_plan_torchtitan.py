@@ -103,10 +103,11 @@ def test_where_the_peaks_are(predicted):
     """Interleaved: the last rank, set by the last stage's outputs (bf16 logits, vocabulary-parallel: 0.98 GiB per
     micro-batch on each rank) kept to the step's end and, as the last micro-batch's loss backward starts, its fp32
     log-softmax and torch's loss_parallel's three temporaries beside them (plan/loss.py). 1F1B: pipeline rank 1 (16
-    layers' weights and fp32 gradients, 7 micro-batches' layer inputs in flight), 0.5 GiB above the last rank."""
+    layers' weights and fp32 gradients, 7 micro-batches' layer inputs in flight), 1.5 GiB above the last rank (whose
+    outputs torch's stage holds for the backward are the very tensors its schedule keeps: counted once)."""
     interleaved, one = predicted["interleaved-1f1b"].memory_bytes, predicted["1f1b"].memory_bytes
     assert interleaved.index(max(interleaved)) == len(interleaved) - 1
-    assert one.index(max(one)) == 1 and max(one) - one[-1] == pytest.approx(0.5 * 2**30, rel=0.1)
+    assert one.index(max(one)) == 1 and max(one) - one[-1] == pytest.approx(1.5 * 2**30, rel=0.1)
 
 
 def test_planning_405b_loads_nothing_and_takes_seconds_at_most():
