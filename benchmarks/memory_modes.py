@@ -271,9 +271,9 @@ def _blocks(name: str, seq_len: int, batch: int):
 def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, float]]:
     """What the planner predicts for each pipeline rank (no device baseline): its parameter, gradient and AdamW bytes
     at rest (after the step: FSDP's shards), its static peak within the step, its total (`plan.predict`'s peak),
-    and what of that total is the last stage's outputs and the loss backward's temporaries (no saved activations:
-    the outputs are held by torch's stage from each forward to its backward; the saved-tensor hook sees neither),
-    so that the rest is its saved activations."""
+    and what of that total is the last stage's outputs (none since its loss runs in its forward, `pipeline/head.py`:
+    they die there) and the loss backward's temporaries (no saved activations: the saved-tensor hook does not see
+    them), so that the rest is its saved activations."""
     dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
     layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
                     checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,
