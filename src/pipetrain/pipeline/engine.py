@@ -63,7 +63,8 @@ class PipelineEngine:
     `sequence_split` (context parallelism, `pipetrain.context.SequenceSplit`) cuts every batch's sequences to this
     rank's tokens before the run, and adapts the loss to the cut; `dp` and `dp_group` then span the data- and
     context-parallel ranks (each holds other tokens of the same parameters), and `StepResult.outputs` holds this
-    rank's tokens.
+    rank's tokens. In training the last stage computes each micro-batch's loss and metrics inside its forward
+    (`pipeline.head`), so its outputs (a language model's logits) are not held until the backward.
 
     BatchNorm layers (docs/batchnorm.md): each micro-batch is normalised by its own statistics; the running
     statistics move once per micro-batch forward (never in a recomputed forward), or once per step with
