@@ -126,6 +126,35 @@ def _matmuls_in_backward(stage: RecomputeWrapper) -> int:
     return flops.get_total_flops()
 
 
+def test_selective_recomputation_leaves_the_head_plain_so_its_logits_die_after_the_loss():
+    """On the stage holding the model's last block (`head=True`), selective recomputation leaves that block out: the
+    policy would keep its matrix product's output (a language model's logits) to the backward. A head of 16 -> 4096
+    on 8 rows (128 KB of logits) and a cross-entropy (it keeps a log-softmax of that size): after the forward and
+    the loss, with the outputs dropped, the step holds one logits-sized tensor more when the head is recomputed
+    selectively than when it runs plain."""
+    from pipetrain.compat.live import LiveBytes
+
+    def held(head: bool) -> int:
+        torch.manual_seed(0)
+        blocks = BlockSequential(_Block(), nn.Linear(16, 4096))
+        stage = RecomputeWrapper(blocks, "always", unit="selective", head=head)
+        stage.start_step(1)
+        x, target = torch.randn(8, 16), torch.randint(0, 4096, (8,))
+        with LiveBytes() as live:
+            loss = torch.nn.functional.cross_entropy(stage(x), target)  # the outputs die here (pipeline/head.py)
+            kept = live.bytes
+        loss.backward()
+        assert [b.calls for b in blocks[:1]] == [2]  # the first block is recomputed either way
+        return kept
+
+    logits = 8 * 4096 * 4
+    assert logits <= held(head=False) - held(head=True) < 2 * logits
+    stage = _stage("selective")
+    assert stage.recompute_modules == list(stage.module)  # no head: every block
+    head = RecomputeWrapper(BlockSequential(_Block(), nn.Linear(16, 4096)), "always", unit="selective", head=True)
+    assert head.recompute_modules == [head.module[0]]
+
+
 def test_selective_recomputation_keeps_the_matrix_products():
     # 4 blocks of 2 linears (16 -> 32 -> 16) on 4 rows: recomputing every block runs its forward products again in
     # the backward (2 x 4 x 16 x 32 x 2 FLOPs per block), except under the selective policy, which kept them

@@ -196,3 +196,17 @@ def test_the_last_stage_holds_no_output_under_any_recomputation(unit):
     big = blocks[:-1] + [replace(blocks[-1], output_bytes=1e9)]
     kept = predict(big, replace(layout, keep_outputs=True), DEVICE, DEFAULT_NETWORK).memory_bytes[0]
     assert kept > 2e9
+
+
+def test_selective_recomputation_prices_the_head_plain():
+    """The engine leaves the model's last block out of selective recomputation (its policy would keep the logits):
+    the plan counts all the head's activations (3000 bytes a sample here) even where it knows a selective share (here
+    none kept beyond its input, 2000), and times no recomputation of it."""
+    blocks = _blocks()
+    known = blocks[:-1] + [replace(blocks[-1], selective_bytes=0.0)]
+    layout = Layout(dp=1, pp=1, batch=1, chunks=1, schedule="gpipe", checkpoint="always", recompute_unit="selective")
+    plain, told = (predict(b, layout, DEVICE, DEFAULT_NETWORK) for b in (blocks, known))
+    assert told.memory_bytes == plain.memory_bytes
+    assert told.step_s == plain.step_s
+    layers = replace(layout, recompute_unit="layer")  # a whole-layer unit still recomputes the head
+    assert predict(known, layers, DEVICE, DEFAULT_NETWORK).memory_bytes[0] < plain.memory_bytes[0]

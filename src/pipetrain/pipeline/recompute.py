@@ -95,7 +95,10 @@ class RecomputeWrapper(nn.Module):
 
     `unit` (`PipelineConfig.recompute_unit`): "stage" checkpoints the whole stage (keeping its input); "layer" each
     block of `recomputed_blocks` (keeping every block's input); "selective" those blocks under torch's selective
-    policy (`SAVED_OPS` kept, the rest recomputed). `first_block` is the model index of the stage's first block.
+    policy (`SAVED_OPS` kept, the rest recomputed), except the model's last block when the stage holds it (`head`):
+    there the policy would keep the output of its last matrix product, a language model's logits, to the backward
+    (as torchtitan, whose selective checkpoint wraps the transformer blocks only, the head runs plain: it keeps its
+    input). `first_block` is the model index of the stage's first block.
     `offload` (see `pipeline.offload`) moves the saved activations of micro-batches waiting for their backward to
     host memory. The engine calls `start_step(count)` before each step; forwards then arrive in micro-batch order
     (true of every pipeline schedule: a stage runs its forwards in order). `recompute_context` (e.g.
@@ -106,7 +109,7 @@ class RecomputeWrapper(nn.Module):
 
     def __init__(self, module: nn.Module, policy: str,
                  recompute_context: Callable[[], AbstractContextManager[Any]] | None = None, *,
-                 unit: str = "stage", every: int = 1, first_block: int = 0,
+                 unit: str = "stage", every: int = 1, first_block: int = 0, head: bool = False,
                  offload: ActivationOffload | None = None) -> None:
         super().__init__()
         self.module = module
@@ -114,6 +117,8 @@ class RecomputeWrapper(nn.Module):
         self.unit = unit
         self._recompute_context = recompute_context or nullcontext
         self._blocks = [] if unit == "stage" else recomputed_blocks(first_block, len(module), every)
+        if unit == "selective" and head:
+            self._blocks = [i for i in self._blocks if i != len(module) - 1]
         self.offload = offload
         self._count = 1
         self._calls = 0

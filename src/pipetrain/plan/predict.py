@@ -270,7 +270,9 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         backward = sum(t[1] for t in times)
         held = again = None
         acts = [device.activation_factor * tp_activation_bytes(b, tp, sp) for b in part]
-        chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0]
+        # selective recomputation leaves the model's last block (the head) plain: its policy would keep the logits
+        chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0
+                  and not (layout.recompute_unit == "selective" and i == len(blocks) - 1)]
         if layout.recompute_unit in ("layer", "selective"):
             kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
             # the stage's output stays for its backward too (torch's stage holds it), unless its last block keeps all
