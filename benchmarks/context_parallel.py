@@ -65,7 +65,8 @@ def _config(seq: int):
 
 def planned(seq: int, cp: int, attention: str) -> float:
     """The bytes of activations the planner prices one rank to keep for its backward: one sequence of `seq`
-    tokens split over `cp` ranks, one stage, fp32 (its blocks', the logits and the loss's log-softmax)."""
+    tokens split over `cp` ranks, one stage, fp32 (its blocks' and the loss's log-softmax: the logits die with the
+    loss's forward, in the last stage's)."""
     blocks = sizes_from_config(_config(seq).to_dict()).blocks(seq, element=4)
     layout = Layout(dp=1, pp=1, batch=1, chunks=1, cp=cp, cp_attention=attention)
     cost = stage_costs(blocks, layout, default_device(), DEFAULT_NETWORK, [(0, len(blocks))])[0]

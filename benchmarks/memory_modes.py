@@ -277,9 +277,9 @@ def _blocks(name: str, seq_len: int, batch: int):
 def _planned(blocks, pp: int, dp: int, mode: str, batch: int) -> list[dict[str, float]]:
     """What the planner predicts for each pipeline rank (no device baseline): its parameter, gradient and AdamW bytes
     at rest (after the step: FSDP's shards), its static peak within the step, its total (`plan.predict`'s peak),
-    and what of that total is the stage's outputs, the loss backward's temporaries and the backward's working bytes
-    (no saved activations: the outputs are held by torch's stage from each forward to its backward; the
-    saved-tensor hook sees none of them), so that the rest is its saved activations."""
+    and what of that total is a middle stage's outputs (held by torch's stage from each forward to its backward;
+    the last stage's die with its loss's forward, `pipeline/head.py`), the loss backward's temporaries and the
+    backward's working bytes (the saved-tensor hook sees none of them), so that the rest is its saved activations."""
     dp_mode, reshard, shard, checkpoint, unit, every, offload = MODES[mode]
     layout = Layout(dp=dp, pp=pp, batch=batch, chunks=4, schedule="1f1b" if pp > 1 else "gpipe",
                     checkpoint=checkpoint, dp_mode="fsdp" if dp_mode == "hsdp" else dp_mode,

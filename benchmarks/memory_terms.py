@@ -9,11 +9,13 @@
    see (each storage once; parameters and their transposed views left out), beside `layer_activation_bytes`
    (plan/transformer.py), and each saved tensor with the backward node that saved it (`--verbose`).
 3. The engine's last stage: one training step of the `lm` preset at a large vocabulary (`--lm-vocab`), pp 1, 4
-   micro-batches of 4 x 128 tokens, in a world of one gloo rank: the peak of the bytes the step allocates (the
-   same dispatch mode) and its loss and accuracy, with the engine's outputs dropped (as `pipetrain train` runs it)
-   and kept (as a caller reading `StepResult.outputs` does).
+   micro-batches of 4 x 128 tokens, in a world of one gloo rank, under each of `--lm-schedules` (1F1B: one
+   micro-batch in flight; GPipe: all 4), in `--lm-precision` (fp32; bf16: autocast): the peak of the bytes the
+   step allocates (the same dispatch mode) and its loss and accuracy, with the engine's outputs dropped (as
+   `pipetrain train` runs it) and kept (as a caller reading `StepResult.outputs` does).
 
-Run: `.venv/bin/python benchmarks/memory_terms.py [--vocab 1000] [--tokens 4096] [--batch 4] [--lm-vocab 32768]`.
+Run: `.venv/bin/python benchmarks/memory_terms.py [--vocab 1000] [--tokens 4096] [--batch 4] [--lm-vocab 32768]
+[--lm-schedules 1f1b,gpipe] [--lm-precision fp32]`.
 """
 
 from __future__ import annotations
@@ -77,11 +79,13 @@ def layer_terms(batch: int, verbose: bool = False) -> dict[str, float]:
     return {"saved (MB)": sum(size for size, _ in seen.values()) / MB, "planned (MB)": planned / MB}
 
 
-def engine_terms(vocab: int, schedule: str = "1f1b", batch: int = 16, chunks: int = 4) -> dict[str, float]:
+def engine_terms(vocab: int, schedule: str = "1f1b", batch: int = 16, chunks: int = 4,
+                 precision: str = "fp32") -> dict[str, float]:
     """One training step (after a warm-up step) of the `lm` preset `cpu` at `vocab` classes, pp 1, `chunks`
-    micro-batches, fp32, in a world of one gloo rank: the step's peak of live bytes and what the step leaves live
-    (MB), its loss and accuracy, with the engine's outputs dropped (`keep_outputs = False`, as `pipetrain train`
-    runs) and kept; and the planner's view of the last stage (plan/loss.py: each micro-batch's fp32 logits)."""
+    micro-batches, `precision` (bf16: autocast, the loss on the logits cast to fp32), in a world of one gloo rank:
+    the step's peak of live bytes and what the step leaves live (MB), its loss and accuracy, with the engine's
+    outputs dropped (`keep_outputs = False`, as `pipetrain train` runs) and kept."""
+
     from dataclasses import replace
 
     from torch import nn
@@ -100,7 +104,7 @@ def engine_terms(vocab: int, schedule: str = "1f1b", batch: int = 16, chunks: in
     y = torch.randint(1, vocab, (batch, config.seq_len))
     session = open_session(RankSpec(0, 0, 1, "127.0.0.1", free_port(), "cpu"), model,
                            ParallelConfig(pipeline=PipelineConfig(pp=1, schedule=schedule, n_microbatches=chunks)),
-                           loss_fn=TokenCrossEntropy())
+                           loss_fn=TokenCrossEntropy(), precision=precision)
     out = {"micro-batch logits (MB)": batch // chunks * config.seq_len * vocab * 4 / MB}
     try:
         engine = session.engine
@@ -129,6 +133,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--lm-vocab", type=int, default=32768)
+    parser.add_argument("--lm-schedules", default="1f1b,gpipe")
+    parser.add_argument("--lm-precision", default="fp32", help="fp32 or bf16 (the engine's last stage)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -138,9 +144,11 @@ def main() -> None:
     print(f"eager llama-cpu layer, {args.batch} x 128 tokens, fp32:")
     for name, value in layer_terms(args.batch, args.verbose).items():
         print(f"  {name}: {value:.4f}")
-    print(f"the engine's last stage, lm preset cpu at vocabulary {args.lm_vocab}, 16 x 128 tokens, 4 micro-batches:")
-    for name, value in engine_terms(args.lm_vocab).items():
-        print(f"  {name}: {value:.6f}" if "loss" in name or "accuracy" in name else f"  {name}: {value:.1f}")
+    for schedule in args.lm_schedules.split(","):
+        print(f"the engine's last stage, lm preset cpu at vocabulary {args.lm_vocab}, 16 x 128 tokens, "
+              f"4 micro-batches, {schedule}, {args.lm_precision}:")
+        for name, value in engine_terms(args.lm_vocab, schedule, precision=args.lm_precision).items():
+            print(f"  {name}: {value:.6f}" if "loss" in name or "accuracy" in name else f"  {name}: {value:.1f}")
 
 
 if __name__ == "__main__":

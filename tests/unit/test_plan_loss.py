@@ -113,14 +113,14 @@ def test_a_config_priced_head_outputs_fp32_logits_and_the_loss_keeps_their_log_p
     assert head.activation_bytes == 2 * 4 * SEQ * 64  # the norm's and the projection's inputs
     blocks = sizes.blocks(SEQ, element=2, vocab_parallel=True)
     bare = blocks[:-1] + [replace(blocks[-1], loss_bytes=0.0, output_bytes=0.0)]
-    # one micro-batch of one sample: as its backward starts, its logits, their log-probabilities and the loss
-    # backward's temporaries (F.cross_entropy's 2; under a vocabulary-parallel head, torch's loss_parallel's 3), each
-    # tp rank holding its shard of each; more than the step's end (the logits and their merged copy)
+    # one micro-batch of one sample: as its backward starts, the logits' log-probabilities and the loss backward's
+    # temporaries (F.cross_entropy's 2; under a vocabulary-parallel head, torch's loss_parallel's 3), each tp rank
+    # holding its shard of each (the logits died with the loss's forward, in the last stage's)
     for tp, temporaries in ((1, BACKWARD_TEMPORARIES), (2, VOCAB_PARALLEL_BACKWARD_TEMPORARIES)):
         layout = Layout(dp=1, pp=1, batch=1, chunks=1, tp=tp)
         gained = (predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
                   - predict(bare, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0])
-        assert gained == pytest.approx((2 + temporaries) * LOGITS / tp, rel=1e-9)
+        assert gained == pytest.approx((1 + temporaries) * LOGITS / tp, rel=1e-9)
 
 
 def test_the_loss_backward_temporaries_exist_as_each_backward_starts():
@@ -161,34 +161,52 @@ def test_fsdp_holds_only_its_shards_at_the_step_end_and_a_block_more_as_it_reduc
         assert memory == pytest.approx(static_bytes(big, layout, resting=True) + 2 * 2 * samples * 1e6, rel=1e-9)
 
 
-def test_pipetrains_engine_holds_each_output_from_its_forward_to_its_backward_only():
-    """`keep=False` (the engine asks the schedule for no outputs): no kept bytes; the output counts with the
-    micro-batch (held by torch's stage for its backward), as its input does when the stage recomputes."""
+def test_pipetrains_engine_holds_no_output_of_the_last_stage():
+    """`keep=False` (nobody reads the step's outputs): no kept bytes, and none held with the micro-batch either (the
+    last stage computes its loss in its forward, `pipeline.head`: the logits die there, only the loss's log-softmax
+    stays), whether the stage recomputes or not."""
     cost = StageCost(forward_s=1.0, backward_s=2.0, activation_bytes=100.0, input_bytes=10.0)
     head = replace(_blocks()[-1], loss_bytes=7.0, output_bytes=3.0)
     out = last_stage(cost, head, samples=2, keep=False)
-    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes, out.kept_bytes) == (120.0, 30.0, 120.0, 0.0)
+    assert (out.activation_bytes, out.held_bytes, out.recompute_bytes, out.kept_bytes) == (114.0, 24.0, 114.0, 0.0)
     assert out.transient_bytes == BACKWARD_TEMPORARIES * 14.0
     per_layer = last_stage(replace(cost, held_bytes=30.0, recompute_bytes=60.0), head, samples=2, keep=False)
-    assert (per_layer.held_bytes, per_layer.recompute_bytes) == (44.0, 74.0)  # the output already among them
+    assert (per_layer.held_bytes, per_layer.recompute_bytes) == (44.0, 74.0)
     # 1F1B at pp 1 (each backward right after its forward), outputs and log-softmax of 1 MB per micro-batch: kept,
-    # the 4 outputs and their merge at the step's end (8 MB); dropped, one micro-batch's output, log-softmax and two
-    # temporaries as its backward starts (4 MB) beside its blocks' 18 KB
+    # the 4 outputs and their merge at the step's end (8 MB); dropped, one micro-batch's log-softmax and two
+    # temporaries as its backward starts (3 MB) beside its blocks' 18 KB
     big = _blocks()[:-1] + [replace(_blocks()[-1], output_bytes=1e6, loss_bytes=1e6)]
     layout = Layout(dp=1, pp=1, batch=4, chunks=4, schedule="1f1b")
     kept = predict(big, replace(layout, keep_outputs=True), DEVICE, DEFAULT_NETWORK).memory_bytes[0]
     dropped = predict(big, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
-    assert kept - dropped == pytest.approx(8e6 - 4e6 - 18e3, rel=1e-9)
+    assert kept - dropped == pytest.approx(8e6 - 3e6 - 18e3, rel=1e-9)
 
 
-@pytest.mark.parametrize("unit", ["selective", "layer"])
-def test_the_last_stage_holds_its_output_under_per_block_recomputation(unit):
-    """The logits are none of the head's activations: torch's stage holds them from the forward to the backward
-    whether or not the head keeps its activations (a measured profile's head, no `selective_bytes`, keeps all of them
-    under selective recomputation; the `hf` rows of benchmarks/memory_modes.py read +14 % before this was counted).
-    One micro-batch of 1 sample at pp 1: the output adds exactly its bytes to the peak."""
+@pytest.mark.parametrize("unit", ["selective", "layer", "stage"])
+def test_the_last_stage_holds_no_output_under_any_recomputation(unit):
+    """The logits are none of the head's activations and die with the loss's forward, whether or not the head keeps
+    its activations (a measured profile's head, no `selective_bytes`, keeps all of them under selective
+    recomputation). One micro-batch of 1 sample at pp 1: the output's bytes change nothing; kept (`keep_outputs`),
+    the output and its merged copy set the peak at the step's end when they outweigh the rest."""
     blocks = _blocks()
     layout = Layout(dp=1, pp=1, batch=1, chunks=1, schedule="gpipe", checkpoint="always", recompute_unit=unit)
     held = predict(blocks, layout, DEVICE, DEFAULT_NETWORK).memory_bytes[0]
     bare = predict(blocks[:-1] + [replace(blocks[-1], output_bytes=0.0)], layout, DEVICE, DEFAULT_NETWORK)
-    assert held - bare.memory_bytes[0] == pytest.approx(LOGITS, rel=1e-9)
+    assert held == pytest.approx(bare.memory_bytes[0], rel=1e-12)
+    big = blocks[:-1] + [replace(blocks[-1], output_bytes=1e9)]
+    kept = predict(big, replace(layout, keep_outputs=True), DEVICE, DEFAULT_NETWORK).memory_bytes[0]
+    assert kept > 2e9
+
+
+def test_selective_recomputation_prices_the_head_plain():
+    """The engine leaves the model's last block out of selective recomputation (its policy would keep the logits):
+    the plan counts all the head's activations (3000 bytes a sample here) even where it knows a selective share (here
+    none kept beyond its input, 2000), and times no recomputation of it."""
+    blocks = _blocks()
+    known = blocks[:-1] + [replace(blocks[-1], selective_bytes=0.0)]
+    layout = Layout(dp=1, pp=1, batch=1, chunks=1, schedule="gpipe", checkpoint="always", recompute_unit="selective")
+    plain, told = (predict(b, layout, DEVICE, DEFAULT_NETWORK) for b in (blocks, known))
+    assert told.memory_bytes == plain.memory_bytes
+    assert told.step_s == plain.step_s
+    layers = replace(layout, recompute_unit="layer")  # a whole-layer unit still recomputes the head
+    assert predict(known, layers, DEVICE, DEFAULT_NETWORK).memory_bytes[0] < plain.memory_bytes[0]

@@ -16,6 +16,7 @@ from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
+from pipetrain.pipeline.head import LossHead, armed, passed_on
 from pipetrain.pipeline.local import block_named, build_stages
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
 from pipetrain.pipeline.metrics import (
@@ -62,7 +63,8 @@ class PipelineEngine:
     `sequence_split` (context parallelism, `pipetrain.context.SequenceSplit`) cuts every batch's sequences to this
     rank's tokens before the run, and adapts the loss to the cut; `dp` and `dp_group` then span the data- and
     context-parallel ranks (each holds other tokens of the same parameters), and `StepResult.outputs` holds this
-    rank's tokens.
+    rank's tokens. In training the last stage computes each micro-batch's loss and metrics inside its forward
+    (`pipeline.head`), so its outputs (a language model's logits) are not held until the backward.
 
     BatchNorm layers (docs/batchnorm.md): each micro-batch is normalised by its own statistics; the running
     statistics move once per micro-batch forward (never in a recomputed forward), or once per step with
@@ -238,10 +240,11 @@ class PipelineEngine:
         for wrapper in self._recompute:
             wrapper.start_step(sum(run.count for run in runs))
         local = tuple(t.to(self.device) for t in inputs) if inputs is not None and self.has_first_stage else None
-        # training: each micro-batch's metrics summed as its loss is computed (`_weighted_loss`), so the schedule
-        # need not keep its outputs (`return_outputs`) unless the caller reads them
+        # training: the last stage's forward computes each micro-batch's loss and metrics (`_weighted_loss`, in a
+        # `LossHead`) and returns the loss, so neither the schedule nor the engine holds its outputs (the logits)
+        # unless the caller reads them (`keep_outputs`: the head keeps them, detached)
         self._sums = zero_sums(self.loss, self.device) if train else None
-        outputs = []
+        outputs: list[Tensors] = []
         offset = 0
         for run in runs:
             part = slice(offset, offset + run.samples)
@@ -249,14 +252,22 @@ class PipelineEngine:
             schedule, fresh = self._schedule(run, train, inputs)
             args = tuple(t[part] for t in local) if local is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
-            with grads_kept(self.parameters(), fresh), vocab_parallel(self._loss_parallel and train):
-                out = schedule.step(*args, target=target, return_outputs=self.keep_outputs) if train \
-                    else schedule.eval(*args)
-            if self.has_last_stage and (self.keep_outputs or not train):
+            head = LossHead(self._weighted_loss, target, run.count, keep=self.keep_outputs) \
+                if target is not None else None
+            with grads_kept(self.parameters(), fresh), vocab_parallel(self._loss_parallel and train), \
+                    armed(self._last_wrapper(), head):
+                out = schedule.step(*args, target=target, return_outputs=False) if train else schedule.eval(*args)
+            if head is not None:
+                outputs += head.outputs
+            elif self.has_last_stage and not train:
                 outputs.append(out)
         merged = merge_outputs(outputs, self._reads)
         sums, self._sums = self._sums, None
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None, sums=sums)
+
+    def _last_wrapper(self) -> RecomputeWrapper | None:
+        """The last stage's recomputation wrapper (whose forward computes the loss, `pipeline.head`), if held here."""
+        return self._recompute[self.stage_ids.index(self.num_stages - 1)] if self.has_last_stage else None
 
     def _weighted_loss(self, output: Tensors, target: torch.Tensor) -> torch.Tensor:
         # the micro-batch's loss total over the global count, times dp (which DDP/FSDP divide by)
@@ -299,5 +310,5 @@ class PipelineEngine:
         return build_schedule(
             modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,
             device=self.device, group=self.pp_group, schedule=self.config.schedule, run=run, train=train,
-            loss_fn=self._weighted_loss if train else None, overlap=self.config.moe_overlap,
+            loss_fn=passed_on if train else None, overlap=self.config.moe_overlap,
         )

@@ -49,6 +49,7 @@ def build_stages(model: BlockModel, config: PipelineConfig, bounds: Sequence[tup
         norms = StageNorms(stage, deferred=config.deferred_batchnorm)
         wrapper = RecomputeWrapper(stage, config.checkpoint, recompute_context=norms.recomputing,
                                    unit=config.recompute_unit, every=config.recompute_every, first_block=start,
+                                   head=stop == model.num_blocks,
                                    offload=ActivationOffload(device) if config.offload_activations else None,
                                    matmuls=config.selective_matmuls)
         norms_of.append(norms)

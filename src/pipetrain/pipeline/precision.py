@@ -11,7 +11,8 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["PRECISIONS", "check_precision", "compute_dtype", "AutocastStage", "autocast", "set_fp32_matmuls"]
+__all__ = ["PRECISIONS", "check_precision", "compute_dtype", "AutocastStage", "autocast", "set_fp32_matmuls",
+           "to_fp32"]
 
 #: Precision name -> dtype of the autocast region (None: plain fp32, no autocast).
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "fp32-strict": None, "bf16": torch.bfloat16}
@@ -60,14 +61,14 @@ def autocast(device: torch.device | str, precision: str) -> torch.autocast:
     return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def _to_fp32(value: Any, low: torch.dtype) -> Any:
+def to_fp32(value: Any, low: torch.dtype) -> Any:
     """`value` with every `low`-dtype tensor (also inside tuples, lists and dicts) cast to fp32."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.dtype == low else value
     if isinstance(value, (tuple, list)):
-        return type(value)(_to_fp32(item, low) for item in value)
+        return type(value)(to_fp32(item, low) for item in value)
     if isinstance(value, dict):
-        return {key: _to_fp32(item, low) for key, item in value.items()}
+        return {key: to_fp32(item, low) for key, item in value.items()}
     return value
 
 
@@ -75,8 +76,8 @@ class AutocastStage(nn.Module):
     """Runs `module` under autocast to `precision` while its parameters (and so the optimizer state) stay fp32.
 
     Outputs that autocast made low-precision are cast back to fp32: the tensors crossing a stage boundary
-    keep the dtype pipetrain inferred for them on the meta device (receive buffers are allocated from it),
-    and the last stage's output reaches the loss in fp32 (the schedule calls the loss outside this forward).
+    keep the dtype pipetrain inferred for them on the meta device (receive buffers are allocated from it);
+    the last stage's loss (`pipeline.head.LossHead`, inside this forward) casts them so, outside autocast.
     Activation recomputation re-runs the forward under the same autocast state (torch's checkpoint
     restores it), so recomputed activations equal the first ones.
     """
@@ -95,4 +96,4 @@ class AutocastStage(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(self.device_type, dtype=self._dtype):
             out = self.module(*args, **kwargs)
-        return _to_fp32(out, self._dtype)
+        return to_fp32(out, self._dtype)

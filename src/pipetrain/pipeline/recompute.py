@@ -120,17 +120,21 @@ class RecomputeWrapper(nn.Module):
     `unit` (`PipelineConfig.recompute_unit`): "stage" checkpoints the whole stage (keeping its input); "layer" each
     block of `recomputed_blocks` (keeping every block's input); "selective" those blocks under torch's selective
     policy (`SAVED_OPS` kept, or with `matmuls` "alternate" every other matrix product among them; the rest
-    recomputed). `first_block` is the model index of the stage's first block.
+    recomputed), except the model's last block when the stage holds it (`head`): there the policy would keep the
+    output of its last matrix product, a language model's logits, to the backward (as torchtitan, whose selective
+    checkpoint wraps the transformer blocks only, the head runs plain: it keeps its input). `first_block` is the
+    model index of the stage's first block.
     `offload` (see `pipeline.offload`) moves the saved activations of micro-batches waiting for their backward to
     host memory. The engine calls `start_step(count)` before each step; forwards then arrive in micro-batch order
     (true of every pipeline schedule: a stage runs its forwards in order). `recompute_context` (e.g.
     `pipetrain.batchnorm.StageNorms.recomputing`) makes the context the recomputed forward runs in (the first forward
-    runs as without it): there, BatchNorm layers must not update their running statistics a second time.
+    runs as without it): there, BatchNorm layers must not update their running statistics a second time. `head`:
+    see `pipeline.head`.
     """
 
     def __init__(self, module: nn.Module, policy: str,
                  recompute_context: Callable[[], AbstractContextManager[Any]] | None = None, *,
-                 unit: str = "stage", every: int = 1, first_block: int = 0,
+                 unit: str = "stage", every: int = 1, first_block: int = 0, head: bool = False,
                  offload: ActivationOffload | None = None, matmuls: str = "all") -> None:
         super().__init__()
         self.module = module
@@ -139,9 +143,14 @@ class RecomputeWrapper(nn.Module):
         self.matmuls = matmuls
         self._recompute_context = recompute_context or nullcontext
         self._blocks = [] if unit == "stage" else recomputed_blocks(first_block, len(module), every)
+        if unit == "selective" and head:
+            self._blocks = [i for i in self._blocks if i != len(module) - 1]
         self.offload = offload
         self._count = 1
         self._calls = 0
+        #: the last stage's loss in a training run (`pipeline.head.LossHead`, armed by the engine): the forward
+        #: returns `head(outputs)`, so the schedule keeps the loss for the backward, not the outputs
+        self.head: Callable[[Any], Any] | None = None
 
     @property
     def recompute_modules(self) -> list[nn.Module]:
@@ -160,18 +169,23 @@ class RecomputeWrapper(nn.Module):
         self._calls += 1
         offloading = self.offload.saving(index) if self.offload is not None and self.training else nullcontext()
         with offloading:
-            if not (self.training and recomputes(self.policy, index, self._count)):
-                return self.module(*args)
-            if self.unit == "stage":
-                return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._contexts)
-            values: Any = args
-            chosen = set(self._blocks)
-            for i, block in enumerate(self.module):
-                if i in chosen:
-                    values = checkpoint(block, *as_tuple(values), use_reentrant=False, context_fn=self._contexts)
-                else:
-                    values = block(*as_tuple(values))
-            return values
+            out = self._run(index, args)
+        # the last stage's loss (outside recomputation and offloading): the stage returns it, the outputs die here
+        return out if self.head is None else self.head(out)
+
+    def _run(self, index: int, args: tuple[Any, ...]) -> Any:
+        if not (self.training and recomputes(self.policy, index, self._count)):
+            return self.module(*args)
+        if self.unit == "stage":
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._contexts)
+        values: Any = args
+        chosen = set(self._blocks)
+        for i, block in enumerate(self.module):
+            if i in chosen:
+                values = checkpoint(block, *as_tuple(values), use_reentrant=False, context_fn=self._contexts)
+            else:
+                values = block(*as_tuple(values))
+        return values
 
     def _contexts(self) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         """(the first forward's context, the recomputed forward's): `torch.utils.checkpoint`'s `context_fn`."""

@@ -2,15 +2,20 @@
 
 A cross-entropy over the vocabulary (`F.cross_entropy` = log-softmax + NLL) keeps the log-softmax of the logits,
 a logits-sized tensor per micro-batch, from the loss's forward to its backward. It is computed in fp32 (pipetrain
-casts a stage's outputs to fp32; the Hugging Face loss calls `.float()`; autocast runs log-softmax in fp32) and
-lives outside the stage module, so no recomputation drops it and a measured profile, which times the blocks alone,
-does not see it. The planner adds it to the last stage's activations of every micro-batch in flight
+casts the outputs autocast made bf16 to fp32 before the loss; the Hugging Face loss calls `.float()`) and the loss
+runs after the stage's checkpointed blocks, so no recomputation drops it and a measured profile, which times the
+blocks alone, does not see it. The planner adds it to the last stage's activations of every micro-batch in flight
 (`BlockCost.loss_bytes` of the model's last block; `predict` calls `last_stage`).
 
-The last stage's outputs (the logits of a language model) are kept longer: torch's schedule appends each
-micro-batch's output to the stage's `output_chunks` (until the next step clears them) and merges them into the
-step's output at its end (`torch.cat`: one more copy), which pipetrain's engine reads for the step's metrics and
-torchtitan's training loop drops. The simulator holds them from each forward to the step's end, twice at the end.
+The last stage's outputs (the logits of a language model) die with the loss's forward: pipetrain's last stage
+computes its loss inside its forward (`pipetrain.pipeline.head.LossHead`), so torch's stage keeps the loss, a
+scalar, for the backward, not the logits (as torchtitan, whose loss frees them once computed). Under bf16 the
+logits and their fp32 cast live for a moment beside the log-softmax as the loss's forward runs (1.5 logits-sized
+fp32 tensors more for `TokenCrossEntropy`), no more than the backward's temporaries below (2), which the planner
+counts; no term models that moment. A caller that reads a
+training step's outputs (`PipelineEngine.keep_outputs`, `plan --keep-outputs`) has each micro-batch's outputs kept to
+the step's end and merged into one more copy there (`torch.cat`); the simulator then holds them from each forward to
+the step's end, twice at the end (`StageCost.kept_bytes`).
 
 The loss's backward allocates logits-sized fp32 temporaries beside the saved log-softmax, for a moment, as each of
 the last stage's backwards starts (`StageCost.transient_bytes`). `F.cross_entropy` (aten's fused log-softmax and
@@ -69,19 +74,13 @@ def last_stage(cost: StageCost, block: BlockCost, samples: int, tp: int = 1, *, 
     """The last stage's `cost` (its last block `block`, micro-batches of `samples`, one of `tp` ranks: a share of a
     vocabulary-parallel head's) with what it holds besides its blocks' activations: the loss's `loss_bytes` from
     each forward to its backward, whether the micro-batch recomputes or not (the loss runs outside the stage's
-    checkpoint), its backward's temporaries as each backward starts (`StageCost.transient_bytes`: torch's
-    `loss_parallel` ones when the head is vocabulary-parallel over tp > 1 ranks), and its output, which torch's
-    schedule keeps to the step's end (`output_chunks`) and merges into one more copy there
-    (`StageCost.kept_bytes`). Not `keep` (pipetrain's engine, which computes each micro-batch's metrics with its
-    loss and asks the schedule for no outputs): each output lives from its forward to its backward only (torch's
-    stage holds it for the backward), like the stage's activations; a per-block recomputation already holds it."""
+    checkpoint), and its backward's temporaries as each backward starts (`StageCost.transient_bytes`: torch's
+    `loss_parallel` ones when the head is vocabulary-parallel over tp > 1 ranks). With `keep` (the caller reads the
+    step's outputs) its outputs too, from each forward to the step's end and merged into one more copy there
+    (`StageCost.kept_bytes`); without, the outputs die with the loss's forward (module docstring)."""
     split = block.tensor is not None
     share = samples / (tp if split else 1)
     loss, output = share * block.loss_bytes, share * block.output_bytes
-    if not keep:  # the output is held with the micro-batch: counted with its activations, none to the step's end
-        held = cost.input_bytes + output if cost.held_bytes is None else cost.held_bytes
-        cost = replace(cost, activation_bytes=cost.activation_bytes + output, held_bytes=held,
-                       recompute_bytes=cost.recompute_bytes)
     kept = output if keep else 0.0
     if not loss:
         return replace(cost, kept_bytes=kept)

@@ -273,10 +273,12 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         backward = sum(t[1] for t in times)
         held = again = None
         acts = [device.activation_factor * tp_activation_bytes(b, tp, sp) for b in part]
-        chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0]
+        # selective recomputation leaves the model's last block (the head) plain: its policy would keep the logits
+        chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0
+                  and not (layout.recompute_unit == "selective" and i == len(blocks) - 1)]
         # torch's stage holds each micro-batch's output from its forward to its backward (`fwd_cache`, stage.py),
         # none of its blocks' saved tensors (a block ending in a residual sum saves nothing of it); the last stage's
-        # output (the logits) is plan/loss.py's
+        # output (the logits) dies with the loss's forward, which runs in the stage's (plan/loss.py)
         middle = samples * tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) else 0.0
         # as each backward starts: what a block's backward computes before the saved tensors it frees
         # (`BlockCost.backward_bytes`), the blocks after it freed already
@@ -284,10 +286,7 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         work = max([w - sum(acts[j + 1:]) for j, w in enumerate(works)] + [0.0])
         if layout.recompute_unit in ("layer", "selective"):
             kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
-            # the last stage's output stays for its backward too, unless its last block keeps all its activations
-            # anyway (then counted as without recomputation), or plan/loss.py keeps it longer
-            last = stop == len(blocks) and not layout.keep_outputs
-            output = tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) or kept[-1] < acts[-1] or last else 0.0
+            output = tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) else 0.0
             held = samples * (sum(kept) + output)
             # recomputing one block at a time brings back its activations (and its backward works) while the
             # blocks before it keep what they kept; the blocks after it have run their backward and freed theirs
