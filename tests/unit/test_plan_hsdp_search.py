@@ -52,13 +52,14 @@ def test_hsdp_is_searched_by_default_where_the_gpus_span_nodes():
 def test_hsdp_beats_fsdp_across_nodes_where_it_fits():
     """Llama 3.1 8B, 64 H100s on 8 nodes, 128 x 8,192 tokens, 80 GB: FSDP over 64 ranks gathers and
     reduce-scatters every weight over InfiniBand; HSDP does it on a node's NVLink and all-reduces 1/8 of the
-    gradients across nodes. Predicted 2.25 s against 5.98 s; HSDP holds 16 B / 8 per parameter and still fits."""
+    gradients across nodes. Predicted 2.25 s against FSDP's 3.60 s (one micro-batch, selective); HSDP holds 16 B / 8
+    per parameter and still fits."""
     blocks = _eight_b()
     best = _best(blocks, 64, 128, 80)[0]
     (fsdp, *_) = _best(blocks, 64, 128, 80, replace(SPACE, dp_modes=("ddp", "fsdp")))
     assert (best.layout.dp_mode, best.layout.dp_shard) == ("hsdp", 8)
     assert max(best.memory_bytes) <= 80 * 2**30
-    assert fsdp.layout.dp_mode == "fsdp" and best.step_s < 0.5 * fsdp.step_s
+    assert fsdp.layout.dp_mode == "fsdp" and best.step_s < 0.7 * fsdp.step_s
     assert "--dp-shard" in layout_flags(best) and "8" == layout_flags(best)[layout_flags(best).index("--dp-shard") + 1]
 
 
