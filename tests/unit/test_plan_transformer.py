@@ -217,9 +217,9 @@ def test_per_layer_recomputation_keeps_every_layer_input():
     assert each[1].held_bytes == samples * 4 * hidden
     assert each[0].held_bytes == samples * 4 * hidden  # 3 layer inputs and the output (the ids are not counted)
     # recomputing block k brings back its activations and its backward's working bytes beside the inputs the blocks
-    # before it kept (and the logits); the blocks after it have run their backward and freed what they kept
-    peaks = [k * hidden + b.activation_bytes + blocks[-1].output_bytes + b.backward_bytes
-             for k, b in enumerate(blocks[4:8])]
+    # before it kept (not the logits: they died with the loss's forward); the blocks after it have run their backward
+    # and freed what they kept
+    peaks = [k * hidden + b.activation_bytes + b.backward_bytes for k, b in enumerate(blocks[4:8])]
     assert each[1].recompute_bytes == samples * max(peaks)
 
 

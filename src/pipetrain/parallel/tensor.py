@@ -112,7 +112,7 @@ class BlockSplit:
             return block
         block = parallelize_module(block, self.mesh, plan)
         for param in block.parameters():
-            if isinstance(param, DTensor):
+            if isinstance(param, DTensor) and param.requires_grad:  # a frozen one (LoRA's base) gets no gradient
                 param.register_post_accumulate_grad_hook(_grad_as_param)
         return block
 
