@@ -34,7 +34,7 @@ PROBLEM = netns_problem()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-STEPS, EVERY = 60, 4
+STEPS, EVERY = 30, 4  # 10 steps before the kill, the survivor and the regrown job each a few: room left
 JOB = ["--preset", "tiny", "--data", "synthetic", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "16",
        "--train-samples", str(16 * STEPS), "--test-samples", "32", "--epochs", "1", "--no-progress",
        "--log-every", "100"]

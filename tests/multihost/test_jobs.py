@@ -24,14 +24,11 @@ import pytest
 from pipetrain.cli.main import main
 from scripts.netns_cluster import (ADDRESSES, MASTER_PORT, Cluster, environ, losses, netns_problem, torchrun,
                                      wait_all, wait_for)
+from tests.multihost.test_elastic import JOB, STEPS  # the tier's one job: conftest's `reference` is its losses
 
 PROBLEM = netns_problem()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")]
 
-STEPS = 40
-JOB = ["--preset", "tiny", "--data", "synthetic", "--schedule", "gpipe", "--chunks", "2", "--batch-size", "16",
-       "--train-samples", str(16 * STEPS), "--test-samples", "32", "--epochs", "1", "--no-progress",
-       "--log-every", "100"]
 TRAIN = ["-m", "pipetrain", "train", *JOB]
 ATOL = 5e-5
 JOB_TIMEOUT_S = 240.0
@@ -52,16 +49,6 @@ def _one_process(*args: str) -> int:
         for name, value in environ(PIPETRAIN_DEVICE="cpu").items():
             patch.setenv(name, value)
         return main([*TRAIN[2:], "--dp", "1", "--pp", "1", *args])
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """Every step's loss of the job in one process (dp=1, pp=1) on this host."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    assert _one_process("--run-dir", str(run_dir)) == 0
-    steps = losses(run_dir)
-    assert sorted(steps) == list(range(1, STEPS + 1)), steps
-    return steps
 
 
 def _assert_no_process_left(cluster: Cluster) -> None:

@@ -14,7 +14,6 @@ import pytest
 
 from scripts.netns_cluster import ADDRESSES, Cluster, environ, losses, wait_all
 from tests.multihost.test_jobs import JOB_TIMEOUT_S, PROBLEM, STEPS, TRAIN, _assert_no_process_left, _close
-from tests.multihost.test_jobs import reference  # noqa: F401 (the one-process losses, a fixture)
 from tests.distributed.test_mpi import passed_on
 
 MPIRUN = shutil.which("mpirun")
@@ -23,7 +22,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.skipif(PROBLEM is not None, rea
               pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")]
 
 
-def test_mpirun_across_two_hosts_equals_one_process(cluster: Cluster, reference, tmp_path):  # noqa: F811
+def test_mpirun_across_two_hosts_equals_one_process(cluster: Cluster, reference, tmp_path):
     run_dir = tmp_path / "run"
     env = environ(NETNS_CLUSTER=cluster.name)
     argv = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",

@@ -1,9 +1,9 @@
 """Slurm time limits on the real local cluster: SIGUSR1 (what `--signal=USR1@N` sends before the limit) makes
 every rank stop at one step and save; the job requeues itself, resumes, completes, and its final losses equal
 an uninterrupted local run's. The uninterrupted run starts once the signal is sent: it runs while Slurm holds the
-requeued job (about 16 s), time the test spent waiting anyway. The job saves every 25 of its 200 steps (every 4, its
-50 saves took most of the resumed run's time): the first checkpoint, at step 25, triggers the signal with 175 steps
-still to go, and the stop's own save is the one resumed from."""
+requeued job (about 16 s), time the test spent waiting anyway. The job saves every 25 of its 100 steps (every 4, its
+saves took most of the resumed run's time): the first checkpoint, at step 25, triggers the signal with 75 steps
+still to go (the signal lands within a few of them), and the stop's own save is the one resumed from."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.slurm.test_slurm_job import _cluster_problem, submit_script, wait_unt
 pytestmark = pytest.mark.slurm
 
 WAIT_SECONDS = 300
-TRAIN = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "3200", "--test-samples", "32",
+TRAIN = ["--preset", "tiny", "--data", "synthetic", "--train-samples", "1600", "--test-samples", "32",
          "--batch-size", "16", "--epochs", "1", "--no-progress", "--save-every", "25"]
 
 
