@@ -45,8 +45,8 @@ from pipetrain.parallel.tensor import check_tensor_parallel  # noqa: E402
 from pipetrain.session import build_session  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
-from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, make_batches,  # noqa: E402
-                                             spawned, tiny_configs)
+from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, compare_records,  # noqa: E402
+                                             make_batches, spawned, tiny_configs)
 from tests.distributed.test_hf_tied import EMBEDDING  # noqa: E402
 
 #: case -> (family, dp, pp, schedule, checkpoint folder to resume from or None)
@@ -185,17 +185,9 @@ def test_vocabulary_parallel_head_matches_unsplit(name, tmp_path_factory):
     kind, family, dp, _, _, sp, lp = VOCAB_CASES[name]
     ref = (job["tied_references"] if kind == "tied" else job["references"])[family, dp]
     vocab = job["tied_vocab"][family] if kind == "tied" else VOCAB
-    seen, split, correct = set(), {}, []
-    for records in job["per_rank"]:
-        record = records[f"tp-{name}"]
-        torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
-        for step, grads in enumerate(record["grads"]):
-            for key, grad in grads:
-                torch.testing.assert_close(grad, ref["grads"][step][key], rtol=RTOL, atol=ATOL,
-                                           msg=lambda m: f"step {step} gradient of {key}: {m}")
-        for key, value in record["params"]:
-            torch.testing.assert_close(value, ref["params"][key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{key}: {m}")
-            seen.add(key)
+    records = [per_rank[f"tp-{name}"] for per_rank in job["per_rank"]]
+    seen, split, correct = compare_records(records, ref), {}, []
+    for record in records:
         split.update(record["local"])
         correct += [record["correct"]] if record["correct"] is not None else []
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
