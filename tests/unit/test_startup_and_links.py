@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 
 from pipetrain.bench.calibrate import inter_node_description, measured_network
+from pipetrain.launch.ranks import launch_start_s, mark_command_start
 from pipetrain.logs.records import StepRecord
 from pipetrain.logs.startup import PHASES, Startup, StartupSink, process_age_s, process_start_s
 from pipetrain.plan.hardware import DEFAULT_NETWORK
@@ -112,3 +114,14 @@ def test_calibrate_in_a_job_across_nodes_measures_the_link_then_rank_0_its_node(
     else:
         assert not seen and not (tmp_path / "cal.json").exists()
         assert "rank 1 measured the link" in capsys.readouterr().out
+
+
+def test_a_later_command_in_the_same_process_counts_its_start_up_from_its_own_beginning():
+    if process_start_s() is None:
+        pytest.skip("no /proc here")
+    launch_start_s()  # a job launched in this process (as a test session or a notebook does)
+    mark_command_start()  # the next command begins
+    begun = time.clock_gettime(time.CLOCK_BOOTTIME)
+    assert begun - 0.02 <= launch_start_s() <= begun + 1.0
+    again = launch_start_s()  # launched again with no new command: it begins then, not at the last command
+    assert again >= begun - 0.02 and again > process_start_s()

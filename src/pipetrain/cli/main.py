@@ -13,6 +13,7 @@ from pipetrain.cli.config_file import apply_config_file
 from pipetrain.errors import PipetrainError
 from pipetrain.launch.env import detect
 from pipetrain.launch.forkserver import preload_also, warm_up
+from pipetrain.launch.ranks import mark_command_start
 from pipetrain.workloads.hf import RANK_IMPORTS as HF_RANK_IMPORTS
 
 __all__ = ["main"]
@@ -102,6 +103,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    mark_command_start()  # a job's start-up counts from here when this process ran one before
     _start_rank_server(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)

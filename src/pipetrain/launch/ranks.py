@@ -4,11 +4,12 @@ identity a rank is started with (`RankSpec`), and when this process started."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["ClusterEnv", "RankSpec", "process_start_s"]
+__all__ = ["ClusterEnv", "RankSpec", "process_start_s", "mark_command_start", "launch_start_s"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,9 @@ class RankSpec:
     device: str | None = None
     #: hosts the job spans (more than one: the collectives bind to the interface that reaches `master_addr`)
     nodes: int = 1
-    #: when the process that started the job started (boot-clock seconds; set by `spawn`, whose ranks are forked
-    #: with their imports done): the start of the job's start-up. None: this rank's own process start
+    #: when the job's command began (boot-clock seconds; set by `spawn`, whose ranks are forked with their imports
+    #: done: its launcher's start, or a later command's in the same process): the start of the job's start-up.
+    #: None: this rank's own process start
     launched_at: float | None = None
 
 
@@ -68,3 +70,31 @@ def process_start_s() -> float | None:
         return int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+#: When this process's current command began (boot clock), once a command or job has run in it before; None: its
+#: first, which began with the process. `_launched`: a job was launched since that beginning.
+_command_start: float | None = None
+_launched = False
+
+
+def mark_command_start() -> None:
+    """A command begins now in this process (`pipetrain.cli.main`). The first begins with the process (its
+    interpreter start and imports belong to its start-up); a later one (tests and notebooks call `main` or launch
+    jobs again in one process) begins now, so that its start-up is not counted from the process's start."""
+    global _command_start, _launched
+    if _launched:
+        try:
+            _command_start = time.clock_gettime(time.CLOCK_BOOTTIME)
+        except AttributeError:  # no boot clock here: no start-up age either
+            _command_start = None
+        _launched = False
+
+
+def launch_start_s() -> float | None:
+    """When the job launched now began (boot clock): its command's beginning (`mark_command_start`); a job launched
+    again without a new command (the Python API) begins now."""
+    global _launched
+    mark_command_start()
+    _launched = True
+    return process_start_s() if _command_start is None else _command_start

@@ -24,7 +24,7 @@ from pipetrain.launch.lifeline import Lifeline, process_runs, signal_pids
 from pipetrain.launch.rank_reports import (
     STARTED, deaths_within, died_starting, drain_started, first_failure, read_reports, server_died,
 )
-from pipetrain.launch.ranks import RankSpec, process_start_s
+from pipetrain.launch.ranks import RankSpec, launch_start_s
 
 __all__ = ["RankSpec", "spawn", "launch_local", "fail_now", "FORWARDED_SIGNALS", "spawned_rank"]
 
@@ -140,7 +140,7 @@ def spawn(
     device = resolve_device(device)
     check_local_ranks(first_local_rank + len(ranks), device)
     ctx = context(device, start_method)
-    launched_at = process_start_s()
+    launched_at = launch_start_s()
     processes: list[mp.process.BaseProcess] = []
     readers: list[Connection] = []  # one pipe per rank, for its failure report
     running: dict[int, tuple[int, mp.process.BaseProcess]] = {}  # sentinel -> (rank, process)

@@ -1,8 +1,9 @@
 """Start-up time by phase on one rank, from the process's start to the end of its first step, logged once.
 
 Phases: `imports+data` (the interpreter's start, the imports, the command line and the data, up to the session: the
-age, when the session opens, of the process that started the job — the launcher of ranks forked by `spawn`, else
-the rank's own — from Linux /proc), `join` (the bounded wait for rank 0's host, the store's rendezvous and the process group's
+time since the job's command began, when the session opens — the start of the process that started the job (the
+launcher of ranks forked by `spawn`, else the rank's own; from Linux /proc), or the beginning of a later command in
+that process, `launch.ranks.launch_start_s`), `join` (the bounded wait for rank 0's host, the store's rendezvous and the process group's
 connections), `layout check` (one all-gather of every rank's flags), `mesh` (the dp/pp/tp process groups),
 `stages` (building this rank's pipeline stages and the schedule), `setup` (optimizer, checkpoint, logs, data
 iterator: up to the first step's start) and `first step` (its forward, backward and optimizer, with the first
@@ -39,7 +40,7 @@ class Startup:
     """The seconds of each phase, filled as the session opens (`phase`) and by the first step (`StartupSink`)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, started_at: float | None = None):
-        """`started_at`: when the job's start-up began (boot clock, `process_start_s` of its launcher); default:
+        """`started_at`: when the job's start-up began (boot clock, `launch_start_s` of its launcher); default:
         this process's start."""
         self.clock = clock
         self.seconds: dict[str, float] = {}
