@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetrain.blocks import BlockModel
+from pipetrain.compat.modules import hold_process_groups
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
 from pipetrain.context import ContextParallel, SequenceSplit, check_context_model
 from pipetrain.launch.agree import agree_on_layout
@@ -192,4 +193,5 @@ def close_session(*, after_error: bool = False) -> None:
     if after_error:
         leave_after_error()
     elif dist.is_initialized():
+        hold_process_groups()  # the session's DDP reducers, freed after this, must not free a group (compat)
         dist.destroy_process_group()

@@ -62,6 +62,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.nn.modules.dropout", "_DropoutNd"),
     ("torch", "_foreach_mul_"),
     ("torch.distributed.distributed_c10d", "_abort_process_group"),
+    ("torch.distributed.distributed_c10d", "_world.pg_map"),
     ("torch.nn.parallel", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"),
     ("torch._C._distributed_c10d", "_dump_fr_trace"),  # the flight recorder's dump (CUDA builds: _dump_nccl_trace)
     # grouped.py: the grouped matmul where torch has no public `torch.nn.functional.grouped_mm` (before 2.10)

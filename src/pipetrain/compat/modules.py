@@ -1,6 +1,6 @@
 """Private names of torch's modules, tensor functions and process groups: the base classes of dropout and batch norm,
-`torch._foreach_mul_` (one fused multiply of many tensors), aborting the default process group, and the parameters
-DDP is told to leave alone."""
+`torch._foreach_mul_` (one fused multiply of many tensors), aborting the default process group, holding the process
+groups through a session's teardown, and the parameters DDP is told to leave alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group", "flight_record", "ddp_ignore"]
+__all__ = ["is_dropout", "is_batch_norm", "foreach_mul_", "abort_process_group", "hold_process_groups", "flight_record", "ddp_ignore"]
 
 
 def is_dropout(module: nn.Module) -> bool:
@@ -34,6 +34,25 @@ def abort_process_group() -> None:
     from torch.distributed import distributed_c10d  # only when aborting: torch.distributed may be absent
 
     distributed_c10d._abort_process_group()
+
+
+#: the process groups of the last session closed in this process (`hold_process_groups`)
+_held: list = []
+
+
+def hold_process_groups() -> None:
+    """Keep a Python reference to every process group of this process until the next call (then the older groups
+    go, long after their last collective).
+
+    A DDP `Reducer` is a C++ object whose deallocation keeps the GIL; when it drops the last reference to a gloo
+    group right after a collective, the group's destructor waits for a worker thread that is freeing that
+    collective's tensors and needs the GIL: the rank hangs after its work is done (pytorch/pytorch#56297). Held
+    here, the group outlives the reducer, and its own Python object, which releases the GIL when it goes, frees it.
+    Call before `destroy_process_group`, which forgets the groups (torch 2.13 lists them in `_world.pg_map` only).
+    """
+    from torch.distributed import distributed_c10d  # only when closing: torch.distributed may be absent
+
+    _held[:] = list(distributed_c10d._world.pg_map)
 
 
 def flight_record(backend: str) -> bytes | None:
