@@ -154,7 +154,8 @@ def dedicated_times(program, costs, recomputed, overhead_s) -> tuple[list[float]
     return clock, busy, compute_end
 
 
-def shared_times(program, costs, recomputed, overhead_s, speeds: Sequence[float]) -> tuple[list[float], list[float], float]:
+def shared_times(program, costs, recomputed, overhead_s,
+                 speeds: Sequence[float]) -> tuple[list[float], list[float], float]:
     """Finish times when ranks share the processors: while n ranks compute at once, each advances at
     `speeds[n - 1]` of its full speed (events in time order; transfers and reductions take no processor)."""
     pp = len(program)
