@@ -47,7 +47,7 @@ _KINDS = {"F": 0, "B": 1, "I": 2, "W": 3, "R": 4}
 def compile_order(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Each action as (stage, kind code, microbatch, its slot, its dependency's slot or -1, the stage whose
     transfer delays it or -1, the link (sending rank, receiving rank) that transfer takes as an index or -1),
-    the dependencies of the module docstring resolved once per order. Stages
+    the dependencies of `plan.simulate`'s docstring resolved once per order. Stages
     are placed where the order runs them; a dependency on another rank's fused action (DualPipeV's
     OVERLAP_F_B) waits for the end of the pair, when torch posts the send."""
     slots, leaves, rank_of = {}, [], {}
