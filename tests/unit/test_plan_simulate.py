@@ -96,13 +96,13 @@ def test_recompute_policies_match_the_engine():
                                         ("zbv", 2), ("dualpipev", 2)])
 def test_sharing_at_full_speed_equals_dedicated_devices(schedule, v):
     """The event-by-event simulation of shared cores, run at full speed, gives the list schedule's times."""
-    from pipetrain.plan.simulate import _compile, _dedicated, _shared
+    from pipetrain.plan.events import compile_order, dedicated_times, shared_times
 
     p, m = 4, 8
     costs = [StageCost(forward_s=1.0 + 0.1 * s, backward_s=2.0, send_s=0.3, reduce_s=0.5) for s in range(p * v)]
-    program = _compile(tuple(tuple(a) for a in schedule_order(schedule, p, m, v)))
-    dedicated = _dedicated(program, costs, {1, 3}, 0.05)
-    shared = _shared(program, costs, {1, 3}, 0.05, (1.0,) * p)
+    program = compile_order(tuple(tuple(a) for a in schedule_order(schedule, p, m, v)))
+    dedicated = dedicated_times(program, costs, {1, 3}, 0.05)
+    shared = shared_times(program, costs, {1, 3}, 0.05, (1.0,) * p)
     for got, want in zip(shared, dedicated):
         assert got == pytest.approx(want, rel=1e-9)
 

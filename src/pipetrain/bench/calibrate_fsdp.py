@@ -1,6 +1,6 @@
 """Calibration of FSDP2's fixed cost per parameter group: one encoder layer `fully_shard`ed over two ranks, timed.
 
-The planner prices data parallelism's gradient traffic on the ring (plan/predict.py `reduce_s`): FSDP's
+The planner prices data parallelism's gradient traffic on the ring (plan/times.py `reduce_s`): FSDP's
 reduce-scatter and all-gathers move 3 (n-1)/n of the parameter bytes. What that leaves out is fixed per
 call: FSDP2 copies each group's parameters into one flat buffer before its all-gather and out of it after
 (and the gradients around the reduce-scatter), runs its hooks and waits for the slower peer — at small

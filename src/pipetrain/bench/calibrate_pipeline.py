@@ -18,9 +18,9 @@ from pipetrain.pipeline.clock import clock_for
 from pipetrain.plan.hardware import Device
 from pipetrain.plan.model import config_blocks
 from pipetrain.plan.overheads import StepSample, fit_overheads
-from pipetrain.plan.predict import block_times
 from pipetrain.plan.schedules import schedule_order
 from pipetrain.plan.simulate import StageCost, simulate
+from pipetrain.plan.times import block_times
 from pipetrain.session import build_session
 
 __all__ = ["pipeline_figures"]

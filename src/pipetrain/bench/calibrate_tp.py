@@ -14,7 +14,7 @@ The planner prices a split layer as its share of the compute plus the ring all-r
   (`tensor_parallel_blocks`, the engine's own path) and the same layer unsplit, an AdamW step over each,
   in alternation: the median difference per DTensor parameter. An optimizer step over DTensors runs every
   elementwise operation through DTensor's dispatch (and the head-strided QKV weights' redistributions);
-  FSDP2's sharded parameters are DTensors too (plan/predict.py `optimizer_s`).
+  FSDP2's sharded parameters are DTensors too (plan/times.py `optimizer_s`).
 
 Called from `bench.calibrate` on its two ranks.
 """

@@ -14,7 +14,7 @@ from pipetrain.cli.device_args import device_choice
 from pipetrain.cli.plan import add_plan_arguments, planned
 from pipetrain.errors import ConfigError
 from pipetrain.plan.halving import successive_halving
-from pipetrain.plan.predict import Layout
+from pipetrain.plan.layout import Layout
 from pipetrain.plan.search import enumerate_layouts
 
 __all__ = ["add_parser", "run"]

@@ -16,16 +16,17 @@ from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import balance_bounds, resolve_balance
-from pipetrain.pipeline.head import LossHead, armed, passed_on
+from pipetrain.pipeline.head import LossHead, armed
 from pipetrain.pipeline.local import block_named, build_stages
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
 from pipetrain.pipeline.metrics import (
     StepResult, add_sums, global_count_of, merge_outputs, step_result, whole, zero_sums,
 )
-from pipetrain.pipeline.runs import Run, plan_runs
+from pipetrain.pipeline.runs import plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
-from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
-from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule, grads_kept
+from pipetrain.pipeline.shape_schedules import ShapeSchedules
+from pipetrain.pipeline.shapes import check_model_outputs
+from pipetrain.pipeline.stages import SCHEDULE_CLASSES, grads_kept
 from pipetrain.pipeline.tied import TiedWeights, model_ties
 
 __all__ = ["PipelineEngine", "StepResult", "SCHEDULE_CLASSES"]
@@ -121,12 +122,14 @@ class PipelineEngine:
         self._recompute: list[RecomputeWrapper] = local.recompute
         self._norms: list[StageNorms] = local.norms
         self.modules: list[nn.Module] = local.modules
-        # tensor parallelism (`BlockSplit`): the sequence shards between stages, vocabulary-sharded logits
-        self._sequence_shards = getattr(split_block, "sequence_shards", 1)
+        # tensor parallelism (`BlockSplit`): vocabulary-sharded logits; its sequence shards between stages: below
         self._loss_parallel = getattr(split_block, "loss_parallel", False)
-        self.schedules = ScheduleCache(config.shape_cache)
-        self._meta_blocks = meta_blocks(model)
-        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1), reads=self._reads)
+        self._shapes = ShapeSchedules(
+            model=model, config=config, modules=self.modules, stage_ids=self.stage_ids, bounds=self._bounds,
+            device=device, group=pp_group, sequence_shards=getattr(split_block, "sequence_shards", 1),
+            cut=sequence_split.inputs if sequence_split is not None else None)
+        self.schedules = self._shapes.cache  #: the schedules kept, one per micro-batch shape
+        check_model_outputs(self._shapes.meta_blocks, self._bounds, model.example_input(1), reads=self._reads)
         self._loss_denominator = 1.0
         rank_of_stage = {stage: rank for rank in range(config.pp) for stage in config.stage_ids(rank)}  # V or looped
         rank_of_block = [rank_of_stage[stage] for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
@@ -249,7 +252,7 @@ class PipelineEngine:
         for run in runs:
             part = slice(offset, offset + run.samples)
             offset += run.samples
-            schedule, fresh = self._schedule(run, train, inputs)
+            schedule, fresh = self._shapes.get(run, train, inputs)
             args = tuple(t[part] for t in local) if local is not None else ()
             target = targets[part] if targets is not None and self.has_last_stage and train else None
             head = LossHead(self._weighted_loss, target, run.count, keep=self.keep_outputs) \
@@ -291,24 +294,3 @@ class PipelineEngine:
             totals[2] = batch_size if self.sequence_split is None or self.sequence_split.rank == 0 else 0
         return step_result(self.loss, totals, outputs, group=self.metrics_group, keep_outputs=self.keep_outputs,
                            refuse_empty=refuse_empty)
-
-    # ---- stages and schedules, one set per micro-batch shape ----------------------------------------
-
-    def _schedule(self, run: Run, train: bool, inputs: tuple[torch.Tensor, ...] | None):
-        """The schedule of this run's micro-batch shape (built, and cached, on its first use)."""
-        if inputs is None:
-            example = as_tuple(self.model.example_input(run.size))
-            example = self.sequence_split.inputs(example) if self.sequence_split is not None else example
-        else:
-            example = tuple(t[: run.size] for t in inputs)
-        key = (train, run, signature(as_tuple(example)))
-        return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
-
-    def _build_schedule(self, run: Run, train: bool, example: Tensors):
-        boundaries = boundary_tensors(self._meta_blocks, self._bounds, example, train=train,
-                                      sequence_shards=self._sequence_shards)
-        return build_schedule(
-            modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,
-            device=self.device, group=self.pp_group, schedule=self.config.schedule, run=run, train=train,
-            loss_fn=passed_on if train else None, overlap=self.config.moe_overlap,
-        )

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from pipetrain.plan.context import context_samples
 from pipetrain.plan.experts import expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
+from pipetrain.plan.layout import Layout
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.predict import SELECTIVE_RECOMPUTE_SHARE, Layout, block_times, optimizer_s, reduce_s
 from pipetrain.plan.tensor import tp_comm_s, tp_param_bytes
+from pipetrain.plan.times import SELECTIVE_RECOMPUTE_SHARE, block_times, optimizer_s, reduce_s
 
 __all__ = ["lower_bound_s"]
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pipetrain.plan.events import StageCost
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.simulate import StageCost
 
 __all__ = ["LOSS_ELEMENT", "BACKWARD_TEMPORARIES", "VOCAB_PARALLEL_BACKWARD_TEMPORARIES", "log_softmax_bytes",
            "with_loss", "last_stage", "keeps_log_softmax"]

@@ -33,97 +33,29 @@ those ranks and the all-reduce across the dp / dp_shard groups (`Layout.gradient
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from pipetrain.errors import ConfigError
 from pipetrain.partition.solver import solve_balance, uniform_balance
-from pipetrain.plan.context import context_comm_s, context_replicas, context_samples, cp_problem
-from pipetrain.plan.experts import ep_extra_s, ep_problem, expert_layout, rank_parts
+from pipetrain.plan.context import context_samples, cp_problem
+from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
+from pipetrain.plan.layout import Layout
 from pipetrain.plan.loss import last_stage
+from pipetrain.plan.memory import reduce_scatter_bytes, static_bytes
 from pipetrain.plan.model import BlockCost
-from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
-from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
-from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
-                                   tp_params, tp_problem, tp_traffic)
+from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order
+from pipetrain.plan.simulate import clear_cache, recomputed_microbatches, simulate
+from pipetrain.plan.stage_costs import _crosses_node, stage_costs  # noqa: F401 (_crosses_node: its old import path)
+from pipetrain.plan.tensor import tp_problem
+from pipetrain.plan.times import SELECTIVE_RECOMPUTE_SHARE, block_times, optimizer_s, rank_speeds, reduce_s
 
+# Layout, the time, memory and stage terms live in plan/layout.py, times.py, memory.py and stage_costs.py; their
+# names stay importable from here
 __all__ = ["Layout", "Prediction", "SELECTIVE_RECOMPUTE_SHARE", "predict", "static_bytes", "reduce_scatter_bytes",
            "stage_costs",
            "block_times", "optimizer_s", "rank_speeds", "order_of", "reduce_s", "clear_caches"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """One way to run the job. `balance` "uniform" (equal block counts) or "time" (solver on block times);
-    `tp` tensor-parallel ranks per pipeline rank (innermost: a TP group's ranks are consecutive, on one node)."""
-
-    dp: int
-    pp: int
-    batch: int
-    chunks: int
-    schedule: str = "1f1b"
-    virtual: int = 1
-    checkpoint: str = "never"
-    dp_mode: str = "ddp"
-    balance: str = "uniform"
-    gpus_per_node: int = 0  # 0: every rank on one node
-    tp: int = 1
-    sequence_parallel: bool = False
-    #: "fp32" (weights, gradients and AdamW state in the blocks' parameter bytes) or "bf16" (pipetrain's autocast:
-    #: fp32 weights and state; FSDP gathers the weights in bf16 and accumulates gradients in fp32)
-    precision: str = "fp32"
-    #: what-if: Float8 projections whose FSDP all-gather is in float8 (gathered at 1 byte; torchtitan's
-    #: `enable_fsdp_float8_all_gather`); pipetrain's engine has no Float8
-    float8: bool = False
-    #: what recomputation checkpoints: "stage" (the whole stage, keeping its input), "layer" (each block alone,
-    #: keeping every block's input: torchtitan's and Megatron's full recomputation) or "selective" (each block
-    #: keeping its matrix products' and attention's outputs, `BlockCost.selective_bytes`)
-    recompute_unit: str = "stage"
-    #: expert parallelism: each MoE block's routed experts divided over `ep` ranks of its stage's dp group
-    ep: int = 1
-    #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
-    moe_imbalance: float = 1.0
-    #: context parallelism: each sequence split over `cp` ranks of a stage (pp · tp apart, as train's mesh), and
-    #: their attention
-    cp: int = 1
-    cp_attention: str = "ring"
-    #: with unit "layer" or "selective": only every K-th block recomputes (the others keep all their activations)
-    recompute_every: int = 1
-    #: with unit "selective": the matrix products each block keeps, "all" or "alternate" (every other one:
-    #: `BlockCost.alternate_bytes`, its recomputed products `alternate_flops`)
-    selective_matmuls: str = "all"
-    #: FSDP only: weights resharded after each block's forward (gathered again for its backward) and gradients
-    #: reduce-scattered per micro-batch, accumulated sharded (`--fsdp-reshard always`; see plan/reshard.py)
-    fsdp_reshard: bool = False
-    #: activations of micro-batches waiting for their backward held in host memory (`--offload-activations`)
-    offload: bool = False
-    #: with dp_mode "hsdp": data replicas of one shard group (FSDP within, replicas across: `--dp-shard`); with cp
-    #: a shard group is those replicas with their cp ranks (dp_shard · cp ranks hold a parameter's shards)
-    dp_shard: int = 0
-    #: what-if: the last stage's outputs kept by torch's schedule to the step's end and merged there (torchtitan's
-    #: loop); pipetrain's engine drops each micro-batch's once its loss and metrics are computed (plan/loss.py)
-    keep_outputs: bool = False
-
-    @property
-    def shards(self) -> int:
-        """Ranks a parameter is sharded over: dp under FSDP, the shard group under HSDP, else 1 (of one cp rank's
-        replicas: `gradient_layout` counts the cp ranks in)."""
-        if self.dp_mode == "hsdp":
-            return self.dp_shard or self.dp
-        return self.dp if self.dp_mode == "fsdp" else 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp * self.cp
-
-    def gradient_layout(self) -> Layout:
-        """The layout whose dp is every rank a stage's gradients are reduced over (its replicas and its CP ranks);
-        under HSDP its shard groups hold their replicas' CP ranks too (dp_shard · cp ranks, as train's mesh)."""
-        if self.cp == 1:
-            return self
-        shard = self.dp_shard * self.cp if self.dp_mode == "hsdp" and self.dp_shard else self.dp_shard
-        return replace(self, dp=context_replicas(self), cp=1, dp_shard=shard)
 
 
 @dataclass(frozen=True)
@@ -151,52 +83,6 @@ def clear_caches() -> None:
     clear_cache()
 
 
-def block_times(block: BlockCost, samples: int, device: Device, tp: int = 1,
-                sequence_parallel: bool = False) -> tuple[float, float]:
-    """(forward, backward) compute seconds of one block on a micro-batch of `samples` (on one of `tp` ranks:
-    its share of the FLOPs and traffic; the TP collectives are `tensor.tp_comm_s`)."""
-    flops = tp_flops(block, tp)
-    if block.forward_flops and device.rate_by_samples:  # a measured whole-layer rate: overheads included
-        # a layer split tp ways does the work per kernel of the whole layer on samples * flops / forward_flops
-        per_sample, fixed = flops / device.flops_at(samples * flops / block.forward_flops), 0.0
-    else:
-        per_sample = flops / device.flops_per_s + tp_traffic(block, tp, sequence_parallel) / device.bytes_per_s
-        fixed = block.kernels * device.kernel_overhead_s
-    forward = fixed + block.fixed_forward_s + samples * (per_sample + block.forward_s)
-    backward = (2 * fixed + block.fixed_backward_s + samples * (2 * per_sample + block.backward_s)
-                + block.fixed_backward_traffic / device.bytes_per_s)
-    return forward, backward
-
-
-def optimizer_s(blocks: Sequence[BlockCost], device: Device, shards: int = 1, tp: int = 1) -> float:
-    """AdamW's step over the parameters of `blocks` (a per-tensor loop; FSDP: `shards` slices of each; one of
-    `tp` ranks: its share), plus DTensor's dispatch on every DTensor parameter: all of them under FSDP
-    (`shards` > 1), the split blocks' under tensor parallelism."""
-    params = sum(tp_params(b, tp) * b.trained_share for b in blocks) / shards  # frozen parameters: no step
-    tensors = sum(b.tensors for b in blocks)
-    if shards > 1:
-        dtensors = tensors
-    else:
-        dtensors = sum(b.tensor.tensors for b in blocks if b.tensor is not None) if tp > 1 else 0
-    return (params * device.optimizer_s_per_param + tensors * device.optimizer_s_per_tensor
-            + dtensors * device.optimizer_s_per_dtensor)
-
-
-def rank_speeds(device: Device, layout: Layout) -> tuple[float, ...]:
-    """Entry n - 1: how fast each of n computing ranks of a pipeline runs when the ranks of a node share its
-    `device.cores` CPU cores (the node's other ranks, dp replicas included, busy in the same proportion);
-    () when every rank has its own device."""
-    if not device.cores and not device.contention:
-        return ()
-    node = min(layout.gpus_per_node or layout.world_size, layout.world_size)
-    speeds = []
-    for n in range(1, layout.pp + 1):
-        busy = max(node * n / layout.pp, 1.0)
-        cores = min(busy, device.cores) if device.cores else busy
-        speeds.append(cores / busy / (1.0 + device.contention * (cores - 1)))
-    return tuple(speeds)
-
-
 def _balance(blocks: Sequence[BlockCost], layout: Layout, samples: int, device: Device) -> list[int]:
     stages = layout.pp * layout.virtual
     if stages > len(blocks):
@@ -211,194 +97,6 @@ def _balance(blocks: Sequence[BlockCost], layout: Layout, samples: int, device: 
 @lru_cache(maxsize=4096)
 def _time_balance(times: tuple[float, ...], stages: int) -> tuple[int, ...]:
     return tuple(solve_balance(times, stages))
-
-
-def _crosses_node(stage: int, layout: Layout) -> bool:
-    """Whether the hop from `stage` to `stage + 1` leaves the node (pipeline ranks are contiguous; stages
-    placed looped or, for the V schedules, in a V)."""
-    if layout.gpus_per_node <= 0:
-        return False
-    style = placement(layout.schedule)
-    rank, nxt = stage_rank(stage, layout.pp, style), stage_rank(stage + 1, layout.pp, style)
-    width = layout.tp  # a pipeline rank's tensor-parallel ranks (its cp ranks are other replicas': parallel/mesh.py)
-    return rank * width // layout.gpus_per_node != nxt * width // layout.gpus_per_node
-
-
-def reduce_s(param_bytes: float, layout: Layout, network: Network, groups: int = 0) -> float:
-    """Ring all-reduce (DDP) or reduce-scatter + two all-gathers (FSDP) of one stage over dp replicas, once per
-    micro-batch when FSDP reshards (`Layout.fsdp_reshard`); FSDP also pays `network.fsdp_group_s` for each of its
-    `groups` (parameter groups: the stage's blocks and root) each time."""
-    n = layout.dp
-    if n == 1:
-        return 0.0
-    across = layout.gpus_per_node > 0 and layout.world_size > layout.gpus_per_node
-    latency, bandwidth = (network.across_collective() if across
-                          else (network.collective_latency_s, network.collective_bytes_per_s))
-    sharded = layout.dp_mode in ("fsdp", "hsdp")
-    if layout.dp_mode == "hsdp":  # FSDP within a shard group (a node), then an all-reduce of the shards across
-        inner = replace(layout, dp_mode="fsdp", dp=layout.shards, gpus_per_node=0)
-        replicas = n // layout.shards
-        return (reduce_s(param_bytes, inner, network, groups) +
-                (2.0 * (replicas - 1) / replicas * param_bytes / layout.shards / bandwidth + 2 * (replicas - 1)
-                 * latency if replicas > 1 else 0.0))
-    # FSDP resharding after forward: each micro-batch gathers the weights twice (forward, backward) and
-    # reduce-scatters its gradients; else the weights are gathered and the gradients reduced once per step
-    rounds = layout.chunks if sharded and layout.fsdp_reshard else 1
-    volume = rounds * (3.0 if sharded else 2.0) * (n - 1) / n * param_bytes
-    fixed = rounds * groups * network.fsdp_group_s if sharded else 0.0
-    return volume / bandwidth + 2 * (n - 1) * latency + fixed
-
-
-def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network,
-                bounds: Sequence[tuple[int, int]]) -> list[StageCost]:
-    """The per-micro-batch cost of each stage (stage s holds blocks `bounds[s]`)."""
-    sequences = layout.batch // layout.dp // layout.chunks
-    samples = context_samples(sequences, layout.cp)  # a CP rank's share costs as much as this many sequences
-    grads = layout.gradient_layout()
-    slowdown = 1.0 + (device.pipeline_slowdown if layout.pp > 1 else 0.0)
-    tp, sp = layout.tp, layout.sequence_parallel
-    costs = []
-    for stage, (start, stop) in enumerate(bounds):
-        part = blocks[start:stop]
-        times = [(f * slowdown, b * slowdown) for f, b in (block_times(b, samples, device, tp, sp) for b in part)]
-        comm = sum(tp_comm_s(b, samples, tp, network) for b in part)  # per forward, and as much per backward
-        moe = [ep_extra_s(b, samples, layout, network, device) for b in part] \
-            + [context_comm_s(b, sequences, layout, network, device) for b in part]
-        moe_forward, moe_backward = sum(m[0] for m in moe), sum(m[1] for m in moe)
-        dense, shares = rank_parts(part, layout.ep)
-        out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
-        across = _crosses_node(stage, layout)
-        latency = network.inter_latency_s if across else network.p2p_latency_s
-        bandwidth = network.inter_bytes_per_s if across else network.p2p_bytes_per_s
-        backward = sum(t[1] for t in times)
-        held = again = None
-        acts = [device.activation_factor * tp_activation_bytes(b, tp, sp) for b in part]
-        # selective recomputation leaves the model's last block (the head) plain: its policy would keep the logits
-        chosen = [i for i in range(start, stop) if (i + 1) % layout.recompute_every == 0
-                  and not (layout.recompute_unit == "selective" and i == len(blocks) - 1)]
-        # torch's stage holds each micro-batch's output from its forward to its backward (`fwd_cache`, stage.py),
-        # none of its blocks' saved tensors (a block ending in a residual sum saves nothing of it); the last stage's
-        # output (the logits) dies with the loss's forward, which runs in the stage's (plan/loss.py)
-        middle = samples * tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) else 0.0
-        # as each backward starts: what a block's backward computes before the saved tensors it frees
-        # (`BlockCost.backward_bytes`), the blocks after it freed already
-        works = [b.backward_bytes / (tp if b.tensor is not None else 1) for b in part]
-        work = max([w - sum(acts[j + 1:]) for j, w in enumerate(works)] + [0.0])
-        if layout.recompute_unit in ("layer", "selective"):
-            kept = [_kept_bytes(blocks, i, layout, acts[i - start], i in chosen) for i in range(start, stop)]
-            output = tp_output_bytes(part[-1], tp, sp) if stop < len(blocks) else 0.0
-            held = samples * (sum(kept) + output)
-            # recomputing one block at a time brings back its activations (and its backward works) while the
-            # blocks before it keep what they kept; the blocks after it have run their backward and freed theirs
-            again = max([held] + [samples * (sum(kept[:i - start]) + acts[i - start] + output + works[i - start])
-                                  for i in chosen])
-        elif layout.recompute_unit != "stage":
-            raise ConfigError(f"unknown recomputation unit {layout.recompute_unit!r}",
-                              hint="use 'stage', 'layer' or 'selective'")
-        elif stop < len(blocks):  # the whole stage recomputed: its input and output kept; then all, and work
-            held = (samples * tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0) + middle
-            again = samples * (sum(acts) + work) + middle
-        forward = sum(t[0] for t in times)
-        redo = forward if layout.recompute_unit == "stage" else sum(
-            _recomputed_share(blocks[i], layout) * times[i - start][0] for i in chosen)
-        moved = samples * sum(acts) / device.host_bytes_per_s if layout.offload else 0.0  # each way, overlapped
-        costs.append(StageCost(
-            forward_s=forward + comm + moe_forward + max(0.0, moved - forward),
-            backward_s=backward + comm + moe_backward + max(0.0, moved - backward),
-            activation_bytes=samples * device.activation_factor * sum(tp_activation_bytes(b, tp, sp) for b in part)
-            + middle, transient_bytes=samples * work if stop < len(blocks) else 0.0,  # the last's: plan/loss.py
-            input_bytes=samples * (tp_output_bytes(blocks[start - 1], tp, sp) if start else 0.0),
-            send_s=latency + out_bytes / bandwidth if stop < len(blocks) else 0.0,
-            reduce_s=reduce_s(sum(tp_param_bytes(b, tp) * b.trained_share for b in dense), grads, network,
-                              groups=len(part) + 1)
-            + (reduce_s(sum(b.param_bytes * b.trained_share for b in shares), expert_layout(grads), network,
-                        groups=len(shares)) if shares else 0.0),
-            weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
-            held_bytes=held, recompute_bytes=again, recompute_s=redo + comm,
-        ))
-    return costs
-
-
-#: the share of a block's forward time selective recomputation runs again (its cheap ops: norms, activations,
-#: elementwise; the matrix products and attention are kept): their share of a transformer layer's time at scale
-SELECTIVE_RECOMPUTE_SHARE = 0.1
-
-
-def _recomputed_share(block: BlockCost, layout: Layout) -> float:
-    """The share of `block`'s forward time its recomputation runs again: all of it (a whole block), the cheap ops
-    (selective), and under "alternate" the FLOPs of the matrix products it did not keep."""
-    if layout.recompute_unit != "selective":
-        return 1.0
-    extra = block.alternate_flops / block.forward_flops if layout.selective_matmuls == "alternate" and \
-        block.forward_flops else 0.0
-    return min(1.0, SELECTIVE_RECOMPUTE_SHARE + extra)
-
-
-def _kept_bytes(blocks: Sequence[BlockCost], index: int, layout: Layout, acts: float, chosen: bool) -> float:
-    """Per sample, what block `index` keeps for its backward under a per-block unit: all its activations when not
-    `chosen` to recompute; its input ("layer"); its selectively kept tensors ("selective", the input among them)."""
-    if not chosen:
-        return acts
-    tp, sp = layout.tp, layout.sequence_parallel
-    entry = tp_output_bytes(blocks[index - 1], tp, sp) if index else 0.0
-    if layout.recompute_unit == "layer":
-        return entry
-    block = blocks[index]
-    selective = block.alternate_bytes if layout.selective_matmuls == "alternate" and \
-        block.alternate_bytes is not None else block.selective_bytes
-    if selective is None or not block.activation_bytes:
-        return acts  # nothing known to recompute cheaply: counted as kept
-    return max(entry, acts * selective / block.activation_bytes)
-
-
-def reduce_scatter_bytes(blocks: Sequence[BlockCost], layout: Layout) -> float:
-    """What FSDP2 adds as it reduces the gradients accumulated unsharded (no resharding: once, after the stage's
-    last backward, torch's `perform_reduce_grad`): block by block, `foreach_reduce` copies a block's gradients into
-    one flat fp32 reduce-scatter input before it drops them, and the block's shard of the result; the first block
-    reduced sets the peak (later ones have freed a block's gradients and weights first, and FSDP keeps at most one
-    earlier input alive: `reduce_scatter_max_input_buffers` = 1, torch 2.13 `_fsdp_param_group.py`). Zero when
-    nothing is sharded or the gradients were reduced per micro-batch (`fsdp_reshard`: `static_bytes` counts it)."""
-    if layout.shards == 1 or layout.dp == 1 or layout.fsdp_reshard or not blocks:
-        return 0.0
-    grad = max(4.0 * tp_params(b, layout.tp) * b.trained_share for b in blocks)
-    return grad * (1.0 + 1.0 / layout.shards)
-
-
-def static_bytes(blocks: Sequence[BlockCost], layout: Layout, *, resting: bool = False) -> float:
-    """Bytes of weights, gradients and AdamW state one rank holds for `blocks` (see `Layout.precision`).
-
-    DDP or one replica: weights, gradients and the two moments (4 copies of the parameter bytes), DDP's buckets a
-    fifth. FSDP: the stage's weights stay gathered between micro-batches and its gradients accumulate unsharded
-    until the last backward, the fp32 shards (weights, gradient, two moments) are split over dp. In fp32 that is
-    2 + 4/dp copies of the parameter bytes; in bf16 the gathered weights take 2 bytes per parameter (1 for Float8
-    projections, `float8`), the accumulated gradients 4 (FSDP2 accumulates in its fp32 reduce dtype), the shards
-    16 / dp. Frozen parameters (`BlockCost.frozen_params`, a LoRA run's base) hold their weights only: no gradient,
-    no moments, no DDP bucket. With `fsdp_reshard` only two blocks' weights are gathered at once (the one computing,
-    the one prefetched) and one block's unsharded gradient (reduce-scattered per micro-batch), beside the shards.
-    `resting`: what is left after the last backward (the step's end): FSDP has resharded and reduced (torch's
-    `perform_reduce_grad`), only the shards stay; DDP and one replica keep everything."""
-    param_bytes = sum(tp_param_bytes(b, layout.tp) for b in blocks)
-    trained_bytes = sum(tp_param_bytes(b, layout.tp) * b.trained_share for b in blocks)
-    if layout.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"unknown precision {layout.precision!r} for memory", hint="use 'fp32' or 'bf16'")
-    if layout.shards == 1 or layout.dp == 1:
-        return param_bytes + (4 if layout.dp > 1 and layout.dp_mode == "ddp" else 3) * trained_bytes
-    shards_of = layout.shards
-    if layout.precision == "fp32":
-        gathered, grads = [tp_param_bytes(b, layout.tp) for b in blocks], [tp_param_bytes(b, layout.tp) *
-                                                                             b.trained_share for b in blocks]
-        shards = (param_bytes + 3 * trained_bytes) / shards_of
-    else:
-        fp8 = [b.matmul_params / (layout.tp if b.tensor is not None else 1) if layout.float8 else 0.0 for b in blocks]
-        gathered = [2 * (tp_params(b, layout.tp) - f) + f for b, f in zip(blocks, fp8)]
-        grads = [4 * tp_params(b, layout.tp) * b.trained_share for b in blocks]
-        shards = sum(4 * tp_params(b, layout.tp) * (1 + 3 * b.trained_share) for b in blocks) / shards_of
-    if resting:
-        return shards
-    if not layout.fsdp_reshard:
-        return sum(gathered) + sum(grads) + shards
-    # resharded: the block computing and the one prefetched gathered, one block's unsharded gradient being reduced
-    return sum(sorted(gathered)[-2:]) + max(grads, default=0.0) + shards
 
 
 def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network: Network) -> Prediction:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
-from pipetrain.plan.predict import Layout
+from pipetrain.plan.layout import Layout
 from pipetrain.plan.reshard import reshard_after_forward
 from pipetrain.plan.schedules import MULTI_STAGE_SCHEDULES, SIMULATED_SCHEDULES, V_SCHEDULES, min_microbatches
 
