@@ -22,7 +22,8 @@ critical path: a recomputed forward pays them again; zero-bubble's weight half W
 A mixture-of-experts block's routed experts are divided over `ep` ranks of the stage's data-parallel group
 (plan/experts.py): a rank holds the dense part of each block and its share of the experts, reduces the experts'
 gradients over the dp / ep ranks holding the same ones, and pays the dispatch and combine all-to-alls and the
-busiest expert's excess work in every forward and backward.
+busiest expert's excess work in every forward and backward; under DualPipeV with `moe_overlap` a fused
+forward-and-backward pair hides each half's all-to-alls behind the other's compute (plan/overlap.py; not on CPU).
 With context parallelism (`cp` > 1, plan/context.py) each of a stage's cp ranks holds 1/cp of every sequence: it
 costs what a micro-batch of samples / cp sequences costs, plus each attention layer's exchange (the ring's
 key/value passes beyond the attention they overlap, or all-to-all attention's four all-to-alls); its parameters
@@ -39,10 +40,11 @@ from functools import lru_cache
 from pipetrain.errors import ConfigError
 from pipetrain.partition.solver import solve_balance, uniform_balance
 from pipetrain.plan.context import context_comm_s, context_replicas, context_samples, cp_problem
-from pipetrain.plan.experts import ep_extra_s, ep_problem, expert_layout, rank_parts
+from pipetrain.plan.experts import ep_exchange_s, ep_extra_s, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.loss import last_stage
 from pipetrain.plan.model import BlockCost
+from pipetrain.plan.overlap import can_overlap, overlap_hides
 from pipetrain.plan.schedules import Action, placement, rank_stages, schedule_order, stage_rank
 from pipetrain.plan.simulate import StageCost, clear_cache, recomputed_microbatches, simulate
 from pipetrain.plan.tensor import (tp_activation_bytes, tp_comm_s, tp_flops, tp_output_bytes, tp_param_bytes,
@@ -84,6 +86,8 @@ class Layout:
     ep: int = 1
     #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
     moe_imbalance: float = 1.0
+    #: `--moe-overlap on`: DualPipeV's fused pairs hide the experts' all-to-alls behind compute (plan/overlap.py)
+    moe_overlap: bool = False
     #: context parallelism: each sequence split over `cp` ranks of a stage (pp · tp apart, as train's mesh), and
     #: their attention
     cp: int = 1
@@ -265,6 +269,8 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         moe = [ep_extra_s(b, samples, layout, network, device) for b in part] \
             + [context_comm_s(b, sequences, layout, network, device) for b in part]
         moe_forward, moe_backward = sum(m[0] for m in moe), sum(m[1] for m in moe)
+        hideable = sum(ep_exchange_s(b, samples, layout, network) for b in part) if layout.moe_overlap and \
+            can_overlap(layout) and overlap_hides(device) else 0.0
         dense, shares = rank_parts(part, layout.ep)
         out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
         across = _crosses_node(stage, layout)
@@ -315,6 +321,7 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
                         groups=len(shares)) if shares else 0.0),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
             held_bytes=held, recompute_bytes=again, recompute_s=redo + comm,
+            exchange_forward_s=hideable, exchange_backward_s=hideable,
         ))
     return costs
 
