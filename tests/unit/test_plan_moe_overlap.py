@@ -19,6 +19,9 @@ from pipetrain.plan.predict import Layout, order_of, predict, stage_costs
 from pipetrain.plan.search import SearchSpace, enumerate_layouts
 from pipetrain.plan.transformer import load_sizes
 
+from tests.unit.test_layout_auto import CALIBRATION, chosen  # noqa: F401  (the fixture: train with no ranks)
+from tests.unit.test_moe_ep_cli import folder  # noqa: F401  (the fixture: a tiny Qwen3-MoE folder, 8 experts)
+
 QWEN3_30B = Path(__file__).resolve().parents[2] / "benchmarks" / "models" / "qwen3-30b-a3b" / "config.json"
 SEQ = 4096
 
@@ -125,3 +128,15 @@ def test_plan_marks_the_overlap_and_refuses_it_where_nothing_overlaps(capsys):
         args = build_parser([*argv, *bad, "--moe-overlap", "on"]).parse_args([*argv, *bad, "--moe-overlap", "on"])
         with pytest.raises(ConfigError, match=why):
             planned(args)
+
+
+def test_train_layout_auto_keeps_a_given_overlap_and_leaves_it_off_on_the_cpu(chosen, folder):
+    argv = ["train", "--layout", "auto", "--workload", "hf", "--model", folder, "--data", "synthetic",
+            "--seq-len", "16", "--batch-size", "8", "--nproc", "4", "--no-progress", "--calibration",
+            str(CALIBRATION), "--schedule", "dualpipev", "--dp", "2", "--pp", "2", "--ep", "2"]
+    code, config, err = chosen([*argv, "--moe-overlap", "on"])
+    assert code == 0, err
+    assert config.parallel.ep == 2 and config.parallel.pipeline.moe_overlap
+    code, config, err = chosen(argv)  # searched: on this CPU's figures nothing is hidden, the plainer way wins
+    assert code == 0, err
+    assert config.parallel.ep == 2 and not config.parallel.pipeline.moe_overlap
