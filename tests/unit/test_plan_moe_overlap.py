@@ -140,3 +140,10 @@ def test_train_layout_auto_keeps_a_given_overlap_and_leaves_it_off_on_the_cpu(ch
     code, config, err = chosen(argv)  # searched: on this CPU's figures nothing is hidden, the plainer way wins
     assert code == 0, err
     assert config.parallel.ep == 2 and not config.parallel.pipeline.moe_overlap
+
+
+def test_a_resize_names_a_given_overlap_as_its_flag():
+    from pipetrain.plan.resize import _given
+
+    assert _given(Fixed(ep=2, moe_overlap=True)) == "--ep 2 --moe-overlap on"
+    assert _given(Fixed(moe_overlap=False, dp_shard=2)) == "--dp-shard 2 --moe-overlap off"
