@@ -101,7 +101,7 @@ def test_layout_auto_chooses_the_overlap_where_it_pays_and_carries_it(blocks):
     assert not Fixed(moe_overlap=True).allows(kept.layout)
 
 
-def test_sbatch_writes_the_chosen_expert_split_and_overlap():
+def test_sbatch_writes_the_chosen_expert_split_overlap_and_context_split():
     from pipetrain.cli.sbatch_auto import _CONSUMED, _expert_flags
     from pipetrain.config import ParallelConfig, PipelineConfig
 
@@ -111,7 +111,8 @@ def test_sbatch_writes_the_chosen_expert_split_and_overlap():
     assert _expert_flags(ParallelConfig(dp=2, ep=2, dp_mode="fsdp", pipeline=replace(pipeline, moe_overlap=False))) \
         == ["--ep", "2"]
     assert _expert_flags(ParallelConfig(dp=2)) == []
-    assert "--ep" in _CONSUMED and "--moe-overlap" in _CONSUMED  # given ones are replaced by the choice
+    assert _expert_flags(ParallelConfig(dp=1, cp=2, dp_mode="fsdp")) == ["--cp", "2", "--cp-attention", "ring"]
+    assert {"--ep", "--moe-overlap", "--cp", "--cp-attention"} <= set(_CONSUMED)  # given ones: the choice instead
 
 
 def test_plan_marks_the_overlap_and_refuses_it_where_nothing_overlaps(capsys):

@@ -20,7 +20,7 @@ log = logging.getLogger("pipetrain")
 _CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--dp-shard", "--fsdp-reshard", "--schedule", "--chunks",
              "--n-microbatches", "--checkpoint", "--recompute-unit", "--recompute-every", "--selective-matmuls",
              "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
-             "--layout-prediction", "--ep", "--moe-overlap")
+             "--layout-prediction", "--ep", "--moe-overlap", "--cp", "--cp-attention")
 #: the same, switches (no value)
 _SWITCHES = ("--offload-activations",)
 
@@ -46,10 +46,11 @@ def _recompute_flags(pipeline: PipelineConfig) -> list[str]:
 
 
 def _expert_flags(parallel: ParallelConfig) -> list[str]:
-    """The chosen expert split's flags, with DualPipeV's overlap of its all-to-alls when chosen (none at ep 1)."""
-    if parallel.ep == 1:
-        return []
-    return ["--ep", str(parallel.ep)] + (["--moe-overlap", "on"] if parallel.pipeline.moe_overlap else [])
+    """The chosen expert split's flags, with DualPipeV's overlap of its all-to-alls when chosen (none at ep 1), and
+    the chosen context split's (none at cp 1)."""
+    flags = [] if parallel.ep == 1 else ["--ep", str(parallel.ep)] + (
+        ["--moe-overlap", "on"] if parallel.pipeline.moe_overlap else [])
+    return flags + (["--cp", str(parallel.cp), "--cp-attention", parallel.cp_attention] if parallel.cp > 1 else [])
 
 
 def choose_for_script(args: argparse.Namespace, train_argv: list[str], *,
