@@ -16,7 +16,13 @@ runs both sets.
 sends stand for those it receives, so every exchanged tensor keeps its size and the experts do the same work on
 other rows). The difference between ep 2 and ep 2 without the all-to-all is what the all-to-alls cost in the step:
 what an overlap could at most hide.
-Run: `PYTHONPATH=src .venv/bin/python benchmarks/moe_ep.py [--schedules dualpipev] [--repeats 5] [--steps 4]`.
+
+`--calibration FILE...` prints the planner's step time for each layout beside the measured one (`plan.predict` on
+the model's config.json, the median over the files' predictions; "no all-to-all": the same layout with every expert
+exchange free; overlapped: `Layout.moe_overlap`, plan/overlap.py) and its ratios beside the paired ones;
+`--calibrate` first measures each file not there yet at the model's width.
+Run: `PYTHONPATH=src .venv/bin/python benchmarks/moe_ep.py [--schedules dualpipev] [--repeats 5] [--steps 4]
+[--calibrate --calibration A.json]`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -36,6 +43,11 @@ from pipetrain.config import ParallelConfig, PipelineConfig
 from pipetrain.launch.env import free_port
 from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.moe import dispatch as moe_dispatch
+from pipetrain.plan import experts as plan_experts
+from pipetrain.plan.hardware import load_calibration, save_calibration
+from pipetrain.plan import predict as plan_predict
+from pipetrain.plan.predict import Layout, predict
+from pipetrain.plan.transformer import load_sizes
 from pipetrain.session import build_session, close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM
 
@@ -137,13 +149,46 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, steps: int) -> None:
     parser.add_argument("--repeats", type=int, default=5)
 
 
+def calibrations(args: argparse.Namespace) -> list:
+    """The `--calibration` files' figures, each measured first at the model's width (a layer of hidden, the top-k
+    experts' width as its feed-forward, the sequence length) with `--calibrate` where it is not there yet."""
+    for path in args.calibration if args.calibrate else ():
+        if not path.exists():
+            from pipetrain.bench.calibrate import calibrate
+
+            shape = dict(seq_len=args.seq, emsize=args.hidden, nhead=4, nhid=2 * args.hidden, dropout=0.0)
+            save_calibration(calibrate(shape, samples=32, device="cpu"), path)
+    return [load_calibration(path) for path in args.calibration]
+
+
+def planned(args: argparse.Namespace, variant: tuple[int, str, bool, bool], calibration, hides: bool = False) -> float:
+    """The planner's step seconds of one variant (dp 2 x pp 2 as `_parallel` lays it out) on `calibration`;
+    `hides`: with the GPU's rule (each fused pair hides min(X, C) per side) in place of the CPU's (nothing hidden)."""
+    ep, schedule, overlap, bare = variant
+    with tempfile.TemporaryDirectory() as folder:
+        _model(args).config.save_pretrained(folder)
+        blocks = load_sizes(folder).blocks(args.seq, element=4)
+    dualpipev = schedule == "dualpipev"
+    layout = Layout(dp=2, pp=2, batch=args.batch, chunks=args.dualpipev_chunks if dualpipev else 2,
+                    schedule=schedule, virtual=2 if dualpipev else 1, dp_mode="fsdp" if dualpipev else "ddp", ep=ep,
+                    moe_overlap=overlap)
+    with patch.object(plan_experts, "_a2a_s", lambda *_: 0.0) if bare else _nothing(), \
+            patch.object(plan_predict, "overlap_hides", lambda _: True) if hides else _nothing():
+        return predict(blocks, layout, calibration.device, calibration.network).step_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, steps=4)
     parser.add_argument("--schedules", choices=("all", *VARIANTS), default="all",
                         help="which set of layouts to time (default: both)")
     parser.add_argument("--dualpipev-chunks", type=int, default=8, help="micro-batches under DualPipeV")
+    parser.add_argument("--calibration", type=Path, nargs="+", default=[],
+                        help="calibration files: print the planner's step time of each layout beside the measured")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="first calibrate this machine at the model's width into each --calibration file not there")
     args = parser.parse_args()
+    calibs = calibrations(args)
     with tempfile.TemporaryDirectory() as out:
         spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
               args=(args, out), timeout_s=3600)
@@ -153,11 +198,15 @@ def main() -> None:
           f"dp 2 x pp 2 (1F1B: DDP, 2 micro-batches; DualPipeV: FSDP2, {args.dualpipev_chunks} micro-batches), "
           f"{tokens} tokens a step; gloo, 1 thread a rank; torch {torch.__version__}; median (min-max) of "
           f"{args.repeats} repeats of {args.steps} steps")
-    print(f"{'layout':>38} {'s/step':>8} {'tokens/s':>9} {'tokens/s min-max':>17}")
+    plans = {name: statistics.median(planned(args, variant, c) for c in calibs)
+             for name, variant in _variants(args.schedules).items()} if calibs else {}
+    print(f"{'layout':>38} {'s/step':>8} {'tokens/s':>9} {'tokens/s min-max':>17}"
+          + (f" {'planned s/step':>14} {'error':>7}" if plans else ""))
     for name, values in times.items():
         rates = [tokens / t for t in values]
-        print(f"{name:>38} {statistics.median(values):8.3f} {statistics.median(rates):9.0f} "
-              f"{min(rates):8.0f}-{max(rates):<8.0f}")
+        step = statistics.median(values)
+        print(f"{name:>38} {step:8.3f} {statistics.median(rates):9.0f} {min(rates):8.0f}-{max(rates):<8.0f}"
+              + (f" {plans[name]:14.3f} {100 * (plans[name] - step) / step:+6.1f}%" if plans else ""))
     for with_, without in (("ep2", "ep2 no all-to-all"), ("dualpipev ep2", "dualpipev ep2 no all-to-all")):
         if with_ in times:
             a, b = statistics.median(times[with_]), statistics.median(times[without])
@@ -166,7 +215,15 @@ def main() -> None:
         if a in times and b in times:
             ratios = [x / y for x, y in zip(times[a], times[b])]
             print(f"step time {a} / {b}, per repeat: median {statistics.median(ratios):.3f} "
-                  f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+                  + (f" | planned {plans[a] / plans[b]:.3f}" if plans else ""))
+    if calibs:
+        print(f"planned: median over {len(calibs)} calibration(s) {' '.join(map(str, args.calibration))}")
+    overlapped = "dualpipev ep2 overlap"
+    if calibs and overlapped in times:  # the rule not chosen for a CPU, for comparison with the measured ratio
+        gpu = statistics.median(planned(args, VARIANTS["dualpipev"][overlapped], c, hides=True) for c in calibs)
+        print(f"with the GPU's rule (each fused pair hides min(X, C) per side) the overlapped step would be planned at "
+              f"{gpu:.3f} s, {gpu / plans['dualpipev ep2']:.3f} of the step in turn")
 
 if __name__ == "__main__":
     main()

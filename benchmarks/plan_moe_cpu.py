@@ -35,12 +35,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks package beside src/
 
 from benchmarks.memory_modes import MB, _release, measured_steps  # noqa: E402
-from benchmarks.moe_ep import _model, _parallel, add_model_arguments  # noqa: E402
+from benchmarks.moe_ep import _model, _parallel, add_model_arguments, calibrations  # noqa: E402
 from pipetrain.launch.env import free_port  # noqa: E402
 from pipetrain.launch.spawn import RankSpec, spawn  # noqa: E402
 from pipetrain.plan import loss as loss_terms  # noqa: E402
 from pipetrain.plan.experts import expert_layout, rank_parts  # noqa: E402
-from pipetrain.plan.hardware import default_calibration_path, load_calibration  # noqa: E402
+from pipetrain.plan.hardware import default_calibration_path  # noqa: E402
 from pipetrain.plan.predict import Layout, predict, static_bytes  # noqa: E402
 from pipetrain.plan.schedules import rank_stages  # noqa: E402
 from pipetrain.plan.transformer import load_sizes  # noqa: E402
@@ -130,14 +130,7 @@ def main() -> None:
                         help="first calibrate this machine at the model's width (a layer of hidden, the top-k experts' "
                              "width as its feed-forward, the sequence length) into each --calibration file not there")
     args = parser.parse_args()
-    for path in args.calibration if args.calibrate else ():
-        if not path.exists():
-            from pipetrain.bench.calibrate import calibrate
-            from pipetrain.plan.hardware import save_calibration
-
-            shape = dict(seq_len=args.seq, emsize=args.hidden, nhead=4, nhid=2 * args.hidden, dropout=0.0)
-            save_calibration(calibrate(shape, samples=32, device="cpu"), path)
-    calibrations = [load_calibration(path) for path in args.calibration]
+    calibs = calibrations(args)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as out:
         spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
@@ -145,7 +138,7 @@ def main() -> None:
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(4)]
     with tempfile.TemporaryDirectory() as folder:
         _model(args).config.save_pretrained(folder)
-        plans = {ep: [planned(folder, args, ep, c) for c in calibrations] for ep in EPS}
+        plans = {ep: [planned(folder, args, ep, c) for c in calibs] for ep in EPS}
     print(f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts top-2, {args.layers} layers, vocab {args.vocab}; "
           f"dp 2 x pp 2, 1F1B, DDP, {CHUNKS} micro-batches of {args.batch // 2 // CHUNKS} x {args.seq}, fp32, AdamW; "
           f"calibrations {' '.join(map(str, args.calibration))}; load average before {load[0]:.1f}, after "

@@ -18,7 +18,7 @@ __all__ = ["add_layout_arguments", "explicit_layout", "on_resize", "one_rank", "
 
 #: The flags --layout auto chooses (dest names); given on the command line (or in --config), they fix that choice.
 LAYOUT_DESTS = ("pp", "dp", "dp_mode", "schedule", "chunks", "checkpoint", "stages_per_rank", "balance", "partition",
-                "ep", "cp", "cp_attention", "dp_shard")
+                "ep", "cp", "cp_attention", "dp_shard", "moe_overlap")
 
 
 class _DefaultInt(int):
@@ -87,10 +87,11 @@ def explicit_layout(args: argparse.Namespace) -> Fixed:
     if partition not in (None, "uniform", "time"):
         raise ConfigError(f"--partition {partition} is not a split --layout auto predicts",
                           hint="use --partition uniform or time with --layout auto, or drop it")
+    overlap = given("moe_overlap")
     return Fixed(pp=given("pp"), dp=given("dp"), dp_mode=given("dp_mode"), schedule=given("schedule"),
                  chunks=given("chunks"), checkpoint=given("checkpoint"), virtual=given("stages_per_rank"),
                  balance=partition, ep=given("ep"), cp=given("cp"), cp_attention=given("cp_attention"),
-                 dp_shard=given("dp_shard"))
+                 dp_shard=given("dp_shard"), moe_overlap=None if overlap is None else overlap == "on")
 
 
 def on_resize(args: argparse.Namespace) -> str:
@@ -107,4 +108,4 @@ def one_rank(args: argparse.Namespace) -> argparse.Namespace:
     does not choose, such as --tp, kept)."""
     return argparse.Namespace(**{**vars(args), "pp": 1, "dp": 1, "dp_mode": "ddp", "schedule": "gpipe", "chunks": 1,
                                  "checkpoint": "never", "stages_per_rank": None, "ep": 1, "cp": 1, "balance": None, "partition": None,
-                                 "dp_shard": None, "mem_cap": None, "profile": None})
+                                 "dp_shard": None, "mem_cap": None, "profile": None, "moe_overlap": "off"})

@@ -154,6 +154,7 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
     lay = prediction.layout
     out = ["--pp", str(lay.pp), "--dp", str(lay.dp)] + (["--tp", str(lay.tp)] if lay.tp > 1 else []) \
         + (["--ep", str(lay.ep)] if lay.ep > 1 and engine_has("ep") else []) \
+        + (["--moe-overlap", "on"] if lay.moe_overlap and engine_has("moe_overlap") else []) \
         + (["--cp", str(lay.cp), "--cp-attention", lay.cp_attention] if lay.cp > 1 and engine_has("cp") else [])
     out += ["--dp-mode", lay.dp_mode, "--schedule", lay.schedule, "--chunks", str(lay.chunks),
             "--checkpoint", lay.checkpoint, "--batch-size", str(lay.batch)] + memory_flags(lay)
@@ -180,7 +181,7 @@ def train_args(prediction: Prediction, args: argparse.Namespace) -> list[str]:
 
 def _row(rank: int, p: Prediction) -> str:
     lay = p.layout
-    schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "")
+    schedule = lay.schedule + (f"x{lay.virtual}" if lay.virtual > 1 else "") + ("+ov" if lay.moe_overlap else "")
     memory = "/".join(f"{m / _GB:.2f}" for m in p.memory_bytes) if len(p.memory_bytes) <= 4 else \
         f"max {max(p.memory_bytes) / _GB:.2f}"
     tp = (f"{lay.tp}{'sp' if lay.sequence_parallel else ''}{f'/ep{lay.ep}' if lay.ep > 1 else ''}"

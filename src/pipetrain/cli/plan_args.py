@@ -108,6 +108,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                         help="a mixture-of-experts model: the busiest expert's tokens over the mean (default: 1.0, "
                              "a balanced router; with an auxiliary loss 1.1-1.3 is common)")
+    limits.add_argument("--moe-overlap", choices=("on", "off", "both"), default=None,
+                        help="a mixture-of-experts model under dualpipev at ep > 1: price its fused pairs overlapped "
+                             "(train's --moe-overlap on: each half's all-to-all hidden behind the other's compute; "
+                             "nothing hidden on CPU), in turn, or both ways, `+ov` in the table (default: both where "
+                             "the model has experts and dualpipev is searched, else off)")
     limits.add_argument("--cp", type=int, default=1,
                         help="context parallelism: each sequence split over this many ranks of a stage (default: 1)")
     limits.add_argument("--cp-attention", choices=CP_ATTENTIONS, default="ring",

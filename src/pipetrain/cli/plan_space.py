@@ -1,5 +1,6 @@
 """The planner's search space from `plan`/`tune` arguments: the tensor-, expert- and context-parallel degrees to
-try, each given degree checked against the model with one message naming the problem."""
+try (and DualPipeV's all-to-all overlap), each given degree checked against the model with one message naming the
+problem."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.plan.context import cp_problem
 from pipetrain.plan.experts import ep_problem, expert_degrees, moe_blocks
 from pipetrain.plan.model import BlockCost
+from pipetrain.plan.overlap import OVERLAP_SCHEDULES
 from pipetrain.plan.tensor import tp_problem
 
 __all__ = ["engine_has", "tensor_space", "expert_space", "context_space", "shard_space"]
@@ -60,10 +62,24 @@ def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -
         if problem:
             raise ConfigError(f"--ep {ep}: {problem}", hint="pass --ep 1 for a dense model, or an ep that divides "
                                                             "the experts" if moe else "drop --ep: the model is dense")
-        return {"eps": (ep,), "moe_imbalance": imbalance}
+        return {"eps": (ep,), "moe_imbalance": imbalance, **_overlap(args, moe, ep > 1)}
     if not moe:
-        return {}
-    return {"eps": expert_degrees(blocks, gpus), "moe_imbalance": imbalance}
+        return _overlap(args, moe, False)
+    degrees = expert_degrees(blocks, gpus)
+    return {"eps": degrees, "moe_imbalance": imbalance, **_overlap(args, moe, max(degrees) > 1)}
+
+
+def _overlap(args: argparse.Namespace, moe: list[BlockCost], split: bool) -> dict:
+    """`--moe-overlap on|off|both` (default: both where the experts may be split and dualpipev is searched)."""
+    given = getattr(args, "moe_overlap", None)
+    dualpipev = any(s in OVERLAP_SCHEDULES for s in getattr(args, "schedules", OVERLAP_SCHEDULES))
+    if given == "on" and not (moe and split and dualpipev):
+        why = ("the model has no experts" if not moe else "ep is 1" if not split
+               else "no schedule searched fuses a forward with a backward")
+        raise ConfigError(f"--moe-overlap on overlaps DualPipeV's all-to-alls, and {why}",
+                          hint="search --schedules dualpipev with --ep 2 or more, or pass --moe-overlap off")
+    choice = given or ("both" if moe and split and dualpipev else "off")
+    return {"moe_overlap": {"on": (True,), "off": (False,), "both": (False, True)}[choice]}
 
 
 def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:

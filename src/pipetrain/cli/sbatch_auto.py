@@ -20,7 +20,7 @@ log = logging.getLogger("pipetrain")
 _CONSUMED = ("--layout", "--pp", "--dp", "--dp-mode", "--dp-shard", "--fsdp-reshard", "--schedule", "--chunks",
              "--n-microbatches", "--checkpoint", "--recompute-unit", "--recompute-every", "--selective-matmuls",
              "--stages-per-rank", "--balance", "--partition", "--profile", "--calibration", "--nproc", "--mem-cap",
-             "--layout-prediction")
+             "--layout-prediction", "--ep", "--moe-overlap", "--cp", "--cp-attention")
 #: the same, switches (no value)
 _SWITCHES = ("--offload-activations",)
 
@@ -43,6 +43,14 @@ def _recompute_flags(pipeline: PipelineConfig) -> list[str]:
     flags += ["--recompute-every", str(pipeline.recompute_every)] if pipeline.recompute_every > 1 else []
     flags += ["--selective-matmuls", pipeline.selective_matmuls] if pipeline.selective_matmuls != "all" else []
     return flags + (["--offload-activations"] if pipeline.offload_activations else [])
+
+
+def _expert_flags(parallel: ParallelConfig) -> list[str]:
+    """The chosen expert split's flags, with DualPipeV's overlap of its all-to-alls when chosen (none at ep 1), and
+    the chosen context split's (none at cp 1)."""
+    flags = [] if parallel.ep == 1 else ["--ep", str(parallel.ep)] + (
+        ["--moe-overlap", "on"] if parallel.pipeline.moe_overlap else [])
+    return flags + (["--cp", str(parallel.cp), "--cp-attention", parallel.cp_attention] if parallel.cp > 1 else [])
 
 
 def choose_for_script(args: argparse.Namespace, train_argv: list[str], *,
@@ -78,6 +86,7 @@ def choose_for_script(args: argparse.Namespace, train_argv: list[str], *,
         rest += ["--dp-shard", str(parallel.dp_shard)]
     if parallel.fsdp_reshard != "never":
         rest += ["--fsdp-reshard", str(parallel.fsdp_reshard)]
+    rest += _expert_flags(parallel)
     if pipeline.stages_per_rank:
         rest += ["--stages-per-rank", str(pipeline.stages_per_rank)]
     if pipeline.balance:

@@ -24,6 +24,7 @@ from pipetrain.plan.context import context_degrees
 from pipetrain.plan.experts import expert_degrees
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
+from pipetrain.plan.overlap import can_overlap
 from pipetrain.plan.predict import Layout, Prediction, predict
 from pipetrain.plan.schedules import SIMULATED_SCHEDULES
 from pipetrain.plan.search import SearchSpace, enumerate_layouts
@@ -36,10 +37,11 @@ MARGIN = 0.10
 
 
 def plainness(layout: Layout) -> tuple[bool, ...]:
-    """Sort key: False first for DDP (or one replica), experts unsplit (no all-to-all), sequences
-    whole (no context parallelism), no recomputation, a whole backward, one stage per rank, then
-    weights kept gathered, whole-stage recomputation, no offloading (the memory modes pay only where they must)."""
-    return (layout.dp > 1 and layout.dp_mode != "ddp", layout.ep > 1, layout.cp > 1, layout.checkpoint != "never",
+    """Sort key: False first for DDP (or one replica), experts unsplit (no all-to-all), fused pairs in turn (no
+    second thread), sequences whole (no context parallelism), no recomputation, a whole backward, one stage per rank,
+    then weights kept gathered, whole-stage recomputation, no offloading (the memory modes pay only where they must)."""
+    return (layout.dp > 1 and layout.dp_mode != "ddp", layout.ep > 1, layout.moe_overlap, layout.cp > 1,
+            layout.checkpoint != "never",
             layout.schedule in SPLIT_BACKWARD_SCHEDULES, layout.virtual > 1, layout.fsdp_reshard,
             layout.recompute_unit != "stage", layout.selective_matmuls != "all", layout.offload)
 
@@ -61,11 +63,13 @@ class Fixed:
     cp: int | None = None
     cp_attention: str | None = None
     dp_shard: int | None = None  # HSDP's shard group (`--dp-shard K`): the layout is hsdp with it
+    moe_overlap: bool | None = None  # `--moe-overlap on|off`: DualPipeV's fused pairs at ep > 1 overlapped or not
 
     def allows(self, layout: Layout) -> bool:
-        """Whether `layout` keeps every fixed choice."""
+        """Whether `layout` keeps every fixed choice (`moe_overlap` binds only the layouts that can overlap)."""
         return all(want is None or getattr(layout, name) == want for name, want in vars(self).items()
-                   if name != "cp_attention" or layout.cp > 1)  # a whole sequence has no cp attention
+                   if (name != "cp_attention" or layout.cp > 1)  # a whole sequence has no cp attention
+                   and (name != "moe_overlap" or can_overlap(layout)))
 
     def space(self, max_chunks: int, offload: bool = False, eps: tuple[int, ...] = (1,),
               cps: tuple[int, ...] = (1,)) -> SearchSpace:
@@ -84,6 +88,7 @@ class Fixed:
             virtual=(self.virtual,) if self.virtual else base.virtual,
             max_chunks=max(max_chunks, self.chunks or 1), only_pp=self.pp,
             eps=(self.ep,) if self.ep else eps, cps=(self.cp,) if self.cp else cps,
+            moe_overlap=(self.moe_overlap,) if self.moe_overlap is not None else (False, True),
             cp_attention=self.cp_attention or "ring")
 
 
@@ -146,6 +151,8 @@ def layout_flags(prediction: Prediction) -> list[str]:
         flags += ["--stages-per-rank", str(lay.virtual)]
     if lay.ep > 1:
         flags += ["--ep", str(lay.ep)]
+    if lay.moe_overlap:
+        flags += ["--moe-overlap", "on"]
     if lay.cp > 1:
         flags += ["--cp", str(lay.cp), "--cp-attention", lay.cp_attention]
     if lay.pp * lay.virtual > 1:

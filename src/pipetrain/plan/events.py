@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pipetrain.errors import ConfigError
+from pipetrain.plan.overlap import hidden_s
 from pipetrain.plan.schedules import Action
 
 __all__ = ["StageCost", "compile_order", "clear_cache", "dedicated_times", "shared_times"]
@@ -38,6 +39,10 @@ class StageCost:
     #: bytes alive for a moment as each backward of the stage starts, beside what its micro-batch holds (the last
     #: stage's loss backward: its logits-sized temporaries, plan/loss.py)
     transient_bytes: float = 0.0
+    #: the experts' all-to-all seconds within `forward_s` and `backward_s` that a fused forward-and-backward pair
+    #: hides behind its other half's compute (`--moe-overlap on`, plan/overlap.py; 0: nothing hidden)
+    exchange_forward_s: float = 0.0
+    exchange_backward_s: float = 0.0
 
 
 _KINDS = {"F": 0, "B": 1, "I": 2, "W": 3, "R": 4}
@@ -46,8 +51,8 @@ _KINDS = {"F": 0, "B": 1, "I": 2, "W": 3, "R": 4}
 @lru_cache(maxsize=1024)
 def compile_order(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Each action as (stage, kind code, microbatch, its slot, its dependency's slot or -1, the stage whose
-    transfer delays it or -1, the link (sending rank, receiving rank) that transfer takes as an index or -1),
-    the dependencies of `plan.simulate`'s docstring resolved once per order. Stages
+    transfer delays it or -1, the link (sending rank, receiving rank) that transfer takes as an index or -1, the
+    other stage of its fused pair or -1), the dependencies of `plan.simulate`'s docstring resolved once per order. Stages
     are placed where the order runs them; a dependency on another rank's fused action (DualPipeV's
     OVERLAP_F_B) waits for the end of the pair, when torch posts the send."""
     slots, leaves, rank_of = {}, [], {}
@@ -78,7 +83,11 @@ def compile_order(order: tuple[tuple[Action, ...], ...]) -> tuple[tuple[tuple[in
                 dep = leaves[dep]
                 ends = (rank_of[hop], rank_of[hop + 1]) if kind == "F" else (rank_of[hop + 1], rank_of[hop])
                 link = links.setdefault(ends, len(links))
-            rows.append((stage, _KINDS[kind], mb, slots[(stage, kind, mb)], dep, hop, link))
+            rows.append((stage, _KINDS[kind], mb, slots[(stage, kind, mb)], dep, hop, link, -1))
+        for at in range(len(actions) - 1):  # a fused pair: each half's partner stage (plan/overlap.py)
+            if actions[at].fused:
+                rows[at] = rows[at][:7] + (actions[at + 1].stage,)
+                rows[at + 1] = rows[at + 1][:7] + (actions[at].stage,)
         compiled.append(tuple(rows))
     return tuple(compiled)
 
@@ -104,14 +113,15 @@ def _duration(row: tuple[int, ...], costs: Sequence[StageCost], recomputed: Coll
               overhead_s: float) -> float:
     stage, kind, mb = row[0], row[1], row[2]
     cost = costs[stage]
+    hidden = hidden_s(cost, costs[row[7]], forward=kind == 0) if row[7] >= 0 else 0.0  # a fused pair's half
     if kind == 0:
-        return cost.forward_s + overhead_s
+        return cost.forward_s - hidden + overhead_s
     if kind == 4:
         return cost.reduce_s
     share = 1.0 if kind == 1 else (1.0 - cost.weight_share if kind == 2 else cost.weight_share)
     redo = cost.forward_s if cost.recompute_s is None else cost.recompute_s
     again = redo if mb in recomputed and kind != 3 else 0.0
-    return cost.backward_s * share + overhead_s + again
+    return cost.backward_s * share - hidden + overhead_s + again
 
 
 def dedicated_times(program, costs, recomputed, overhead_s) -> tuple[list[float], list[float], float]:

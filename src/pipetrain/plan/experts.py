@@ -20,7 +20,8 @@ from typing import Protocol
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 
-__all__ = ["ep_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts", "expert_layout", "ep_extra_s", "moe_blocks"]
+__all__ = ["ep_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts", "expert_layout", "ep_extra_s",
+           "ep_exchange_s", "moe_blocks"]
 
 
 class _Layout(Protocol):
@@ -110,6 +111,15 @@ def _a2a_s(nbytes: float, ep: int, layout: _Layout, network: Network) -> float:
     return nbytes * (ep - 1) / ep / bandwidth + (ep - 1) * latency
 
 
+def ep_exchange_s(block: BlockCost, samples: int, layout: _Layout, network: Network) -> float:
+    """Seconds of one MoE block's dispatch and combine all-to-alls on a micro-batch of `samples` (as many again in
+    backward; 0 for a block without experts or at ep = 1)."""
+    if block.experts is None:
+        return 0.0
+    tokens = samples * block.experts.dispatch_bytes / (layout.tp if layout.sequence_parallel else 1)
+    return 2 * _a2a_s(tokens, layout.ep, layout, network)
+
+
 def ep_extra_s(block: BlockCost, samples: int, layout: _Layout, network: Network,
                device: Device) -> tuple[float, float]:
     """(forward, backward) seconds an MoE block adds on one rank beyond its dense compute: the dispatch and combine
@@ -117,8 +127,7 @@ def ep_extra_s(block: BlockCost, samples: int, layout: _Layout, network: Network
     of the experts' compute; twice that in backward)."""
     if block.experts is None:
         return 0.0, 0.0
-    tokens = samples * block.experts.dispatch_bytes / (layout.tp if layout.sequence_parallel else 1)
-    exchange = 2 * _a2a_s(tokens, layout.ep, layout, network)
+    exchange = ep_exchange_s(block, samples, layout, network)
     # at ep = 1 a rank runs every expert: how tokens spread over them does not change its work
     excess = 0.0 if layout.ep == 1 else \
         max(0.0, layout.moe_imbalance - 1.0) * samples * block.experts.flops / device.flops_per_s

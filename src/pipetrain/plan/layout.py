@@ -40,6 +40,8 @@ class Layout:
     ep: int = 1
     #: the busiest expert's tokens over the mean (1.0: a perfectly balanced router; matters at ep > 1)
     moe_imbalance: float = 1.0
+    #: `--moe-overlap on`: DualPipeV's fused pairs hide the experts' all-to-alls behind compute (plan/overlap.py)
+    moe_overlap: bool = False
     #: context parallelism: each sequence split over `cp` ranks of a stage (pp · tp apart, as train's mesh), and
     #: their attention
     cp: int = 1

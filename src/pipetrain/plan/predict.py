@@ -22,7 +22,8 @@ critical path: a recomputed forward pays them again; zero-bubble's weight half W
 A mixture-of-experts block's routed experts are divided over `ep` ranks of the stage's data-parallel group
 (plan/experts.py): a rank holds the dense part of each block and its share of the experts, reduces the experts'
 gradients over the dp / ep ranks holding the same ones, and pays the dispatch and combine all-to-alls and the
-busiest expert's excess work in every forward and backward.
+busiest expert's excess work in every forward and backward; under DualPipeV with `moe_overlap` a fused
+forward-and-backward pair hides each half's all-to-alls behind the other's compute (plan/overlap.py; not on CPU).
 With context parallelism (`cp` > 1, plan/context.py) each of a stage's cp ranks holds 1/cp of every sequence: it
 costs what a micro-batch of samples / cp sequences costs, plus each attention layer's exchange (the ring's
 key/value passes beyond the attention they overlap, or all-to-all attention's four all-to-alls); its parameters

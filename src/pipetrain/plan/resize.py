@@ -88,8 +88,9 @@ def _ranks(count: int) -> str:
 def _given(fixed: Fixed) -> str:
     flags = {"pp": "--pp", "dp": "--dp", "dp_mode": "--dp-mode", "schedule": "--schedule", "chunks": "--chunks",
              "checkpoint": "--checkpoint", "virtual": "--stages-per-rank", "balance": "--partition", "ep": "--ep",
-             "cp": "--cp", "cp_attention": "--cp-attention"}
-    return " ".join(f"{flags[name]} {value}" for name, value in vars(fixed).items() if value is not None)
+             "cp": "--cp", "cp_attention": "--cp-attention", "dp_shard": "--dp-shard", "moe_overlap": "--moe-overlap"}
+    return " ".join(f"{flags[name]} {('on' if value else 'off') if isinstance(value, bool) else value}"
+                    for name, value in vars(fixed).items() if value is not None)
 
 
 def check_fixed_world(fixed: Fixed, tp: int = 1) -> None:

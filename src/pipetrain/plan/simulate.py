@@ -8,7 +8,8 @@ starts when its rank is free and its inputs have arrived:
 - B or I(s, i) needs F(s, i) and, below the last stage, the backward of (s+1, i) plus the transfer of the
   gradient (same bytes as the activation);
 - a transfer out of a fused action (DualPipeV's OVERLAP_F_B: a forward run with the next backward) starts
-  when the pair ends, as torch posts its sends after both;
+  when the pair ends, as torch posts its sends after both; each half of such a pair runs shorter by the
+  exchange the other half's compute hides (`StageCost.exchange_*_s`, plan/overlap.py);
 - a transfer starts when its data is ready, the receiving rank has reached the action that needs it (torch
   posts each receive there, and point-to-point data moves once the receive is posted, as steps measured across
   a throttled gloo link show: the transfer does not overlap the receiver's earlier work) and the link is free (one transfer at a

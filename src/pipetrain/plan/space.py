@@ -7,9 +7,10 @@ innermost) and the GPU count; `search` keeps only those the model splits into (`
 
 Expert parallelism: `SearchSpace.eps` lists the degrees to try for a mixture-of-experts model (default 1 only);
 a degree is enumerated where it divides dp (`search` keeps those dividing every MoE block's experts:
-`experts.ep_problem`). Context parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default
-1 only); a degree takes its ranks as train's mesh does (pp · tp apart: its exchange crosses nodes where cp · pp · tp
-ranks do not fit in one, plan/context.py).
+`experts.ep_problem`); DualPipeV at ep > 1 each way of `SearchSpace.moe_overlap` (`--moe-overlap`). Context
+parallelism: `SearchSpace.cps` lists the degrees that split each sequence (default 1 only); a degree takes its
+ranks as train's mesh does (pp · tp apart: its exchange crosses nodes where cp · pp · tp ranks do not fit in one,
+plan/context.py).
 
 HSDP (in `dp_modes` by default, beside ddp and fsdp, each with the same resharding options as fsdp): a shard group
 is the data replicas of one node with their cp ranks (train's mesh: rank = ((replica · cp + cp rank) · pp + pp
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.plan.layout import Layout
+from pipetrain.plan.overlap import can_overlap
 from pipetrain.plan.reshard import reshard_after_forward
 from pipetrain.plan.schedules import MULTI_STAGE_SCHEDULES, SIMULATED_SCHEDULES, V_SCHEDULES, min_microbatches
 
@@ -67,6 +69,8 @@ class SearchSpace:
     #: expert-parallel degrees to try (a mixture-of-experts model), and the router's imbalance (`Layout`'s)
     eps: tuple[int, ...] = (1,)
     moe_imbalance: float = 1.0
+    #: DualPipeV at ep > 1: its fused pairs run in turn (False), overlapped (True: `--moe-overlap on`), or both
+    moe_overlap: tuple[bool, ...] = (False,)
     #: context-parallel degrees to try, and the attention they use (`Layout`'s)
     cps: tuple[int, ...] = (1,)
     cp_attention: str = "ring"
@@ -105,9 +109,11 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
                 found = [replace(lay, dp_mode="fsdp") if lay.dp == 1 and _needs_fsdp(lay, tp) else lay for lay in found
                          if lay.dp_mode != "ddp" or lay.dp == 1 or not _needs_fsdp(lay, tp)]
             layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
-    return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
-            for layout in layouts for ep in sorted(set(space.eps))
-            if layout.dp % ep == 0 and (ep == 1 or layout.dp_mode != "hsdp")]
+    split = [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
+             for layout in layouts for ep in sorted(set(space.eps))
+             if layout.dp % ep == 0 and (ep == 1 or layout.dp_mode != "hsdp")]
+    return [replace(layout, moe_overlap=True) if overlap else layout for layout in split
+            for overlap in (sorted(set(space.moe_overlap)) if can_overlap(layout) else (False,))]
 
 
 def _needs_fsdp(layout: Layout, tp: int) -> bool:

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from pipetrain.errors import ConfigError
 from pipetrain.plan.context import context_comm_s, context_samples
 from pipetrain.plan.events import StageCost
-from pipetrain.plan.experts import ep_extra_s, expert_layout, rank_parts
+from pipetrain.plan.experts import ep_exchange_s, ep_extra_s, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.layout import Layout
 from pipetrain.plan.memory import block_kept_bytes
 from pipetrain.plan.model import BlockCost
+from pipetrain.plan.overlap import can_overlap, overlap_hides
 from pipetrain.plan.schedules import placement, stage_rank
 from pipetrain.plan.tensor import tp_activation_bytes, tp_comm_s, tp_output_bytes, tp_param_bytes
 from pipetrain.plan.times import block_times, recomputed_share, reduce_s
@@ -47,6 +48,8 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         moe = [ep_extra_s(b, samples, layout, network, device) for b in part] \
             + [context_comm_s(b, sequences, layout, network, device) for b in part]
         moe_forward, moe_backward = sum(m[0] for m in moe), sum(m[1] for m in moe)
+        hideable = sum(ep_exchange_s(b, samples, layout, network) for b in part) if layout.moe_overlap and \
+            can_overlap(layout) and overlap_hides(device) else 0.0
         dense, shares = rank_parts(part, layout.ep)
         out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
         across = _crosses_node(stage, layout)
@@ -97,5 +100,6 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
                         groups=len(shares)) if shares else 0.0),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
             held_bytes=held, recompute_bytes=again, recompute_s=redo + comm,
+            exchange_forward_s=hideable, exchange_backward_s=hideable,
         ))
     return costs

@@ -204,8 +204,8 @@ def auto_layout(config: TrainConfig, *, world: int, per_node: int, device: str, 
                        selective_matmuls=lay.selective_matmuls,
                        stages_per_rank=lay.virtual if lay.virtual > 1 else None,
                        balance=tuple(best.balance) if lay.pp * lay.virtual > 1 else None, partition="uniform",
-                       # --moe-overlap on asks for overlap where there is some: DualPipeV with experts split
-                       moe_overlap=config.parallel.pipeline.moe_overlap and lay.schedule == "dualpipev" and lay.ep > 1)
+                       # searched (or fixed by --moe-overlap on|off where it applies: DualPipeV, experts split)
+                       moe_overlap=lay.moe_overlap)
     if say:
         if resize is not None:
             log.info("pipetrain: --on-resize auto: %s (resuming %s)", resize.line(), saved.folder)
