@@ -344,6 +344,38 @@ def _generations(folder: str, device: torch.device) -> dict[int, torch.Tensor]:
     return out
 
 
+#: generation at ep 2 x tp 2 (pp 1): replica r's prompts (2 of 5 - r tokens, seed 50 + r) and new tokens
+TP_NEW = (4, 7)
+
+
+def _tp_prompts(replica: int):
+    from pipetrain.generate.prompts import left_pad
+
+    gen = torch.Generator().manual_seed(50 + replica)
+    return left_pad(torch.randint(1, 90, (2, 5 - replica), generator=gen).tolist(), 0)
+
+
+def _generations_tp(folder: str, device: torch.device) -> torch.Tensor:
+    """Greedy tokens of this rank's replica (rank = replica * 2 + tp rank) at ep 2 x tp 2, pp 1, placed as
+    `pipetrain generate --ep 2 --tp 2` places them (`place_rank`): the attention over each replica's TP pair, the
+    experts over the EP pair of each TP rank; the folder's EOS (0) ends a sequence, as in transformers' `generate`."""
+    import torch.distributed as dist
+
+    from pipetrain.generate.job import GenerateJob, place_rank
+    from pipetrain.generate.loop import generate_tokens
+    from pipetrain.generate.sampling import Sampling, Stopping
+    from pipetrain.generate.weights import ModelSource
+
+    job = GenerateJob(ModelSource(Path(folder)), (), pp=1, tp=2, ep=2)
+    model = job.source.model()
+    stage, route = place_rank(job, model, dist.get_rank(), device)
+    replica = dist.get_rank() // 2
+    assert route.lockstep is not None and route.tp == 2 and route.owners == (2 * replica + dist.get_rank() % 2,)
+    stopping = Stopping(2, eos=[0], pad=0, max_new_tokens=TP_NEW[replica])
+    return generate_tokens({0: stage}, route, _tp_prompts(replica), Sampling(), stopping,
+                           hidden_size=model.config.hidden_size).tokens
+
+
 def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
     device = join_job(spec)
     try:
@@ -355,6 +387,7 @@ def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
         for family, schedule in FOLDER_CASES:
             records[f"{family}-{schedule}"] = _train_folder(folders[family], schedule, device)
         records["generate"] = _generations(folders["qwen3_moe"], device)
+        records["generate-ep2-tp2"] = _generations_tp(folders["qwen3_moe"], device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -535,3 +568,15 @@ def test_generation_with_experts_split_gives_the_tokens_of_ep1(runs):
     for rank, record in enumerate(runs["generate"]):
         assert record[1].shape == (2, 3 + 3 * (rank // 2))  # each replica its own length, though they stepped together
         assert torch.equal(record[2], record[1])
+
+
+def test_generation_at_ep2_tp2_gives_transformers_tokens(runs, folders):
+    """`generate --ep 2 --tp 2` (pp 1): each replica's greedy tokens equal transformers' `generate` on the unsplit
+    Qwen3-MoE folder (exact), though the two replicas ask for other numbers of new tokens and step together."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3_moe"]).eval()
+    for rank, tokens in enumerate(runs["generate-ep2-tp2"]):
+        batch = _tp_prompts(rank // 2)
+        out = model.generate(batch.ids, attention_mask=batch.mask, max_new_tokens=TP_NEW[rank // 2],
+                             do_sample=False, pad_token_id=0)
+        expected = out[:, batch.ids.shape[1]:]
+        assert torch.equal(tokens, expected), f"rank {rank}:\n{tokens}\n!= transformers'\n{expected}"
