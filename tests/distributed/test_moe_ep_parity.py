@@ -9,7 +9,8 @@ interleaved 1F1B (4 stages) with DDP, 1F1B with `--checkpoint always` (the recom
 GPipe with FSDP2 (experts sharded over their own expert-data-parallel mesh, here of one rank), ZBV and DualPipeV with
 FSDP2 (4 micro-batches), DualPipeV with `moe_overlap` (its fused forward-and-backward actions run at once, in two
 threads; the experts' backward exchanges on a second group), also with `--checkpoint always`; and dp=4 x pp=1
-at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it). Over three SGD steps
+at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it), also under HSDP
+(`--dp-shard` 2: each slice replicated over 2 ranks; 4: sharded over 2). Over three SGD steps
 (the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
 parameters equal the reference's within rtol 1e-5 / atol 4e-5, a forward-only evaluation gives its loss, and the
 global gradient norm (`Session.grad_norm`, what clipping uses) equals the unsplit model's (each expert slice once). A
@@ -165,6 +166,9 @@ def layouts() -> dict[str, ParallelConfig]:
         "ep1-dp2-pp2-1f1b": layout("1f1b", ep=1),
         # two expert-parallel groups: each expert's gradient also summed over its expert-data-parallel pair
         "ep2-dp4-pp1": ParallelConfig(dp=4, ep=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=1)),
+        # HSDP: shard groups of 2 (each expert slice replicated over 2 ranks) and one group of 4 (sharded over 2)
+        **{f"ep2-dp4-pp1-hsdp{k}": ParallelConfig(dp=4, ep=2, dp_mode="hsdp", dp_shard=k, pipeline=PipelineConfig(
+            pp=1, schedule="gpipe", n_microbatches=1)) for k in (2, 4)},
     }
 
 
