@@ -9,7 +9,8 @@ interleaved 1F1B (4 stages) with DDP, 1F1B with `--checkpoint always` (the recom
 GPipe with FSDP2 (experts sharded over their own expert-data-parallel mesh, here of one rank), ZBV and DualPipeV with
 FSDP2 (4 micro-batches), DualPipeV with `moe_overlap` (its fused forward-and-backward actions run at once, in two
 threads; the experts' backward exchanges on a second group), also with `--checkpoint always`; and dp=4 x pp=1
-at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it). Over three SGD steps
+at ep=2 (two expert-parallel groups: each expert's gradient summed over the two ranks holding it), also under HSDP
+(`--dp-shard` 2: each slice replicated over 2 ranks; 4: sharded over 2). Over three SGD steps
 (the last batch shorter): the losses, every gradient (experts, routers, attention, embedding, head) and the final
 parameters equal the reference's within rtol 1e-5 / atol 4e-5, a forward-only evaluation gives its loss, and the
 global gradient norm (`Session.grad_norm`, what clipping uses) equals the unsplit model's (each expert slice once). A
@@ -21,14 +22,17 @@ The same job then trains the MoE families' tiny folders (tests/moe_folders.py: Q
 first layer, Mixtral with 4; the load-balancing loss on) at dp=2 x ep=2 x pp=2 under 1F1B and interleaved 1F1B
 (DDP), and at dp=2 x ep=2 x tp=2 with FSDP2 (pp=1: the attention split over each TP pair, the MoE block whole on
 both, the experts split over the EP pair of each TP rank); Qwen2-MoE (its gated shared expert), OLMoE and DeepSeek-V3
-(latent attention, group-limited routing, its balancing bias) at dp=2 x ep=2 x pp=2 under 1F1B; each against
+(latent attention, group-limited routing, its balancing bias) at dp=2 x ep=2 x pp=2 under 1F1B; Qwen3-MoE at dp=4
+under HSDP (shard groups of 2) x ep=2, pp=1 (the experts' FSDP2 over their (2, 1) replicate x shard mesh); each against
 transformers' unsplit model from the same folder,
 run per micro-batch as test_moe_parity's
 reference: losses, every gradient (each rank's expert slices against the same rows of transformers' fused
 tensors) and the final parameters, rtol 1e-5 / atol 4e-5. Generation (`pipetrain generate --ep`, and `eval`'s answers)
 on the Qwen3-MoE folder: two replicas of a pp=2 pipeline, each its own prompts and number of new tokens, give the
 same greedy tokens with the experts whole on each rank (ep=1) and split over the two replicas (ep=2: the replica that
-ends first steps on with the other, `Route.lockstep`).
+ends first steps on with the other, `Route.lockstep`); at ep=2 x tp=2 (pp=1, `generate.job.place_rank`) each
+replica's greedy tokens equal transformers' `generate` on the unsplit folder. Checkpoints of dp=4 x ep=2 also move
+between FSDP2 and HSDP (2 x 2).
 """
 
 from __future__ import annotations
@@ -162,6 +166,9 @@ def layouts() -> dict[str, ParallelConfig]:
         "ep1-dp2-pp2-1f1b": layout("1f1b", ep=1),
         # two expert-parallel groups: each expert's gradient also summed over its expert-data-parallel pair
         "ep2-dp4-pp1": ParallelConfig(dp=4, ep=2, pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=1)),
+        # HSDP: shard groups of 2 (each expert slice replicated over 2 ranks) and one group of 4 (sharded over 2)
+        **{f"ep2-dp4-pp1-hsdp{k}": ParallelConfig(dp=4, ep=2, dp_mode="hsdp", dp_shard=k, pipeline=PipelineConfig(
+            pp=1, schedule="gpipe", n_microbatches=1)) for k in (2, 4)},
     }
 
 
@@ -225,9 +232,11 @@ FOLDER_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "tp2-fsdp": None}
 FOLDER_NO_TP = ("gpt_oss",)
 #: the other families with fused gated experts, at dp=2 x ep=2 x pp=2 under 1F1B only (DeepSeek-V3: no TP plan)
 MORE_FAMILIES = ("qwen2_moe", "olmoe", "deepseek_v3")
+#: HSDP: dp 4 (shard groups of 2, replicated twice) x ep 2, pp 1: each expert slice's FSDP2 over its own (2, 1) mesh
+HSDP_CASE = ("qwen3_moe", "hsdp-dp4")
 FOLDER_CASES = [(family, schedule) for family in FOLDER_FAMILIES for schedule in FOLDER_SCHEDULES
                 if not (schedule == "tp2-fsdp" and family in FOLDER_NO_TP)] + \
-    [(family, "1f1b") for family in MORE_FAMILIES]
+    [(family, "1f1b") for family in MORE_FAMILIES] + [HSDP_CASE]
 
 
 def _expert_slices(engine) -> dict[int, tuple[int, int]]:
@@ -245,12 +254,15 @@ def _train_folder(folder: str, schedule: str, device: torch.device) -> dict:
     if schedule == "tp2-fsdp":
         parallel = ParallelConfig(dp=2, ep=2, tp=2, dp_mode="fsdp", pipeline=PipelineConfig(
             pp=1, schedule="gpipe", n_microbatches=moe_parity.CHUNKS))
+    elif schedule == "hsdp-dp4":
+        parallel = ParallelConfig(dp=4, ep=2, dp_mode="hsdp", dp_shard=2, pipeline=PipelineConfig(
+            pp=1, schedule="gpipe", n_microbatches=moe_parity.CHUNKS))
     else:
         parallel = ParallelConfig(dp=2, ep=2, pipeline=PipelineConfig(
             pp=2, schedule=schedule, n_microbatches=moe_parity.CHUNKS, stages_per_rank=FOLDER_SCHEDULES[schedule]))
     session = build_session(model, parallel, device, seed=moe_parity.SEED, loss_fn=model.loss())
     keys, firsts = transformers_names(model), _expert_slices(session.engine)
-    record = moe_parity._steps(session.engine, model, 2, session.mesh.dp_rank)
+    record = moe_parity._steps(session.engine, model, parallel.dp, session.mesh.dp_rank)
     record["slices"] = {keys[n]: firsts.get(id(p)) for n, p in session.engine.named_parameters()}
     record["tp_split"] = {keys[n] for n, p in session.engine.named_parameters()  # sharded over dp and split over tp
                           if hasattr(p, "to_local") and p.to_local().numel() * 4 == p.numel()}
@@ -270,10 +282,10 @@ def _whole_params(engine) -> dict[str, torch.Tensor]:
 
 def _adamw_step(ep: int, device: torch.device, batch: int, load: Path | None = None, save: Path | None = None,
                 dp: int = 2, mode: str = "ddp"):
-    """A dp x pp=4/dp 1F1B session at `ep` with AdamW (`mode`: DDP or FSDP2): (after `load`), one step on batch
-    `batch`, (then `save`); returns the parameters after the load and after the step."""
+    """A dp x pp=4/dp 1F1B session at `ep` with AdamW (`mode`: DDP, FSDP2 or HSDP with shard groups of 2): (after
+    `load`), one step on batch `batch`, (then `save`); returns the parameters after the load and after the step."""
     pp = 4 // dp
-    parallel = ParallelConfig(dp=dp, ep=ep, dp_mode=mode,
+    parallel = ParallelConfig(dp=dp, ep=ep, dp_mode=mode, dp_shard=2 if mode == "hsdp" else None,
                               pipeline=PipelineConfig(pp=pp, schedule="1f1b" if pp > 1 else "gpipe", n_microbatches=2))
     session = build_session(TinyMoE(), parallel, device, seed=SEED, loss_fn=TokenCrossEntropy())
     engine = session.engine
@@ -305,12 +317,16 @@ def _checkpoint_round_trips(device: torch.device, out: Path) -> dict:
 
 def _fsdp_checkpoints(device: torch.device, out: Path) -> dict:
     """dp 4 with FSDP2 at ep 2 (each slice of experts sharded over its 2 expert-data-parallel ranks): a step and a
-    checkpoint, loaded at ep 2 FSDP2 and at ep 1 DDP, the next step under each."""
+    checkpoint, loaded at ep 2 FSDP2, at ep 1 DDP and at ep 2 HSDP (2 x 2: each slice replicated over 2 ranks),
+    the next step under each; HSDP's checkpoint after its step loaded at ep 1 DDP."""
     _, saved = _adamw_step(2, device, 0, save=out / "ckpt-ep2-fsdp", dp=4, mode="fsdp")
     fsdp_loaded, fsdp_next = _adamw_step(2, device, 1, load=out / "ckpt-ep2-fsdp", dp=4, mode="fsdp")
     ddp_loaded, ddp_next = _adamw_step(1, device, 1, load=out / "ckpt-ep2-fsdp", dp=4, mode="ddp")
+    hsdp_loaded, hsdp_next = _adamw_step(2, device, 1, load=out / "ckpt-ep2-fsdp", save=out / "ckpt-ep2-hsdp", dp=4,
+                                         mode="hsdp")
+    from_hsdp, _ = _adamw_step(1, device, 2, load=out / "ckpt-ep2-hsdp", dp=4, mode="ddp")
     return {"saved": saved, "fsdp_loaded": fsdp_loaded, "fsdp_next": fsdp_next, "ddp_loaded": ddp_loaded,
-            "ddp_next": ddp_next}
+            "ddp_next": ddp_next, "hsdp_loaded": hsdp_loaded, "hsdp_next": hsdp_next, "from_hsdp": from_hsdp}
 
 
 def _generations(folder: str, device: torch.device) -> dict[int, torch.Tensor]:
@@ -344,6 +360,38 @@ def _generations(folder: str, device: torch.device) -> dict[int, torch.Tensor]:
     return out
 
 
+#: generation at ep 2 x tp 2 (pp 1): replica r's prompts (2 of 5 - r tokens, seed 50 + r) and new tokens
+TP_NEW = (4, 7)
+
+
+def _tp_prompts(replica: int):
+    from pipetrain.generate.prompts import left_pad
+
+    gen = torch.Generator().manual_seed(50 + replica)
+    return left_pad(torch.randint(1, 90, (2, 5 - replica), generator=gen).tolist(), 0)
+
+
+def _generations_tp(folder: str, device: torch.device) -> torch.Tensor:
+    """Greedy tokens of this rank's replica (rank = replica * 2 + tp rank) at ep 2 x tp 2, pp 1, placed as
+    `pipetrain generate --ep 2 --tp 2` places them (`place_rank`): the attention over each replica's TP pair, the
+    experts over the EP pair of each TP rank; the folder's EOS (0) ends a sequence, as in transformers' `generate`."""
+    import torch.distributed as dist
+
+    from pipetrain.generate.job import GenerateJob, place_rank
+    from pipetrain.generate.loop import generate_tokens
+    from pipetrain.generate.sampling import Sampling, Stopping
+    from pipetrain.generate.weights import ModelSource
+
+    job = GenerateJob(ModelSource(Path(folder)), (), pp=1, tp=2, ep=2)
+    model = job.source.model()
+    stage, route = place_rank(job, model, dist.get_rank(), device)
+    replica = dist.get_rank() // 2
+    assert route.lockstep is not None and route.tp == 2 and route.owners == (2 * replica + dist.get_rank() % 2,)
+    stopping = Stopping(2, eos=[0], pad=0, max_new_tokens=TP_NEW[replica])
+    return generate_tokens({0: stage}, route, _tp_prompts(replica), Sampling(), stopping,
+                           hidden_size=model.config.hidden_size).tokens
+
+
 def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
     device = join_job(spec)
     try:
@@ -355,6 +403,7 @@ def _worker(spec: RankSpec, out: str, folders: dict[str, str]) -> None:
         for family, schedule in FOLDER_CASES:
             records[f"{family}-{schedule}"] = _train_folder(folders[family], schedule, device)
         records["generate"] = _generations(folders["qwen3_moe"], device)
+        records["generate-ep2-tp2"] = _generations_tp(folders["qwen3_moe"], device)
         torch.save(records, Path(out) / f"rank{spec.rank}.pt")
     finally:
         close_session()
@@ -394,15 +443,19 @@ def test_checkpoints_move_between_ep2_and_ep1(runs):
 
 def test_fsdp_sharded_experts_checkpoint_and_load_under_another_ep_and_dp_mode(runs):
     """Experts split at ep 2 and sharded by FSDP2 over their expert-data-parallel ranks: the checkpoint loads back
-    under FSDP2 at ep 2 and under DDP at ep 1 with the saved parameters (and AdamW moments: the next steps agree)."""
+    under FSDP2 at ep 2, under DDP at ep 1 and under HSDP at ep 2 with the saved parameters (and AdamW moments: the
+    next steps agree); HSDP's own checkpoint loads under DDP at ep 1 with HSDP's parameters."""
     for record in runs["fsdp_checkpoints"]:
         assert any("experts" in name for name in record["saved"])
         for name, value in record["saved"].items():
-            for loaded in ("fsdp_loaded", "ddp_loaded"):
+            for loaded in ("fsdp_loaded", "ddp_loaded", "hsdp_loaded"):
                 torch.testing.assert_close(record[loaded][name], value, rtol=0, atol=0,
                                            msg=lambda m: f"{loaded} {name}: {m}")
-            torch.testing.assert_close(record["fsdp_next"][name], record["ddp_next"][name], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{name}: {m}")
+            for other in ("ddp_next", "hsdp_next"):
+                torch.testing.assert_close(record["fsdp_next"][name], record[other][name], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{other} {name}: {m}")
+            torch.testing.assert_close(record["from_hsdp"][name], record["hsdp_next"][name], rtol=0, atol=0,
+                                       msg=lambda m: f"loaded from hsdp {name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -511,7 +564,8 @@ def test_ep_not_dividing_the_stage_ranks_is_refused():
 
 @pytest.mark.parametrize(("family", "schedule"), FOLDER_CASES)
 def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, folders):
-    ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), 2)
+    dp = 4 if (family, schedule) == HSDP_CASE else 2
+    ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), dp)
     seen, split, tp_split = set(), 0, False
     for record in runs[f"{family}-{schedule}"]:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
@@ -535,3 +589,15 @@ def test_generation_with_experts_split_gives_the_tokens_of_ep1(runs):
     for rank, record in enumerate(runs["generate"]):
         assert record[1].shape == (2, 3 + 3 * (rank // 2))  # each replica its own length, though they stepped together
         assert torch.equal(record[2], record[1])
+
+
+def test_generation_at_ep2_tp2_gives_transformers_tokens(runs, folders):
+    """`generate --ep 2 --tp 2` (pp 1): each replica's greedy tokens equal transformers' `generate` on the unsplit
+    Qwen3-MoE folder (exact), though the two replicas ask for other numbers of new tokens and step together."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen3_moe"]).eval()
+    for rank, tokens in enumerate(runs["generate-ep2-tp2"]):
+        batch = _tp_prompts(rank // 2)
+        out = model.generate(batch.ids, attention_mask=batch.mask, max_new_tokens=TP_NEW[rank // 2],
+                             do_sample=False, pad_token_id=0)
+        expected = out[:, batch.ids.shape[1]:]
+        assert torch.equal(tokens, expected), f"rank {rank}:\n{tokens}\n!= transformers'\n{expected}"

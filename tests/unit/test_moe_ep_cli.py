@@ -45,6 +45,9 @@ def _one_line(err: str) -> str:
     (("--dp", "2", "--ep", "3"), "--ep 3 does not divide the 2 data-parallel ranks of each stage"),
     (("--dp", "3", "--ep", "3", "--batch-size", "6"), "--ep 3 does not divide the 8 experts of the model's MoE layers"),
     (("--dp", "2", "--ep", "2", "--tp", "4", "--dp-mode", "fsdp"), "tp=4 does not divide the model's num_key_value_heads=2"),
+    (("--dp", "4", "--ep", "4", "--dp-mode", "hsdp", "--dp-shard", "2"),
+     "--ep 4 with --dp-mode hsdp --dp-shard 2: expert parallelism borrows ranks of one shard group, and ep does not "
+     "divide it"),
     (("--dp", "2", "--ep", "2", "--dp-mode", "fsdp", "--lora-rank", "2", "--lora-targets", "q_proj,experts.down_proj"),
      "--ep 2 --dp-mode fsdp with LoRA adapters on the experts (layer.mlp.experts): FSDP2 does not gather the adapters"),
     (("--dp", "2", "--ep", "2", "--moe-overlap", "on"), "--moe-overlap on overlaps DualPipeV's fused forward-and-"

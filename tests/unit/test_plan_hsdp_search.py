@@ -45,7 +45,9 @@ def test_hsdp_is_searched_by_default_where_the_gpus_span_nodes():
     one_node = {lay.dp_mode for lay in enumerate_layouts(len(blocks), 8, 128, SPACE, gpus_per_node=8)}
     assert one_node == {"ddp", "fsdp"}  # one node: no groups to replicate across
     with_ep = enumerate_layouts(len(blocks), 64, 128, replace(SPACE, eps=(1, 2)), gpus_per_node=8)
-    assert {lay.ep for lay in with_ep if lay.dp_mode == "hsdp"} == {1}  # experts split beside HSDP: not built
+    assert {lay.ep for lay in with_ep if lay.dp_mode == "hsdp"} == {1, 2}  # ep 2 divides the shard group of 8
+    odd = enumerate_layouts(len(blocks), 64, 128, replace(SPACE, eps=(1, 16)), gpus_per_node=8)
+    assert {lay.ep for lay in odd if lay.dp_mode == "hsdp"} == {1}  # ep 16 does not divide it: an EP group in one
     assert {lay.ep for lay in with_ep if lay.dp_mode == "fsdp"} == {1, 2}
 
 

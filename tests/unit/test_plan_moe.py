@@ -14,7 +14,7 @@ import pytest
 from pipetrain.cli.main import build_parser, main
 from pipetrain.cli.plan import engine_has
 from pipetrain.errors import ConfigError
-from pipetrain.plan.experts import ep_problem, rank_parts
+from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import named_gpu
 from pipetrain.plan.predict import Layout, predict, static_bytes
 from pipetrain.plan.search import SearchSpace, enumerate_layouts
@@ -92,6 +92,24 @@ def test_all_to_alls_and_the_busiest_expert_cost_time_only_when_experts_are_spli
     assert max(two.memory_bytes) < max(one.memory_bytes)
     assert busy.step_s > two.step_s
     assert predict(blocks, _layout(moe_imbalance=1.5), device, network).step_s == pytest.approx(one.step_s)
+
+
+def test_hsdp_shards_the_experts_over_the_shard_group_divided_by_ep():
+    """dp 8 in HSDP groups of 4 at ep 2: the experts' shards are cut over 4 / 2 = 2 ranks (replicated across the two
+    groups), the dense part's over 4; an ep not dividing the shard group is refused in one line."""
+    blocks = sizes_from_config(_tiny().to_dict()).blocks(32)
+    hsdp = _layout(dp=8, batch=16, dp_mode="hsdp", dp_shard=4, precision="fp32", ep=2)
+    assert expert_layout(hsdp).shards == 2 and expert_layout(replace(hsdp, dp_mode="fsdp", dp_shard=0)).shards == 4
+    _, shares = rank_parts(blocks, 2)
+    assert static_bytes(shares, expert_layout(hsdp)) == pytest.approx(
+        static_bytes(shares, replace(hsdp, dp=2, dp_mode="fsdp", dp_shard=0, ep=1)))
+    device, network = named_gpu("h100-sxm")
+    assert predict(blocks, hsdp, device, network).step_s > 0
+    assert ep_problem(blocks, 2, 8, 4) is None
+    assert ep_problem(blocks, 4, 8, 2) == ("ep=4 does not divide the HSDP shard group dp_shard=2 (an EP group lies "
+                                           "in one)")
+    with pytest.raises(ConfigError, match="does not divide the HSDP shard group dp_shard=2"):
+        predict(blocks, replace(hsdp, dp_shard=2, ep=4), device, network)
 
 
 def test_the_search_tries_ep_where_it_divides_dp_and_refuses_it_elsewhere():

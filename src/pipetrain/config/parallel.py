@@ -22,7 +22,8 @@ class ParallelConfig:
     `loss_parallel` (needs tp > 1) splits a language model's head over the vocabulary, with the cross-entropy
     computed on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
     `ep` (expert parallelism, docs/moe-ep.md) splits each MoE layer's experts over `ep` of a stage's `dp` ranks
-    (it borrows them: the world size stays dp * pp * tp); `ep` divides dp.
+    (it borrows them: the world size stays dp * pp * tp); `ep` divides dp (under hsdp, `dp_shard`: the experts'
+    FSDP2 then shards over dp_shard / ep ranks and replicates across the shard groups, as torchtitan's "efsdp").
     `cp` (context parallelism, docs/long-context.md) cuts each sequence over `cp` ranks of every stage, attention
     by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp.
     """
@@ -57,9 +58,10 @@ class ParallelConfig:
                 hint=f"pass --dp {self.ep * max(1, self.dp // self.ep)} with --ep {self.ep}, or --ep among the "
                      f"divisors of {self.dp}",
             )
-        if self.ep > 1 and self.dp_mode == "hsdp":
-            raise ConfigError(f"--ep {self.ep} with --dp-mode hsdp: expert parallelism is built on DDP and FSDP2 "
-                              "data parallelism only", hint="pass --dp-mode ddp or fsdp with --ep")
+        if self.ep > 1 and self.dp_mode == "hsdp" and self.dp_shard and self.dp_shard % self.ep:
+            raise ConfigError(f"--ep {self.ep} with --dp-mode hsdp --dp-shard {self.dp_shard}: expert parallelism "
+                              "borrows ranks of one shard group, and ep does not divide it",
+                              hint=f"pass --ep among the divisors of {self.dp_shard}, or a --dp-shard ep divides")
         if self.pipeline.moe_overlap and self.ep == 1:
             raise ConfigError("--moe-overlap on hides the experts' all-to-all behind computation, but with ep=1 "
                               "there is none", hint="pass --ep 2 or more (with --dp), or --moe-overlap off")

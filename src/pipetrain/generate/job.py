@@ -2,8 +2,10 @@
 main (join, build, generate, rank 0 prints).
 
 With `ep` > 1 (a mixture of experts) the job runs `ep` replicas of the pp × tp pipeline, rank
-`replica * pp + stage` (tp 1), each stage's experts split over its `ep` replicas (`pipetrain.moe.split`): every
-replica generates the same prompts (the same tokens), so that each rank holds 1/ep of its layers' experts."""
+`(replica * pp + stage) * tp + tp_rank`, each stage's experts split over the `ep` ranks of its stage and TP rank in
+the replicas (`pipetrain.moe.split`; under TP the MoE block is whole on each TP rank, as in training,
+`parallel.experts`): every replica generates the same prompts (the same tokens), stepping with the others
+(`Route.lockstep`), so that each rank holds 1/ep of its layers' experts."""
 
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ from pipetrain.session import close_session, join_job
 from pipetrain.workloads.hf.causal_lm import HFCausalLM
 from pipetrain.workloads.hf.text import load_tokenizer
 
-__all__ = ["GenerateJob", "prepare_job", "build_stage", "generate_batch", "generate_with", "generate_rank", "eos_ids",
-           "speed_line"]
+__all__ = ["GenerateJob", "prepare_job", "build_stage", "place_rank", "generate_batch", "generate_with",
+           "generate_rank", "eos_ids", "speed_line"]
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,6 @@ def prepare_job(job: GenerateJob) -> tuple[HFCausalLM, PromptBatch]:
     if job.pp < 1 or job.tp < 1 or job.ep < 1:
         raise ConfigError(f"--pp {job.pp} --tp {job.tp} --ep {job.ep}: each must be at least 1",
                           hint="pass --pp 2, --tp 2, --ep 2, ...")
-    if job.ep > 1 and job.tp > 1:
-        raise ConfigError(f"--ep {job.ep} with --tp {job.tp}: expert parallelism splits the experts over replicas "
-                          "of whole layers", hint="pass --tp 1 with --ep")
     check_expert_parallel(model, job.ep)
     tokenizer = load_tokenizer(job.source.folder)
     encoded = encode_prompts(tokenizer, list(job.texts), chat=job.chat)
@@ -105,6 +104,25 @@ def build_stage(model: HFCausalLM, where: Placement, device: torch.device, *, ch
     if experts is not None:
         blocks = {index: experts(index, block) for index, block in blocks.items()}
     return GenerationStage(model.config, list(blocks.values()), indices.start)
+
+
+def place_rank(job: GenerateJob, model: HFCausalLM, rank: int, device: torch.device) -> tuple[GenerationStage, Route]:
+    """This rank's stage of `model` and its route in `job`'s world of ep replicas × pp × tp (after joining: a
+    collective call, every rank makes every group): the TP mesh, the expert-parallel groups (the ranks of one stage
+    and TP rank in the `ep` replicas), each replica's group, and (ep > 1) the lockstep over the EP group."""
+    mesh = build_mesh(job.ep, job.pp, device, job.tp) if job.tp > 1 or job.ep > 1 else None
+    experts = build_expert_groups(mesh, job.ep) if job.ep > 1 else None
+    span = job.pp * job.tp
+    replicas = [dist.new_group(list(range(r * span, (r + 1) * span))) for r in range(job.ep)] if job.ep > 1 else None
+    replica = 0 if mesh is None else mesh.dp_rank
+    where = Placement(rank, job.pp, job.tp, first=replica * span)
+    stage = build_stage(model, where, device, checkpoint=job.source.checkpoint,
+                        tp_mesh=None if mesh is None else mesh.tp_mesh,
+                        expert_group=None if experts is None else experts.ep_group)
+    route = where.route(None if replicas is None else replicas[replica])
+    if experts is not None:
+        route = replace(route, lockstep=experts.ep_group)
+    return stage, route
 
 
 def generate_batch(job: GenerateJob, stage: GenerationStage, where: Placement, batch: PromptBatch, model: HFCausalLM,
@@ -161,19 +179,8 @@ def generate_rank(spec: RankSpec, job: GenerateJob) -> Generated:
         return done
     device = join_job(spec)
     try:
-        mesh = build_mesh(job.ep, job.pp, device, job.tp) if job.tp > 1 or job.ep > 1 else None
-        experts = build_expert_groups(mesh, job.ep) if job.ep > 1 else None
-        replicas = [dist.new_group(list(range(r * job.pp, (r + 1) * job.pp))) for r in range(job.ep)] \
-            if job.ep > 1 else None
-        replica = 0 if mesh is None else mesh.dp_rank
-        where = Placement(spec.rank, job.pp, job.tp, first=replica * job.pp * job.tp)
-        stage = build_stage(model, where, device, checkpoint=job.source.checkpoint,
-                            tp_mesh=None if mesh is None else mesh.tp_mesh,
-                            expert_group=None if experts is None else experts.ep_group)
-        route = where.route(None if replicas is None else replicas[replica])
-        if experts is not None:
-            route = replace(route, lockstep=experts.ep_group)
-        done = generate_with({where.stage: stage}, route, batch, job.sampling, job.max_new_tokens,
+        stage, route = place_rank(job, model, spec.rank, device)
+        done = generate_with({route.owners.index(spec.rank): stage}, route, batch, job.sampling, job.max_new_tokens,
                              job.source.folder, model.config)
         if spec.rank == 0:
             _say(job, batch, done)

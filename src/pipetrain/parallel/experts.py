@@ -14,6 +14,11 @@ marked (`mark_expert`) so that DDP skips them and `ExpertGradients` reduces them
 
 Under tensor parallelism (`tp` innermost: rank = (dp_rank * pp + pp_rank) * tp + tp_rank) the MoE block is whole on
 every TP rank (`workloads/hf/families/moe.py`): the groups above are formed per TP rank, a fourth mesh axis.
+
+Under HSDP (shard groups of `dp_shard` neighbouring dp ranks, `ep` dividing it) an EP group lies inside one shard
+group, and the EDP axis is itself two, as torchtitan's ("dp_replicate", "efsdp"): ("edp_replicate", "edp_shard") of
+dp/dp_shard × dp_shard/ep ranks, "edp" their flattened whole; FSDP2 shards the experts over the 2-D `edp_mesh`
+(sharded over dp_shard/ep ranks, replicated across the shard groups).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain.compat.mesh import flatten_mesh
 from pipetrain.parallel.mesh import Mesh
 
 __all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert", "expert_layout",
@@ -59,8 +65,8 @@ def expert_layout(param: torch.Tensor) -> tuple[int, int]:
 @dataclass(frozen=True)
 class ExpertGroups:
     """This rank's expert-parallel group (`ep_group`, `ep` ranks; `ep_mesh` its 1-D mesh, for checkpoints) and
-    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its 1-D mesh, for
-    FSDP2); `ep_backward_group`: a second group of the `ep_group`'s ranks for the backward's exchanges (with
+    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its mesh for FSDP2:
+    1-D, or under HSDP 2-D (replicate, shard)); `ep_backward_group`: a second group of the `ep_group`'s ranks for the backward's exchanges (with
     `--moe-overlap on`; else None)."""
 
     ep: int
@@ -78,17 +84,24 @@ def build_expert_groups(mesh: Mesh, ep: int, *, backward_group: bool = False) ->
     divides dp), and with `backward_group` a second EP group of each (for `--moe-overlap on`); a collective call."""
     device = mesh.device_mesh.device_type
     shape, names = (mesh.dp // ep, ep, mesh.pp), ("edp", "ep", "pp")
+    hsdp = mesh.dp_shard > 0 and mesh.cp == 1
+    if hsdp:  # the EDP axis split as the dense one: replicas of shard groups (`ep` divides `dp_shard`)
+        shape, names = (mesh.dp // mesh.dp_shard, mesh.dp_shard // ep, *shape[1:]), ("edp_replicate", "edp_shard",
+                                                                                      *names[1:])
     if mesh.tp > 1:  # the innermost axis: each TP rank's experts are split over its own EP group
         shape, names = (*shape, mesh.tp), (*names, "tp")
     experts = init_device_mesh(device, shape, mesh_dim_names=names)
+    if hsdp:
+        flatten_mesh(experts["edp_replicate", "edp_shard"], "edp")
     second = None
     if backward_group:  # every rank creates every group, in one order (new_group is collective over the world)
         rank = dist.get_rank()
-        for ranks in experts.mesh.movedim(1, -1).reshape(-1, ep).tolist():
+        for ranks in experts.mesh.movedim(names.index("ep"), -1).reshape(-1, ep).tolist():
             group = dist.new_group(ranks)
             second = group if rank in ranks else second
     return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
-                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
+                        edp_mesh=experts["edp_replicate", "edp_shard"] if hsdp else experts["edp"],
+                        ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
                         ep_backward_group=second)
 
 

@@ -89,7 +89,8 @@ def data_parallel_wrapper(
 
     With expert parallelism (`experts`), the expert parameters are not the dp group's: DDP ignores them (the engine
     reduces them over their expert-data-parallel group, `parallel.experts.ExpertGradients`); FSDP2 shards each
-    experts module over the expert-data-parallel mesh first, its gradients summed there and divided by dp.
+    experts module over the expert-data-parallel mesh first (under HSDP its 2-D one: sharded over dp_shard / ep
+    ranks, replicated across the shard groups), its gradients summed there and divided by dp.
     """
     if mesh.replicas == 1:  # no data nor context parallelism
         return None
@@ -120,8 +121,9 @@ def data_parallel_wrapper(
             for holder in _expert_modules(module):
                 fully_shard(holder, mesh=experts.edp_mesh, reshard_after_forward=False, mp_policy=policy)
                 holder.set_gradient_divide_factor(float(experts.dp))
-                if dist.get_backend(experts.edp_group) == "gloo" and dist.get_world_size(experts.edp_group) > 1:
-                    # gloo has no PREMUL_SUM: sum, then divide (one rank: FSDP2 divides without a collective)
+                if dist.get_backend(experts.edp_group) == "gloo" and experts.edp_mesh.shape[-1] > 1:
+                    # gloo has no PREMUL_SUM: sum, then divide. A shard group of one rank (HSDP's replicas of one):
+                    # FSDP2 divides while copying and all-reduces with SUM (forcing the sum would divide twice)
                     holder.set_force_sum_reduction_for_comms(True)
                 for param in holder.parameters(recurse=False):  # FSDP2's new DTensor parameters: marked again
                     mark_expert(param)

@@ -50,7 +50,7 @@ def lower_bound_s(blocks: Sequence[BlockCost], layout: Layout, device: Device, n
     grads = layout.gradient_layout()
     shards = grads.shards
     experts = expert_layout(grads)
-    expert_shards = experts.dp if layout.dp_mode == "fsdp" else 1
+    expert_shards = experts.shards  # fsdp: dp / ep; hsdp: dp_shard / ep; ddp: 1
     if cache is None or (shards, tp, layout.ep) not in cache:
         optimizer = optimizer_s(dense, device, shards, tp) + (optimizer_s(shares, device, expert_shards)
                                                                if shares else 0.0)

@@ -4,10 +4,12 @@ A block's routed experts (`model.ExpertSplit`) are held by `ep` ranks of its sta
 each (tensor parallelism does not split them); everything else of the block is held as without experts. So a rank
 holds the block's dense part (`dense_part`: attention, norms, router, shared experts) plus its share of the experts
 (`expert_share`), whose gradients are reduced over the dp / ep ranks that hold the same experts only, and whose
-FSDP shards are cut over those ranks (`expert_layout`). Per forward, each MoE block sends every token's hidden state
-to its top-k experts and back (two all-to-alls: dispatch and combine, `(ep - 1) / ep` of the bytes leave the rank),
-as much again in backward; the busiest expert works `imbalance` times the mean (1.0: a perfectly balanced router),
-which stretches the experts' share of the compute. The EP group spans ep consecutive data-parallel replicas of a
+FSDP shards are cut over those ranks (`expert_layout`; under HSDP the EP group lies in one shard group, so the
+experts shard over dp_shard / ep ranks and are replicated across the dp / dp_shard groups, as torchtitan's
+"efsdp"). Per forward, each MoE block sends every token's hidden state to its top-k experts and back (two
+all-to-alls: dispatch and combine, `(ep - 1) / ep` of the bytes leave the rank), as much again in backward; the
+busiest expert works `imbalance` times the mean (1.0: a perfectly balanced router), which stretches the experts'
+share of the compute. The EP group spans ep consecutive data-parallel replicas of a
 stage (pipetrain's mesh puts dp outermost): within a node when ep · pp · tp ranks fit in one, else across nodes.
 """
 
@@ -39,8 +41,10 @@ def moe_blocks(blocks: Sequence[BlockCost]) -> list[BlockCost]:
     return [b for b in blocks if b.experts is not None]
 
 
-def ep_problem(blocks: Sequence[BlockCost], ep: int, dp: int | None = None) -> str | None:
-    """Why `ep` cannot split `blocks` (over `dp` replicas, when given), or None."""
+def ep_problem(blocks: Sequence[BlockCost], ep: int, dp: int | None = None,
+               dp_shard: int | None = None) -> str | None:
+    """Why `ep` cannot split `blocks` (over `dp` replicas, and under HSDP shard groups of `dp_shard`, when given),
+    or None."""
     if not isinstance(ep, int) or ep < 1:
         return f"ep must be a positive integer, got {ep!r}"
     if ep == 1:
@@ -53,6 +57,8 @@ def ep_problem(blocks: Sequence[BlockCost], ep: int, dp: int | None = None) -> s
             return f"ep={ep} does not divide the {block.experts.experts} experts of {block.name}"
     if dp is not None and dp % ep:
         return f"ep={ep} does not divide dp={dp} (expert parallelism borrows ranks of a stage's data-parallel group)"
+    if dp_shard and dp_shard % ep:
+        return f"ep={ep} does not divide the HSDP shard group dp_shard={dp_shard} (an EP group lies in one)"
     return None
 
 
@@ -96,8 +102,9 @@ def rank_parts(blocks: Sequence[BlockCost], ep: int) -> tuple[list[BlockCost], l
 
 def expert_layout(layout):
     """The layout the expert shares are held in: replicated (or FSDP-sharded) over the dp / ep ranks that hold the
-    same experts, not split by tensor parallelism."""
-    return replace(layout, dp=max(1, layout.dp // layout.ep), tp=1, sequence_parallel=False)
+    same experts, not split by tensor parallelism; under HSDP sharded over dp_shard / ep of them."""
+    shard = max(1, layout.dp_shard // layout.ep) if layout.dp_mode == "hsdp" and layout.dp_shard else layout.dp_shard
+    return replace(layout, dp=max(1, layout.dp // layout.ep), tp=1, sequence_parallel=False, dp_shard=shard)
 
 
 def _a2a_s(nbytes: float, ep: int, layout: _Layout, network: Network) -> float:

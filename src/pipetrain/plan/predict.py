@@ -110,9 +110,10 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     problem = tp_problem(blocks, layout.tp, layout.sequence_parallel)
     if problem:
         raise ConfigError(problem, hint="choose a tp that divides the model's heads, hidden and feed-forward sizes")
-    problem = ep_problem(blocks, layout.ep, layout.dp)
+    problem = ep_problem(blocks, layout.ep, layout.dp, layout.dp_shard if layout.dp_mode == "hsdp" else None)
     if problem:
-        raise ConfigError(problem, hint="choose an ep that divides the experts and dp (ep 1 on a dense model)")
+        raise ConfigError(problem, hint="choose an ep that divides the experts and dp, and under hsdp the shard group "
+                                        "(ep 1 on a dense model)")
     problem = cp_problem(blocks, layout.cp, layout.cp_attention)
     if problem:
         raise ConfigError(problem, hint="choose a cp that splits the sequence (and, all-to-all, the heads)")

@@ -17,7 +17,8 @@ is the data replicas of one node with their cp ranks (train's mesh: rank = ((rep
 rank) · tp + tp rank), or `SearchSpace.dp_shard` replicas when given; so a job on one node has no HSDP layout
 unless `dp_shard` is given. Only the node's group is tried: a smaller one holds more state and all-reduces more
 over the inter-node link; a larger one would cross nodes with its gathers (priced on the node's links by
-`predict.reduce_s`, so not searched). Expert parallelism is not built beside HSDP (ParallelConfig): no ep > 1 there.
+`predict.reduce_s`, so not searched). With HSDP an expert-parallel degree must also divide the shard group (an EP
+group lies in one, as ParallelConfig requires; the experts then shard over dp_shard / ep ranks).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
             layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
     split = [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
              for layout in layouts for ep in sorted(set(space.eps))
-             if layout.dp % ep == 0 and (ep == 1 or layout.dp_mode != "hsdp")]
+             if layout.dp % ep == 0 and (layout.dp_mode != "hsdp" or layout.dp_shard % ep == 0)]
     return [replace(layout, moe_overlap=True) if overlap else layout for layout in split
             for overlap in (sorted(set(space.moe_overlap)) if can_overlap(layout) else (False,))]
 
