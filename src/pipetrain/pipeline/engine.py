@@ -24,7 +24,7 @@ from pipetrain.pipeline.metrics import (
 )
 from pipetrain.pipeline.runs import Run, plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
-from pipetrain.pipeline.shapes import boundary_tensors, check_model_outputs, meta_blocks, signature
+from pipetrain.pipeline.shapes import ShapePass, signature
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, ScheduleCache, build_schedule, grads_kept
 from pipetrain.pipeline.tied import TiedWeights, model_ties
 
@@ -125,8 +125,10 @@ class PipelineEngine:
         self._sequence_shards = getattr(split_block, "sequence_shards", 1)
         self._loss_parallel = getattr(split_block, "loss_parallel", False)
         self.schedules = ScheduleCache(config.shape_cache)
-        self._meta_blocks = meta_blocks(model)
-        check_model_outputs(self._meta_blocks, self._bounds, model.example_input(1), reads=self._reads)
+        #: the meta shape pass, memoised per micro-batch layout (schedules of other runs or rebuilt after an
+        #: eviction reuse it)
+        self._shapes = ShapePass(model, self._bounds, sequence_shards=self._sequence_shards)
+        self._shapes.check_outputs(model.example_input(1), reads=self._reads)
         self._loss_denominator = 1.0
         rank_of_stage = {stage: rank for rank in range(config.pp) for stage in config.stage_ids(rank)}  # V or looped
         rank_of_block = [rank_of_stage[stage] for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]
@@ -305,8 +307,7 @@ class PipelineEngine:
         return self.schedules.get(key, lambda: self._build_schedule(run, train, example))
 
     def _build_schedule(self, run: Run, train: bool, example: Tensors):
-        boundaries = boundary_tensors(self._meta_blocks, self._bounds, example, train=train,
-                                      sequence_shards=self._sequence_shards)
+        boundaries = self._shapes.boundaries(example, train=train)
         return build_schedule(
             modules=self.modules, stage_ids=self.stage_ids, num_stages=self.num_stages, boundaries=boundaries,
             device=self.device, group=self.pp_group, schedule=self.config.schedule, run=run, train=train,
