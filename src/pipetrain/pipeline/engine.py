@@ -25,7 +25,6 @@ from pipetrain.pipeline.metrics import (
 from pipetrain.pipeline.runs import plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
 from pipetrain.pipeline.shape_schedules import ShapeSchedules
-from pipetrain.pipeline.shapes import check_model_outputs
 from pipetrain.pipeline.stages import SCHEDULE_CLASSES, grads_kept
 from pipetrain.pipeline.tied import TiedWeights, model_ties
 
@@ -129,7 +128,7 @@ class PipelineEngine:
             device=device, group=pp_group, sequence_shards=getattr(split_block, "sequence_shards", 1),
             cut=sequence_split.inputs if sequence_split is not None else None)
         self.schedules = self._shapes.cache  #: the schedules kept, one per micro-batch shape
-        check_model_outputs(self._shapes.meta_blocks, self._bounds, model.example_input(1), reads=self._reads)
+        self._shapes.shape_pass.check_outputs(model.example_input(1), reads=self._reads)
         self._loss_denominator = 1.0
         rank_of_stage = {stage: rank for rank in range(config.pp) for stage in config.stage_ids(rank)}  # V or looped
         rank_of_block = [rank_of_stage[stage] for stage, (a, z) in enumerate(self._bounds) for _ in range(a, z)]

@@ -12,7 +12,7 @@ from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.config import PipelineConfig
 from pipetrain.pipeline.head import passed_on
 from pipetrain.pipeline.runs import Run
-from pipetrain.pipeline.shapes import boundary_tensors, meta_blocks, signature
+from pipetrain.pipeline.shapes import ShapePass, signature
 from pipetrain.pipeline.stages import ScheduleCache, build_schedule
 
 __all__ = ["ShapeSchedules"]
@@ -23,8 +23,8 @@ InputCut = Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
 class ShapeSchedules:
     """The schedules of this rank's stages (`modules`, stages `stage_ids` of blocks `bounds`), one per training or
-    forward-only run, micro-batch count and input shape, at most `config.shape_cache` of them (`cache`). The blocks
-    are built once on the meta device (`meta_blocks`) to find each shape's stage boundaries; `sequence_shards`:
+    forward-only run, micro-batch count and input shape, at most `config.shape_cache` of them (`cache`). Each shape's
+    stage boundaries come from the meta shape pass (`shape_pass`, memoised per input layout); `sequence_shards`:
     tensor parallelism's sequence shards between stages; `cut`: the inputs cut to this rank's tokens."""
 
     def __init__(self, *, model: BlockModel, config: PipelineConfig, modules: Sequence[nn.Module],
@@ -34,7 +34,7 @@ class ShapeSchedules:
         self.stage_ids, self.bounds, self.device, self.group = stage_ids, bounds, device, group
         self.sequence_shards, self.cut = sequence_shards, cut
         self.cache = ScheduleCache(config.shape_cache)
-        self.meta_blocks = meta_blocks(model)
+        self.shape_pass = ShapePass(model, bounds, sequence_shards=sequence_shards)
 
     def get(self, run: Run, train: bool, inputs: tuple[torch.Tensor, ...] | None):
         """The schedule of this run's micro-batch shape (built, and cached, on its first use), and whether it was
@@ -48,8 +48,7 @@ class ShapeSchedules:
         return self.cache.get(key, lambda: self._build(run, train, example))
 
     def _build(self, run: Run, train: bool, example: Tensors):
-        boundaries = boundary_tensors(self.meta_blocks, self.bounds, example, train=train,
-                                      sequence_shards=self.sequence_shards)
+        boundaries = self.shape_pass.boundaries(example, train=train)
         return build_schedule(
             modules=self.modules, stage_ids=self.stage_ids, num_stages=self.config.num_stages, boundaries=boundaries,
             device=self.device, group=self.group, schedule=self.config.schedule, run=run, train=train,

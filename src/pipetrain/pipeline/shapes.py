@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from pipetrain.blocks import BlockModel, Tensors, as_tuple
 from pipetrain.errors import ConfigError
 
 __all__ = ["Signature", "signature", "meta_blocks", "crossing_tensors", "boundary_tensors", "check_model_outputs",
-           "sequence_shard", "check_sequence_length"]
+           "sequence_shard", "check_sequence_length", "ShapePass"]
 
 #: Shapes and dtypes of a tuple of tensors: what a schedule's buffers are sized from.
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -117,10 +118,12 @@ def _shape_run(block: nn.Module, index: int, values: tuple[torch.Tensor, ...], t
 
 
 def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], inputs: Tensors, *,
-                        reads: int = 1) -> None:
+                        reads: int = 1, last: tuple[torch.Tensor, ...] | None = None) -> None:
     """Raise ConfigError, before any step, if a block returns something that cannot cross a stage or the last
-    block returns another number of tensors than the `reads` the loss reads (a meta run of `inputs`)."""
-    last = boundary_tensors(blocks, bounds, inputs, train=False)[-1]
+    block returns another number of tensors than the `reads` the loss reads (a meta run of `inputs`, unless
+    `last` gives that run's last outputs)."""
+    if last is None:
+        last = boundary_tensors(blocks, bounds, inputs, train=False)[-1]
     if len(last) != reads:
         index = bounds[-1][1] - 1
         raise ConfigError(
@@ -129,3 +132,42 @@ def check_model_outputs(blocks: Sequence[nn.Module], bounds: Sequence[tuple[int,
             hint="make the last block return only the tensor the loss compares with the targets" if reads == 1 else
             "pass the loss this model's last block is made for (its outputs, e.g. logits and auxiliary losses)",
         )
+
+
+class ShapePass:
+    """One model's meta blocks and stage bounds, with `boundary_tensors` memoised per input layout and mode.
+
+    An engine builds its schedules (each micro-batch size, training and evaluation, a rebuild after an eviction)
+    from the same few passes, each costing tens of times the real forward (meta layer norm and attention run
+    torch's Python reference code). The memo belongs to this object, made from one model: a pass is a function
+    of these meta blocks (built once, only their train flag set, which the key holds), the bounds, the shards and
+    the inputs' shapes, dtypes and strides, so a hit returns what the pass would. Each call returns fresh meta
+    tensors (callers may set their flags); at most `capacity` layouts are kept, the least recently used dropped.
+    """
+
+    def __init__(self, model: BlockModel, bounds: Sequence[tuple[int, int]], *, sequence_shards: int = 1,
+                 capacity: int = 64) -> None:
+        self.blocks = meta_blocks(model)
+        self.bounds = tuple(bounds)
+        self.sequence_shards = sequence_shards
+        self.capacity = capacity
+        self.passes = 0  #: passes run (memo misses)
+        self._memo: OrderedDict[Hashable, list[tuple[torch.Tensor, ...]]] = OrderedDict()
+
+    def boundaries(self, inputs: Tensors, *, train: bool) -> list[tuple[torch.Tensor, ...]]:
+        """`boundary_tensors(self.blocks, self.bounds, inputs, ...)`, run once per input layout and `train`."""
+        key = (tuple((t.shape, t.dtype, t.layout, t.stride()) for t in as_tuple(inputs)), train)
+        found = self._memo.get(key)
+        if found is None:
+            found = boundary_tensors(self.blocks, self.bounds, inputs, train=train,
+                                     sequence_shards=self.sequence_shards)
+            self.passes += 1
+            while len(self._memo) >= self.capacity:
+                self._memo.popitem(last=False)
+            self._memo[key] = found
+        self._memo.move_to_end(key)
+        return [tuple(torch.empty_like(t).requires_grad_(t.requires_grad) for t in b) for b in found]
+
+    def check_outputs(self, inputs: Tensors, *, reads: int = 1) -> None:
+        """`check_model_outputs` of this model's stages on `inputs`, its evaluation pass kept for `boundaries`."""
+        check_model_outputs(self.blocks, self.bounds, inputs, reads=reads, last=self.boundaries(inputs, train=False)[-1])
