@@ -140,6 +140,15 @@ def test_cp_refuses_what_it_does_not_compose_with():
         ParallelConfig(cp=2).check_world(4)
 
 
+def test_experts_split_beside_cp_compose_at_pp1_and_tp1_only():
+    assert ParallelConfig(dp=2, ep=2, cp=2).world_size == 4  # each cp rank's ep pair: dp2 x ep2 x cp2
+    with pytest.raises(ConfigError, match=r"--ep 2 with --cp 2 and pp=2: expert parallelism beside context "
+                                          r"parallelism is built at pp 1 and tp 1 only"):
+        ParallelConfig(dp=2, ep=2, cp=2, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2))
+    with pytest.raises(ConfigError, match=r"--ep 2 with --cp 2 and tp=2"):
+        ParallelConfig(dp=2, ep=2, cp=2, tp=2, dp_mode="fsdp")
+
+
 def test_a_model_without_context_attention_is_refused():
     with pytest.raises(ConfigError, match="--cp 2 needs a model whose attention runs over a cut sequence"):
         check_context_model(object(), 2)
@@ -167,6 +176,8 @@ def test_the_checks_before_ranks_start():
      "the model has 4 query and 2 key/value heads, not both divisible by 3"),
     (["--cp", "2", "--tp", "2", "--dp-mode", "fsdp", "--cp-attention", "ulysses", "--seq-len", "32"],
      "4 query and 2 key/value heads (2 and 1 per rank of tp=2), not both divisible by 2"),
+    (["--cp", "2", "--moe-capacity", "1.25", "--seq-len", "32"],
+     "--moe-capacity 1.25 with --cp 2: the capacity is counted per rank's tokens"),
 ])
 def test_train_refuses_in_one_line_before_ranks_start(flags, says, tmp_path, capsys):
     """`pipetrain train` with a length or heads that do not split: exit 2, one error line, no traceback."""

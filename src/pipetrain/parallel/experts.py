@@ -14,6 +14,11 @@ marked (`mark_expert`) so that DDP skips them and `ExpertGradients` reduces them
 
 Under tensor parallelism (`tp` innermost: rank = (dp_rank * pp + pp_rank) * tp + tp_rank) the MoE block is whole on
 every TP rank (`workloads/hf/families/moe.py`): the groups above are formed per TP rank, a fourth mesh axis.
+
+Beside context parallelism (rank = (dp_rank * cp + cp_rank) * pp + pp_rank) each cp rank routes its own part of the
+sequence: an EP group is the `ep` dp ranks with the same cp coordinate, a (dp/ep, ep, cp, pp) mesh. The ranks holding
+the same experts are then the dp/ep * cp ranks of ("edp", "cp"), flattened into the EDP group, and the gradient is
+divided by dp * cp, the ranks DDP and FSDP2 average every other parameter over (`ExpertGroups.dp`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipetrain.compat.mesh import flatten_mesh
 from pipetrain.parallel.mesh import Mesh
 
 __all__ = ["ExpertGroups", "ExpertGradients", "build_expert_groups", "mark_expert", "is_expert", "expert_layout",
@@ -59,9 +65,10 @@ def expert_layout(param: torch.Tensor) -> tuple[int, int]:
 @dataclass(frozen=True)
 class ExpertGroups:
     """This rank's expert-parallel group (`ep_group`, `ep` ranks; `ep_mesh` its 1-D mesh, for checkpoints) and
-    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its 1-D mesh, for
-    FSDP2); `ep_backward_group`: a second group of the `ep_group`'s ranks for the backward's exchanges (with
-    `--moe-overlap on`; else None)."""
+    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts, times cp beside context
+    parallelism; `edp_mesh` its 1-D mesh, for FSDP2); `dp` the ranks an expert gradient is divided by (dp * cp: the
+    ranks holding a stage's other parameters); `ep_backward_group`: a second group of the `ep_group`'s ranks for the
+    backward's exchanges (with `--moe-overlap on`; else None)."""
 
     ep: int
     dp: int
@@ -74,27 +81,31 @@ class ExpertGroups:
 
 
 def build_expert_groups(mesh: Mesh, ep: int, *, backward_group: bool = False) -> ExpertGroups:
-    """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank) over `mesh` (`ep`
-    divides dp), and with `backward_group` a second EP group of each (for `--moe-overlap on`); a collective call."""
+    """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank; beside context
+    parallelism, of every cp rank) over `mesh` (`ep` divides dp), and with `backward_group` a second EP group of each (for `--moe-overlap on`); a collective call."""
     device = mesh.device_mesh.device_type
-    shape, names = (mesh.dp // ep, ep, mesh.pp), ("edp", "ep", "pp")
+    shape, names = (mesh.dp // ep, ep), ("edp", "ep")
+    if mesh.cp > 1:  # each cp rank's tokens go to the experts of the EP group of its cp coordinate
+        shape, names = (*shape, mesh.cp), (*names, "cp")
+    shape, names = (*shape, mesh.pp), (*names, "pp")
     if mesh.tp > 1:  # the innermost axis: each TP rank's experts are split over its own EP group
         shape, names = (*shape, mesh.tp), (*names, "tp")
     experts = init_device_mesh(device, shape, mesh_dim_names=names)
+    edp = flatten_mesh(experts["edp", "cp"], "edp_cp") if mesh.cp > 1 else experts["edp"]
     second = None
     if backward_group:  # every rank creates every group, in one order (new_group is collective over the world)
         rank = dist.get_rank()
         for ranks in experts.mesh.movedim(1, -1).reshape(-1, ep).tolist():
             group = dist.new_group(ranks)
             second = group if rank in ranks else second
-    return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
-                        edp_mesh=experts["edp"], ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
+    return ExpertGroups(ep=ep, dp=mesh.replicas, ep_group=experts.get_group("ep"), edp_group=edp.get_group(),
+                        edp_mesh=edp, ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
                         ep_backward_group=second)
 
 
 class ExpertGradients:
     """Reduces the gradients of a rank's expert parameters after each step: summed over the EDP group, divided by
-    dp (None counts as zero: a rank whose experts got no token). Gradients a caller accumulates over steps are
+    `groups.dp` (dp * cp; None counts as zero: a rank whose experts got no token). Gradients a caller accumulates over steps are
     taken before the step (`take`) and added back after the reduction (`reduce`), as the engine does for tied
     weights, so that each step's gradients are reduced once."""
 
@@ -110,7 +121,7 @@ class ExpertGradients:
         return kept
 
     def reduce(self, kept: list[torch.Tensor | None]) -> None:
-        """This step's gradients summed over the EDP group and divided by dp, plus what `take` kept."""
+        """This step's gradients summed over the EDP group and divided by `groups.dp`, plus what `take` kept."""
         if not self.params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
