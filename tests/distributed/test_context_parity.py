@@ -16,7 +16,7 @@ every step and every final parameter equal the transformers model's within rtol 
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
 
 Mixtures of experts beside context parallelism, in the same job: Qwen3-MoE (the load-balancing loss on) at
-dp 2 x ep 2 x cp 2 (pp 1, DDP) under ring and all-to-all attention, and DeepSeek-V3 (its balancing bias choosing the
+dp 2 x ep 2 x cp 2 (pp 1) under ring attention (DDP) and all-to-all attention (FSDP2), and DeepSeek-V3 (its balancing bias choosing the
 experts) under the ring, each cp rank routing its part of the sequences to the experts of its cp coordinate's ep
 pair, against transformers' unsplit model per micro-batch (test_moe_parity's reference): losses, every gradient and
 the final parameters of two SGD steps, rtol 1e-5 / atol 4e-5; DeepSeek-V3's tokens per expert summed over the dp x cp
@@ -104,12 +104,13 @@ VARIANTS = {
 #: the case whose checkpoint is loaded at another cp
 RESUMED = "llama-ring-cp2xpp2"
 
-#: experts split beside context parallelism, dp 2 x ep 2 x cp 2 (pp 1, DDP, test_moe_parity's 4 micro-batches per
-#: replica): case -> (MoE family of tests/moe_folders.py, attention)
+#: experts split beside context parallelism, dp 2 x ep 2 x cp 2 (pp 1, test_moe_parity's 4 micro-batches per
+#: replica): case -> (MoE family of tests/moe_folders.py, attention, dp mode; under FSDP2 the experts are sharded over
+#: the flattened (expert-data-parallel, cp) mesh)
 MOE_CASES = {
-    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring"),
-    "qwen3_moe-ulysses-dp2xep2xcp2": ("qwen3_moe", "ulysses"),
-    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring"),
+    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp"),
+    "qwen3_moe-ulysses-dp2xep2xcp2-fsdp": ("qwen3_moe", "ulysses", "fsdp"),
+    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring", "ddp"),
 }
 
 
@@ -186,13 +187,13 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     return {"losses": losses, "grads": grads, "params": params, "held": held}
 
 
-def _train_moe(folder: str, attention: str, device: torch.device) -> dict:
+def _train_moe(folder: str, attention: str, dp_mode: str, device: torch.device) -> dict:
     """Two SGD steps of a MoE folder at dp 2 x ep 2 x cp 2 (expert slices gathered whole); the rank's expert
     parameters, and each routed layer's balancing bias (None without) after the expert balancer's step over the
     counts of both steps."""
     model = HFCausalLM.from_folder(folder, seq_len=MOE_SEQ)
     pipeline = PipelineConfig(pp=1, schedule="gpipe", n_microbatches=moe_parity.CHUNKS)
-    parallel = ParallelConfig(dp=2, ep=2, cp=2, cp_attention=attention, pipeline=pipeline)
+    parallel = ParallelConfig(dp=2, ep=2, cp=2, cp_attention=attention, dp_mode=dp_mode, pipeline=pipeline)
     session = build_session(model, parallel, device, seed=moe_parity.SEED, loss_fn=model.loss())
     record = moe_parity._steps(session.engine, model, 2, session.mesh.dp_rank, gather=True)
     record["split"] = sum(is_expert(p) for p in session.engine.parameters())
@@ -249,8 +250,8 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
         records = {}
         for case in cases:
             if case in MOE_CASES:
-                family, attention = MOE_CASES[case]
-                records[case] = _train_moe(folders[family], attention, device)
+                family, attention, dp_mode = MOE_CASES[case]
+                records[case] = _train_moe(folders[family], attention, dp_mode, device)
                 continue
             layout, variant = VARIANTS.get(case, (case, ""))
             records[case] = _train(folders[CASES[layout][0]], layout, device, saved if case == RESUMED else None,
@@ -319,7 +320,7 @@ def test_experts_split_beside_context_parallelism_match_unsplit_transformers(cas
     transformers' unsplit model's per micro-batch (rtol 1e-5, atol 4e-5); DeepSeek-V3's bias moves by the tokens
     per expert summed over the dp x cp ranks as by the unsplit model's counts (atol 1e-6, the rate being 1e-3)."""
     per_rank, references = runs
-    family, _ = MOE_CASES[case]
+    family, *_ = MOE_CASES[case]
     ref = references[family, "moe"]
     records = [records[case] for records in per_rank]
     seen = compare_records(records, ref)
