@@ -104,13 +104,15 @@ VARIANTS = {
 #: the case whose checkpoint is loaded at another cp
 RESUMED = "llama-ring-cp2xpp2"
 
-#: experts split beside context parallelism, dp 2 x ep 2 x cp 2 (pp 1, test_moe_parity's 4 micro-batches per
-#: replica): case -> (MoE family of tests/moe_folders.py, attention, dp mode; under FSDP2 the experts are sharded over
-#: the flattened (expert-data-parallel, cp) mesh)
+#: mixtures of experts beside context parallelism (test_moe_parity's 4 micro-batches per replica): case -> (MoE
+#: family of tests/moe_folders.py, attention, dp mode, dp, ep, pp). dp 2 x ep 2 x cp 2 splits the experts (under
+#: FSDP2 sharded over the flattened (expert-data-parallel, cp) mesh); cp 2 x pp 2 (1F1B, ep 1) carries the router
+#: statistics across the stage boundary before the cp pair sums them
 MOE_CASES = {
-    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp"),
-    "qwen3_moe-ulysses-dp2xep2xcp2-fsdp": ("qwen3_moe", "ulysses", "fsdp"),
-    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring", "ddp"),
+    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp", 2, 2, 1),
+    "qwen3_moe-ulysses-dp2xep2xcp2-fsdp": ("qwen3_moe", "ulysses", "fsdp", 2, 2, 1),
+    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring", "ddp", 2, 2, 1),
+    "qwen3_moe-ring-cp2xpp2": ("qwen3_moe", "ring", "ddp", 1, 1, 2),
 }
 
 
@@ -187,15 +189,16 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     return {"losses": losses, "grads": grads, "params": params, "held": held}
 
 
-def _train_moe(folder: str, attention: str, dp_mode: str, device: torch.device) -> dict:
-    """Two SGD steps of a MoE folder at dp 2 x ep 2 x cp 2 (expert slices gathered whole); the rank's expert
+def _train_moe(folder: str, case: str, device: torch.device) -> dict:
+    """Two SGD steps of a MoE folder in a layout of `MOE_CASES` (expert slices gathered whole); the rank's expert
     parameters, and each routed layer's balancing bias (None without) after the expert balancer's step over the
     counts of both steps."""
+    _, attention, dp_mode, dp, ep, pp = MOE_CASES[case]
     model = HFCausalLM.from_folder(folder, seq_len=MOE_SEQ)
-    pipeline = PipelineConfig(pp=1, schedule="gpipe", n_microbatches=moe_parity.CHUNKS)
-    parallel = ParallelConfig(dp=2, ep=2, cp=2, cp_attention=attention, dp_mode=dp_mode, pipeline=pipeline)
+    pipeline = PipelineConfig(pp=pp, schedule="gpipe" if pp == 1 else "1f1b", n_microbatches=moe_parity.CHUNKS)
+    parallel = ParallelConfig(dp=dp, ep=ep, cp=2, cp_attention=attention, dp_mode=dp_mode, pipeline=pipeline)
     session = build_session(model, parallel, device, seed=moe_parity.SEED, loss_fn=model.loss())
-    record = moe_parity._steps(session.engine, model, 2, session.mesh.dp_rank, gather=True)
+    record = moe_parity._steps(session.engine, model, dp, session.mesh.dp_rank, gather=True)
     record["split"] = sum(is_expert(p) for p in session.engine.parameters())
     balancer = expert_balancer(session.engine, session.mesh)
     record["imbalance"] = balancer.after_step()
@@ -204,8 +207,8 @@ def _train_moe(folder: str, attention: str, dp_mode: str, device: torch.device) 
     return record
 
 
-def moe_reference(model: torch.nn.Module) -> dict:
-    """test_moe_parity's reference of `model` at dp 2, with each routed layer's load imbalance (max / mean tokens
+def moe_reference(model: torch.nn.Module, dp: int) -> dict:
+    """test_moe_parity's reference of `model` for `dp` replicas, with each routed layer's load imbalance (max / mean tokens
     per expert: the experts its router chose in both steps) and its balancing bias moved by those counts as
     `ExpertBalancer` moves it (None without a bias)."""
     family = family_of(model.config)
@@ -223,7 +226,7 @@ def moe_reference(model: torch.nn.Module) -> dict:
         return count
 
     hooks = [router.register_forward_hook(counter(index)) for index, router in routers.items()]
-    out = moe_parity.reference(model, 2)
+    out = moe_parity.reference(model, dp)
     for hook in hooks:
         hook.remove()
     out["imbalance"] = {index: (load.max() / load.mean()).item() for index, load in counts.items()}
@@ -250,8 +253,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
         records = {}
         for case in cases:
             if case in MOE_CASES:
-                family, attention, dp_mode = MOE_CASES[case]
-                records[case] = _train_moe(folders[family], attention, dp_mode, device)
+                records[case] = _train_moe(folders[MOE_CASES[case][0]], case, device)
                 continue
             layout, variant = VARIANTS.get(case, (case, ""))
             records[case] = _train(folders[CASES[layout][0]], layout, device, saved if case == RESUMED else None,
@@ -288,9 +290,10 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
         references[family, "bf16"] = reference(model, 1, False, "bf16")
     if "llama" in folders:
         references["llama", "lora"] = peft_reference(folders["llama"], 1)
-    for family in sorted({MOE_CASES[case][0] for case in cases if case in MOE_CASES}):
+    for family, dp in sorted({(MOE_CASES[case][0], MOE_CASES[case][3]) for case in cases if case in MOE_CASES}):
         folders[family] = str(root / family)
-        references[family, "moe"] = moe_reference(moe_folder(root / family, family, seed=moe_parity.SEED))
+        model = moe_folder(root / family, family, seed=moe_parity.SEED)  # the same weights, written again
+        references[family, "moe", dp] = moe_reference(model, dp)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, cases, str(root)), timeout_s=900)
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
@@ -315,20 +318,21 @@ def test_context_parallel_matches_unsplit(case, runs):
 
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_experts_split_beside_context_parallelism_match_unsplit_transformers(case, runs):
-    """dp 2 x ep 2 x cp 2: each cp rank routes its part of the sequences; the load-balancing loss (Qwen3-MoE) sums
-    the router statistics over the cp pair, so the losses, every gradient and the final parameters equal
+    """dp 2 x ep 2 x cp 2 (and cp 2 x pp 2 at ep 1): each cp rank routes its part of the sequences; the
+    load-balancing loss (Qwen3-MoE) sums the router statistics over the cp pair, so the losses, every gradient and the final parameters equal
     transformers' unsplit model's per micro-batch (rtol 1e-5, atol 4e-5); DeepSeek-V3's bias moves by the tokens
     per expert summed over the dp x cp ranks as by the unsplit model's counts (atol 1e-6, the rate being 1e-3)."""
     per_rank, references = runs
-    family, *_ = MOE_CASES[case]
-    ref = references[family, "moe"]
+    family, _, _, dp, ep, _ = MOE_CASES[case]
+    ref = references[family, "moe", dp]
     records = [records[case] for records in per_rank]
     seen = compare_records(records, ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
-    assert all(record["split"] for record in records)  # the experts were split over the ep pair
+    assert all(bool(record["split"]) == (ep > 1) for record in records)  # the experts were split over the ep pair
+    assert set().union(*(record["imbalance"] for record in records)) == set(ref["imbalance"])  # a stage's layers
     for record in records:
-        assert record["imbalance"] == pytest.approx(ref["imbalance"], rel=1e-6)
-        assert set(record["biases"]) == set(ref["biases"])
+        assert set(record["biases"]) == set(record["imbalance"])
+        assert record["imbalance"] == pytest.approx({k: ref["imbalance"][k] for k in record["imbalance"]}, rel=1e-6)
         for index, bias in record["biases"].items():
             if ref["biases"][index] is None:
                 assert bias is None

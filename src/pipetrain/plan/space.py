@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
+from pipetrain.plan.experts import ep_cp_problem
 from pipetrain.plan.predict import Layout
 from pipetrain.plan.reshard import reshard_after_forward
 from pipetrain.plan.schedules import MULTI_STAGE_SCHEDULES, SIMULATED_SCHEDULES, V_SCHEDULES, min_microbatches
@@ -105,9 +106,10 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
                 found = [replace(lay, dp_mode="fsdp") if lay.dp == 1 and _needs_fsdp(lay, tp) else lay for lay in found
                          if lay.dp_mode != "ddp" or lay.dp == 1 or not _needs_fsdp(lay, tp)]
             layouts += [replace(lay, cp=cp, cp_attention=space.cp_attention) if cp > 1 else lay for lay in found]
-    return [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
-            for layout in layouts for ep in sorted(set(space.eps))
-            if layout.dp % ep == 0 and (ep == 1 or layout.dp_mode != "hsdp")]
+    split = [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
+             for layout in layouts for ep in sorted(set(space.eps))
+             if layout.dp % ep == 0 and (ep == 1 or layout.dp_mode != "hsdp")]
+    return [layout for layout in split if ep_cp_problem(layout) is None]  # ep beside cp: pp 1 and tp 1, as train
 
 
 def _needs_fsdp(layout: Layout, tp: int) -> bool:
