@@ -16,11 +16,12 @@ every step and every final parameter equal the transformers model's within rtol 
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
 
 Mixtures of experts beside context parallelism, in the same job: Qwen3-MoE (the load-balancing loss on) at
-dp 2 x ep 2 x cp 2 (pp 1) under ring attention (DDP) and all-to-all attention (FSDP2), and DeepSeek-V3 (its balancing bias choosing the
-experts) under the ring, each cp rank routing its part of the sequences to the experts of its cp coordinate's ep
-pair, against transformers' unsplit model per micro-batch (test_moe_parity's reference): losses, every gradient and
-the final parameters of two SGD steps, rtol 1e-5 / atol 4e-5; DeepSeek-V3's tokens per expert summed over the dp x cp
-ranks move the bias as the unsplit model's counts do.
+dp 2 x ep 2 x cp 2 (pp 1) under ring attention (DDP) and all-to-all attention (FSDP2), and DeepSeek-V3 (its
+balancing bias choosing the experts) under the ring, each cp rank routing its part of the sequences to the experts
+of its cp coordinate's ep pair, and Qwen3-MoE at ring cp 2 x pp 2 (ep 1), against transformers' unsplit model per
+micro-batch (test_moe_parity's reference): losses, every gradient and the final parameters of two SGD steps,
+rtol 1e-5 / atol 4e-5; DeepSeek-V3's tokens per expert summed over the dp x cp ranks move the bias as the unsplit
+model's counts do.
 
 In the same job: PEFT's LoRA adapters at ring cp 2 x pp 2 against `peft.get_peft_model` on the unsplit model (same
 fp32 tolerance), and bf16 autocast at ring and all-to-all cp 2 x pp 2 against the unsplit model under bf16 autocast
@@ -208,8 +209,8 @@ def _train_moe(folder: str, case: str, device: torch.device) -> dict:
 
 
 def moe_reference(model: torch.nn.Module, dp: int) -> dict:
-    """test_moe_parity's reference of `model` for `dp` replicas, with each routed layer's load imbalance (max / mean tokens
-    per expert: the experts its router chose in both steps) and its balancing bias moved by those counts as
+    """test_moe_parity's reference of `model` for `dp` replicas, with each routed layer's load imbalance (max / mean
+    tokens per expert: the experts its router chose in both steps) and its balancing bias moved by those counts as
     `ExpertBalancer` moves it (None without a bias)."""
     family = family_of(model.config)
     router_class, _ = family.router_class()
@@ -319,9 +320,10 @@ def test_context_parallel_matches_unsplit(case, runs):
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_experts_split_beside_context_parallelism_match_unsplit_transformers(case, runs):
     """dp 2 x ep 2 x cp 2 (and cp 2 x pp 2 at ep 1): each cp rank routes its part of the sequences; the
-    load-balancing loss (Qwen3-MoE) sums the router statistics over the cp pair, so the losses, every gradient and the final parameters equal
-    transformers' unsplit model's per micro-batch (rtol 1e-5, atol 4e-5); DeepSeek-V3's bias moves by the tokens
-    per expert summed over the dp x cp ranks as by the unsplit model's counts (atol 1e-6, the rate being 1e-3)."""
+    load-balancing loss (Qwen3-MoE) sums the router statistics over the cp pair, so the losses, every gradient and
+    the final parameters equal transformers' unsplit model's per micro-batch (rtol 1e-5, atol 4e-5); DeepSeek-V3's
+    bias moves by the tokens per expert summed over the dp x cp ranks as by the unsplit model's counts (atol 1e-6,
+    the rate being 1e-3)."""
     per_rank, references = runs
     family, _, _, dp, ep, _ = MOE_CASES[case]
     ref = references[family, "moe", dp]

@@ -82,7 +82,8 @@ class ExpertGroups:
 
 def build_expert_groups(mesh: Mesh, ep: int, *, backward_group: bool = False) -> ExpertGroups:
     """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank; beside context
-    parallelism, of every cp rank) over `mesh` (`ep` divides dp), and with `backward_group` a second EP group of each (for `--moe-overlap on`); a collective call."""
+    parallelism, of every cp rank) over `mesh` (`ep` divides dp), and with `backward_group` a second EP group of
+    each (for `--moe-overlap on`); a collective call."""
     device = mesh.device_mesh.device_type
     shape, names = (mesh.dp // ep, ep), ("edp", "ep")
     if mesh.cp > 1:  # each cp rank's tokens go to the experts of the EP group of its cp coordinate
@@ -105,9 +106,9 @@ def build_expert_groups(mesh: Mesh, ep: int, *, backward_group: bool = False) ->
 
 class ExpertGradients:
     """Reduces the gradients of a rank's expert parameters after each step: summed over the EDP group, divided by
-    `groups.dp` (dp * cp; None counts as zero: a rank whose experts got no token). Gradients a caller accumulates over steps are
-    taken before the step (`take`) and added back after the reduction (`reduce`), as the engine does for tied
-    weights, so that each step's gradients are reduced once."""
+    `groups.dp` (dp * cp; None counts as zero: a rank whose experts got no token). Gradients a caller accumulates
+    over steps are taken before the step (`take`) and added back after the reduction (`reduce`), as the engine does
+    for tied weights, so that each step's gradients are reduced once."""
 
     def __init__(self, params: list[nn.Parameter], groups: ExpertGroups) -> None:
         self.params = [p for p in params if p.requires_grad]

@@ -24,7 +24,8 @@ from typing import Protocol
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 
-__all__ = ["ep_problem", "ep_cp_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts", "expert_layout", "ep_extra_s", "moe_blocks"]
+__all__ = ["ep_problem", "ep_cp_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts",
+           "expert_layout", "ep_extra_s", "moe_blocks"]
 
 
 class _Layout(Protocol):
