@@ -106,14 +106,20 @@ VARIANTS = {
 RESUMED = "llama-ring-cp2xpp2"
 
 #: mixtures of experts beside context parallelism (test_moe_parity's 4 micro-batches per replica): case -> (MoE
-#: family of tests/moe_folders.py, attention, dp mode, dp, ep, pp). dp 2 x ep 2 x cp 2 splits the experts (under
-#: FSDP2 sharded over the flattened (expert-data-parallel, cp) mesh); cp 2 x pp 2 (1F1B, ep 1) carries the router
-#: statistics across the stage boundary before the cp pair sums them
+#: family of tests/moe_folders.py, attention, dp mode, dp, ep, pp, cp, expert capacity). dp 2 x ep 2 x cp 2 splits the
+#: experts (under FSDP2 sharded over the flattened (expert-data-parallel, cp) mesh); cp 2 x pp 2 (1F1B, ep 1) carries
+#: the router statistics across the stage boundary before the cp pair sums them
 MOE_CASES = {
-    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp", 2, 2, 1),
-    "qwen3_moe-ulysses-dp2xep2xcp2-fsdp": ("qwen3_moe", "ulysses", "fsdp", 2, 2, 1),
-    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring", "ddp", 2, 2, 1),
-    "qwen3_moe-ring-cp2xpp2": ("qwen3_moe", "ring", "ddp", 1, 1, 2),
+    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp", 2, 2, 1, 2, None),
+    "qwen3_moe-ulysses-dp2xep2xcp2-fsdp": ("qwen3_moe", "ulysses", "fsdp", 2, 2, 1, 2, None),
+    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring", "ddp", 2, 2, 1, 2, None),
+    "qwen3_moe-ring-cp2xpp2": ("qwen3_moe", "ring", "ddp", 1, 1, 2, 2, None),
+}
+#: an expert capacity that drops slots (factor 0.5), at dp 2 x ep 2 x cp 2 and on whole sequences (dp 2 x ep 2 x pp 2,
+#: the same micro-batches): transformers has no capacity, so the cut run is compared with the whole one
+CAPACITY_CASES = {
+    "qwen3_moe-capacity-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp", 2, 2, 1, 2, 0.5),
+    "qwen3_moe-capacity-dp2xep2xpp2": ("qwen3_moe", "ring", "ddp", 2, 2, 2, 1, 0.5),
 }
 
 
@@ -194,10 +200,10 @@ def _train_moe(folder: str, case: str, device: torch.device) -> dict:
     """Two SGD steps of a MoE folder in a layout of `MOE_CASES` (expert slices gathered whole); the rank's expert
     parameters, and each routed layer's balancing bias (None without) after the expert balancer's step over the
     counts of both steps."""
-    _, attention, dp_mode, dp, ep, pp = MOE_CASES[case]
-    model = HFCausalLM.from_folder(folder, seq_len=MOE_SEQ)
+    _, attention, dp_mode, dp, ep, pp, cp, capacity = {**MOE_CASES, **CAPACITY_CASES}[case]
+    model = HFCausalLM.from_folder(folder, seq_len=MOE_SEQ).with_capacity(capacity)
     pipeline = PipelineConfig(pp=pp, schedule="gpipe" if pp == 1 else "1f1b", n_microbatches=moe_parity.CHUNKS)
-    parallel = ParallelConfig(dp=dp, ep=ep, cp=2, cp_attention=attention, dp_mode=dp_mode, pipeline=pipeline)
+    parallel = ParallelConfig(dp=dp, ep=ep, cp=cp, cp_attention=attention, dp_mode=dp_mode, pipeline=pipeline)
     session = build_session(model, parallel, device, seed=moe_parity.SEED, loss_fn=model.loss())
     record = moe_parity._steps(session.engine, model, dp, session.mesh.dp_rank, gather=True)
     record["split"] = sum(is_expert(p) for p in session.engine.parameters())
@@ -205,6 +211,7 @@ def _train_moe(folder: str, case: str, device: torch.device) -> dict:
     record["imbalance"] = balancer.after_step()
     record["biases"] = {block.index: None if block.balancing_bias() is None else block.balancing_bias().clone()
                         for block in balancer.blocks}
+    record["dropped"] = balancer.dropped  # layer -> (slots dropped by the capacity, slots routed), both steps
     return record
 
 
@@ -253,8 +260,8 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
         saved = Path(out) / "saved-cp2xpp2"
         records = {}
         for case in cases:
-            if case in MOE_CASES:
-                records[case] = _train_moe(folders[MOE_CASES[case][0]], case, device)
+            if case in MOE_CASES or case in CAPACITY_CASES:
+                records[case] = _train_moe(folders[{**MOE_CASES, **CAPACITY_CASES}[case][0]], case, device)
                 continue
             layout, variant = VARIANTS.get(case, (case, ""))
             records[case] = _train(folders[CASES[layout][0]], layout, device, saved if case == RESUMED else None,
@@ -269,7 +276,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawned(tmp_path_factory.mktemp("cp"), list(CASES) + list(VARIANTS) + list(MOE_CASES))
+    return spawned(tmp_path_factory.mktemp("cp"), list(CASES) + list(VARIANTS) + list(MOE_CASES) + list(CAPACITY_CASES))
 
 
 def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
@@ -295,6 +302,9 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
         folders[family] = str(root / family)
         model = moe_folder(root / family, family, seed=moe_parity.SEED)  # the same weights, written again
         references[family, "moe", dp] = moe_reference(model, dp)
+    for family in {CAPACITY_CASES[case][0] for case in cases if case in CAPACITY_CASES} - set(folders):
+        folders[family] = str(root / family)
+        moe_folder(root / family, family, seed=moe_parity.SEED)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, cases, str(root)), timeout_s=900)
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
@@ -325,7 +335,7 @@ def test_experts_split_beside_context_parallelism_match_unsplit_transformers(cas
     bias moves by the tokens per expert summed over the dp x cp ranks as by the unsplit model's counts (atol 1e-6,
     the rate being 1e-3)."""
     per_rank, references = runs
-    family, _, _, dp, ep, _ = MOE_CASES[case]
+    family, _, _, dp, ep, *_ = MOE_CASES[case]
     ref = references[family, "moe", dp]
     records = [records[case] for records in per_rank]
     seen = compare_records(records, ref)
@@ -340,6 +350,20 @@ def test_experts_split_beside_context_parallelism_match_unsplit_transformers(cas
                 assert bias is None
             else:
                 torch.testing.assert_close(bias, ref["biases"][index], rtol=0, atol=1e-6)
+
+
+def test_an_expert_capacity_beside_cp_drops_the_slots_of_whole_sequences(runs):
+    """Capacity factor 0.5 at dp 2 x ep 2 x cp 2: the cp pair's choices are gathered and served in token order, so
+    the same slots are dropped as on whole sequences (dp 2 x ep 2 x pp 2, the same micro-batches): the losses, every
+    gradient and the final parameters agree (rtol 1e-5, atol 4e-5), and so does each layer's dropped count (summed
+    over the dp x cp ranks), which is not zero."""
+    per_rank, _ = runs
+    cut, whole = ([records[case] for records in per_rank] for case in CAPACITY_CASES)
+    ref = {"losses": whole[0]["losses"], "params": {n: v for record in whole for n, v in record["params"]},
+           "grads": [{n: g for record in whole for n, g in record["grads"][step]} for step in range(2)]}
+    assert compare_records(cut, ref) == set(ref["params"])
+    dropped = {k: v for record in whole for k, v in record["dropped"].items()}  # a stage's layers
+    assert all(record["dropped"] == dropped for record in cut) and all(lost > 0 for lost, _ in dropped.values())
 
 
 def test_documents_reference_differs_from_one_sequence(runs):

@@ -176,8 +176,6 @@ def test_the_checks_before_ranks_start():
      "the model has 4 query and 2 key/value heads, not both divisible by 3"),
     (["--cp", "2", "--tp", "2", "--dp-mode", "fsdp", "--cp-attention", "ulysses", "--seq-len", "32"],
      "4 query and 2 key/value heads (2 and 1 per rank of tp=2), not both divisible by 2"),
-    (["--cp", "2", "--moe-capacity", "1.25", "--seq-len", "32"],
-     "--moe-capacity 1.25 with --cp 2: the capacity is counted per rank's tokens"),
 ])
 def test_train_refuses_in_one_line_before_ranks_start(flags, says, tmp_path, capsys):
     """`pipetrain train` with a length or heads that do not split: exit 2, one error line, no traceback."""

@@ -112,11 +112,6 @@ class TrainConfig:
         object.__setattr__(self, "pack", pack_mode(self.pack))
         check_precision(self.precision)
         check_capacity(self.moe_capacity)
-        if self.moe_capacity is not None and self.parallel.cp > 1:
-            # the capacity is decided on the routing rank from its tokens: a cp rank holds a part of the sequence
-            raise ConfigError(f"--moe-capacity {self.moe_capacity} with --cp {self.parallel.cp}: the capacity is "
-                              "counted per rank's tokens, and a cp rank routes only its part of each sequence",
-                              hint="drop --moe-capacity with --cp, or pass --cp 1")
         workload = self.task()
         workload.check_preset(self.preset)
         self._check_data(workload)
