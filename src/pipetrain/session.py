@@ -111,7 +111,7 @@ def build_session(
         check_context_model(model, parallel.cp)
         split = ContextParallel(mesh.cp_group, parallel.cp_attention, tp=parallel.tp).after(split)
         cut = SequenceSplit(parallel.cp, mesh.cp_rank)
-    if experts is not None:  # after tensor parallelism's split (ParallelConfig refuses ep > 1 with cp > 1)
+    if experts is not None:  # after tensor parallelism's split and the context attention (one EP group a cp rank)
         split = expert_parallel_blocks(experts.ep_group, model=model, backward_group=experts.ep_backward_group,
                                        before=split, dp_mode=parallel.dp_mode)
     with startup.phase("stages"):

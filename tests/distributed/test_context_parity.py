@@ -15,6 +15,14 @@ three SGD steps
 every step and every final parameter equal the transformers model's within rtol 1e-5, atol 4e-5. The checkpoint
 of cp 2 x pp 2 then loads at cp 4 (checkpoints are layout-free: cp does not split parameters).
 
+Mixtures of experts beside context parallelism, in the same job: Qwen3-MoE (the load-balancing loss on) at
+dp 2 x ep 2 x cp 2 (pp 1) under ring attention (DDP) and all-to-all attention (FSDP2), and DeepSeek-V3 (its
+balancing bias choosing the experts) under the ring, each cp rank routing its part of the sequences to the experts
+of its cp coordinate's ep pair, and Qwen3-MoE at ring cp 2 x pp 2 (ep 1), against transformers' unsplit model per
+micro-batch (test_moe_parity's reference): losses, every gradient and the final parameters of two SGD steps,
+rtol 1e-5 / atol 4e-5; DeepSeek-V3's tokens per expert summed over the dp x cp ranks move the bias as the unsplit
+model's counts do.
+
 In the same job: PEFT's LoRA adapters at ring cp 2 x pp 2 against `peft.get_peft_model` on the unsplit model (same
 fp32 tolerance), and bf16 autocast at ring and all-to-all cp 2 x pp 2 against the unsplit model under bf16 autocast
 (twice the bf16 budget of tests/tolerances.py; the ring's blocks run torch's fused kernel on the bf16 inputs,
@@ -43,7 +51,14 @@ from pipetrain.lora import LoraBlocks  # noqa: E402
 from pipetrain.recipe import param_groups  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
+from pipetrain.moe.balance import DEFAULT_BIAS_RATE  # noqa: E402
+from pipetrain.parallel.experts import is_expert  # noqa: E402
+from pipetrain.train.loop import expert_balancer  # noqa: E402
+from pipetrain.workloads.hf.families import family_of  # noqa: E402
+from pipetrain.workloads.hf.routing import num_experts  # noqa: E402
+from tests.distributed import test_moe_parity as moe_parity  # noqa: E402
 from tests.distributed.test_hf_parity import _full, compare_records, make_batches, tiny_configs  # noqa: E402
+from tests.moe_folders import SEQ as MOE_SEQ, moe_folder  # noqa: E402
 from tests.distributed.test_lora_parity import LR as LORA_LR, MOMENTUM, SETTINGS, peft_reference  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
 from tests.tolerances import U, budget, forward_stages  # noqa: E402
@@ -89,6 +104,23 @@ VARIANTS = {
 
 #: the case whose checkpoint is loaded at another cp
 RESUMED = "llama-ring-cp2xpp2"
+
+#: mixtures of experts beside context parallelism (test_moe_parity's 4 micro-batches per replica): case -> (MoE
+#: family of tests/moe_folders.py, attention, dp mode, dp, ep, pp, cp, expert capacity). dp 2 x ep 2 x cp 2 splits the
+#: experts (under FSDP2 sharded over the flattened (expert-data-parallel, cp) mesh); cp 2 x pp 2 (1F1B, ep 1) carries
+#: the router statistics across the stage boundary before the cp pair sums them
+MOE_CASES = {
+    "qwen3_moe-ring-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp", 2, 2, 1, 2, None),
+    "qwen3_moe-ulysses-dp2xep2xcp2-fsdp": ("qwen3_moe", "ulysses", "fsdp", 2, 2, 1, 2, None),
+    "deepseek_v3-ring-dp2xep2xcp2": ("deepseek_v3", "ring", "ddp", 2, 2, 1, 2, None),
+    "qwen3_moe-ring-cp2xpp2": ("qwen3_moe", "ring", "ddp", 1, 1, 2, 2, None),
+}
+#: an expert capacity that drops slots (factor 0.5), at dp 2 x ep 2 x cp 2 and on whole sequences (dp 2 x ep 2 x pp 2,
+#: the same micro-batches): transformers has no capacity, so the cut run is compared with the whole one
+CAPACITY_CASES = {
+    "qwen3_moe-capacity-dp2xep2xcp2": ("qwen3_moe", "ring", "ddp", 2, 2, 1, 2, 0.5),
+    "qwen3_moe-capacity-dp2xep2xpp2": ("qwen3_moe", "ring", "ddp", 2, 2, 2, 1, 0.5),
+}
 
 
 def document_positions(n: int, seed: int, boundary: int | None = None) -> torch.Tensor:
@@ -164,6 +196,54 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     return {"losses": losses, "grads": grads, "params": params, "held": held}
 
 
+def _train_moe(folder: str, case: str, device: torch.device) -> dict:
+    """Two SGD steps of a MoE folder in a layout of `MOE_CASES` (expert slices gathered whole); the rank's expert
+    parameters, and each routed layer's balancing bias (None without) after the expert balancer's step over the
+    counts of both steps."""
+    _, attention, dp_mode, dp, ep, pp, cp, capacity = {**MOE_CASES, **CAPACITY_CASES}[case]
+    model = HFCausalLM.from_folder(folder, seq_len=MOE_SEQ).with_capacity(capacity)
+    pipeline = PipelineConfig(pp=pp, schedule="gpipe" if pp == 1 else "1f1b", n_microbatches=moe_parity.CHUNKS)
+    parallel = ParallelConfig(dp=dp, ep=ep, cp=cp, cp_attention=attention, dp_mode=dp_mode, pipeline=pipeline)
+    session = build_session(model, parallel, device, seed=moe_parity.SEED, loss_fn=model.loss())
+    record = moe_parity._steps(session.engine, model, dp, session.mesh.dp_rank, gather=True)
+    record["split"] = sum(is_expert(p) for p in session.engine.parameters())
+    balancer = expert_balancer(session.engine, session.mesh)
+    record["imbalance"] = balancer.after_step()
+    record["biases"] = {block.index: None if block.balancing_bias() is None else block.balancing_bias().clone()
+                        for block in balancer.blocks}
+    record["dropped"] = balancer.dropped  # layer -> (slots dropped by the capacity, slots routed), both steps
+    return record
+
+
+def moe_reference(model: torch.nn.Module, dp: int) -> dict:
+    """test_moe_parity's reference of `model` for `dp` replicas, with each routed layer's load imbalance (max / mean
+    tokens per expert: the experts its router chose in both steps) and its balancing bias moved by those counts as
+    `ExpertBalancer` moves it (None without a bias)."""
+    family = family_of(model.config)
+    router_class, _ = family.router_class()
+    experts = num_experts(model.config, family)
+    routers = {int(name.split(".layers.")[1].split(".")[0]): module for name, module in model.named_modules()
+               if isinstance(module, router_class)}
+    before = {index: getattr(router, family.router_bias or "", None) for index, router in routers.items()}
+    before = {index: None if bias is None else bias.detach().clone() for index, bias in before.items()}
+    counts = {index: torch.zeros(experts) for index in routers}
+
+    def counter(index: int):
+        def count(_module, _args, out) -> None:
+            counts[index] += torch.bincount(out[-1].flatten(), minlength=experts)
+        return count
+
+    hooks = [router.register_forward_hook(counter(index)) for index, router in routers.items()]
+    out = moe_parity.reference(model, dp)
+    for hook in hooks:
+        hook.remove()
+    out["imbalance"] = {index: (load.max() / load.mean()).item() for index, load in counts.items()}
+    out["biases"] = {index: None if bias is None else
+                     bias + DEFAULT_BIAS_RATE * torch.sign(counts[index].mean() - counts[index])
+                     for index, bias in before.items()}
+    return out
+
+
 def _resumed(folder: str, saved: Path, device: torch.device) -> list:
     """The parameters of a checkpoint written at cp 2 x pp 2, loaded at cp 4 (pp 1)."""
     model = HFCausalLM.from_folder(folder, seq_len=SEQ)
@@ -180,6 +260,9 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
         saved = Path(out) / "saved-cp2xpp2"
         records = {}
         for case in cases:
+            if case in MOE_CASES or case in CAPACITY_CASES:
+                records[case] = _train_moe(folders[{**MOE_CASES, **CAPACITY_CASES}[case][0]], case, device)
+                continue
             layout, variant = VARIANTS.get(case, (case, ""))
             records[case] = _train(folders[CASES[layout][0]], layout, device, saved if case == RESUMED else None,
                                    variant)
@@ -193,7 +276,7 @@ def _worker(spec: RankSpec, folders: dict[str, str], cases: list[str], out: str)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawned(tmp_path_factory.mktemp("cp"), list(CASES) + list(VARIANTS))
+    return spawned(tmp_path_factory.mktemp("cp"), list(CASES) + list(VARIANTS) + list(MOE_CASES) + list(CAPACITY_CASES))
 
 
 def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
@@ -213,7 +296,15 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
         references[family, 1, "boundary"] = reference(model, 1, "boundary")
         model.load_state_dict(initial)
         references[family, "bf16"] = reference(model, 1, False, "bf16")
-    references["llama", "lora"] = peft_reference(folders["llama"], 1)
+    if "llama" in folders:
+        references["llama", "lora"] = peft_reference(folders["llama"], 1)
+    for family, dp in sorted({(MOE_CASES[case][0], MOE_CASES[case][3]) for case in cases if case in MOE_CASES}):
+        folders[family] = str(root / family)
+        model = moe_folder(root / family, family, seed=moe_parity.SEED)  # the same weights, written again
+        references[family, "moe", dp] = moe_reference(model, dp)
+    for family in {CAPACITY_CASES[case][0] for case in cases if case in CAPACITY_CASES} - set(folders):
+        folders[family] = str(root / family)
+        moe_folder(root / family, family, seed=moe_parity.SEED)
     spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
           args=(folders, cases, str(root)), timeout_s=900)
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
@@ -234,6 +325,45 @@ def test_context_parallel_matches_unsplit(case, runs):
         name = "model.layers.0.self_attn.q_proj.weight"
         assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 2,
                                                                         ref["params"][name].numel())}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_experts_split_beside_context_parallelism_match_unsplit_transformers(case, runs):
+    """dp 2 x ep 2 x cp 2 (and cp 2 x pp 2 at ep 1): each cp rank routes its part of the sequences; the
+    load-balancing loss (Qwen3-MoE) sums the router statistics over the cp pair, so the losses, every gradient and
+    the final parameters equal transformers' unsplit model's per micro-batch (rtol 1e-5, atol 4e-5); DeepSeek-V3's
+    bias moves by the tokens per expert summed over the dp x cp ranks as by the unsplit model's counts (atol 1e-6,
+    the rate being 1e-3)."""
+    per_rank, references = runs
+    family, _, _, dp, ep, *_ = MOE_CASES[case]
+    ref = references[family, "moe", dp]
+    records = [records[case] for records in per_rank]
+    seen = compare_records(records, ref)
+    assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+    assert all(bool(record["split"]) == (ep > 1) for record in records)  # the experts were split over the ep pair
+    assert set().union(*(record["imbalance"] for record in records)) == set(ref["imbalance"])  # a stage's layers
+    for record in records:
+        assert set(record["biases"]) == set(record["imbalance"])
+        assert record["imbalance"] == pytest.approx({k: ref["imbalance"][k] for k in record["imbalance"]}, rel=1e-6)
+        for index, bias in record["biases"].items():
+            if ref["biases"][index] is None:
+                assert bias is None
+            else:
+                torch.testing.assert_close(bias, ref["biases"][index], rtol=0, atol=1e-6)
+
+
+def test_an_expert_capacity_beside_cp_drops_the_slots_of_whole_sequences(runs):
+    """Capacity factor 0.5 at dp 2 x ep 2 x cp 2: the cp pair's choices are gathered and served in token order, so
+    the same slots are dropped as on whole sequences (dp 2 x ep 2 x pp 2, the same micro-batches): the losses, every
+    gradient and the final parameters agree (rtol 1e-5, atol 4e-5), and so does each layer's dropped count (summed
+    over the dp x cp ranks), which is not zero."""
+    per_rank, _ = runs
+    cut, whole = ([records[case] for records in per_rank] for case in CAPACITY_CASES)
+    ref = {"losses": whole[0]["losses"], "params": {n: v for record in whole for n, v in record["params"]},
+           "grads": [{n: g for record in whole for n, g in record["grads"][step]} for step in range(2)]}
+    assert compare_records(cut, ref) == set(ref["params"])
+    dropped = {k: v for record in whole for k, v in record["dropped"].items()}  # a stage's layers
+    assert all(record["dropped"] == dropped for record in cut) and all(lost > 0 for lost, _ in dropped.values())
 
 
 def test_documents_reference_differs_from_one_sequence(runs):

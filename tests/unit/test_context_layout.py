@@ -140,6 +140,19 @@ def test_cp_refuses_what_it_does_not_compose_with():
         ParallelConfig(cp=2).check_world(4)
 
 
+def test_experts_split_beside_cp_compose_at_pp1_and_tp1_only():
+    assert ParallelConfig(dp=2, ep=2, cp=2).world_size == 4  # each cp rank's ep pair: dp2 x ep2 x cp2
+    with pytest.raises(ConfigError, match=r"--ep 2 with --cp 2 and pp=2: expert parallelism beside context "
+                                          r"parallelism is built at pp 1 and tp 1 only"):
+        ParallelConfig(dp=2, ep=2, cp=2, pipeline=PipelineConfig(pp=2, schedule="1f1b", n_microbatches=2))
+    with pytest.raises(ConfigError, match=r"--ep 2 with --cp 2 and tp=2"):
+        ParallelConfig(dp=2, ep=2, cp=2, tp=2, dp_mode="fsdp")
+    with pytest.raises(ConfigError, match=r"--ep 2 with --cp 2 and --dp-mode hsdp: expert parallelism is built "
+                                          r"beside context parallelism or under HSDP, not both at once"):
+        ParallelConfig(dp=4, ep=2, cp=2, dp_mode="hsdp", dp_shard=2)
+    assert ParallelConfig(dp=4, ep=2, dp_mode="hsdp", dp_shard=2).world_size == 4  # each alone composes
+
+
 def test_a_model_without_context_attention_is_refused():
     with pytest.raises(ConfigError, match="--cp 2 needs a model whose attention runs over a cut sequence"):
         check_context_model(object(), 2)

@@ -14,7 +14,7 @@ import pytest
 from pipetrain.cli.main import build_parser, main
 from pipetrain.cli.plan import engine_has
 from pipetrain.errors import ConfigError
-from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
+from pipetrain.plan.experts import ep_cp_problem, ep_extra_s, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import named_gpu
 from pipetrain.plan.predict import Layout, predict, static_bytes
 from pipetrain.plan.search import SearchSpace, enumerate_layouts
@@ -124,6 +124,27 @@ def test_the_search_tries_ep_where_it_divides_dp_and_refuses_it_elsewhere():
         predict(blocks, _layout(dp=1, batch=2, ep=2), *named_gpu("h100-sxm"))
 
 
+def test_ep_beside_cp_prices_a_cp_ranks_tokens_over_its_wider_group_at_pp1_tp1_only():
+    """A cp rank sends its share of the tokens (stage_costs gives ep_extra_s the share); its EP group's ranks are a
+    replica (cp ranks) apart, so at cp 2 a group of 2 spans 4 ranks and crosses 2-GPU nodes; pp or tp beside both is
+    refused, as train refuses it."""
+    blocks = sizes_from_config(_tiny().to_dict()).blocks(32)
+    device, network = named_gpu("h100-sxm", "bf16")
+    block = next(b for b in blocks if b.experts)
+    inside = ep_extra_s(block, 2, _layout(dp=2, ep=2, cp=1, gpus_per_node=2), network, device)
+    across = ep_extra_s(block, 2, _layout(dp=2, ep=2, cp=2, gpus_per_node=2), network, device)
+    assert across[0] > inside[0] > 0
+    assert predict(blocks, _layout(dp=2, batch=4, ep=2, cp=2), device, network).step_s > 0
+    assert ep_cp_problem(_layout(dp=2, ep=2, cp=2)) is None
+    assert "not HSDP" in ep_cp_problem(_layout(dp=4, ep=2, cp=2, dp_mode="hsdp", dp_shard=2))
+    with pytest.raises(ConfigError, match="ep=2 beside cp=2 is built at pp 1 and tp 1 only, not pp=2 x tp=1"):
+        predict(blocks, _layout(dp=2, pp=2, batch=4, ep=2, cp=2), device, network)
+    layouts = enumerate_layouts(len(blocks), 8, 8, SearchSpace(eps=(1, 2), cps=(1, 2), schedules=("gpipe", "1f1b"),
+                                                               checkpoints=("never",), dp_modes=("fsdp",)))
+    assert {(lay.dp, lay.pp) for lay in layouts if lay.ep > 1 and lay.cp > 1} == {(4, 1)}  # not dp 2 x pp 2
+    assert {(lay.dp, lay.pp) for lay in layouts if lay.ep == 1 and lay.cp > 1} >= {(4, 1), (2, 2)}
+
+
 def _folder(tmp_path, config: dict) -> Path:
     folder = tmp_path / config["model_type"]
     folder.mkdir()
@@ -153,6 +174,8 @@ def test_plan_of_a_moe_folder_prices_its_experts_and_chooses_ep(tmp_path, capsys
 @pytest.mark.parametrize("flags,message", [
     (["--ep", "3"], "--ep 3: ep=3 does not divide the 4 experts"),
     (["--moe-imbalance", "0.5"], "--moe-imbalance 0.5 is below 1"),
+    (["--ep", "2", "--cp", "2", "--pp", "2"], "--ep 2 with --cp 2 and --pp 2 --tp 1: expert parallelism beside "
+                                              "context parallelism is built at pp 1 and tp 1 only"),
 ])
 def test_bad_expert_flags_are_one_line(flags, message, tmp_path, capsys):
     folder = _folder(tmp_path, _tiny().to_dict())

@@ -62,6 +62,10 @@ def expert_space(args: argparse.Namespace, blocks: list[BlockCost], gpus: int) -
         if problem:
             raise ConfigError(f"--ep {ep}: {problem}", hint="pass --ep 1 for a dense model, or an ep that divides "
                                                             "the experts" if moe else "drop --ep: the model is dense")
+        cp, pp, tp = getattr(args, "cp", 1), getattr(args, "pp", None) or 1, getattr(args, "tp", None) or 1
+        if ep > 1 and cp > 1 and (pp > 1 or tp > 1):  # as train's ParallelConfig
+            raise ConfigError(f"--ep {ep} with --cp {cp} and --pp {pp} --tp {tp}: expert parallelism beside context "
+                              "parallelism is built at pp 1 and tp 1 only", hint="pass --pp 1 --tp 1 (or --cp 1)")
         return {"eps": (ep,), "moe_imbalance": imbalance, **_overlap(args, moe, ep > 1)}
     if not moe:
         return _overlap(args, moe, False)

@@ -24,6 +24,7 @@ class ParallelConfig:
     `ep` (expert parallelism, docs/moe-ep.md) splits each MoE layer's experts over `ep` of a stage's `dp` ranks
     (it borrows them: the world size stays dp * pp * tp); `ep` divides dp (under hsdp, `dp_shard`: the experts'
     FSDP2 then shards over dp_shard / ep ranks and replicates across the shard groups, as torchtitan's "efsdp").
+    Beside cp (pp 1, tp 1 only) the expert-parallel group is the ep ranks with the same cp coordinate.
     `cp` (context parallelism, docs/long-context.md) cuts each sequence over `cp` ranks of every stage, attention
     by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp.
     """
@@ -65,9 +66,16 @@ class ParallelConfig:
         if self.pipeline.moe_overlap and self.ep == 1:
             raise ConfigError("--moe-overlap on hides the experts' all-to-all behind computation, but with ep=1 "
                               "there is none", hint="pass --ep 2 or more (with --dp), or --moe-overlap off")
-        if self.ep > 1 and self.cp > 1:
-            raise ConfigError(f"--ep {self.ep} with --cp {self.cp}: expert parallelism borrows data-parallel ranks "
-                              "and is not built beside context parallelism yet", hint="pass --cp 1 with --ep")
+        if self.ep > 1 and self.cp > 1 and (self.pipeline.pp > 1 or self.tp > 1):
+            # each composes with ep or cp alone; the three together need 8 ranks and are not parity-tested yet
+            beside = f"pp={self.pipeline.pp}" if self.pipeline.pp > 1 else f"tp={self.tp}"
+            raise ConfigError(f"--ep {self.ep} with --cp {self.cp} and {beside}: expert parallelism beside context "
+                              "parallelism is built at pp 1 and tp 1 only (parity-tested at dp2 x ep2 x cp2)",
+                              hint="pass --pp 1 --tp 1 with --ep and --cp, or --cp 1 (or --ep 1) with --pp/--tp")
+        if self.ep > 1 and self.cp > 1 and self.dp_mode == "hsdp":
+            raise ConfigError(f"--ep {self.ep} with --cp {self.cp} and --dp-mode hsdp: expert parallelism is built "
+                              "beside context parallelism or under HSDP, not both at once",
+                              hint="pass --dp-mode fsdp (or ddp) with --ep and --cp, or --cp 1 under hsdp")
         _choice("dp mode", self.dp_mode, DP_MODES)
         self._check_sharding()
         if self.sequence_parallel and self.tp == 1:

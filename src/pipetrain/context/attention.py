@@ -127,6 +127,21 @@ class ContextParallel:
             heads = config.num_attention_heads
             check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, self.size, self.tp)
 
+    def whole_sequences(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's part `[B, L / cp, ...]` of a micro-batch's sequences gathered from every rank into the whole
+        sequences `[B, L, ...]`, in token order (a collective over the group, not differentiable)."""
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        length = local.shape[1] * self.size
+        whole = local.new_empty(local.shape[0], length, *local.shape[2:])
+        for rank, part in enumerate(parts):
+            whole[:, zigzag_index(length, self.size, rank, local.device)] = part
+        return whole
+
+    def own_part(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part `[B, L / cp, ...]` of whole sequences `[B, L, ...]`."""
+        return whole[:, zigzag_index(whole.shape[1], self.size, self.rank, whole.device)]
+
     def mask(self, hidden: torch.Tensor, positions: torch.Tensor) -> ContextMask:
         """The `ContextMask` of this micro-batch: this rank's `positions` [B, L] gathered from every rank."""
         length = hidden.shape[1]

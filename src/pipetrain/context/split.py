@@ -41,12 +41,16 @@ class SequenceSplit:
 
     def loss(self, loss: Loss) -> Loss:
         """The loss to run on this rank's parts: a next-token loss (`shifts_targets`, e.g. `CausalLMLoss`)
-        becomes the plain token cross-entropy of targets shifted before the cut; a per-token loss stays."""
+        becomes the plain token cross-entropy of targets shifted before the cut; a per-token loss stays; a loss
+        wrapping one (`base`, rebuilt by `with_base`: `moe.router.RouterAuxLoss`) wraps its cut base."""
         if getattr(loss, "shifts_targets", False):
             self._shift = loss.ignore_index
             return TokenCrossEntropy(ignore_index=loss.ignore_index)
         if isinstance(loss, TokenCrossEntropy):
             return loss
+        base = getattr(loss, "base", None)
+        if base is not None and hasattr(loss, "with_base"):  # a token loss plus a term (the router's auxiliary loss)
+            return loss.with_base(self.loss(base))
         raise ConfigError(f"context parallelism needs a per-token loss, got {type(loss).__name__}",
                           hint="use TokenCrossEntropy (targets [batch, seq]) or the causal LM loss, or --cp 1")
 

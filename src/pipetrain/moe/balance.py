@@ -4,7 +4,8 @@ routers (DeepSeek-V3's `e_score_correction_bias`).
 Each MoE layer block counts the tokens its router sent to each expert in the step's training forwards (never in a
 recomputed forward, `pipetrain.pipeline.recompute.is_recomputing`): a module with a `tokens_per_expert` tensor
 (reset here) and, where the router balances by a bias, `balancing_bias()` returning that buffer. After the
-optimizer step, `ExpertBalancer.after_step` sums the counts over the data-parallel ranks (every replica holds the
+optimizer step, `ExpertBalancer.after_step` sums the counts over the data-parallel ranks (and their cp ranks,
+each of which counted its part of the sequences; every replica holds the
 same layers; one all-reduce for all of this rank's layers) and moves each bias by the rule of the DeepSeek-V3
 paper: `bias_e += rate * sign(mean load - load_e)` (an overloaded expert becomes less attractive), identically
 on every replica. The load imbalance of a layer is max / mean tokens per expert (1 is perfect balance). With an

@@ -12,7 +12,10 @@ load-balancing loss, the load counts) are the router's choices before dropping.
 
 Because the decision is taken on the routing rank from its own tokens, the dropped slots do not depend on `--ep`:
 ep 1 and ep 2 at the same dp and micro-batches drop the same slots. They do depend on the micro-batch size (dp,
---chunks, --batch-size), as GShard's groups do. Default: no capacity, nothing dropped (as transformers).
+--chunks, --batch-size), as GShard's groups do. Under context parallelism a micro-batch's sequences are cut over
+the cp ranks: the ranks' choices are gathered and served over the whole sequences in token order
+(`workloads.hf.routing.RouterOutputs`), so the slots dropped do not depend on `--cp` either. Default: no capacity,
+nothing dropped (as transformers).
 """
 
 from __future__ import annotations

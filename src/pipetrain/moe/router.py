@@ -14,16 +14,21 @@ token is counted twice.
 The definition is per micro-batch (as Megatron's): a micro-batch's loss is transformers' `loss + coef * aux_loss`
 of that micro-batch run alone, and the step minimises their mean weighted by the micro-batch's counted tokens, as
 the token loss is (the plain mean when every micro-batch counts as many tokens).
+
+Under context parallelism each cp rank routes its part of every sequence: the last block sums the carried
+statistics over the cp group (`sum_over_ranks`, an all-reduce whose backward is the all-reduce of the gradients, as
+Megatron reduces them over its cp group) before the loss, so the loss is the whole micro-batch's on every cp rank.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipetrain.pipeline.loss import Loss
 
-__all__ = ["router_statistics", "load_balancing_loss", "RouterAuxLoss"]
+__all__ = ["router_statistics", "load_balancing_loss", "sum_over_ranks", "RouterAuxLoss"]
 
 
 def router_statistics(logits: torch.Tensor, top_k: int, batch: int) -> torch.Tensor:
@@ -45,6 +50,32 @@ def load_balancing_loss(statistics: torch.Tensor, top_k: int) -> torch.Tensor:
     counts, probs = (statistics.new_ones(1, batch) @ statistics.reshape(batch, 2 * experts)).view(2, experts)
     rows = counts.sum() / top_k  # routed rows of every layer (each row picks top_k experts)
     return (counts / rows * probs / rows).sum() * counts.shape[0]
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of a tensor over a group's ranks; the backward sums the gradients over them (each rank's loss
+    depends on every rank's tensor)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_ranks(statistics: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The router statistics `[batch, 2, E]` summed over `group` (the cp ranks holding the other parts of the same
+    sequences), differentiably; unchanged without a group of two or more or on the meta device (shapes only)."""
+    if group is None or dist.get_world_size(group) == 1 or statistics.device.type == "meta":
+        return statistics
+    return _SumOverRanks.apply(statistics, group)
 
 
 class RouterAuxLoss:
@@ -69,6 +100,10 @@ class RouterAuxLoss:
         counts = torch.stack([torch.as_tensor(self.base.count(target[b:b + 1]), device=aux.device)
                               for b in range(target.shape[0])]).to(aux.dtype)
         return self.base.total(logits, target) + self.coef * (aux * counts).sum()
+
+    def with_base(self, base: Loss) -> RouterAuxLoss:
+        """This loss around another token loss (context parallelism's, of the cut targets)."""
+        return RouterAuxLoss(base, self.coef)
 
     def count(self, target: torch.Tensor) -> int | torch.Tensor:
         return self.base.count(target)

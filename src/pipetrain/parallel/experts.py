@@ -19,6 +19,11 @@ Under HSDP (shard groups of `dp_shard` neighbouring dp ranks, `ep` dividing it) 
 group, and the EDP axis is itself two, as torchtitan's ("dp_replicate", "efsdp"): ("edp_replicate", "edp_shard") of
 dp/dp_shard × dp_shard/ep ranks, "edp" their flattened whole; FSDP2 shards the experts over the 2-D `edp_mesh`
 (sharded over dp_shard/ep ranks, replicated across the shard groups).
+
+Beside context parallelism (rank = (dp_rank * cp + cp_rank) * pp + pp_rank) each cp rank routes its own part of the
+sequence: an EP group is the `ep` dp ranks with the same cp coordinate, a (dp/ep, ep, cp, pp) mesh. The ranks holding
+the same experts are then the dp/ep * cp ranks of ("edp", "cp"), flattened into the EDP group, and the gradient is
+divided by dp * cp, the ranks DDP and FSDP2 average every other parameter over (`ExpertGroups.dp`).
 """
 
 from __future__ import annotations
@@ -65,9 +70,10 @@ def expert_layout(param: torch.Tensor) -> tuple[int, int]:
 @dataclass(frozen=True)
 class ExpertGroups:
     """This rank's expert-parallel group (`ep_group`, `ep` ranks; `ep_mesh` its 1-D mesh, for checkpoints) and
-    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts; `edp_mesh` its mesh for FSDP2:
-    1-D, or under HSDP 2-D (replicate, shard)); `ep_backward_group`: a second group of the `ep_group`'s ranks for the backward's exchanges (with
-    `--moe-overlap on`; else None)."""
+    expert-data-parallel group (`edp_group`, dp/ep ranks holding the same experts, times cp beside context
+    parallelism; `edp_mesh` its mesh for FSDP2: 1-D, or under HSDP 2-D (replicate, shard)); `dp` the ranks an expert
+    gradient is divided by (dp * cp: the ranks holding a stage's other parameters); `ep_backward_group`: a second
+    group of the `ep_group`'s ranks for the backward's exchanges (with `--moe-overlap on`; else None)."""
 
     ep: int
     dp: int
@@ -80,36 +86,41 @@ class ExpertGroups:
 
 
 def build_expert_groups(mesh: Mesh, ep: int, *, backward_group: bool = False) -> ExpertGroups:
-    """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank) over `mesh` (`ep`
-    divides dp), and with `backward_group` a second EP group of each (for `--moe-overlap on`); a collective call."""
+    """The EP and EDP groups of every stage (and, under tensor parallelism, of every TP rank; beside context
+    parallelism, of every cp rank) over `mesh` (`ep` divides dp), and with `backward_group` a second EP group of
+    each (for `--moe-overlap on`); a collective call."""
     device = mesh.device_mesh.device_type
-    shape, names = (mesh.dp // ep, ep, mesh.pp), ("edp", "ep", "pp")
+    shape, names = (mesh.dp // ep, ep), ("edp", "ep")
     hsdp = mesh.dp_shard > 0 and mesh.cp == 1
     if hsdp:  # the EDP axis split as the dense one: replicas of shard groups (`ep` divides `dp_shard`)
-        shape, names = (mesh.dp // mesh.dp_shard, mesh.dp_shard // ep, *shape[1:]), ("edp_replicate", "edp_shard",
-                                                                                      *names[1:])
+        shape, names = (mesh.dp // mesh.dp_shard, mesh.dp_shard // ep, ep), ("edp_replicate", "edp_shard", "ep")
+    if mesh.cp > 1:  # each cp rank's tokens go to the experts of the EP group of its cp coordinate
+        shape, names = (*shape, mesh.cp), (*names, "cp")
+    shape, names = (*shape, mesh.pp), (*names, "pp")
     if mesh.tp > 1:  # the innermost axis: each TP rank's experts are split over its own EP group
         shape, names = (*shape, mesh.tp), (*names, "tp")
     experts = init_device_mesh(device, shape, mesh_dim_names=names)
     if hsdp:
-        flatten_mesh(experts["edp_replicate", "edp_shard"], "edp")
+        edp_mesh = experts["edp_replicate", "edp_shard"]
+        edp = flatten_mesh(edp_mesh, "edp")
+    else:
+        edp = edp_mesh = flatten_mesh(experts["edp", "cp"], "edp_cp") if mesh.cp > 1 else experts["edp"]
     second = None
     if backward_group:  # every rank creates every group, in one order (new_group is collective over the world)
         rank = dist.get_rank()
         for ranks in experts.mesh.movedim(names.index("ep"), -1).reshape(-1, ep).tolist():
             group = dist.new_group(ranks)
             second = group if rank in ranks else second
-    return ExpertGroups(ep=ep, dp=mesh.dp, ep_group=experts.get_group("ep"), edp_group=experts.get_group("edp"),
-                        edp_mesh=experts["edp_replicate", "edp_shard"] if hsdp else experts["edp"],
-                        ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
+    return ExpertGroups(ep=ep, dp=mesh.replicas, ep_group=experts.get_group("ep"), edp_group=edp.get_group(),
+                        edp_mesh=edp_mesh, ep_rank=mesh.dp_rank % ep, ep_mesh=experts["ep"],
                         ep_backward_group=second)
 
 
 class ExpertGradients:
     """Reduces the gradients of a rank's expert parameters after each step: summed over the EDP group, divided by
-    dp (None counts as zero: a rank whose experts got no token). Gradients a caller accumulates over steps are
-    taken before the step (`take`) and added back after the reduction (`reduce`), as the engine does for tied
-    weights, so that each step's gradients are reduced once."""
+    `groups.dp` (dp * cp; None counts as zero: a rank whose experts got no token). Gradients a caller accumulates
+    over steps are taken before the step (`take`) and added back after the reduction (`reduce`), as the engine does
+    for tied weights, so that each step's gradients are reduced once."""
 
     def __init__(self, params: list[nn.Parameter], groups: ExpertGroups) -> None:
         self.params = [p for p in params if p.requires_grad]
@@ -123,7 +134,7 @@ class ExpertGradients:
         return kept
 
     def reduce(self, kept: list[torch.Tensor | None]) -> None:
-        """This step's gradients summed over the EDP group and divided by dp, plus what `take` kept."""
+        """This step's gradients summed over the EDP group and divided by `groups.dp`, plus what `take` kept."""
         if not self.params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]

@@ -11,6 +11,10 @@ all-to-alls: dispatch and combine, `(ep - 1) / ep` of the bytes leave the rank),
 busiest expert works `imbalance` times the mean (1.0: a perfectly balanced router), which stretches the experts'
 share of the compute. The EP group spans ep consecutive data-parallel replicas of a
 stage (pipetrain's mesh puts dp outermost): within a node when ep · pp · tp ranks fit in one, else across nodes.
+Beside context parallelism (`cp`) each cp rank routes its share of a sequence's tokens (the caller's `samples` are
+that share) over the ep ranks of its cp coordinate, ep · cp · pp · tp ranks wide; the experts' gradients are reduced
+over dp · cp / ep ranks (the caller's gradient layout counts the cp ranks in dp). As train, ep beside cp is priced
+at pp 1 and tp 1 only (`ep_cp_problem`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from typing import Protocol
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 
-__all__ = ["ep_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts", "expert_layout", "ep_extra_s",
-           "ep_exchange_s", "moe_blocks"]
+__all__ = ["ep_problem", "ep_cp_problem", "expert_degrees", "dense_part", "expert_share", "rank_parts",
+           "expert_layout", "ep_extra_s", "ep_exchange_s", "moe_blocks"]
 
 
 class _Layout(Protocol):
@@ -31,9 +35,11 @@ class _Layout(Protocol):
     pp: int
     tp: int
     ep: int
+    cp: int
     gpus_per_node: int
     sequence_parallel: bool
     moe_imbalance: float
+    dp_mode: str
 
 
 def moe_blocks(blocks: Sequence[BlockCost]) -> list[BlockCost]:
@@ -59,6 +65,16 @@ def ep_problem(blocks: Sequence[BlockCost], ep: int, dp: int | None = None,
         return f"ep={ep} does not divide dp={dp} (expert parallelism borrows ranks of a stage's data-parallel group)"
     if dp_shard and dp_shard % ep:
         return f"ep={ep} does not divide the HSDP shard group dp_shard={dp_shard} (an EP group lies in one)"
+    return None
+
+
+def ep_cp_problem(layout: _Layout) -> str | None:
+    """Why `layout`'s ep cannot run beside its cp (train builds ep x cp at pp 1 and tp 1, not under HSDP), or None."""
+    if layout.ep > 1 and layout.cp > 1 and (layout.pp > 1 or layout.tp > 1):
+        return (f"ep={layout.ep} beside cp={layout.cp} is built at pp 1 and tp 1 only, not pp={layout.pp} x "
+                f"tp={layout.tp}")
+    if layout.ep > 1 and layout.cp > 1 and layout.dp_mode == "hsdp":
+        return f"ep={layout.ep} beside cp={layout.cp} is built under DDP and FSDP, not HSDP"
     return None
 
 
@@ -111,7 +127,7 @@ def _a2a_s(nbytes: float, ep: int, layout: _Layout, network: Network) -> float:
     """One all-to-all in which a rank sends `nbytes` spread evenly over the `ep` ranks of its group."""
     if ep == 1 or nbytes <= 0:
         return 0.0
-    span = ep * layout.pp * layout.tp
+    span = ep * layout.cp * layout.pp * layout.tp  # an EP group's ranks are a replica (cp · pp · tp ranks) apart
     across = layout.gpus_per_node > 0 and span > layout.gpus_per_node
     latency, bandwidth = (network.across_collective() if across
                           else (network.collective_latency_s, network.collective_bytes_per_s))

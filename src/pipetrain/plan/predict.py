@@ -40,7 +40,7 @@ from functools import lru_cache
 from pipetrain.errors import ConfigError
 from pipetrain.partition.solver import solve_balance, uniform_balance
 from pipetrain.plan.context import context_samples, cp_problem
-from pipetrain.plan.experts import ep_problem, expert_layout, rank_parts
+from pipetrain.plan.experts import ep_cp_problem, ep_problem, expert_layout, rank_parts
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.layout import Layout
 from pipetrain.plan.loss import last_stage
@@ -117,6 +117,9 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
     problem = cp_problem(blocks, layout.cp, layout.cp_attention)
     if problem:
         raise ConfigError(problem, hint="choose a cp that splits the sequence (and, all-to-all, the heads)")
+    problem = ep_cp_problem(layout)
+    if problem:
+        raise ConfigError(problem, hint="choose pp 1 and tp 1 with ep and cp, or ep 1 (or cp 1)")
     if layout.gpus_per_node and layout.gpus_per_node % layout.tp:
         raise ConfigError(f"tp={layout.tp} would put a tensor-parallel group across nodes of {layout.gpus_per_node} "
                           "GPUs", hint=f"choose a tp that divides {layout.gpus_per_node}")

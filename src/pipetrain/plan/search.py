@@ -21,7 +21,7 @@ from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
 from pipetrain.errors import ConfigError
 from pipetrain.plan.bound import lower_bound_s
 from pipetrain.plan.context import cp_problem
-from pipetrain.plan.experts import ep_problem
+from pipetrain.plan.experts import ep_cp_problem, ep_problem
 from pipetrain.plan.hardware import Device, Network
 from pipetrain.plan.model import BlockCost
 from pipetrain.plan.predict import Prediction, predict
@@ -49,7 +49,7 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
     # sequence parallelism dominates (see above), but cp > 1 cuts the sequence without it
     tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps or max(space.cps) > 1]
     layouts = [layout for layout in enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
-               if ep_problem(blocks, layout.ep) is None
+               if ep_problem(blocks, layout.ep) is None and ep_cp_problem(layout) is None
                and cp_problem(blocks, layout.cp, layout.cp_attention) is None]
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))

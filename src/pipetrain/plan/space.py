@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipetrain.config import SPLIT_BACKWARD_SCHEDULES
+from pipetrain.plan.experts import ep_cp_problem
 from pipetrain.plan.layout import Layout
 from pipetrain.plan.overlap import can_overlap
 from pipetrain.plan.reshard import reshard_after_forward
@@ -113,6 +114,7 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
     split = [replace(layout, ep=ep, moe_imbalance=space.moe_imbalance) if ep > 1 else layout
              for layout in layouts for ep in sorted(set(space.eps))
              if layout.dp % ep == 0 and (layout.dp_mode != "hsdp" or layout.dp_shard % ep == 0)]
+    split = [layout for layout in split if ep_cp_problem(layout) is None]  # ep beside cp: pp 1 and tp 1, as train
     return [replace(layout, moe_overlap=True) if overlap else layout for layout in split
             for overlap in (sorted(set(space.moe_overlap)) if can_overlap(layout) else (False,))]
 

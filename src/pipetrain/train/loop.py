@@ -35,7 +35,7 @@ from pipetrain.workloads.registry import Dataset, Workload
 #: TrainConfig, load_data, SYNTHETIC (train/config.py), EpochReport, MetricTotals, report_dicts (logs/records.py)
 #: are imported from here too, as they were from `pipetrain.trainer`.
 __all__ = ["SYNTHETIC", "SYNTHETIC_TRAIN", "SYNTHETIC_TEST", "TrainConfig", "EpochReport", "MetricTotals", "load_data",
-           "train_rank", "report_dicts"]
+           "train_rank", "report_dicts", "expert_balancer"]
 
 log = logging.getLogger("pipetrain")
 
@@ -148,11 +148,13 @@ def train_rank(spec: RankSpec, config: TrainConfig, data: tuple[Dataset, Dataset
         close_session(after_error=sys.exc_info()[1] is not None)
 
 
-def _balancer(engine: PipelineEngine, mesh: Mesh, config: TrainConfig) -> ExpertBalancer | None:
+def expert_balancer(engine: PipelineEngine, mesh: Mesh) -> ExpertBalancer | None:
     """The expert load of a mixture of experts (its MoE layer blocks on this rank; None for a dense model)."""
     if not getattr(engine.model, "routed", False):
         return None
-    return ExpertBalancer(routed_blocks(engine.modules), mesh.dp_group if config.parallel.dp > 1 else None)
+    # the ranks holding the same layers: the dp replicas and, beside context parallelism, their cp ranks (each
+    # counts its part of the sequences)
+    return ExpertBalancer(routed_blocks(engine.modules), mesh.dp_group if mesh.replicas > 1 else None)
 
 
 def _expert_load(balancer: ExpertBalancer, step: int, every: int, main: bool,
@@ -185,7 +187,7 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                            dp=config.parallel.dp, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
     reports = [EpochReport(**report) for report in at.reports]
     rollouts, sampled = getattr(workload, "step_metrics", None), getattr(workload, "rollout_sample", None)
-    balancer = _balancer(engine, mesh, config)
+    balancer = expert_balancer(engine, mesh)
     run_log.best = EvalRecord(**reports[-1].best_eval) if reports and reports[-1].best_eval else None
     for epoch in range(at.epoch, epochs + 1):
         if config.max_steps is not None and at.step >= config.max_steps:

@@ -90,6 +90,7 @@ class DecoderLayer(HFBlock):
             if getattr(module, "config", None) is self.config:
                 module.config = config
         self.config, self.context = config, context
+        self._routed.context = context  # an expert capacity serves the slots of the whole sequences
 
     def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
         """The layer's output; with per-token `positions` (packed documents: they restart at each document),
@@ -98,6 +99,7 @@ class DecoderLayer(HFBlock):
         statistics last (the load-balancing loss on), this layer's added to them."""
         statistics = extra[-1] if self.carries else None
         positions = extra[0] if len(extra) > self.carries else None
+        self._routed.batch = hidden.shape[0]
         if hidden.device.type == "meta" and self.routed:
             with shapes_only([parent.experts for parent in self._moe_blocks]):
                 out = self._layer(hidden, positions)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.moe.router import load_balancing_loss
+from pipetrain.moe.router import load_balancing_loss, sum_over_ranks
 from pipetrain.workloads.hf.families import Family
 from pipetrain.workloads.hf.routing import carries_router_statistics, num_experts
 
@@ -88,6 +88,12 @@ class Head(HFBlock):
 
         self.carries = carries_router_statistics(config, family)
         self.top_k = getattr(config, "num_experts_per_tok", 0)
+        self.context_group: Any = None  #: the cp group whose ranks hold the other parts of the sequences
+
+    def use_context(self, context: Any) -> None:
+        """Context parallelism: the router statistics of a micro-batch are summed over the cp group (`context.group`)
+        before the load-balancing loss, which is then the whole sequences' (`pipetrain.moe.router.sum_over_ranks`)."""
+        self.context_group = context.group
 
     def forward(self, hidden: torch.Tensor, *extra: torch.Tensor) -> Any:
         """The logits (the positions of packed documents end here); with the router statistics, `(logits, aux)`:
@@ -95,7 +101,7 @@ class Head(HFBlock):
         logits = self.logits(hidden)
         if not self.carries:
             return logits
-        aux = load_balancing_loss(extra[-1], self.top_k)
+        aux = load_balancing_loss(sum_over_ranks(extra[-1], self.context_group), self.top_k)
         return logits, aux.expand(hidden.shape[0]).contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,15 +37,29 @@ class RouterOutputs(list):
     at = 0  #: the index of the logits in the router's output
     capacity: float | None = None  #: the expert capacity factor (None: nothing dropped)
     experts = 0  #: the layer's routed experts
+    #: context parallelism's `ContextParallel` (None without): the slots are served over the whole sequences
+    context: Any = None
+    batch = 1  #: the micro-batch's sequences (set by the layer before each forward; read under context parallelism)
 
     def __call__(self, module: nn.Module, args: Any, out: tuple[torch.Tensor, ...]) -> Any:
         chosen = out[-1]
         if self.capacity is None or chosen.device.type == "meta":
             self.append((out[self.at], chosen, None))
             return None
-        keep = within_capacity(chosen, self.experts, self.capacity)
+        keep = self._keep(chosen)
         self.append((out[self.at], chosen, (~keep).sum()))
         return (*out[:-2], out[-2] * keep.to(out[-2].dtype), chosen)
+
+    def _keep(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Which of this rank's slots `chosen` [N, k] the capacity keeps: of the micro-batch's whole sequences under
+        context parallelism (the cp ranks' choices gathered, served in token order, this rank's part kept), so
+        the slots dropped are the unsplit model's."""
+        if self.context is None:
+            return within_capacity(chosen, self.experts, self.capacity)
+        local = chosen.view(self.batch, -1, chosen.shape[-1])
+        whole = self.context.whole_sequences(local)
+        keep = within_capacity(whole.reshape(-1, chosen.shape[-1]), self.experts, self.capacity)
+        return self.context.own_part(keep.view(whole.shape)).reshape(chosen.shape)
 
 
 @contextmanager
