@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import re
 import shlex
@@ -53,12 +54,17 @@ def doc_commands() -> list[tuple[str, list[str]]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _parser(verb: str) -> argparse.ArgumentParser:
+    return build_parser([verb])
+
+
 def _parse(argv: list[str]) -> str | None:
     """None when the CLI's parser accepts `argv`, else its error line."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser(argv).parse_args(argv)
+            _parser(argv[0]).parse_args(argv)
     except SystemExit as stop:
         return err.getvalue().strip().splitlines()[-1] if stop.code else None
     return None
@@ -66,7 +72,7 @@ def _parse(argv: list[str]) -> str | None:
 
 def _deprecated(argv: list[str]) -> set[str]:
     """The flags of argv's verb whose help hides them or calls them deprecated."""
-    parser = build_parser(argv)
+    parser = _parser(argv[0])
     verb = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
     return {flag for action in verb._actions for flag in action.option_strings
             if action.help == argparse.SUPPRESS or (action.help or "").startswith("deprecated")}
