@@ -61,7 +61,7 @@ BAD = {
     "no-file": ("missing/model.py:workload", "no such file 'missing/model.py'"),
     "no-module": ("no_such_pkg.models:workload", "cannot import 'no_such_pkg.models': no module named 'no_such_pkg'"),
     "no-name": ("tests.distributed.check_models:nope", "has no 'nope'"),
-    "not-a-workload": ("tests.distributed.check_models:not_a_workload", "is a int, not a workload"),
+    "not-a-workload": ("tests.distributed.check_models:not_a_workload", "is an int, not a workload"),
     "a-class-not-a-workload": ("pipetrain.errors:ConfigError", "the class ConfigError, not a Workload subclass"),
     "not-a-spec": ("examples/my_model.py:", "is not MODULE:NAME or path/to/file.py:NAME"),
 }
@@ -112,3 +112,11 @@ def test_a_bench_cell_reads_a_file_workload_before_its_preset():
     workload, preset = cell_workload(Cell(batch_size=8, preset=f"{EXAMPLE}:tiny"))
     assert (workload.name, preset) == ("spiral", "tiny")
     assert parse_axis(f"preset={EXAMPLE}:tiny") == ("preset", [f"{EXAMPLE}:tiny"])
+
+
+def test_what_is_not_a_workload_is_named_with_its_article(tmp_path):
+    (tmp_path / "bad.py").write_text("def make():\n    return 'text'\n\ndef odd():\n    return 3\n")
+    with pytest.raises(ConfigError, match="is a factory returning a str, not a workload"):
+        load_workload(f"{tmp_path / 'bad.py'}:make")
+    with pytest.raises(ConfigError, match="is a factory returning an int, not a workload"):
+        load_workload(f"{tmp_path / 'bad.py'}:odd")

@@ -132,15 +132,20 @@ def load_workload(spec: str):
         raise ConfigError(f"--workload {spec!r}: {obj.__name__} is abstract (it does not define {missing})",
                           hint="define those methods of pipetrain.workloads.base.Workload")
     if not callable(obj):
-        raise _not_a_workload(spec, f"a {type(obj).__name__}")
+        raise _not_a_workload(spec, _a(type(obj).__name__))
     try:
         made = obj()
     except TypeError as err:
         raise ConfigError(f"--workload {spec!r}: calling {name}() failed: {err}",
                           hint="a factory takes no arguments and returns a Workload") from None
     if not isinstance(made, Workload):
-        raise _not_a_workload(spec, f"a factory returning a {type(made).__name__}")
+        raise _not_a_workload(spec, f"a factory returning {_a(type(made).__name__)}")
     return made
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article: "an int", "a str"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _not_a_workload(spec: str, what: str) -> ConfigError:
