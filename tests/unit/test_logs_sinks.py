@@ -127,8 +127,9 @@ def test_answer_only_rows_show_the_tokens_processed_and_the_trained_ones_beside(
 def test_eval_is_due_every_n_steps_but_not_twice_at_an_epoch_end():
     config = LogConfig(eval_every=3)
     assert [s for s in range(1, 13) if config.eval_due(s, epoch_end=s in (6, 12))] == [3, 9]
-    bounded = LogConfig(eval_every=3, eval_batches=1)  # a bounded evaluation is not the end-of-epoch one
-    assert [s for s in range(1, 13) if bounded.eval_due(s, epoch_end=s in (6, 12))] == [3, 6, 9, 12]
+    bounded = LogConfig(eval_every=3, eval_batches=1)  # the end-of-epoch evaluation is bounded alike: it stands
+    assert [s for s in range(1, 13) if bounded.eval_due(s, epoch_end=s in (6, 12))] == [3, 9]
+    assert not any(LogConfig(eval_batches=2).eval_due(s, epoch_end=s == 6) for s in range(1, 10))
     assert not any(LogConfig().eval_due(s, epoch_end=False) for s in range(1, 10))
 
 
@@ -136,7 +137,7 @@ def test_eval_is_due_every_n_steps_but_not_twice_at_an_epoch_end():
     ({"log_every": 0}, "--log-every must be 1 or more, got 0"),
     ({"eval_every": 0}, "--eval-every must be 1 or more, got 0"),
     ({"eval_every": 2, "eval_batches": 0}, "--eval-batches must be 1 or more, got 0"),
-    ({"eval_batches": 2}, "--eval-batches bounds the evaluations of --eval-every"),
+    ({"eval_batches": 0}, "--eval-batches must be 1 or more, got 0"),
     ({"peak_tflops": 0.0}, "--peak-tflops must be positive"),
 ])
 def test_bad_log_config(changes, text):
@@ -225,10 +226,40 @@ def test_eval_batches_bounds_the_batches_read():
 
     engine = SimpleNamespace(evaluate=lambda x, y: StepResult(loss=float(x[0, 0]), accuracy=1.0, samples=2, count=2))
     config = SimpleNamespace(batch_size=2, seed=0, bucket=False, parallel=SimpleNamespace(dp=1))
-    durable = SimpleNamespace(progress=lambda: None)
+    durable = SimpleNamespace(progress=lambda: None, stop_requested=lambda: False)
     at = Position(step=7, epoch=2)
     _, record = trainer._held_out(engine, Workload(), None, config, 0, durable, at, "every", 2)
     assert read == [0, 1] and (record.batches, record.loss, record.step, record.epoch) == (2, 0.5, 7, 2)
     read.clear()
     _, record = trainer._held_out(engine, Workload(), None, config, 0, durable, at, "epoch")
     assert read == [0, 1, 2, 3, 4] and (record.batches, record.loss, record.trigger) == (5, 2.0, "epoch")
+    read.clear()  # a stop signal after the second batch: the evaluation ends there, with no record
+    asked = iter([False, True])
+    stopping = SimpleNamespace(progress=lambda: None, stop_requested=lambda: next(asked))
+    assert trainer._held_out(engine, Workload(), None, config, 0, stopping, at, "epoch") is None
+    assert read == [0, 1]
+
+
+def test_a_stop_signal_is_agreed_between_evaluation_batches_when_saving(tmp_path):
+    """`DurableRun.stop_requested`: True once a stop signal came (SIGTERM, caught only with --save-dir), naming it;
+    without --save-dir never (the signal ends the job at once)."""
+    import signal
+    from types import SimpleNamespace
+
+    from pipetrain.checkpoint.durable import DurableRun
+
+    def run(save_dir):
+        durable = DurableRun.__new__(DurableRun)  # its stop request alone: no engine, no process group
+        durable.__dict__.update(config=SimpleNamespace(save_dir=save_dir), device=torch.device("cpu"),
+                                stopped_by=None)
+        from pipetrain.checkpoint.stop import StopRequest
+        durable._stop = StopRequest()
+        return durable
+
+    saving = run(tmp_path)
+    assert not saving.stop_requested()
+    saving._stop._record(signal.SIGTERM, None)
+    assert saving.stop_requested() and saving.stopped_by == "SIGTERM"
+    silent = run(None)
+    silent._stop._record(signal.SIGTERM, None)
+    assert not silent.stop_requested() and silent.stopped_by is None

@@ -70,7 +70,8 @@ class DurableRun:
     """One rank's side of a durable job; a no-op without --save-dir (except the watchdog).
 
     The loop calls `start()` once (it resumes), `after_step(position)` after each optimizer step (True: stop
-    now, every rank agrees), `progress()` during evaluation, `end_epoch(position)` and `close()`.
+    now, every rank agrees), `progress()` and `stop_requested()` after each evaluation batch, `end_epoch(position)`
+    and `close()`.
     """
 
     def __init__(self, config: DurableConfig, engine: PipelineEngine, optimizer: torch.optim.Optimizer, *,
@@ -140,6 +141,15 @@ class DurableRun:
         """Something other than a step finished (an evaluation batch): the job is alive."""
         if self._watchdog is not None:
             self._watchdog.progress(self._step)
+
+    def stop_requested(self) -> bool:
+        """Between evaluation batches: True on every rank when any rank got a stop signal (a collective), so that
+        an evaluation stops at the next batch, not at its end; the loop then stops as after a step. Always False
+        without --save-dir (no stop signal is caught: it ends the job at once)."""
+        if not self.saving or not self._stop.agreed(self.device):
+            return False
+        self.stopped_by = self._stop.signal_name
+        return True
 
     def after_step(self, position: Position) -> bool:
         """Save when due; True when a stop was requested on any rank (then the checkpoint is saved)."""

@@ -27,7 +27,8 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
                        help="also evaluate on the held-out data every N optimizer steps (default: only at "
                             "the end of each epoch)")
     group.add_argument("--eval-batches", type=int, default=None, metavar="K",
-                       help="with --eval-every: read at most K held-out batches per evaluation (default: all)")
+                       help="read at most K held-out batches per evaluation, at the end of each epoch and with "
+                            "--eval-every (default: all)")
     group.add_argument("--peak-tflops", type=float, default=None, metavar="T",
                        help="peak TFLOP/s of one device, for MFU (default: from the GPU's name; no MFU on CPU)")
     group.add_argument("--straggler-factor", type=float, default=1.3, metavar="F",

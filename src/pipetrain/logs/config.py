@@ -25,8 +25,8 @@ class LogConfig:
     `run_dir`: the run's folder, which receives `steps.jsonl` (one JSON line per step and per evaluation) and
     `config.toml` (`config_text`, the effective configuration); None writes neither. `log_every`: a console
     line every N steps (when no progress bar is shown). `tensorboard`: a folder for TensorBoard event files.
-    `eval_every`: evaluate on the held-out data every N optimizer steps (besides the end of each epoch),
-    reading at most `eval_batches` batches (None: all). `peak_tflops`: the peak TFLOP/s of one device for MFU
+    `eval_every`: evaluate on the held-out data every N optimizer steps (besides the end of each epoch);
+    every evaluation (those and the end of each epoch's) reads at most `eval_batches` batches (None: all). `peak_tflops`: the peak TFLOP/s of one device for MFU
     (default: from the GPU's name; none on CPU). `metrics`: a JSON file of the epoch reports, written at the end.
     """
 
@@ -54,9 +54,6 @@ class LogConfig:
             if value is not None and (isinstance(value, bool) or value < 1):
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be 1 or more, got {value}", hint=f"pass {flag} 1 or more")
-        if self.eval_batches is not None and self.eval_every is None:
-            raise ConfigError("--eval-batches bounds the evaluations of --eval-every, which is not given",
-                              hint="add --eval-every N, or drop --eval-batches")
         if (self.sample_every is None) != (self.sample_prompt is None):
             given, missing = (("--sample-every", "--sample-prompt TEXT") if self.sample_prompt is None
                               else ("--sample-prompt", "--sample-every N"))
@@ -72,11 +69,9 @@ class LogConfig:
             check_tensorboard()
 
     def eval_due(self, step: int, *, epoch_end: bool) -> bool:
-        """Whether to evaluate after optimizer step `step`. At the end of an epoch a full evaluation (no
-        `eval_batches`) is left to the end-of-epoch one, which gives the same figures."""
-        if self.eval_every is None or step % self.eval_every:
-            return False
-        return not (epoch_end and self.eval_batches is None)
+        """Whether to evaluate after optimizer step `step`. At the end of an epoch the evaluation is left to the
+        end-of-epoch one, which reads the same batches (`eval_batches` bounds both) and gives the same figures."""
+        return self.eval_every is not None and step % self.eval_every == 0 and not epoch_end
 
 
 def default_run_dir(workload: str, now: datetime | None = None, pid: int | None = None) -> Path:

@@ -41,20 +41,25 @@ log = logging.getLogger("pipetrain")
 
 
 def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
-              durable: DurableRun, limit: int | None = None) -> MetricTotals:
+              durable: DurableRun, limit: int | None = None) -> MetricTotals | None:
+    """The held-out figures of at most `limit` batches (None: all); None when a stop signal came (the evaluation
+    stops at the next batch, every rank at the same one)."""
     totals = MetricTotals()
     for x, y in itertools.islice(workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
                                                   replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket),
                                  limit):
         totals.add(engine.evaluate(x, y))
         durable.progress()
+        if durable.stop_requested():
+            return None
     return totals
 
 
 def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
-              durable: DurableRun, at: Position, trigger: str, limit: int | None = None) -> tuple[MetricTotals, EvalRecord]:
-    """`_evaluate`, and its figures as the run log's record of an evaluation after step `at.step`; for an objective
-    that rolls out (GRPO) the held-out prompts' rewards instead, with no loss."""
+              durable: DurableRun, at: Position, trigger: str,
+              limit: int | None = None) -> tuple[MetricTotals, EvalRecord] | None:
+    """`_evaluate`, and its figures as the run log's record of an evaluation after step `at.step` (None: stopped by
+    a signal); for an objective that rolls out (GRPO) the held-out prompts' rewards instead, with no loss."""
     start = time.perf_counter()
     rewards = getattr(workload, "held_out_rewards", None)  # GRPO: greedy completions scored, a bounded number
     if rewards is not None:
@@ -63,6 +68,8 @@ def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config:
         return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=None, trigger=trigger, batches=1,
                                   seconds=time.perf_counter() - start, extras=tested.extra_means())
     tested = _evaluate(engine, workload, test, config, dp_rank, durable, limit)
+    if tested is None:
+        return None
     loss, accuracy = tested.means()
     batches = workload.num_batches(test, config.batch_size, replicas=config.parallel.dp)
     return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=loss, trigger=trigger,
@@ -225,9 +232,9 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
                 run_log.sample(at.step, *sampled())  # GRPO: a completion of this step and its reward
             if samples is not None and at.step % config.logs.sample_every == 0:  # text through the same stages
                 run_log.sample(at.step, config.logs.sample_prompt, samples.text())
-            if run_log.due(at.step, epoch_end=at.in_epoch == total):
-                run_log.eval(_held_out(engine, workload, test, config, dp_rank, durable, at, "every",
-                                       config.logs.eval_batches)[1])
+            if run_log.due(at.step, epoch_end=at.in_epoch == total) and (held := _held_out(
+                    engine, workload, test, config, dp_rank, durable, at, "every", config.logs.eval_batches)):
+                run_log.eval(held[1])  # (None: stopped during it, which after_step says)
             if durable.after_step(at):
                 run_log.end_epoch()
                 _stopped(durable, at, run_log.main)
@@ -236,7 +243,12 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         partial = at.in_epoch < per_epoch  # --max-steps ends the job inside this epoch
         if partial:
             durable.save(at)  # a resumed job goes on with the rest of this epoch
-        tested, held_out = _held_out(engine, workload, test, config, dp_rank, durable, at, "epoch")
+        held = _held_out(engine, workload, test, config, dp_rank, durable, at, "epoch", config.logs.eval_batches)
+        if held is None:  # a stop signal during it: saved as after the epoch's last step (a resume evaluates again)
+            durable.after_step(at)
+            _stopped(durable, at, run_log.main)
+            return reports
+        tested, held_out = held
         run_log.eval(held_out)
         report = EpochReport.of(epoch, at.step, totals, tested, seconds=time.perf_counter() - start,
                                 synthetic=train.synthetic, data=workload.describe_data(train),
