@@ -101,7 +101,7 @@ def test_max_steps_is_the_run_length_going_round_the_data(reference):
     assert [r["lr"] for r in steps] == pytest.approx([lr_at(schedule, s, STEPS) for s in range(STEPS)], rel=1e-12)
 
 
-def test_resume_under_dp1_pp2_then_dp4_trains_the_same_samples(reference, tmp_path):
+def test_resume_under_dp1_pp2_then_dp4_trains_the_same_samples(reference, tmp_path, capfd):
     folder, data, steps = reference
     dp1 = _train(tmp_path, data, "dp1", "--dp", "1", "--pp", "2", "--chunks", "2", "--resume",
                  _checkpoint(folder, "ref", 4))
@@ -110,12 +110,17 @@ def test_resume_under_dp1_pp2_then_dp4_trains_the_same_samples(reference, tmp_pa
     dp4 = _train(tmp_path, data, "dp4", "--dp", "4", "--pp", "1", "--chunks", "1", "--resume",
                  _checkpoint(tmp_path, "dp1", 12))
     _same_samples(dp4, steps, 13, bitwise=False)
+    out = capfd.readouterr().out
+    assert out.count("resumed from") == 2 and "another recipe" not in out, out  # a layout is not the recipe
 
 
-def test_resume_under_the_same_layout_is_bitwise(reference, tmp_path):
+def test_resume_under_the_same_layout_is_bitwise(reference, tmp_path, capfd):
+    """...and a recipe field changed on resume (one that changes no loss here) is said in one line by rank 0."""
     folder, data, steps = reference
-    _same_samples(_train(tmp_path, data, "again", *DP2, "--resume", _checkpoint(folder, "ref", 8)), steps, 9,
-                  bitwise=True)
+    _same_samples(_train(tmp_path, data, "again", *DP2, "--resume", _checkpoint(folder, "ref", 8),
+                         "--skip-nonfinite", "2"), steps, 9, bitwise=True)
+    warned = [line for line in capfd.readouterr().out.splitlines() if "another recipe" in line]
+    assert len(warned) == 1 and "--skip-nonfinite 0 -> 2" in warned[0] and "--lr" not in warned[0], warned
 
 
 def test_a_checkpoint_inside_an_epoch_needs_its_global_batch(reference, tmp_path, capsys):

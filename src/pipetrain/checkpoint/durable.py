@@ -99,6 +99,8 @@ class DurableRun:
         self._saver = (BackgroundSaver(timeout_s=self._save_limit_s) if config.async_save and config.save_dir is not None
                        else None)
         self.stopped_by: str | None = None
+        #: the job configuration the resumed checkpoint was saved with (None: not resumed)
+        self.resumed_config: dict[str, Any] | None = None
 
     @property
     def saving(self) -> bool:
@@ -120,6 +122,7 @@ class DurableRun:
                                        process_group=self._group)
             position = Position(**{"sample": None, **meta.extras["position"]})  # None: saved before it was recorded
             self._saved = copy.deepcopy({**position.__dict__, "data": None})
+            self.resumed_config = dict(meta.config)
             if dist.get_rank() == 0:
                 log.info("pipetrain: resumed from %s (step %d, epoch %d, %d batches of it done; its next sample: "
                          "%s of its order)", folder, position.step, position.epoch, position.in_epoch,

@@ -30,6 +30,7 @@ from pipetrain.recipe import Recipe, StepOutcome, build_optimizer
 from pipetrain.session import Session, close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.train.config import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data
+from pipetrain.train.resume_changes import changes_warning, recipe_changes
 from pipetrain.workloads.registry import Dataset, Workload
 
 #: TrainConfig, load_data, SYNTHETIC (train/config.py), EpochReport, MetricTotals, report_dicts (logs/records.py)
@@ -189,6 +190,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
     per_epoch = workload.num_batches(train, config.batch_size, replicas=config.parallel.dp)
     epochs, size = config.epochs_of(train), len(train)
     at = durable.start()
+    if run_log.main and (changed := recipe_changes(durable.resumed_config or {}, durable.job_config)):
+        log.warning(changes_warning(changed))  # legitimate (a new --lr on resume), but never silent
     recipe.load_state_dict(at.recipe)
     watch = StragglerWatch(engine, every=config.logs.log_every, factor=config.logs.straggler_factor,
                            dp=config.parallel.dp, dp_rank=mesh.dp_rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank)
