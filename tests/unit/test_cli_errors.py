@@ -314,6 +314,20 @@ END_TO_END = {
 }
 
 
+def test_an_unknown_workload_is_said_before_torch_is_imported():
+    """A misspelt --workload (train, check) is said before the verb's imports of torch (13 s here, a minute under
+    load), in a fresh interpreter; the registry's own check (the case "unknown-workload") says the same line."""
+    script = ("import sys; from pipetrain.cli.main import main; "
+              "codes = [main(['train', '--workload', 'speech']), main(['check', '--workload=speech', '--pp', '2'])]; "
+              "print(*codes, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], env=clean_environ(), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.stdout.split() == ["2", "2", "False"], done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], done.stderr
+    assert_one_error(2, "", lines[0], "unknown workload 'speech'", "hint: choose one of: classifier, lm, hf, vision")
+
+
 def test_command_line_end_to_end():
     # PIPETRAIN_START_METHOD=spawn: no fork server warmed up beside each command (it would import torch for ranks
     # these errors never start: about 3 s of CPU each); a rank started by mistake would still start, and fail the test

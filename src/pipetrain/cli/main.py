@@ -15,6 +15,7 @@ from pipetrain.launch.env import detect
 from pipetrain.launch.forkserver import preload_also, warm_up
 from pipetrain.launch.ranks import mark_command_start
 from pipetrain.workloads.hf import RANK_IMPORTS as HF_RANK_IMPORTS
+from pipetrain.workloads.names import BUILTIN, is_import_spec, unknown_workload
 
 __all__ = ["main"]
 
@@ -24,6 +25,8 @@ VERBS = ("train", "check", "bench", "sbatch", "profile", "plan", "tune", "export
 SPAWNING_VERBS = ("train", "check", "bench", "generate", "eval")
 #: the verbs whose ranks always run a Hugging Face model (the others: with --workload hf)
 HF_VERBS = ("generate", "eval")
+#: the verbs whose --workload names a registered workload (checked before their module imports torch)
+WORKLOAD_VERBS = ("train", "check", "profile")
 #: what `pipetrain --help` says above the verbs
 DESCRIPTION = (
     "Train a PyTorch model over several devices with pipeline, data and tensor parallelism, on one machine or many: "
@@ -87,6 +90,16 @@ def _start_rank_server(argv: Sequence[str]) -> None:
         pass
 
 
+def _check_workload(argv: Sequence[str]) -> None:
+    """A misspelt --workload, said before the verb's module imports torch (seconds, a minute under load). A process
+    that imported the registry may have registered more names: the verb itself checks them."""
+    name = _flag_value(argv, "--workload")
+    if (_verb(argv) not in WORKLOAD_VERBS or name is None or {"-h", "--help"} & set(argv) or is_import_spec(name)
+            or name in BUILTIN or "pipetrain.workloads.registry" in sys.modules):
+        return
+    raise unknown_workload(name, BUILTIN)
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The command's parser. With a verb in `argv`, only that verb's module is imported (the others import
     torch, which `pipetrain plan` does not need); without one, all of them, for the help."""
@@ -104,13 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     mark_command_start()  # a job's start-up counts from here when this process ran one before
-    _start_rank_server(argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
-    )
     try:
+        _check_workload(argv)  # before the imports of torch
+        _start_rank_server(argv)
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
+        )
         args = apply_config_file(parser, argv, args)  # --config FILE: its values under the flags given
         return int(args.run(args) or 0)
     except PipetrainError as err:

@@ -21,15 +21,11 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.base import Workload
+from pipetrain.workloads.names import is_import_spec
 
 __all__ = ["is_import_spec", "load_workload", "load_object", "workload_label", "portable", "Portable"]
 
 _FILE_MODULE_PREFIX = "pipetrain_user_workload_"
-
-
-def is_import_spec(spec: str) -> bool:
-    """Whether `spec` names a workload by import path (`MODULE:NAME` or `file.py:NAME`) rather than by name."""
-    return ":" in spec
 
 
 def workload_label(spec: str) -> str:

@@ -14,30 +14,24 @@ from collections.abc import Callable
 
 from pipetrain.errors import ConfigError
 from pipetrain.workloads.base import Batch, DataRequest, Dataset, Workload
-from pipetrain.workloads.loader import is_import_spec, load_workload
+from pipetrain.workloads.loader import load_workload
+from pipetrain.workloads.names import BUILTIN, is_import_spec, unknown_workload
 
 __all__ = ["Batch", "Dataset", "DataRequest", "Workload", "register", "get_workload", "workload_names"]
 
-#: Built-in workloads, imported on first use: name -> "module:class".
-_BUILTIN: dict[str, str] = {
-    "classifier": "pipetrain.workloads.classifier.workload:ClassifierWorkload",
-    "lm": "pipetrain.workloads.lm.workload:LanguageModelWorkload",
-    "hf": "pipetrain.workloads.hf.workload:HFWorkload",
-    "vision": "pipetrain.workloads.vision.workload:VisionWorkload",
-}
 _REGISTERED: dict[str, Callable[[], Workload]] = {}
 
 
 def register(name: str, factory: Callable[[], Workload]) -> None:
     """Make `get_workload(name)` return `factory()`; a name already taken raises ConfigError."""
-    if name in _BUILTIN or name in _REGISTERED:
+    if name in BUILTIN or name in _REGISTERED:
         raise ConfigError(f"workload {name!r} is already registered", hint="register it under another name")
     _REGISTERED[name] = factory
 
 
 def workload_names() -> tuple[str, ...]:
     """Every name `get_workload` accepts, built-in first."""
-    return (*_BUILTIN, *_REGISTERED)
+    return (*BUILTIN, *_REGISTERED)
 
 
 def get_workload(name: str) -> Workload:
@@ -45,11 +39,9 @@ def get_workload(name: str) -> Workload:
     name raises ConfigError listing the known ones."""
     if name in _REGISTERED:
         return _REGISTERED[name]()
-    if name not in _BUILTIN:
+    if name not in BUILTIN:
         if is_import_spec(name):
             return load_workload(name)
-        raise ConfigError(f"unknown workload {name!r}",
-                          hint=f"choose one of: {', '.join(workload_names())}, or name your own as MODULE:NAME "
-                               "or path/to/file.py:NAME")
-    module, _, cls = _BUILTIN[name].partition(":")
+        raise unknown_workload(name, workload_names())
+    module, _, cls = BUILTIN[name].partition(":")
     return getattr(importlib.import_module(module), cls)()
