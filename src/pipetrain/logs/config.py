@@ -26,8 +26,9 @@ class LogConfig:
     `config.toml` (`config_text`, the effective configuration); None writes neither. `log_every`: a console
     line every N steps (when no progress bar is shown). `tensorboard`: a folder for TensorBoard event files.
     `eval_every`: evaluate on the held-out data every N optimizer steps (besides the end of each epoch);
-    every evaluation (those and the end of each epoch's) reads at most `eval_batches` batches (None: all). `peak_tflops`: the peak TFLOP/s of one device for MFU
-    (default: from the GPU's name; none on CPU). `metrics`: a JSON file of the epoch reports, written at the end.
+    every evaluation (those and the end of each epoch's) reads at most `eval_batches` batches (None: all).
+    `peak_tflops`: the peak TFLOP/s of one device for MFU (default: from the GPU's name; none on CPU).
+    `metrics`: a JSON file of the epoch reports, written at the end.
     """
 
     run_dir: Path | None = None

@@ -247,8 +247,8 @@ def _train_epochs(config: TrainConfig, workload: Workload, engine: PipelineEngin
         if partial:
             durable.save(at)  # a resumed job goes on with the rest of this epoch
         held = _held_out(engine, workload, test, config, dp_rank, durable, at, "epoch", config.logs.eval_batches)
-        if held is None:  # a stop signal during it: saved as after the epoch's last step (a resume evaluates again)
-            durable.after_step(at)
+        if held is None:  # a stop signal during it: saved as after the epoch's last step (a resume evaluates
+            durable.after_step(at)  # again, unless --max-steps ended the run there: as after a stop at that step)
             _stopped(durable, at, run_log.main)
             return reports
         tested, held_out = held
