@@ -95,8 +95,11 @@ CASES = {
 #: the token where every row of the "boundary" documents starts a document: the first of cp 2's last zig-zag part
 BOUNDARY = 3 * SEQ // 4
 
-#: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")
+#: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora", "bf16", or "sp" (sequence
+#: parallelism beside cp: 1/(cp*tp) of each sequence between the TP regions) with "-lp" (loss parallelism too))
 VARIANTS = {
+    "llama-ring-cp2xtp2-fsdp-sp": ("llama-ring-cp2xtp2-fsdp", "sp"),
+    "llama-ring-cp2xtp2-fsdp-sp-lp": ("llama-ring-cp2xtp2-fsdp", "sp-lp"),
     "llama-ring-cp2xpp2-lora": ("llama-ring-cp2xpp2", "lora"),
     "llama-ring-cp2xpp2-bf16": ("llama-ring-cp2xpp2", "bf16"),
     "llama-ulysses-cp2xpp2-bf16": ("llama-ulysses-cp2xpp2", "bf16"),
@@ -174,7 +177,8 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
         model = LoraBlocks(model, SETTINGS)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
     parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention,
-                              dp_shard=1 if dp_mode == "hsdp" else None)
+                              dp_shard=1 if dp_mode == "hsdp" else None, sequence_parallel=variant.startswith("sp"),
+                              loss_parallel=variant.endswith("-lp"))
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss,
                             precision="bf16" if variant == "bf16" else "fp32")
     engine, replica = session.engine, session.mesh.dp_rank
@@ -407,6 +411,25 @@ def test_lora_with_context_parallelism_matches_the_unsplit_peft_model(runs):
     seen = compare_records(records, ref)
     assert seen == set(ref["params"]), f"adapters held by no rank: {sorted(set(ref['params']) - seen)}"
     assert all(".lora_A." in name or ".lora_B." in name for name in seen)
+
+
+@pytest.mark.parametrize("case", [case for case, (_, variant) in VARIANTS.items() if variant.startswith("sp")])
+def test_sequence_and_loss_parallelism_beside_cp_match_unsplit(case, runs):
+    """Ring cp2 x tp2 with --sequence-parallel (each rank's norms, residual adds and stage boundary on 1/4 of every
+    sequence, gathered to its cp part before attention and MLP), and with --loss-parallel too (the logits of the cp
+    part split over the vocabulary): the loss on every rank, every gradient of every step and every final parameter
+    equal the unsplit transformers model's (rtol 1e-5, atol 4e-5); q_proj split over the 4 ranks (tp x FSDP2)."""
+    per_rank, references = runs
+    ref = references["llama", 1, False]
+    seen = compare_records([records[case] for records in per_rank], ref)
+    assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                    ref["params"][name].numel())}
+    if case.endswith("-lp"):  # the head split over the vocabulary (tp) and sharded by FSDP2 over cp
+        name = "lm_head.weight"
+        assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                        ref["params"][name].numel())}
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:
