@@ -4,7 +4,9 @@ transformers model on the same tokens.
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
 recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP, FSDP2, HSDP); all-to-all attention at
 cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
-over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
+over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2; the Llama's
+with --sequence-parallel beside cp, and with --loss-parallel too: 1/(cp*tp) of each sequence between the TP regions,
+the logits of the cp part split over the vocabulary); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
 schedules (zero-bubble, zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2
