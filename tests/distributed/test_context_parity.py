@@ -188,9 +188,11 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     opt = (torch.optim.SGD(param_groups(engine, 0.0), lr=LORA_LR, momentum=MOMENTUM) if variant == "lora" else
            torch.optim.SGD(engine.parameters(), lr=LR))
     trained = [(n, p) for n, p in engine.named_parameters() if p.requires_grad]
-    losses, grads = [], []
+    losses, grads, evaluated = [], [], None
     for inputs, labels in batches(dp, documents):
         share = slice(replica * labels.shape[0] // dp, (replica + 1) * labels.shape[0] // dp)
+        if variant.startswith("sp") and evaluated is None:  # the first batch's loss before training, evaluated
+            evaluated = engine.evaluate(tuple(t[share] for t in inputs), labels[share]).loss
         opt.zero_grad()
         losses.append(engine.step(tuple(t[share] for t in inputs), labels[share]).loss)
         grads.append([(keys[n], _full(p.grad).clone()) for n, p in trained])
@@ -199,7 +201,7 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     held = {keys[n]: (p.to_local().numel(), p.numel()) for n, p in trained if isinstance(p, DTensor)}
     if save is not None:
         save_checkpoint(save, engine, opt, step=3, model_name="llama")
-    return {"losses": losses, "grads": grads, "params": params, "held": held}
+    return {"losses": losses, "grads": grads, "params": params, "held": held, "evaluated": evaluated}
 
 
 def _train_moe(folder: str, case: str, device: torch.device) -> dict:
@@ -420,7 +422,8 @@ def test_sequence_and_loss_parallelism_beside_cp_match_unsplit(case, runs):
     """Ring cp2 x tp2 with --sequence-parallel (each rank's norms, residual adds and stage boundary on 1/4 of every
     sequence, gathered to its cp part before attention and MLP), and with --loss-parallel too (the logits of the cp
     part split over the vocabulary): the loss on every rank, every gradient of every step and every final parameter
-    equal the unsplit transformers model's (rtol 1e-5, atol 4e-5); q_proj split over the 4 ranks (tp x FSDP2)."""
+    equal the unsplit transformers model's (rtol 1e-5, atol 4e-5), and so does the first batch's evaluated loss;
+    q_proj split over the 4 ranks (tp x FSDP2)."""
     per_rank, references = runs
     ref = references["llama", 1, False]
     seen = compare_records([records[case] for records in per_rank], ref)
@@ -428,6 +431,8 @@ def test_sequence_and_loss_parallelism_beside_cp_match_unsplit(case, runs):
     name = "model.layers.0.self_attn.q_proj.weight"
     assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
                                                                     ref["params"][name].numel())}
+    for records in per_rank:  # evaluation (no loss_parallel context: the logits of the cp part gathered)
+        assert records[case]["evaluated"] == pytest.approx(ref["losses"][0], rel=1e-5, abs=4e-5)
     if case.endswith("-lp"):  # the head split over the vocabulary (tp) and sharded by FSDP2 over cp
         name = "lm_head.weight"
         assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
