@@ -6,7 +6,8 @@ recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP, FSDP2,
 cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
 over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2; the Llama's
 with --sequence-parallel beside cp, and with --loss-parallel too: 1/(cp*tp) of each sequence between the TP regions,
-the logits of the cp part split over the vocabulary); packed documents
+the logits of the cp part split over the vocabulary; all-to-all for a Llama with 4 key/value heads, 2 per tp rank,
+with and without both); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
 schedules (zero-bubble, zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2
@@ -59,7 +60,7 @@ from pipetrain.train.loop import expert_balancer  # noqa: E402
 from pipetrain.workloads.hf.families import family_of  # noqa: E402
 from pipetrain.workloads.hf.routing import num_experts  # noqa: E402
 from tests.distributed import test_moe_parity as moe_parity  # noqa: E402
-from tests.distributed.test_hf_parity import _full, compare_records, make_batches, tiny_configs  # noqa: E402
+from tests.distributed.test_hf_parity import VOCAB, _full, compare_records, make_batches, tiny_configs  # noqa: E402
 from tests.moe_folders import SEQ as MOE_SEQ, moe_folder  # noqa: E402
 from tests.distributed.test_lora_parity import LR as LORA_LR, MOMENTUM, SETTINGS, peft_reference  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
@@ -85,6 +86,8 @@ CASES = {
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
     "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
     "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
+    # 4 key/value heads leave 2 per tp rank: all-to-all at cp2 x tp2 for a Llama (and its sequence parallelism)
+    "llama-mha-ulysses-cp2xtp2-fsdp": ("llama-mha", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
     # the split-backward schedules (input gradients, then weight gradients): FSDP2 over the cp ranks, as with dp
     "llama-ring-cp2xpp2-zero-bubble-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zero-bubble", "never", False),
     "llama-ring-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zbv", "always", False),
@@ -102,6 +105,7 @@ BOUNDARY = 3 * SEQ // 4
 VARIANTS = {
     "llama-ring-cp2xtp2-fsdp-sp": ("llama-ring-cp2xtp2-fsdp", "sp"),
     "llama-ring-cp2xtp2-fsdp-sp-lp": ("llama-ring-cp2xtp2-fsdp", "sp-lp"),
+    "llama-mha-ulysses-cp2xtp2-fsdp-sp-lp": ("llama-mha-ulysses-cp2xtp2-fsdp", "sp-lp"),
     "llama-ring-cp2xpp2-lora": ("llama-ring-cp2xpp2", "lora"),
     "llama-ring-cp2xpp2-bf16": ("llama-ring-cp2xpp2", "bf16"),
     "llama-ulysses-cp2xpp2-bf16": ("llama-ulysses-cp2xpp2", "bf16"),
@@ -306,6 +310,14 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
         references[family, "bf16"] = reference(model, 1, False, "bf16")
     if "llama" in folders:
         references["llama", "lora"] = peft_reference(folders["llama"], 1)
+    # the Llama with as many key/value heads as query heads (all-to-all at cp2 x tp2): one reference, dp 1
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64))
+    folders["llama-mha"] = str(root / "llama-mha")
+    model.save_pretrained(folders["llama-mha"])
+    references["llama-mha", 1, False] = reference(model, 1, False)
     for family, dp in sorted({(MOE_CASES[case][0], MOE_CASES[case][3]) for case in cases if case in MOE_CASES}):
         folders[family] = str(root / family)
         model = moe_folder(root / family, family, seed=moe_parity.SEED)  # the same weights, written again
@@ -326,7 +338,7 @@ def test_context_parallel_matches_unsplit(case, runs):
     seen = compare_records([records[case] for records in per_rank], ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
     if CASES[case][4] > 1:  # tp: the attention's projections are split over tp x (dp x cp) ranks, not dp x cp alone
-        name = "model.layers.0.self_attn.q_proj.weight" if family == "llama" else "transformer.h.0.attn.c_attn.weight"
+        name = "transformer.h.0.attn.c_attn.weight" if family == "gpt2" else "model.layers.0.self_attn.q_proj.weight"
         assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
                                                                         ref["params"][name].numel())}
     if CASES[case][2] == "hsdp":  # sharded within a shard group (a replica's 2 cp ranks), not over all 4 ranks
@@ -419,13 +431,13 @@ def test_lora_with_context_parallelism_matches_the_unsplit_peft_model(runs):
 
 @pytest.mark.parametrize("case", [case for case, (_, variant) in VARIANTS.items() if variant.startswith("sp")])
 def test_sequence_and_loss_parallelism_beside_cp_match_unsplit(case, runs):
-    """Ring cp2 x tp2 with --sequence-parallel (each rank's norms, residual adds and stage boundary on 1/4 of every
+    """Ring cp2 x tp2 (and all-to-all, for a Llama with 4 key/value heads) with --sequence-parallel (each rank's norms, residual adds and stage boundary on 1/4 of every
     sequence, gathered to its cp part before attention and MLP), and with --loss-parallel too (the logits of the cp
     part split over the vocabulary): the loss on every rank, every gradient of every step and every final parameter
     equal the unsplit transformers model's (rtol 1e-5, atol 4e-5), and so does the first batch's evaluated loss;
     q_proj split over the 4 ranks (tp x FSDP2)."""
     per_rank, references = runs
-    ref = references["llama", 1, False]
+    ref = references[CASES[VARIANTS[case][0]][0], 1, False]
     seen = compare_records([records[case] for records in per_rank], ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
     name = "model.layers.0.self_attn.q_proj.weight"
