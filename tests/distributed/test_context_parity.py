@@ -4,7 +4,10 @@ transformers model on the same tokens.
 One spawned job of 4 ranks runs every case in turn: ring attention at cp 4, cp 2 x pp 2 (1F1B, with and without
 recomputation; interleaved 1F1B, 2 stages per rank) and cp 2 x dp 2 (DDP, FSDP2, HSDP); all-to-all attention at
 cp 2 x pp 2 and cp 2 x dp 2 (FSDP2); cp 2 x tp 2 (FSDP2
-over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2); packed documents
+over the cp ranks; ring for the Llama, whose 2 key/value heads leave 1 per tp rank, all-to-all for GPT-2; the Llama's
+with --sequence-parallel beside cp, and with --loss-parallel too: 1/(cp*tp) of each sequence between the TP regions,
+the logits of the cp part split over the vocabulary; all-to-all for a Llama with 4 key/value heads, 2 per tp rank,
+with and without both); packed documents
 of unequal lengths crossing the parts' boundaries under both attentions (the reference: transformers' packed-sequence
 mask from `position_ids`, so a document that saw another would change the loss and gradients); the split-backward
 schedules (zero-bubble, zbv with recomputation, dualpipev with packed documents; all-to-all under zbv) at cp 2 x pp 2
@@ -57,7 +60,7 @@ from pipetrain.train.loop import expert_balancer  # noqa: E402
 from pipetrain.workloads.hf.families import family_of  # noqa: E402
 from pipetrain.workloads.hf.routing import num_experts  # noqa: E402
 from tests.distributed import test_moe_parity as moe_parity  # noqa: E402
-from tests.distributed.test_hf_parity import _full, compare_records, make_batches, tiny_configs  # noqa: E402
+from tests.distributed.test_hf_parity import VOCAB, _full, compare_records, make_batches, tiny_configs  # noqa: E402
 from tests.moe_folders import SEQ as MOE_SEQ, moe_folder  # noqa: E402
 from tests.distributed.test_lora_parity import LR as LORA_LR, MOMENTUM, SETTINGS, peft_reference  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
@@ -83,6 +86,8 @@ CASES = {
     "llama-ulysses-cp2xdp2": ("llama", 2, "ddp", 1, 1, 2, "ulysses", "gpipe", "never", False),
     "llama-ring-cp2xtp2-fsdp": ("llama", 1, "fsdp", 1, 2, 2, "ring", "gpipe", "never", False),
     "gpt2-ulysses-cp2xtp2-fsdp": ("gpt2", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
+    # 4 key/value heads leave 2 per tp rank: all-to-all at cp2 x tp2 for a Llama (and its sequence parallelism)
+    "llama-mha-ulysses-cp2xtp2-fsdp": ("llama-mha", 1, "fsdp", 1, 2, 2, "ulysses", "gpipe", "never", False),
     # the split-backward schedules (input gradients, then weight gradients): FSDP2 over the cp ranks, as with dp
     "llama-ring-cp2xpp2-zero-bubble-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zero-bubble", "never", False),
     "llama-ring-cp2xpp2-zbv-fsdp": ("llama", 1, "fsdp", 2, 1, 2, "ring", "zbv", "always", False),
@@ -95,8 +100,12 @@ CASES = {
 #: the token where every row of the "boundary" documents starts a document: the first of cp 2's last zig-zag part
 BOUNDARY = 3 * SEQ // 4
 
-#: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora" or "bf16")
+#: cases on a layout of CASES beyond full fp32 training: case -> (layout case, "lora", "bf16", or "sp" (sequence
+#: parallelism beside cp: 1/(cp*tp) of each sequence between the TP regions) with "-lp" (loss parallelism too))
 VARIANTS = {
+    "llama-ring-cp2xtp2-fsdp-sp": ("llama-ring-cp2xtp2-fsdp", "sp"),
+    "llama-ring-cp2xtp2-fsdp-sp-lp": ("llama-ring-cp2xtp2-fsdp", "sp-lp"),
+    "llama-mha-ulysses-cp2xtp2-fsdp-sp-lp": ("llama-mha-ulysses-cp2xtp2-fsdp", "sp-lp"),
     "llama-ring-cp2xpp2-lora": ("llama-ring-cp2xpp2", "lora"),
     "llama-ring-cp2xpp2-bf16": ("llama-ring-cp2xpp2", "bf16"),
     "llama-ulysses-cp2xpp2-bf16": ("llama-ulysses-cp2xpp2", "bf16"),
@@ -174,7 +183,8 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
         model = LoraBlocks(model, SETTINGS)
     pipeline = PipelineConfig(pp=pp, schedule=schedule, n_microbatches=4, checkpoint=recompute)
     parallel = ParallelConfig(dp=dp, dp_mode=dp_mode, pipeline=pipeline, tp=tp, cp=cp, cp_attention=attention,
-                              dp_shard=1 if dp_mode == "hsdp" else None)
+                              dp_shard=1 if dp_mode == "hsdp" else None, sequence_parallel=variant.startswith("sp"),
+                              loss_parallel=variant.endswith("-lp"))
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss,
                             precision="bf16" if variant == "bf16" else "fp32")
     engine, replica = session.engine, session.mesh.dp_rank
@@ -182,9 +192,11 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     opt = (torch.optim.SGD(param_groups(engine, 0.0), lr=LORA_LR, momentum=MOMENTUM) if variant == "lora" else
            torch.optim.SGD(engine.parameters(), lr=LR))
     trained = [(n, p) for n, p in engine.named_parameters() if p.requires_grad]
-    losses, grads = [], []
+    losses, grads, evaluated = [], [], None
     for inputs, labels in batches(dp, documents):
         share = slice(replica * labels.shape[0] // dp, (replica + 1) * labels.shape[0] // dp)
+        if variant.startswith("sp") and evaluated is None:  # the first batch's loss before training, evaluated
+            evaluated = engine.evaluate(tuple(t[share] for t in inputs), labels[share]).loss
         opt.zero_grad()
         losses.append(engine.step(tuple(t[share] for t in inputs), labels[share]).loss)
         grads.append([(keys[n], _full(p.grad).clone()) for n, p in trained])
@@ -193,7 +205,7 @@ def _train(folder: str, case: str, device: torch.device, save: Path | None = Non
     held = {keys[n]: (p.to_local().numel(), p.numel()) for n, p in trained if isinstance(p, DTensor)}
     if save is not None:
         save_checkpoint(save, engine, opt, step=3, model_name="llama")
-    return {"losses": losses, "grads": grads, "params": params, "held": held}
+    return {"losses": losses, "grads": grads, "params": params, "held": held, "evaluated": evaluated}
 
 
 def _train_moe(folder: str, case: str, device: torch.device) -> dict:
@@ -298,6 +310,14 @@ def spawned(root: Path, cases: list[str]) -> tuple[list[dict], dict]:
         references[family, "bf16"] = reference(model, 1, False, "bf16")
     if "llama" in folders:
         references["llama", "lora"] = peft_reference(folders["llama"], 1)
+    # the Llama with as many key/value heads as query heads (all-to-all at cp2 x tp2): one reference, dp 1
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64))
+    folders["llama-mha"] = str(root / "llama-mha")
+    model.save_pretrained(folders["llama-mha"])
+    references["llama-mha", 1, False] = reference(model, 1, False)
     for family, dp in sorted({(MOE_CASES[case][0], MOE_CASES[case][3]) for case in cases if case in MOE_CASES}):
         folders[family] = str(root / family)
         model = moe_folder(root / family, family, seed=moe_parity.SEED)  # the same weights, written again
@@ -318,7 +338,7 @@ def test_context_parallel_matches_unsplit(case, runs):
     seen = compare_records([records[case] for records in per_rank], ref)
     assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
     if CASES[case][4] > 1:  # tp: the attention's projections are split over tp x (dp x cp) ranks, not dp x cp alone
-        name = "model.layers.0.self_attn.q_proj.weight" if family == "llama" else "transformer.h.0.attn.c_attn.weight"
+        name = "transformer.h.0.attn.c_attn.weight" if family == "gpt2" else "model.layers.0.self_attn.q_proj.weight"
         assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
                                                                         ref["params"][name].numel())}
     if CASES[case][2] == "hsdp":  # sharded within a shard group (a replica's 2 cp ranks), not over all 4 ranks
@@ -407,6 +427,28 @@ def test_lora_with_context_parallelism_matches_the_unsplit_peft_model(runs):
     seen = compare_records(records, ref)
     assert seen == set(ref["params"]), f"adapters held by no rank: {sorted(set(ref['params']) - seen)}"
     assert all(".lora_A." in name or ".lora_B." in name for name in seen)
+
+
+@pytest.mark.parametrize("case", [case for case, (_, variant) in VARIANTS.items() if variant.startswith("sp")])
+def test_sequence_and_loss_parallelism_beside_cp_match_unsplit(case, runs):
+    """Ring cp2 x tp2 (and all-to-all, for a Llama with 4 key/value heads) with --sequence-parallel (each rank's norms, residual adds and stage boundary on 1/4 of every
+    sequence, gathered to its cp part before attention and MLP), and with --loss-parallel too (the logits of the cp
+    part split over the vocabulary): the loss on every rank, every gradient of every step and every final parameter
+    equal the unsplit transformers model's (rtol 1e-5, atol 4e-5), and so does the first batch's evaluated loss;
+    q_proj split over the 4 ranks (tp x FSDP2)."""
+    per_rank, references = runs
+    ref = references[CASES[VARIANTS[case][0]][0], 1, False]
+    seen = compare_records([records[case] for records in per_rank], ref)
+    assert seen == set(ref["params"]), f"parameters held by no rank: {sorted(set(ref['params']) - seen)}"
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                    ref["params"][name].numel())}
+    for records in per_rank:  # evaluation (no loss_parallel context: the logits of the cp part gathered)
+        assert records[case]["evaluated"] == pytest.approx(ref["losses"][0], rel=1e-5, abs=4e-5)
+    if case.endswith("-lp"):  # the head split over the vocabulary (tp) and sharded by FSDP2 over cp
+        name = "lm_head.weight"
+        assert {records[case]["held"][name] for records in per_rank} == {(ref["params"][name].numel() // 4,
+                                                                        ref["params"][name].numel())}
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:

@@ -128,9 +128,8 @@ def test_cp_refuses_what_it_does_not_compose_with():
     with pytest.raises(ConfigError, match=r"tp=2 with dp=1 x cp=2 \(gradients reduced over both\) needs --dp-mode "
                                           "fsdp"):
         ParallelConfig(cp=2, tp=2)
-    with pytest.raises(ConfigError, match="tp composes with cp by heads only") as info:
-        ParallelConfig(cp=2, tp=2, dp_mode="fsdp", sequence_parallel=True)
-    assert info.value.hint == "drop --sequence-parallel with --cp"
+    # sequence parallelism cuts each cp rank's part over tp; loss parallelism splits the part's logits
+    assert ParallelConfig(cp=2, tp=2, dp_mode="fsdp", sequence_parallel=True, loss_parallel=True).world_size == 4
     assert ParallelConfig(cp=2, dp=4, dp_mode="hsdp", dp_shard=2).world_size == 8  # shard groups of 2 x cp ranks
     with pytest.raises(ConfigError, match="the data-parallel groups span the context ranks"):
         ParallelConfig(cp=2, dp=4, dp_mode="fsdp", fsdp_reshard=2)
@@ -172,6 +171,10 @@ def test_the_checks_before_ranks_start():
         check_context(_Model(), 2, "ulysses", 96)
     with pytest.raises(ConfigError, match="sequence length 90 does not cut into 2 x cp = 4"):
         check_context(_Model(), 2, "ring", 90)
+    check_context(_Model(), 2, "ring", 96, 3, sequence_parallel=True)  # 48 tokens a cp rank, 16 a tp rank
+    with pytest.raises(ConfigError, match="cuts each rank's 44 tokens of a sequence over tp=3 ranks") as info:
+        check_context(_Model(), 2, "ring", 88, 3, sequence_parallel=True)
+    assert "divisible by 12" in info.value.hint
 
 
 @pytest.mark.parametrize("flags, says", [

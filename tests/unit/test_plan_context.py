@@ -77,14 +77,32 @@ def test_the_search_places_cp_beside_tp_and_a_group_wider_than_a_node_pays_the_n
 
 
 def test_the_search_gives_cp_beside_tp_only_layouts_train_runs():
-    """cp x tp: FSDP2 over the cp ranks (DDP does not take tp's DTensor parameters), never sequence parallelism."""
+    """cp x tp: FSDP2 over the cp ranks (DDP does not take tp's DTensor parameters), with and without sequence
+    parallelism."""
     space = SearchSpace(cps=(2,), tps=(2,), schedules=("gpipe",), checkpoints=("never",))
     layouts = [lay for lay in enumerate_layouts(6, 8, 8, space) if lay.cp > 1 and lay.tp > 1]
     assert layouts and {lay.dp for lay in layouts} == {1, 2}
-    assert all(lay.dp_mode == "fsdp" and not lay.sequence_parallel for lay in layouts)
+    assert all(lay.dp_mode == "fsdp" for lay in layouts)
+    assert {lay.sequence_parallel for lay in layouts} == {False, True}
     for lay in layouts:  # the layout's train flags pass train's checks
-        ParallelConfig(dp=lay.dp, dp_mode=lay.dp_mode, tp=lay.tp, cp=lay.cp,
+        ParallelConfig(dp=lay.dp, dp_mode=lay.dp_mode, tp=lay.tp, cp=lay.cp, sequence_parallel=lay.sequence_parallel,
                        pipeline=PipelineConfig(pp=lay.pp, schedule=lay.schedule, n_microbatches=lay.chunks))
+
+
+def test_sequence_parallelism_beside_cp_holds_the_norm_regions_of_a_tp_share_of_the_cp_part():
+    """SP beside cp: a rank holds the activations between the TP regions for 1 / (cp * tp) of each sequence and
+    moves the SP all-gathers and reduce-scatters of its cp part: at cp 2 it costs what one sequence in two costs
+    at cp 1 (batch 2 -> 1), less than cp 2 without SP; tp must divide a cp rank's part."""
+    blocks = _blocks(6144)  # 3072 tokens a cp rank, 1024 a tp rank
+    costs = {(cp, sp, batch): stage_costs(blocks, _layout(cp=cp, tp=3, sequence_parallel=sp, batch=batch), DEVICE,
+                                          NETWORK, [(0, len(blocks))])[0]
+             for cp, sp, batch in ((2, True, 2), (1, True, 1), (2, False, 2))}
+    assert costs[2, True, 2].activation_bytes == pytest.approx(costs[1, True, 1].activation_bytes)
+    assert costs[2, True, 2].activation_bytes < 0.8 * costs[2, False, 2].activation_bytes
+    assert costs[2, True, 2].forward_s == pytest.approx(costs[1, True, 1].forward_s, rel=0.2)  # + the ring
+    with pytest.raises(ConfigError, match=r"tp=3 does not divide the 4096 tokens a cp rank holds of each sequence "
+                                          r"\(sequence parallelism\)"):
+        predict(_blocks(8192), _layout(cp=2, tp=3, sequence_parallel=True), DEVICE, NETWORK)
 
 
 def test_the_search_gives_split_backward_schedules_with_cp_over_fsdp2_only():
@@ -111,9 +129,12 @@ def test_plan_cp_prints_the_split_and_refuses_what_cannot(tmp_path, capsys):
     assert main([*common, "--cp", "2", "--cp-attention", "ulysses"]) == 2
     err = capsys.readouterr().err
     assert "--cp 2: cp=2 does not divide the 9 heads" in err and "Traceback" not in err
-    assert main([*common, "--cp", "2", "--sequence-parallel", "on"]) == 2
+    sp = [*common[:4], "6", *common[5:-4], "--tp", "3", "--top", "2", "--cp", "2", "--sequence-parallel", "on"]
+    assert main(sp) == 2  # 4096 tokens, not cut over tp 3: refused; 6144 planned
     err = capsys.readouterr().err
-    assert "--cp 2 with --sequence-parallel on" in err and "--sequence-parallel off" in err
+    assert "tp=3 does not divide the sequence length 4096 (sequence parallelism)" in err, err
+    assert main([a if a != "4096" else "6144" for a in sp]) == 0
+    assert "/cp2" in capsys.readouterr().out
 
 
 def test_layout_auto_splits_a_sequence_that_does_not_fit_whole_and_keeps_a_given_cp():

@@ -93,9 +93,12 @@ def context_space(args: argparse.Namespace, blocks: list[BlockCost]) -> dict:
     if problem:
         raise ConfigError(f"--cp {cp}: {problem}", hint="pass a --cp that splits the sequence (a --seq-len divisible "
                                                         "by 2 x cp for ring attention), or --cp 1")
-    if cp > 1 and getattr(args, "sequence_parallel", "both") == "on":
-        raise ConfigError(f"--cp {cp} with --sequence-parallel on: train splits a sequence over cp ranks or over tp "
-                          "ranks' norms, not both", hint="pass --sequence-parallel off (or --cp 1)")
+    tp = getattr(args, "tp", None)
+    sp_problem = tp_problem(blocks, tp, True, cp) if tp and cp > 1 and getattr(args, "sequence_parallel",
+                                                                                 "both") == "on" else None
+    if sp_problem:
+        raise ConfigError(f"--cp {cp} with --sequence-parallel on: {sp_problem}",
+                          hint="pass a --seq-len divisible by 2 x cp x tp, or --sequence-parallel off")
     return {"cps": (cp,), "cp_attention": attention}
 
 

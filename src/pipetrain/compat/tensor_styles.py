@@ -30,7 +30,7 @@ from pipetrain.errors import ConfigError
 __all__ = ["FusedColwiseParallel", "HeadParallelAttention", "Conv1DParallel", "LocalSplitSize", "heads_replicated",
            "strided_shard",
            "is_strided",
-           "SEQUENCE", "scatter_sequence", "gather_sequence"]
+           "SEQUENCE", "scatter_sequence", "gather_sequence", "sequence_block"]
 
 #: The placement of an activation split along the sequence (dimension 1 of `[batch, seq, ...]`).
 SEQUENCE = Shard(1)
@@ -54,6 +54,39 @@ def gather_sequence() -> PrepareModuleInput:
     """Where a sequence-parallel region ends (on the head's first submodule): the local sequence shard
     all-gathered into the whole sequence, a local tensor (backward: this rank's slice of the gradient)."""
     return PrepareModuleInput(input_layouts=SEQUENCE, desired_input_layouts=Replicate(), use_local_output=True)
+
+class _FirstInput(PrepareModuleInput):
+    """`PrepareModuleInput` of the first positional input only; the others (positions) pass as they are."""
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        return (*super()._prepare_input_fn(inputs[:1], device_mesh), *inputs[1:])
+
+
+class _FirstOutput(PrepareModuleOutput):
+    """`PrepareModuleOutput` of the first output only; the others (positions) pass as they are."""
+
+    def _prepare_out_fn(self, outputs, device_mesh):
+        if not isinstance(outputs, tuple):
+            return super()._prepare_out_fn(outputs, device_mesh)
+        return (super()._prepare_out_fn(outputs[:1], device_mesh), *outputs[1:])
+
+
+class _SequenceBlock(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _FirstInput(input_layouts=(SEQUENCE,), desired_input_layouts=(SEQUENCE,))._apply(module, device_mesh)
+        _FirstOutput(output_layouts=(SEQUENCE,), desired_output_layouts=(SEQUENCE,),
+                     use_local_output=True)._apply(module, device_mesh)
+        return module
+
+
+def sequence_block() -> ParallelStyle:
+    """A block whose residual stream is this rank's sequence shard: its first input (the local shard
+    `[batch, seq / tp, ...]`) taken as a DTensor of the whole sequence, its first output sent back as the local
+    shard; the inputs and outputs after them (the per-token positions of a cut sequence under context parallelism,
+    integers crossing whole) pass unchanged."""
+    return _SequenceBlock()
+
 
 def heads_replicated() -> ParallelStyle:
     """A module applied to this rank's attention heads (dimension 2 of `[batch, seq, heads, head_dim]`) with one

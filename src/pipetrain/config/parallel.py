@@ -26,7 +26,9 @@ class ParallelConfig:
     FSDP2 then shards over dp_shard / ep ranks and replicates across the shard groups, as torchtitan's "efsdp").
     Beside cp (pp 1, tp 1 only) the expert-parallel group is the ep ranks with the same cp coordinate.
     `cp` (context parallelism, docs/long-context.md) cuts each sequence over `cp` ranks of every stage, attention
-    by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp.
+    by `cp_attention` ("ring" or "ulysses"); world size = dp * pp * cp * tp. Beside tp, `sequence_parallel` cuts a
+    rank's part again over the tp ranks between the TP regions (1 / (cp * tp) of each sequence), `loss_parallel`
+    splits the logits of the rank's part over the vocabulary.
     """
 
     dp: int = 1
@@ -211,12 +213,6 @@ class ParallelConfig:
 
 def _check_cp(parallel: ParallelConfig) -> None:
     """Raise for what context parallelism (cp > 1) does not compose with."""
-    if parallel.sequence_parallel or parallel.loss_parallel:
-        flag = "--sequence-parallel" if parallel.sequence_parallel else "--loss-parallel"
-        raise ConfigError(f"cp={parallel.cp} with tp={parallel.tp} and {flag}: tp composes with cp by heads only (each "
-                          "tp rank runs the ring or all-to-all over its own heads), and sequence parallelism would cut "
-                          "the cut sequence again, loss parallelism the per-token loss of the cut targets",
-                          hint=f"drop {flag} with --cp")
     if parallel.fsdp_reshard not in ("never", "always"):
         raise ConfigError(f"cp={parallel.cp} with --fsdp-reshard {parallel.fsdp_reshard}: the data-parallel groups "
                           "span the context ranks, and pipetrain does not split them into reshard groups yet",

@@ -107,10 +107,10 @@ class ContextParallel:
     def after(self, split: Callable[[int, nn.Module], nn.Module] | None) -> Callable[[int, nn.Module], nn.Module]:
         """The engine's `split_block` hook: `split` (tensor parallelism's, or None) first, then `attach`. Under tp
         each tp rank holds its own heads, and the ring or all-to-all runs over them with the cp ranks of the same
-        tp rank: both split the attention, tp by heads and cp by tokens, so they compose."""
-        if split is None:
-            return self.attach
-        return lambda index, block: self.attach(index, split(index, block))
+        tp rank: both split the attention, tp by heads and cp by tokens, so they compose. The hook keeps `split`'s
+        `sequence_shards` (sequence parallelism cuts the cp part again between the TP regions) and `loss_parallel`
+        (the logits of the cp part split over the vocabulary)."""
+        return _Attached(self, split)
 
     def attach(self, index: int, block: nn.Module) -> nn.Module:
         """`block` with its attention run by this group (blocks without attention, `use_context`, unchanged);
@@ -155,6 +155,25 @@ class ContextParallel:
         starts = torch.stack([index[r][None] - gathered[r] for r in range(self.size)])  # [N, B, L]
         return ContextMask(self.group, self.rank, self.size, self.mode, index,
                            starts if bool(starts.any()) else None, exchange=self.exchange, kernel=self.kernel)
+
+
+@dataclass(frozen=True)
+class _Attached:
+    """`split` (or nothing) then the context's `attach`, with `split`'s engine-facing attributes."""
+
+    context: ContextParallel
+    split: Callable[[int, nn.Module], nn.Module] | None
+
+    def __call__(self, index: int, block: nn.Module) -> nn.Module:
+        return self.context.attach(index, block if self.split is None else self.split(index, block))
+
+    @property
+    def sequence_shards(self) -> int:
+        return getattr(self.split, "sequence_shards", 1)
+
+    @property
+    def loss_parallel(self) -> bool:
+        return getattr(self.split, "loss_parallel", False)
 
 
 def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -77,10 +77,11 @@ class SequenceSplit:
         return zigzag_index(length, self.cp, self.rank, device)
 
 
-def check_context(model: Any, cp: int, attention: str, seq_len: int | None, tp: int = 1) -> None:
+def check_context(model: Any, cp: int, attention: str, seq_len: int | None, tp: int = 1, *,
+                  sequence_parallel: bool = False) -> None:
     """Every check of `--cp` that can fail before ranks start: the model runs cut sequences, its heads (a tp rank's
     share) split for all-to-all attention (`attention` "ulysses"), and `seq_len` (when known) cuts into 2 * cp
-    zig-zag parts."""
+    zig-zag parts, each rank's part again into tp shards under `sequence_parallel`."""
     if cp == 1:
         return
     check_context_model(model, cp)
@@ -90,3 +91,7 @@ def check_context(model: Any, cp: int, attention: str, seq_len: int | None, tp: 
         check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, cp, tp)
     if seq_len is not None:
         check_length(seq_len, cp)
+        if sequence_parallel and (seq_len // cp) % tp:
+            raise ConfigError(f"--sequence-parallel with --cp {cp} cuts each rank's {seq_len // cp} tokens of a "
+                              f"sequence over tp={tp} ranks, which does not divide them",
+                              hint=f"pass a --seq-len divisible by {2 * cp * tp}, or drop --sequence-parallel")

@@ -15,11 +15,12 @@ from typing import Protocol, runtime_checkable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-__all__ = ["Loss", "SampleMeanLoss", "TokenCrossEntropy", "as_loss", "IGNORE_INDEX", "vocab_parallel"]
+__all__ = ["Loss", "SampleMeanLoss", "TokenCrossEntropy", "as_loss", "IGNORE_INDEX", "vocab_parallel", "vocab_argmax"]
 
 #: The target value a token loss skips (padding); `F.cross_entropy`'s default.
 IGNORE_INDEX = -100
@@ -103,7 +104,24 @@ class TokenCrossEntropy:
         return (target != self.ignore_index).sum()
 
     def correct(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
-        return ((output.argmax(dim=-1) == target) & (target != self.ignore_index)).sum()
+        return ((vocab_argmax(output) == target) & (target != self.ignore_index)).sum()
+
+
+@torch.no_grad()
+def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` as a plain tensor; for a DTensor sharded evenly on its last dimension (the vocabulary),
+    without making the logits whole: each rank's maximum and its index are gathered (two small all-gathers) and the
+    first shard holding the largest wins, as torch's argmax takes the first maximum."""
+    if not isinstance(logits, DTensor):
+        return logits.argmax(dim=-1)
+    local = logits.to_local()
+    group, ranks = logits.device_mesh.get_group(), logits.device_mesh.size()
+    value, index = local.max(dim=-1)
+    values, indices = [torch.empty_like(value) for _ in range(ranks)], [torch.empty_like(index) for _ in range(ranks)]
+    dist.all_gather(values, value.contiguous(), group=group)
+    dist.all_gather(indices, index.contiguous(), group=group)
+    shard = torch.stack(values).argmax(dim=0, keepdim=True)  # the first shard holding the maximum
+    return torch.stack(indices).gather(0, shard)[0] + shard[0] * local.shape[-1]
 
 
 def vocab_parallel(enabled: bool) -> AbstractContextManager[None]:

@@ -3,7 +3,10 @@
 Every per-token cost of a block divides by cp (each rank holds s / cp tokens of each sequence; zig-zag parts give
 each rank an equal share of the causal attention too), so a micro-batch of b sequences costs a rank what b / cp
 sequences cost without it (`context_samples`); parameters are whole on every CP rank and their gradients are
-reduced over the dp · cp ranks that hold them (`context_replicas`). What CP adds is each attention layer's exchange
+reduced over the dp · cp ranks that hold them (`context_replicas`). Beside tp with sequence parallelism the same
+b / cp sequences go through the tensor-parallel terms (`plan/tensor.py`): the norm regions' activations divide by tp
+again (1 / (cp · tp) of each sequence) and SP's all-gathers and reduce-scatters move the cp part; tp must divide a
+cp rank's s / cp tokens (`tensor.tp_problem`). What CP adds is each attention layer's exchange
 (`context_comm_s`):
 
 - ring (`cp_attention="ring"`, context/ring.py, `ring_messages`): the forward sends this rank's key/value part (the

@@ -107,7 +107,7 @@ def predict(blocks: Sequence[BlockCost], layout: Layout, device: Device, network
         raise ConfigError(f"batch {layout.batch} does not split into dp={layout.dp} x chunks={layout.chunks} "
                           "equal micro-batches", hint="choose a batch divisible by dp * chunks")
     samples = context_samples(local // layout.chunks, layout.cp)
-    problem = tp_problem(blocks, layout.tp, layout.sequence_parallel)
+    problem = tp_problem(blocks, layout.tp, layout.sequence_parallel, layout.cp)
     if problem:
         raise ConfigError(problem, hint="choose a tp that divides the model's heads, hidden and feed-forward sizes")
     problem = ep_problem(blocks, layout.ep, layout.dp, layout.dp_shard if layout.dp_mode == "hsdp" else None)

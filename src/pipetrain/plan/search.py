@@ -46,11 +46,12 @@ def search(blocks: Sequence[BlockCost], *, gpus: int, batch: int, device: Device
            space: SearchSpace = SearchSpace(), gpus_per_node: int = 0, top: int = 10) -> SearchResult:
     """The `top` fastest layouts of `gpus` ranks that fit `device.memory_bytes` (ConfigError when none)."""
     tps = [(tp, sp) for tp, sp in tp_options(gpus, space, gpus_per_node) if tp_problem(blocks, tp, sp) is None]
-    # sequence parallelism dominates (see above), but cp > 1 cuts the sequence without it
+    # sequence parallelism dominates (see above); beside cp > 1 both are kept (tp must also divide a cp rank's part)
     tps = [(tp, sp) for tp, sp in tps if sp or (tp, True) not in tps or max(space.cps) > 1]
     layouts = [layout for layout in enumerate_layouts(len(blocks), gpus, batch, space, gpus_per_node, tps)
                if ep_problem(blocks, layout.ep) is None and ep_cp_problem(layout) is None
-               and cp_problem(blocks, layout.cp, layout.cp_attention) is None]
+               and cp_problem(blocks, layout.cp, layout.cp_attention) is None
+               and tp_problem(blocks, layout.tp, layout.sequence_parallel, layout.cp) is None]
     if not layouts:
         raise ConfigError(_no_layout(len(blocks), gpus, batch), hint=_gpu_hint(len(blocks), gpus, batch))
     cache: dict = {}

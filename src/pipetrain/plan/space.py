@@ -104,7 +104,7 @@ def enumerate_layouts(num_blocks: int, gpus: int, batch: int, space: SearchSpace
     layouts = []
     for tp, sp in tp_options(gpus, space, gpus_per_node) if tps is None else tps:
         for cp in sorted(set(space.cps)):
-            if cp < 1 or (gpus // tp) % cp or (cp > 1 and sp):  # cp cuts the sequence: not sequence parallelism too
+            if cp < 1 or (gpus // tp) % cp:
                 continue
             found = _layouts(num_blocks, gpus // tp // cp, batch, space, gpus_per_node, tp, sp, cp)
             if cp > 1:  # the cp ranks reduce gradients as data ranks: FSDP2 under tp or a split backward, as with dp

@@ -31,8 +31,9 @@ __all__ = ["tp_problem", "tp_params", "tp_param_bytes", "tp_activation_bytes", "
            "tp_traffic", "allreduce_s", "tp_comm_s"]
 
 
-def tp_problem(blocks: Sequence[BlockCost], tp: int, sequence_parallel: bool = False) -> str | None:
-    """Why the model cannot run at `tp` (a sentence naming the size), or None when it can."""
+def tp_problem(blocks: Sequence[BlockCost], tp: int, sequence_parallel: bool = False, cp: int = 1) -> str | None:
+    """Why the model cannot run at `tp` (a sentence naming the size), or None when it can; under sequence
+    parallelism beside `cp`, tp cuts each cp rank's part of the sequence."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         return f"tp must be a positive integer, got {tp!r}"
     if tp == 1:
@@ -44,8 +45,10 @@ def tp_problem(blocks: Sequence[BlockCost], tp: int, sequence_parallel: bool = F
         for name, size in split.divides:
             if size % tp:
                 return f"tp={tp} does not divide {name}={size}"
-        if sequence_parallel and split.sequence % tp:
-            return f"tp={tp} does not divide the sequence length {split.sequence} (sequence parallelism)"
+        if sequence_parallel and split.sequence % (tp * cp):
+            held = (f"the {split.sequence // cp} tokens a cp rank holds of each sequence" if cp > 1
+                    else f"the sequence length {split.sequence}")
+            return f"tp={tp} does not divide {held} (sequence parallelism)"
     return None
 
 

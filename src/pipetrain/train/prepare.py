@@ -44,7 +44,8 @@ def check_model(config: TrainConfig) -> None:
     config.parallel.pipeline.check_blocks(model.num_blocks)
     check_tensor_parallel(model, config.parallel.tp, sequence_parallel=config.parallel.sequence_parallel,
                           loss_parallel=config.parallel.loss_parallel)
-    check_context(model, config.parallel.cp, config.parallel.cp_attention, config.seq_len, config.parallel.tp)
+    check_context(model, config.parallel.cp, config.parallel.cp_attention, config.seq_len, config.parallel.tp,
+                  sequence_parallel=config.parallel.sequence_parallel)
     check_expert_parallel(model, config.parallel.ep, dp_mode=config.parallel.dp_mode)
 
 

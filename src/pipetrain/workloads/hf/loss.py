@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.pipeline.loss import IGNORE_INDEX, vocab_argmax
 
 __all__ = ["CausalLMLoss", "causal_lm_loss", "vocab_argmax"]
 
@@ -42,23 +41,6 @@ class CausalLMLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.total(output, target) / self.count(target).clamp_min(1)
-
-
-@torch.no_grad()
-def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits.argmax(-1)` as a plain tensor; for a DTensor sharded evenly on its last dimension (the vocabulary),
-    without making the logits whole: each rank's maximum and its index are gathered (two small all-gathers) and the
-    first shard holding the largest wins, as torch's argmax takes the first maximum."""
-    if not isinstance(logits, DTensor):
-        return logits.argmax(dim=-1)
-    local = logits.to_local()
-    group, ranks = logits.device_mesh.get_group(), logits.device_mesh.size()
-    value, index = local.max(dim=-1)
-    values, indices = [torch.empty_like(value) for _ in range(ranks)], [torch.empty_like(index) for _ in range(ranks)]
-    dist.all_gather(values, value.contiguous(), group=group)
-    dist.all_gather(indices, index.contiguous(), group=group)
-    shard = torch.stack(values).argmax(dim=0, keepdim=True)  # the first shard holding the maximum
-    return torch.stack(indices).gather(0, shard)[0] + shard[0] * local.shape[-1]
 
 
 #: the loss to give the engine (`build_session(..., loss_fn=causal_lm_loss)`), with the labels as targets

@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from pipetrain.compat.tensor_styles import SEQUENCE
+from pipetrain.compat.tensor_styles import SEQUENCE, sequence_block
 
 from pipetrain.parallel.tensor import TPPlan
 from pipetrain.workloads.hf.families.family import Family, tp_divides
@@ -73,9 +72,7 @@ def llama_sequence_tp_plan(config: Any, tp: int) -> TPPlan:
     all-gather their input, `o_proj` and `down_proj` reduce-scatter their output back to the shard."""
     tp_divides(tp, decoder_tp_sizes(config))
     return {
-        "": PrepareModuleInputOutput(input_layouts=(SEQUENCE,), desired_input_layouts=(SEQUENCE,),
-                                     use_local_input=False, output_layouts=(SEQUENCE,),
-                                     desired_output_layouts=(SEQUENCE,), use_local_output=True),
+        "": sequence_block(),
         "layer.input_layernorm": SequenceParallel(use_local_output=False),
         "layer.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": SEQUENCE},
                                               desired_input_kwarg_layouts={"hidden_states": Replicate()},
