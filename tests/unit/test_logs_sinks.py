@@ -214,6 +214,7 @@ def test_eval_batches_bounds_the_batches_read():
 
     class Workload:
         metrics = ("accuracy",)
+        rows_per_sample = 1
 
         def batches(self, dataset, batch_size, **kwargs):
             for i in range(5):
@@ -223,7 +224,7 @@ def test_eval_batches_bounds_the_batches_read():
         def num_batches(self, dataset, batch_size, *, replicas):
             return 5
 
-    engine = SimpleNamespace(evaluate=lambda x, y: StepResult(loss=float(x[0, 0]), accuracy=1.0, samples=2, count=2))
+    engine = SimpleNamespace(evaluate=lambda x, y, rows: StepResult(loss=float(x[0, 0]), accuracy=1.0, samples=2, count=2))
     config = SimpleNamespace(batch_size=2, seed=0, bucket=False, parallel=SimpleNamespace(dp=1))
     durable = SimpleNamespace(progress=lambda: None)
     at = Position(step=7, epoch=2)
