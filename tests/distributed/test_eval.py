@@ -131,16 +131,16 @@ def test_eval_at_dp2_tp2_ends_when_the_held_out_rows_do_not_divide(tmp_path):
 #: data file -> its rows: every 10th row is held out, 3 and 5 rows in global batches of 4 (a last batch of 3 and
 #: of 1 sample: at dp 4 one replica, and three, hold no sample of it)
 HELD_OUT_ROWS = {"three": 30, "five": 50}
-#: layout -> (dp, pp, cp, dp_mode)
-LAYOUTS = {"dp4": (4, 1, 1, "ddp"), "dp4-fsdp": (4, 1, 1, "fsdp"), "dp2xpp2": (2, 2, 1, "ddp"),
-           "dp2xcp2": (2, 1, 2, "ddp")}
+#: layout -> (dp, pp, cp, tp, dp_mode)
+LAYOUTS = {"dp4": (4, 1, 1, 1, "ddp"), "dp4-fsdp": (4, 1, 1, 1, "fsdp"), "dp2xpp2": (2, 2, 1, 1, "ddp"),
+           "dp2xcp2": (2, 1, 2, 1, "ddp"), "dp2xtp2": (2, 1, 1, 2, "fsdp")}
 HELD_SEQ, HELD_BATCH = 64, 4
 
 
 def _held_out_config(folder: str, data: str, layout: str = "dp1") -> TrainConfig:
-    dp, pp, cp, mode = LAYOUTS.get(layout, (1, 1, 1, "ddp"))
+    dp, pp, cp, tp, mode = LAYOUTS.get(layout, (1, 1, 1, 1, "ddp"))
     pipeline = PipelineConfig(pp=pp, n_microbatches=HELD_BATCH // dp)  # a replica's share cut to single samples
-    parallel = ParallelConfig(dp=dp, dp_mode=mode, cp=cp, pipeline=pipeline)
+    parallel = ParallelConfig(dp=dp, dp_mode=mode, cp=cp, tp=tp, pipeline=pipeline)
     return TrainConfig(workload="hf", model_dir=folder, data=data, seq_len=HELD_SEQ, batch_size=HELD_BATCH,
                        parallel=parallel, row_format=RowFormat())
 
@@ -203,7 +203,7 @@ def held_out_runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("data", list(HELD_OUT_ROWS))
 def test_held_out_figures_at_any_layout_are_the_one_rank_figures(held_out_runs, data, layout):
-    """Every held-out sample counted once at dp 2 and 4 (beside pp, cp, FSDP): the training loop's figures equal
+    """Every held-out sample counted once at dp 2 and 4 (beside pp, cp, tp, FSDP): the training loop's figures equal
     `pipetrain eval`'s (rtol 1e-12: one code path) and the unsplit model's over every sample (the same token count,
     exactly; loss rtol 1e-6, accuracy equal) on every rank. Main's equal shares skipped a short last batch's
     remainder (its 5 rows at dp 2 counted 4, its 3 rows at dp 4 none: fewer tokens, another loss)."""
