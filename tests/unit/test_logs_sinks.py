@@ -214,7 +214,6 @@ def test_eval_batches_bounds_the_batches_read():
 
     class Workload:
         metrics = ("accuracy",)
-        rows_per_sample = 1
 
         def batches(self, dataset, batch_size, **kwargs):
             for i in range(5):

@@ -42,7 +42,7 @@ def evaluation_batches(workload: Workload, dataset: Dataset, batch_size: int, *,
     """This replica's share of each global batch of `dataset` (stored order, `batch_size` samples) as `((inputs,
     targets), counted rows)`: the same number of batches, each of the same size, on every replica; each sample of
     the split counted by exactly one of them."""
-    per = workload.rows_per_sample
+    per = getattr(workload, "rows_per_sample", 1)  # a workload of its own may predate the attribute
     for inputs, targets in workload.batches(dataset, batch_size, shuffle=False, seed=seed, epoch=0, replica=0,
                                             replicas=1, bucket=bucket):
         samples = len(targets) // per
