@@ -2,16 +2,22 @@
 (rtol 1e-5), and the answer accuracy is what transformers' greedy `generate` gives; the same rows packed by document
 (`--pack documents`, at pp2) give the same loss and are still answered.
 
-The data are 80 prompt/answer rows for a tiny Llama (3 layers, wide weights: see test_generate); the held-out
-split is every 10th row (8 rows). Half of the held-out rows have as answer the unsplit model's own 3 greedy tokens
-for their prompt (decoded), the other half an answer it does not give: the accuracy must be exactly 4/8, which
-needs every answer generated through the pipeline to be the unsplit model's (each replica answers 4 of them).
+The data are 90 prompt/answer rows for a tiny Llama (3 layers, wide weights: see test_generate); the held-out
+split is every 10th row (9 rows: batches of 4, 4 and 1, the last one's second replica without a sample). Five of
+the held-out rows have as answer the unsplit model's own 3 greedy tokens for their prompt (decoded), the others an
+answer it does not give: the accuracy must be exactly 5/9, which needs every answer generated through the pipeline
+to be the unsplit model's (replica 0 answers 5 of them, replica 1 4).
+
+The held-out figures at any dp (a spawned job of 4 ranks, several layouts): the training loop's evaluation and
+`pipetrain eval`'s count every held-out sample once, giving the unsplit model's figures over all of them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,10 +26,18 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
+from pipetrain.checkpoint.durable import Position  # noqa: E402
 from pipetrain.cli import main as cli_main  # noqa: E402
+from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.data.fields import RowFormat  # noqa: E402
+from pipetrain.evaluate.run import held_out_loss  # noqa: E402
+from pipetrain.launch.env import DEVICE_VARIABLE, free_port  # noqa: E402
+from pipetrain.launch.spawn import spawn  # noqa: E402
+from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.train.config import TrainConfig, load_data  # noqa: E402
+from pipetrain.train.loop import _held_out  # noqa: E402
 from tests.distributed.test_generate import wide_folder  # noqa: E402
+from tests.hf_folders import tiny_model_folder  # noqa: E402
 
 SEQ, NEW = 48, 3
 
@@ -32,7 +46,7 @@ def _rows(folder: str) -> list[dict]:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     rows = []
-    for index in range(80):
+    for index in range(90):
         prompt = f"Review {index}: it was {'the best' if index % 3 else 'the worst'} of times. Verdict:"
         answer = " zebra quartz"
         if index % 10 == 9 and (index // 10) % 2 == 0:  # held out, and answered by the model itself
@@ -70,7 +84,7 @@ def test_eval_loss_and_answer_accuracy_match_the_unsplit_model(tmp_path):
     expected = _unsplit_loss(folder, data)
     assert math.isclose(figures["loss"], expected, rel_tol=1e-5), (figures["loss"], expected)
     assert math.isclose(figures["perplexity"], math.exp(expected), rel_tol=1e-4)
-    assert (figures["correct"], figures["answers"]) == (4, 8) and figures["answer_accuracy"] == 0.5
+    assert (figures["correct"], figures["answers"]) == (5, 9) and figures["answer_accuracy"] == 5 / 9
     # the rows packed by document (a `--pack documents` run's data): the same loss, and the answers still scored
     # (main skipped them: "the data holds plain text")
     assert cli_main.main(["eval", "--model", folder, "--data", str(data), "--seq-len", str(SEQ), "--batch-size", "4",
@@ -78,7 +92,7 @@ def test_eval_loss_and_answer_accuracy_match_the_unsplit_model(tmp_path):
                           "--device", "cpu"]) == 0
     packed = json.loads(out.read_text())
     assert math.isclose(packed["loss"], expected, rel_tol=1e-5), (packed["loss"], expected)
-    assert (packed["correct"], packed["answers"]) == (4, 8)
+    assert (packed["correct"], packed["answers"]) == (5, 9)
 
 
 def test_eval_at_dp2_tp2_ends_when_the_held_out_rows_do_not_divide(tmp_path):
@@ -110,3 +124,95 @@ def test_eval_at_dp2_tp2_ends_when_the_held_out_rows_do_not_divide(tmp_path):
     assert job.returncode == 0, printed
     figures = json.loads(out.read_text())
     assert figures["answers"] == 18 and figures["tokens"] > 0, figures
+
+
+# --- held-out figures at any dp: one spawned job of 4 ranks runs every layout on two data files -----------------
+
+#: data file -> its rows: every 10th row is held out, 3 and 5 rows in global batches of 4 (a last batch of 3 and
+#: of 1 sample: at dp 4 one replica, and three, hold no sample of it)
+HELD_OUT_ROWS = {"three": 30, "five": 50}
+#: layout -> (dp, pp, cp, tp, dp_mode)
+LAYOUTS = {"dp4": (4, 1, 1, 1, "ddp"), "dp4-fsdp": (4, 1, 1, 1, "fsdp"), "dp2xpp2": (2, 2, 1, 1, "ddp"),
+           "dp2xcp2": (2, 1, 2, 1, "ddp"), "dp2xtp2": (2, 1, 1, 2, "fsdp")}
+HELD_SEQ, HELD_BATCH = 64, 4
+
+
+def _held_out_config(folder: str, data: str, layout: str = "dp1") -> TrainConfig:
+    dp, pp, cp, tp, mode = LAYOUTS.get(layout, (1, 1, 1, 1, "ddp"))
+    pipeline = PipelineConfig(pp=pp, n_microbatches=HELD_BATCH // dp)  # a replica's share cut to single samples
+    parallel = ParallelConfig(dp=dp, dp_mode=mode, cp=cp, tp=tp, pipeline=pipeline)
+    return TrainConfig(workload="hf", model_dir=folder, data=data, seq_len=HELD_SEQ, batch_size=HELD_BATCH,
+                       parallel=parallel, row_format=RowFormat())
+
+
+def _held_out_worker(spec, folder: str, files: dict[str, str], out: str) -> None:
+    """Each (data, layout): the training loop's held-out figures (`_held_out`, what an evaluation during training
+    logs) and `pipetrain eval`'s (`held_out_loss`), on the folder's weights."""
+    device = join_job(spec)
+    try:
+        records = {}
+        for name, data in files.items():
+            for layout in LAYOUTS:
+                config = _held_out_config(folder, data, layout)
+                workload = config.task()
+                _, test = load_data(config)
+                session = build_session(config.model(), config.parallel, device, loss_fn=workload.loss())
+                tested, record = _held_out(session.engine, workload, test, config, session.mesh.dp_rank,
+                                           SimpleNamespace(progress=lambda: None), Position(step=1, epoch=1), "epoch")
+                records[name, layout] = {"training": (record.loss, record.accuracy, int(tested.count), record.batches),
+                                         "eval": held_out_loss(session, config, test)}
+        torch.save(records, f"{out}/rank{spec.rank}.pt")
+    finally:
+        close_session()
+
+
+def _one_rank_figures(folder: str, data: str) -> tuple[float, float, int]:
+    """(loss, token accuracy, tokens) of every held-out sample through the unsplit transformers model (float64
+    sums of its fp32 per-token losses)."""
+    config = _held_out_config(folder, data)
+    _, test = load_data(config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    total, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in config.task().batches(test, HELD_BATCH, shuffle=False, seed=0, epoch=0, replica=0, replicas=1):
+            logits, keep = model(x).logits, y != -100
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum").double()
+            correct += int((logits.argmax(-1)[keep] == y[keep]).sum())
+            count += int(keep.sum())
+    return float(total) / count, correct / count, count
+
+
+@pytest.fixture(scope="module")
+def held_out_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("held-out")
+    folder = str(tiny_model_folder(root / "llama", "llama"))
+    files = {}
+    for name, count in HELD_OUT_ROWS.items():
+        rows = [{"prompt": f"Review {i}: it was {'the best' if i % 3 else 'the worst'} of times. Verdict:",
+                 "completion": " good" if i % 2 else " bad"} for i in range(count)]
+        files[name] = str(root / f"{name}.jsonl")
+        Path(files[name]).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.MonkeyPatch.context() as patch:  # the module's fixture runs before conftest's per-test pin
+        patch.setenv(DEVICE_VARIABLE, "cpu")
+        spawn(_held_out_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
+              args=(folder, files, str(root)), timeout_s=600)
+    references = {name: _one_rank_figures(folder, data) for name, data in files.items()}
+    return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("data", list(HELD_OUT_ROWS))
+def test_held_out_figures_at_any_layout_are_the_one_rank_figures(held_out_runs, data, layout):
+    """Every held-out sample counted once at dp 2 and 4 (beside pp, cp, tp, FSDP): the training loop's figures equal
+    `pipetrain eval`'s (rtol 1e-12: one code path) and the unsplit model's over every sample (the same token count,
+    exactly; loss rtol 1e-6, accuracy equal) on every rank. Main's equal shares skipped a short last batch's
+    remainder (its 5 rows at dp 2 counted 4, its 3 rows at dp 4 none: fewer tokens, another loss)."""
+    per_rank, references = held_out_runs
+    loss, accuracy, tokens = references[data]
+    for records in per_rank:
+        got = records[data, layout]
+        trained_loss, trained_accuracy, trained_tokens, batches = got["training"]
+        held = HELD_OUT_ROWS[data] // 10
+        assert (trained_tokens, got["eval"][2], batches) == (tokens, tokens, -(-held // HELD_BATCH))
+        assert trained_loss == pytest.approx(loss, rel=1e-6) and trained_accuracy == pytest.approx(accuracy, rel=1e-9)
+        assert got["eval"][:2] == pytest.approx((trained_loss, trained_accuracy), rel=1e-12)

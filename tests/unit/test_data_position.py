@@ -21,6 +21,7 @@ from pipetrain.workloads.classifier.workload import bucketed_reviews
 from pipetrain.workloads.hf.text import TokenWindows, window_batches
 from pipetrain.workloads.lm.corpus import TokenCorpus, synthetic_corpus, token_batches
 from pipetrain.workloads.registry import get_workload
+from pipetrain.workloads.evaluation import evaluation_batches, evaluation_share
 from pipetrain.workloads.position import batches_left, replica_shares
 from pipetrain.workloads.text.batching import batch_order
 
@@ -180,3 +181,38 @@ def test_the_start_up_line_says_the_steps_and_the_epochs_they_take(corpus):
     assert _length(alone, lm, corpus) == "30 steps, 4 epochs of 8 batches (from --max-steps)"
     plain = TrainConfig(workload="lm", preset="tiny", data="synthetic", batch_size=BATCH, epochs=1)
     assert _length(plain, lm, corpus) == "8 steps, 1 epoch of 8 batches"
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_an_evaluation_counts_every_sample_of_a_batch_once(replicas):
+    """Each replica's evaluation share of a global batch of 1..9 samples: all of the same size, the counted rows
+    (leading) cover every sample exactly once, in order; the filled-up rows repeat a real sample (main's equal
+    training shares skipped the remainder: 3 samples at dp 2 counted 2)."""
+    for samples in range(1, 10):
+        shares = [evaluation_share(samples, replica=r, replicas=replicas) for r in range(replicas)]
+        assert len({len(index) for index, _ in shares}) == 1
+        counted = torch.cat([index[:n] for index, n in shares])
+        assert counted.tolist() == list(range(samples)), (samples, shares)
+        assert all(0 <= int(i) < samples for index, _ in shares for i in index)
+    assert evaluation_share(3, replica=3, replicas=4)[1] == 0  # a replica with no sample still runs one
+
+
+def test_evaluation_batches_keep_a_samples_rows_together():
+    """A workload of two rows a sample (a preference pair): the shares cut between samples, and every replica's
+    batch is the rows of its samples from the global batch built whole."""
+
+    class Pairs:
+        rows_per_sample = 2
+
+        def batches(self, dataset, batch_size, *, replicas, **kwargs):
+            assert replicas == 1
+            for start in range(0, len(dataset), batch_size):
+                part = dataset[start:start + batch_size]
+                rows = torch.stack([part * 10, part * 10 + 1], dim=1).flatten()
+                yield (rows[:, None], rows[:, None] + 1000), rows
+
+    data = torch.arange(5)  # batches of 4 and 1 pairs
+    got = [list(evaluation_batches(Pairs(), data, 4, seed=0, replica=r, replicas=2)) for r in range(2)]
+    assert [[rows for _, rows in shares] for shares in got] == [[4, 2], [4, 0]]
+    assert got[0][0][0][1].tolist() == [0, 1, 10, 11] and got[1][0][0][1].tolist() == [20, 21, 30, 31]
+    assert got[1][1][0][1].tolist() == [40, 41] and got[1][1][0][0][1].flatten().tolist() == [1040, 1041]

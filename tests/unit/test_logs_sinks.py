@@ -205,7 +205,7 @@ def test_under_a_progress_bar_only_evaluations_are_logged(caplog):
 
 
 def test_eval_batches_bounds_the_batches_read():
-    """`--eval-batches K` reads K batches of the held-out stream (the trainer's own `_evaluate`, no processes)."""
+    """`--eval-batches K` reads K batches of the held-out stream (the trainer's own `evaluate_split`, no processes)."""
     from types import SimpleNamespace
 
     from pipetrain.train import loop as trainer
@@ -224,7 +224,7 @@ def test_eval_batches_bounds_the_batches_read():
         def num_batches(self, dataset, batch_size, *, replicas):
             return 5
 
-    engine = SimpleNamespace(evaluate=lambda x, y: StepResult(loss=float(x[0, 0]), accuracy=1.0, samples=2, count=2))
+    engine = SimpleNamespace(evaluate=lambda x, y, rows: StepResult(loss=float(x[0, 0]), accuracy=1.0, samples=2, count=2))
     config = SimpleNamespace(batch_size=2, seed=0, bucket=False, parallel=SimpleNamespace(dp=1))
     durable = SimpleNamespace(progress=lambda: None, stop_requested=lambda: False)
     at = Position(step=7, epoch=2)

@@ -28,6 +28,7 @@ from pipetrain.launch.ranks import RankSpec
 from pipetrain.logs.records import MetricTotals, perplexity
 from pipetrain.session import Session, close_session, open_session
 from pipetrain.train.config import TrainConfig, load_data
+from pipetrain.train.loop import evaluate_split
 from pipetrain.workloads.hf.text import load_tokenizer
 from pipetrain.workloads.registry import Dataset
 
@@ -51,13 +52,8 @@ class EvalJob:
 
 
 def held_out_totals(session: Session, config: TrainConfig, test: Dataset) -> MetricTotals:
-    """The figures of `test` added up as the training loop evaluates it (every batch of the split)."""
-    workload, engine = config.task(), session.engine
-    totals = MetricTotals()
-    for x, y in workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
-                                 replica=session.mesh.dp_rank, replicas=config.parallel.dp, bucket=config.bucket):
-        totals.add(engine.evaluate(x, y))
-    return totals
+    """The figures of `test` added up as the training loop evaluates it (every sample of the split once)."""
+    return evaluate_split(session.engine, config.task(), test, config, session.mesh.dp_rank)[0]
 
 
 def held_out_loss(session: Session, config: TrainConfig, test: Dataset) -> tuple[float, float, int]:

@@ -40,6 +40,7 @@ class PreferenceWorkload(FolderObjective):
 
     metrics = ("accuracy",)
     windows = True
+    rows_per_sample = 2  # each pair's chosen and rejected rows, interleaved (`PreferencePairs.take`)
     needs_folder = ("--objective dpo trains a pretrained model folder on preference rows",
                     "pass --workload hf --model DIR --data pairs.jsonl")
     settings: DPOSettings

@@ -20,7 +20,7 @@ from pipetrain.pipeline.head import LossHead, armed
 from pipetrain.pipeline.local import block_named, build_stages
 from pipetrain.pipeline.loss import Loss, as_loss, vocab_parallel
 from pipetrain.pipeline.metrics import (
-    StepResult, add_sums, global_count_of, merge_outputs, step_result, whole, zero_sums,
+    StepResult, add_sums, first_rows, global_count_of, merge_outputs, step_result, whole, zero_sums,
 )
 from pipetrain.pipeline.runs import plan_runs
 from pipetrain.pipeline.recompute import RecomputeWrapper
@@ -216,16 +216,17 @@ class PipelineEngine:
             share_statistics(statistics, self.dp_group)
 
     @torch.no_grad()
-    def evaluate(self, inputs: Tensors | None, targets: torch.Tensor | None) -> StepResult:
-        """Forward-only pass of one batch in eval mode; returns the metrics on every rank."""
+    def evaluate(self, inputs: Tensors | None, targets: torch.Tensor | None, *, rows: int | None = None) -> StepResult:
+        """Forward-only pass of one batch in eval mode; returns the metrics on every rank. `rows`: the metrics (and
+        outputs) of the first `rows` rows only (None: all); the rest pad a replica's share to the others' size."""
         self.train(False)
         try:
-            return self._run(inputs, targets, train=False, global_count=None)
+            return self._run(inputs, targets, train=False, global_count=None, rows=rows)
         finally:
             self.train(True)
 
     def _run(self, inputs: Tensors | None, targets: torch.Tensor | None, *, train: bool,
-             global_count: int | None) -> StepResult:
+             global_count: int | None, rows: int | None = None) -> StepResult:
         inputs = as_tuple(inputs) if inputs is not None else None
         if self.sequence_split is not None:  # context parallelism: this rank's tokens of every sequence
             inputs = self.sequence_split.inputs(inputs) if inputs is not None else None
@@ -265,6 +266,8 @@ class PipelineEngine:
                 outputs.append(out)
         merged = merge_outputs(outputs, self._reads)
         sums, self._sums = self._sums, None
+        if rows is not None:  # evaluation of a padded share: the counted rows alone
+            merged, targets, batch_size = first_rows(merged, rows), first_rows(targets, rows), rows
         return self._metrics(merged, targets, batch_size, refuse_empty=train and global_count is None, sums=sums)
 
     def _last_wrapper(self) -> RecomputeWrapper | None:
@@ -287,7 +290,7 @@ class PipelineEngine:
         """The step's metrics on every rank, from device-side sums (`sums`, summed micro-batch by micro-batch in
         training; else computed here from the merged `outputs`)."""
         totals = zero_sums(self.loss, self.device) if sums is None else sums
-        if sums is None and outputs is not None and targets is not None and self.counts_metrics:
+        if sums is None and outputs is not None and targets is not None and len(targets) and self.counts_metrics:
             add_sums(self.loss, totals, outputs, targets)
         if self.has_last_stage and targets is not None and self.counts_metrics:
             totals[2] = batch_size if self.sequence_split is None or self.sequence_split.rank == 0 else 0

@@ -15,7 +15,8 @@ from pipetrain.errors import ConfigError
 from pipetrain.pipeline.loss import Loss
 from pipetrain.pipeline.timeline import span
 
-__all__ = ["StepResult", "whole", "global_count_of", "merge_outputs", "zero_sums", "add_sums", "step_result"]
+__all__ = ["StepResult", "whole", "global_count_of", "merge_outputs", "first_rows", "zero_sums", "add_sums",
+           "step_result"]
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,13 @@ def merge_outputs(outputs: list[Tensors], reads: int) -> Tensors | None:
     if isinstance(merged, DTensor):  # vocabulary-sharded logits: whole for the metrics and the caller
         merged = merged.full_tensor()
     return merged
+
+
+def first_rows(value: Tensors | None, rows: int) -> Tensors | None:
+    """The first `rows` rows (batch entries) of a tensor or of each tensor of a tuple; None stays None."""
+    if value is None:
+        return None
+    return tuple(t[:rows] for t in value) if isinstance(value, tuple) else value[:rows]
 
 
 def zero_sums(loss: Loss, device: torch.device) -> torch.Tensor:

@@ -7,6 +7,7 @@ import itertools
 import logging
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -31,36 +32,42 @@ from pipetrain.session import Session, close_session, open_session
 from pipetrain.trace.tracer import Tracer
 from pipetrain.train.config import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, TrainConfig, load_data
 from pipetrain.train.resume_changes import changes_warning, recipe_changes
+from pipetrain.workloads.evaluation import evaluation_batches
 from pipetrain.workloads.registry import Dataset, Workload
 
 #: TrainConfig, load_data, SYNTHETIC (train/config.py), EpochReport, MetricTotals, report_dicts (logs/records.py)
 #: are imported from here too, as they were from `pipetrain.trainer`.
 __all__ = ["SYNTHETIC", "SYNTHETIC_TRAIN", "SYNTHETIC_TEST", "TrainConfig", "EpochReport", "MetricTotals", "load_data",
-           "train_rank", "report_dicts", "expert_balancer"]
+           "train_rank", "report_dicts", "expert_balancer", "evaluate_split"]
 
 log = logging.getLogger("pipetrain")
 
 
-def _evaluate(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
-              durable: DurableRun, limit: int | None = None) -> MetricTotals | None:
-    """The held-out figures of at most `limit` batches (None: all); None when a stop signal came (the evaluation
-    stops at the next batch, every rank at the same one)."""
-    totals = MetricTotals()
-    for x, y in itertools.islice(workload.batches(test, config.batch_size, shuffle=False, seed=config.seed, epoch=0,
-                                                  replica=dp_rank, replicas=config.parallel.dp, bucket=config.bucket),
-                                 limit):
-        totals.add(engine.evaluate(x, y))
-        durable.progress()
-        if durable.stop_requested():
-            return None
-    return totals
+def evaluate_split(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
+                   limit: int | None = None, progress: Callable[[], None] | None = None,
+                   stop: Callable[[], bool] | None = None) -> tuple[MetricTotals | None, int]:
+    """The figures of `test`'s first `limit` global batches (None: all) added up, and how many batches that was:
+    every sample of them counted once, whatever dp (`workloads.evaluation`). `progress` is called after each batch,
+    then `stop`: when it answers True (a stop signal, the same answer on every rank) the evaluation ends there and
+    its figures are None."""
+    totals, batches = MetricTotals(), 0
+    shares = evaluation_batches(workload, test, config.batch_size, seed=config.seed, replica=dp_rank,
+                                replicas=config.parallel.dp, bucket=config.bucket)
+    for (x, y), rows in itertools.islice(shares, limit):
+        totals.add(engine.evaluate(x, y, rows=rows))
+        batches += 1
+        if progress is not None:
+            progress()
+        if stop is not None and stop():
+            return None, batches
+    return totals, batches
 
 
 def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config: TrainConfig, dp_rank: int,
               durable: DurableRun, at: Position, trigger: str,
               limit: int | None = None) -> tuple[MetricTotals, EvalRecord] | None:
-    """`_evaluate`, and its figures as the run log's record of an evaluation after step `at.step` (None: stopped by
-    a signal); for an objective that rolls out (GRPO) the held-out prompts' rewards instead, with no loss."""
+    """`evaluate_split`, and its figures as the run log's record of an evaluation after step `at.step` (None: stopped
+    by a signal); for an objective that rolls out (GRPO) the held-out prompts' rewards instead, with no loss."""
     start = time.perf_counter()
     rewards = getattr(workload, "held_out_rewards", None)  # GRPO: greedy completions scored, a bounded number
     if rewards is not None:
@@ -68,14 +75,14 @@ def _held_out(engine: PipelineEngine, workload: Workload, test: Dataset, config:
         durable.progress()
         return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=None, trigger=trigger, batches=1,
                                   seconds=time.perf_counter() - start, extras=tested.extra_means())
-    tested = _evaluate(engine, workload, test, config, dp_rank, durable, limit)
+    tested, batches = evaluate_split(engine, workload, test, config, dp_rank, limit, durable.progress,
+                                     durable.stop_requested)
     if tested is None:
         return None
     loss, accuracy = tested.means()
-    batches = workload.num_batches(test, config.batch_size, replicas=config.parallel.dp)
     return tested, EvalRecord(step=at.step, epoch=at.epoch, loss=loss, trigger=trigger,
                               accuracy=accuracy if "accuracy" in workload.metrics else None,
-                              perplexity=perplexity(loss, workload.metrics), batches=min(batches, limit or batches),
+                              perplexity=perplexity(loss, workload.metrics), batches=batches,
                               seconds=time.perf_counter() - start, extras=tested.extra_means())
 
 

@@ -87,6 +87,9 @@ class Workload(ABC):
     windows: ClassVar[bool] = False
     #: whether `batches` takes `start` (set from its signature when the class is defined; see `batches_from`)
     seeks: ClassVar[bool] = True
+    #: the rows of a batch one sample makes (a preference pair: 2, chosen and rejected); an evaluation cuts its
+    #: batches over the replicas between samples (`workloads.evaluation`)
+    rows_per_sample: ClassVar[int] = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
