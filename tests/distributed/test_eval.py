@@ -158,7 +158,8 @@ def _held_out_worker(spec, folder: str, files: dict[str, str], out: str) -> None
                 _, test = load_data(config)
                 session = build_session(config.model(), config.parallel, device, loss_fn=workload.loss())
                 tested, record = _held_out(session.engine, workload, test, config, session.mesh.dp_rank,
-                                           SimpleNamespace(progress=lambda: None), Position(step=1, epoch=1), "epoch")
+                                           SimpleNamespace(progress=lambda: None, stop_requested=lambda: False),
+                                           Position(step=1, epoch=1), "epoch")
                 records[name, layout] = {"training": (record.loss, record.accuracy, int(tested.count), record.batches),
                                          "eval": held_out_loss(session, config, test)}
         torch.save(records, f"{out}/rank{spec.rank}.pt")
