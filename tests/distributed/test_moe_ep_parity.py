@@ -562,10 +562,24 @@ def test_ep_not_dividing_the_stage_ranks_is_refused():
         ParallelConfig(dp=3, ep=2, pipeline=PipelineConfig(pp=2))
 
 
+@pytest.fixture(scope="module")
+def family_references(folders):
+    """(family, dp) -> transformers' reference of the family's folder (`moe_parity.reference`), computed once: a
+    family's schedules at one dp compare with the same one (the tests only read it)."""
+    found: dict[tuple[str, int], dict] = {}
+
+    def get(family: str, dp: int) -> dict:
+        if (family, dp) not in found:
+            model = transformers.AutoModelForCausalLM.from_pretrained(folders[family])
+            found[family, dp] = moe_parity.reference(model, dp)
+        return found[family, dp]
+    return get
+
+
 @pytest.mark.parametrize(("family", "schedule"), FOLDER_CASES)
-def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, folders):
+def test_expert_parallel_moe_family_matches_unsplit_transformers(family, schedule, runs, family_references):
     dp = 4 if (family, schedule) == HSDP_CASE else 2
-    ref = moe_parity.reference(transformers.AutoModelForCausalLM.from_pretrained(folders[family]), dp)
+    ref = family_references(family, dp)
     seen, split, tp_split = set(), 0, False
     for record in runs[f"{family}-{schedule}"]:
         torch.testing.assert_close(torch.tensor(record["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
