@@ -46,7 +46,7 @@ from pipetrain.train.loop import TrainConfig, load_data  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM  # noqa: E402
 from pipetrain.workloads.hf.families import FAMILIES  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, _full, compare_records,  # noqa: E402
-                                             layout_engine, make_batches, reference)
+                                             layout_engine, make_batches, reference, sgd_steps)
 from tests.hf_folders import family_configs, tiny_tokenizer, transformers_names  # noqa: E402
 
 #: case -> (dp, dp mode, pp, tp, schedule, stages per rank); "pp2" cases run two pipelines of 2 ranks
@@ -70,13 +70,7 @@ def _train(folder: str, layout: str, device: torch.device, pairs: list, save: Pa
     tied = model.family.embed + ".weight"
     keys = {n: tied if model.tied and hf == "lm_head.weight" else hf for n, hf in transformers_names(model).items()}
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads = [], []
-    for x, labels in make_batches(dp):
-        share = slice(replica * x.shape[0] // dp, (replica + 1) * x.shape[0] // dp)
-        opt.zero_grad()
-        losses.append(engine.step(x[share], labels[share]).loss)
-        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
-        opt.step()
+    losses, grads = sgd_steps(engine, opt, keys, replica, dp)
     if save is not None:
         save_checkpoint(save, engine, opt, step=len(losses))
     return {"losses": losses, "grads": grads, "params": [(keys[n], _full(p.detach()).clone())

@@ -117,6 +117,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def sgd_steps(engine, opt: torch.optim.Optimizer, keys: dict[str, str], replica: int,
+              dp: int) -> tuple[list[float], list[list[tuple[str, torch.Tensor]]]]:
+    """One step of `opt` on this replica's share of each of `make_batches(dp)`: the losses, and each step's whole
+    gradients as (transformers name via `keys`, tensor) pairs."""
+    losses, grads = [], []
+    for x, labels in make_batches(dp):
+        share = slice(replica * x.shape[0] // dp, (replica + 1) * x.shape[0] // dp)
+        opt.zero_grad()
+        losses.append(engine.step(x[share], labels[share]).loss)
+        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
+        opt.step()
+    return losses, grads
+
+
 def _train(folder: str, layout: str, device: torch.device) -> dict:
     dp, dp_mode, pp, schedule = LAYOUTS[layout]
     model = HFCausalLM.from_folder(folder, seq_len=SEQ)
@@ -125,14 +139,8 @@ def _train(folder: str, layout: str, device: torch.device) -> dict:
     session = build_session(model, parallel, device, seed=SEED, loss_fn=causal_lm_loss)
     engine, replica = session.engine, session.mesh.dp_rank
     keys = transformers_names(model)
-    opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads = [], []
-    for x, labels in make_batches(dp):
-        share = slice(replica * x.shape[0] // dp, (replica + 1) * x.shape[0] // dp)
-        opt.zero_grad()
-        losses.append(engine.step(x[share], labels[share]).loss)
-        grads.append({keys[n]: _full(p.grad).clone() for n, p in engine.named_parameters()})
-        opt.step()
+    losses, grads = sgd_steps(engine, torch.optim.SGD(engine.parameters(), lr=LR), keys, replica, dp)
+    grads = [dict(step) for step in grads]
     params = {keys[n]: _full(p.detach()).clone() for n, p in engine.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
 

@@ -46,7 +46,7 @@ from pipetrain.session import build_session  # noqa: E402
 from pipetrain.workloads.hf.causal_lm import HFCausalLM, causal_lm_loss  # noqa: E402
 from tests.hf_folders import transformers_names  # noqa: E402
 from tests.distributed.test_hf_parity import (ATOL, LR, RTOL, SEED, SEQ, VOCAB, _full, compare_records,  # noqa: E402
-                                             make_batches, spawned, tiny_configs)
+                                             make_batches, sgd_steps, spawned, tiny_configs)
 from tests.distributed.test_hf_tied import EMBEDDING  # noqa: E402
 
 #: case -> (family, dp, pp, schedule, checkpoint folder to resume from or None)
@@ -112,13 +112,7 @@ def _vocab_case(folder: str, name: str, device: torch.device) -> dict:
     local = {n: (tuple(p.to_local().shape), "tp" in (p.device_mesh.mesh_dim_names or ()))  # split over tp or not
              for n, p in engine.named_parameters() if isinstance(p, DTensor)}
     opt = torch.optim.SGD(engine.parameters(), lr=LR)
-    losses, grads = [], []
-    for x, labels in make_batches(dp):
-        share = slice(replica * x.shape[0] // dp, (replica + 1) * x.shape[0] // dp)
-        opt.zero_grad()
-        losses.append(engine.step(x[share], labels[share]).loss)
-        grads.append([(keys[n], _full(p.grad).clone()) for n, p in engine.named_parameters()])
-        opt.step()
+    losses, grads = sgd_steps(engine, opt, keys, replica, dp)
     params = [(keys[n], _full(p.detach()).clone()) for n, p in engine.named_parameters()]
     head = next((p for n, p in engine.named_parameters() if n.endswith("lm_head.weight")), None)
     correct = None

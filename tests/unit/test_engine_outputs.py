@@ -66,6 +66,21 @@ def test_a_token_loss_step_reads_the_device_once(monkeypatch):
         close_session()
 
 
+#: the classes of the two-block token model below: 160 KB of fp32 logits per micro-batch of 2 x 5 tokens
+VOCAB = 4096
+
+
+def _logits_session(schedule: str):
+    """One rank's session (pp 1, 4 micro-batches under `schedule`) of an embedding and a head over `VOCAB` classes,
+    with the token loss."""
+    torch.manual_seed(0)
+    model = ModuleListModel([nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)],
+                            example_input=torch.zeros(1, 5, dtype=torch.long))
+    return open_session(RankSpec(0, 0, 1, "127.0.0.1", free_port(), "cpu"), model,
+                        ParallelConfig(pipeline=PipelineConfig(pp=1, schedule=schedule, n_microbatches=4)),
+                        loss_fn=TokenCrossEntropy())
+
+
 def test_metrics_summed_per_micro_batch_match_the_whole_batch_and_drop_the_logits():
     """Training sums each micro-batch's loss total, count and correct tokens as its loss is computed: the step's loss
     and accuracy are the whole batch's (fp32 sums in float64: to 1e-6 relative; counts exact), whether the outputs
@@ -74,13 +89,8 @@ def test_metrics_summed_per_micro_batch_match_the_whole_batch_and_drop_the_logit
     least two micro-batches' logits and nothing of them is left after the step; kept, the merged outputs alone."""
     from pipetrain.compat.live import LiveBytes
 
-    vocab = 4096
-    torch.manual_seed(0)
-    model = ModuleListModel([nn.Embedding(vocab, 8), nn.Linear(8, vocab)],
-                            example_input=torch.zeros(1, 5, dtype=torch.long))
-    session = open_session(RankSpec(0, 0, 1, "127.0.0.1", free_port(), "cpu"), model,
-                           ParallelConfig(pipeline=PipelineConfig(pp=1, schedule="1f1b", n_microbatches=4)),
-                           loss_fn=TokenCrossEntropy())
+    vocab = VOCAB
+    session = _logits_session("1f1b")
     try:
         x, y = torch.randint(1, vocab, (8, 5)), torch.randint(0, vocab, (8, 5))
         y[0, 3:] = IGNORE_INDEX
@@ -120,13 +130,8 @@ def test_the_last_stage_keeps_its_loss_not_its_logits_for_the_backward():
     `fwd_cache`, before the loss moved into the stage) measured 10.8."""
     from pipetrain.compat.live import LiveBytes
 
-    vocab = 4096
-    torch.manual_seed(0)
-    model = ModuleListModel([nn.Embedding(vocab, 8), nn.Linear(8, vocab)],
-                            example_input=torch.zeros(1, 5, dtype=torch.long))
-    session = open_session(RankSpec(0, 0, 1, "127.0.0.1", free_port(), "cpu"), model,
-                           ParallelConfig(pipeline=PipelineConfig(pp=1, schedule="gpipe", n_microbatches=4)),
-                           loss_fn=TokenCrossEntropy())
+    vocab = VOCAB
+    session = _logits_session("gpipe")
     try:
         x, y = torch.randint(1, vocab, (8, 5)), torch.randint(0, vocab, (8, 5))
         engine = session.engine
