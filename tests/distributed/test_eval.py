@@ -9,7 +9,8 @@ answer it does not give: the accuracy must be exactly 5/9, which needs every ans
 to be the unsplit model's (replica 0 answers 5 of them, replica 1 4).
 
 The held-out figures at any dp (a spawned job of 4 ranks, several layouts): the training loop's evaluation and
-`pipetrain eval`'s count every held-out sample once, giving the unsplit model's figures over all of them.
+`pipetrain eval`'s count every held-out sample once, giving the unsplit model's figures over all of them; in the same
+job GRPO's held-out evaluation (greedy completions of the held-out prompts, scored) counts every prompt once too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from pipetrain.cli import main as cli_main  # noqa: E402
 from pipetrain.config import ParallelConfig, PipelineConfig  # noqa: E402
 from pipetrain.data.fields import RowFormat  # noqa: E402
 from pipetrain.evaluate.run import held_out_loss  # noqa: E402
+from pipetrain.generate.job import eos_ids  # noqa: E402
 from pipetrain.launch.env import DEVICE_VARIABLE, free_port  # noqa: E402
+from pipetrain.objectives import GRPOSettings  # noqa: E402
 from pipetrain.launch.spawn import spawn  # noqa: E402
 from pipetrain.session import build_session, close_session, join_job  # noqa: E402
 from pipetrain.train.config import TrainConfig, load_data  # noqa: E402
@@ -145,10 +148,12 @@ def _held_out_config(folder: str, data: str, layout: str = "dp1") -> TrainConfig
                        parallel=parallel, row_format=RowFormat())
 
 
-def _held_out_worker(spec, folder: str, files: dict[str, str], out: str) -> None:
+def _held_out_worker(spec, folder: str, files: dict[str, str], out: str, grpo: tuple[str, str]) -> None:
     """Each (data, layout): the training loop's held-out figures (`_held_out`, what an evaluation during training
-    logs) and `pipetrain eval`'s (`held_out_loss`), on the folder's weights."""
+    logs) and `pipetrain eval`'s (`held_out_loss`), on the folder's weights; then GRPO's held-out rewards (`grpo`:
+    its folder and reward file) at each of `GRPO_LAYOUTS`."""
     device = join_job(spec)
+    nowhere = SimpleNamespace(progress=lambda: None, stop_requested=lambda: False)
     try:
         records = {}
         for name, data in files.items():
@@ -157,11 +162,20 @@ def _held_out_worker(spec, folder: str, files: dict[str, str], out: str) -> None
                 workload = config.task()
                 _, test = load_data(config)
                 session = build_session(config.model(), config.parallel, device, loss_fn=workload.loss())
-                tested, record = _held_out(session.engine, workload, test, config, session.mesh.dp_rank,
-                                           SimpleNamespace(progress=lambda: None, stop_requested=lambda: False),
+                tested, record = _held_out(session.engine, workload, test, config, session.mesh.dp_rank, nowhere,
                                            Position(step=1, epoch=1), "epoch")
                 records[name, layout] = {"training": (record.loss, record.accuracy, int(tested.count), record.batches),
                                          "eval": held_out_loss(session, config, test)}
+            for layout in GRPO_LAYOUTS:
+                config = _grpo_config(*grpo, data, layout)
+                workload = config.task()
+                train, test = load_data(config)
+                session = build_session(config.model(), config.parallel, device, loss_fn=workload.loss())
+                workload.before_training(session.engine, {"train": train, "test": test}, mesh=session.mesh,
+                                         batch_size=config.batch_size, store=None, main=spec.rank == 0)
+                tested, record = _held_out(session.engine, workload, test, config, session.mesh.dp_rank, nowhere,
+                                           Position(step=1, epoch=1), "epoch")
+                records[name, "grpo", layout] = (record.loss, int(tested.count), record.extras)
         torch.save(records, f"{out}/rank{spec.rank}.pt")
     finally:
         close_session()
@@ -183,10 +197,57 @@ def _one_rank_figures(folder: str, data: str) -> tuple[float, float, int]:
     return float(total) / count, correct / count, count
 
 
+#: GRPO's held-out evaluation at these layouts (4 and 2 replicas, DDP and FSDP, beside pp and tp)
+GRPO_LAYOUTS = ("dp4", "dp4-fsdp", "dp2xpp2", "dp2xtp2")
+GRPO_NEW, GRPO_BATCH = 4, 8
+#: reward functions of the held-out prompts: one of each completion's text (its code points), one of its prompt alone (a prompt left
+#: out or counted twice moves its mean whatever the generation gives)
+REWARDS = """
+def chars(prompts, completions, **kwargs):
+    return [float(sum(map(ord, c)) % 1000) for c in completions]
+
+
+def worst(prompts, completions, **kwargs):
+    return [1.0 if "worst" in p else 0.0 for p in prompts]
+"""
+
+
+def _grpo_config(folder: str, rewards: str, data: str, layout: str = "dp1") -> TrainConfig:
+    dp, pp, cp, tp, mode = LAYOUTS.get(layout, (1, 1, 1, 1, "ddp"))
+    settings = GRPOSettings(rewards=(f"{rewards}:chars", f"{rewards}:worst"), generations=2,
+                            max_completion_length=GRPO_NEW)
+    parallel = ParallelConfig(dp=dp, dp_mode=mode, cp=cp, tp=tp, pipeline=PipelineConfig(pp=pp, n_microbatches=2))
+    return TrainConfig(workload="hf", model_dir=folder, data=data, seq_len=HELD_SEQ, batch_size=GRPO_BATCH,
+                       parallel=parallel, objective=settings)
+
+
+def _one_rank_rewards(folder: str, rewards: str, data: str) -> tuple[int, float, float, float]:
+    """(prompts, reward mean, `chars`'s mean, `worst`'s mean) of transformers' greedy completions of every held-out
+    prompt, one at a time (no padding), each cut after its first stop token, scored in this process."""
+    config = _grpo_config(folder, rewards, data)
+    _, test = load_data(config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    stops = set(eos_ids(Path(folder), model.config, tokenizer)) | {tokenizer.eos_token_id}
+    chars, worst = [], []
+    with torch.no_grad():
+        for prompt, ids in zip(test.prompts, test.ids):
+            given = torch.tensor([ids])
+            out = model.generate(given, attention_mask=torch.ones_like(given), max_new_tokens=GRPO_NEW,
+                                 do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            cut = next((k + 1 for k, t in enumerate(out) if t in stops), len(out))
+            chars.append(float(sum(map(ord, tokenizer.decode(out[:cut], skip_special_tokens=True))) % 1000))
+            worst.append(1.0 if "worst" in prompt else 0.0)
+    n = len(test.ids)
+    return n, (sum(chars) + sum(worst)) / n, sum(chars) / n, sum(worst) / n
+
+
 @pytest.fixture(scope="module")
 def held_out_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("held-out")
     folder = str(tiny_model_folder(root / "llama", "llama"))
+    grpo = (wide_folder(root / "wide", "llama"), str(root / "held_out_rewards.py"))
+    Path(grpo[1]).write_text(REWARDS)
     files = {}
     for name, count in HELD_OUT_ROWS.items():
         rows = [{"prompt": f"Review {i}: it was {'the best' if i % 3 else 'the worst'} of times. Verdict:",
@@ -196,8 +257,9 @@ def held_out_runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:  # the module's fixture runs before conftest's per-test pin
         patch.setenv(DEVICE_VARIABLE, "cpu")
         spawn(_held_out_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
-              args=(folder, files, str(root)), timeout_s=600)
+              args=(folder, files, str(root), grpo), timeout_s=600)
     references = {name: _one_rank_figures(folder, data) for name, data in files.items()}
+    references.update({(name, "grpo"): _one_rank_rewards(*grpo, data) for name, data in files.items()})
     return [torch.load(root / f"rank{r}.pt") for r in range(4)], references
 
 
@@ -217,3 +279,21 @@ def test_held_out_figures_at_any_layout_are_the_one_rank_figures(held_out_runs, 
         assert (trained_tokens, got["eval"][2], batches) == (tokens, tokens, -(-held // HELD_BATCH))
         assert trained_loss == pytest.approx(loss, rel=1e-6) and trained_accuracy == pytest.approx(accuracy, rel=1e-9)
         assert got["eval"][:2] == pytest.approx((trained_loss, trained_accuracy), rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", GRPO_LAYOUTS)
+@pytest.mark.parametrize("data", list(HELD_OUT_ROWS))
+def test_grpo_held_out_rewards_count_every_prompt_once(held_out_runs, data, layout):
+    """GRPO's held-out evaluation of 3 and 5 prompts at dp 4 and dp 2 (DDP and FSDP) counts every prompt once and
+    gives the one-process figures on every rank: the count exact, and the reward means equal (rel 1e-12: greedy
+    tokens through the same weights, the same texts; only the sums' order differs). Main's equal shares dropped the
+    remainder (5 prompts at dp 2 scored 4, 3 at dp 4 none), so the count and the `worst` mean (of the prompts
+    alone) differed."""
+    per_rank, references = held_out_runs
+    prompts, reward, chars, worst = references[data, "grpo"]
+    assert prompts == HELD_OUT_ROWS[data] // 10
+    for records in per_rank:
+        loss, count, extras = records[data, "grpo", layout]
+        assert loss is None and count == prompts
+        assert extras == pytest.approx({"reward": reward, "rewards/chars/mean": chars, "rewards/worst/mean": worst},
+                                       rel=1e-12)

@@ -40,6 +40,7 @@ from pipetrain.objectives.logps import token_logps
 from pipetrain.objectives.rewards import load_rewards, score
 from pipetrain.pipeline import PipelineEngine
 from pipetrain.pipeline.loss import IGNORE_INDEX
+from pipetrain.workloads.evaluation import evaluation_share
 from pipetrain.workloads.hf.text import load_tokenizer
 from pipetrain.workloads.hf.workload import HFWorkload
 from pipetrain.workloads.position import replica_shares
@@ -108,25 +109,29 @@ class GRPOWorkload(FolderObjective):
                 yield x, targets
 
     def held_out_rewards(self, data: PromptRows, *, replica: int, replicas: int) -> MetricTotals:
-        """The rewards of greedy completions of the first `HELD_OUT_PROMPTS` held-out prompts (each replica an equal
-        share of them), generated through the training stages as the rollouts are: sums over the replicas in
-        `extras` (`reward`, `rewards/<function>/mean`), `count` the prompts scored. Every rank calls it."""
-        each = min(len(data.ids), HELD_OUT_PROMPTS) // replicas
-        picks = list(range(replica, each * replicas, replicas))
+        """The rewards of greedy completions of the first `HELD_OUT_PROMPTS` held-out prompts, generated through the
+        training stages as the rollouts are: each replica completes an equal-size share of them
+        (`evaluation_share`: every replica makes the same calls, its filler prompts past the end not scored), so
+        each prompt counts once at any dp. Sums over the replicas in `extras` (`reward`, `rewards/<function>/mean`),
+        `count` the prompts scored. Every rank calls it."""
+        prompts = min(len(data.ids), HELD_OUT_PROMPTS)
+        share, counted = evaluation_share(prompts, replica=replica, replicas=replicas)
         stats = torch.zeros(2 + len(self.functions), dtype=torch.float64)
-        if picks:
-            texts, completions = self._complete([data.ids[i] for i in picks], Sampling(),
+        if len(share):  # (no held-out prompt at all: no replica generates)
+            texts, completions = self._complete([data.ids[i] for i in share.tolist()], Sampling(),
                                                 self.settings.max_completion_length)
-            per, rewards, _ = self._score(data, picks, texts, completions)
-            finite = ~torch.isnan(rewards)
-            stats = torch.tensor([float(rewards[finite].sum()), float(finite.sum()),
-                                  *torch.nan_to_num(per).sum(0).tolist()], dtype=torch.float64)
+            picks = share[:counted].tolist()
+            if picks:
+                per, rewards, _ = self._score(data, picks, texts[:counted], completions[:counted])
+                finite = ~torch.isnan(rewards)
+                stats = torch.tensor([float(rewards[finite].sum()), float(finite.sum()),
+                                      *torch.nan_to_num(per).sum(0).tolist()], dtype=torch.float64)
         if self.mesh.dp > 1:
             stats = stats.to(self.engine.device)
             dist.all_reduce(stats, group=self.mesh.dp_group)
             stats = stats.cpu()
         total, n, *each_function = stats.tolist()
-        scale = n / max(each * replicas, 1)  # the functions' means are over every prompt, as a step's
+        scale = n / max(prompts, 1)  # the functions' means are over every prompt, as a step's
         extras = {"reward": total, **{f"rewards/{f.name}/mean": v * scale for f, v in zip(self.functions,
                                                                                            each_function)}}
         return MetricTotals(count=n, extras=extras if n else {})  # (none scored: no figure, not a 0)
