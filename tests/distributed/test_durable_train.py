@@ -61,6 +61,15 @@ def _copy_checkpoint(source: Path, step: int, target: Path) -> Path:
     return target
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and its descendants (one may end before its turn: a rank whose launcher died ends by itself)."""
+    for each in _tree(pid):
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _tree(pid: int) -> list[int]:
     """`pid` and its living descendants (from /proc)."""
     parents: dict[int, int] = {}
@@ -185,8 +194,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     deadline = time.monotonic() + 60
     while not any(p.name.endswith(".partial") for p in save_dir.iterdir()):  # a save under way: kill everything
         assert time.monotonic() < deadline and job.poll() is None
-    for pid in _tree(job.pid):
-        os.kill(pid, signal.SIGKILL)
+    _kill_tree(job.pid)
     job.communicate()
     partial = [p for p in save_dir.iterdir() if p.name.endswith(".partial")]
     latest = latest_checkpoint(save_dir)
@@ -222,8 +230,7 @@ def test_kill_during_a_background_write_keeps_the_previous_checkpoint_and_resume
         assert time.monotonic() < deadline and job.poll() is None
         time.sleep(0.05)
     time.sleep(1.0)
-    for pid in _tree(job.pid):
-        os.kill(pid, signal.SIGKILL)
+    _kill_tree(job.pid)
     job.communicate()
     assert [p.name for p in complete_checkpoints(save_dir)] == ["step-00000004"]
     if original:

@@ -31,8 +31,9 @@ from pipetrain.checkpoint.durable_config import (
 )
 from pipetrain.checkpoint.state import find_checkpoint, load_checkpoint, save_checkpoint
 from pipetrain.checkpoint.stop import StopRequest
-from pipetrain.launch.spawn import RankSpec, fail_now
+from pipetrain.launch.env import elastic_round
 from pipetrain.launch.hangs import HangReport
+from pipetrain.launch.spawn import RankSpec, fail_now
 from pipetrain.launch.watchdog import StepWatchdog
 from pipetrain.pipeline import PipelineEngine
 
@@ -93,7 +94,7 @@ class DurableRun:
         if config.step_timeout_s:
             self._watchdog = StepWatchdog(timeout_s=config.step_timeout_s, rank=spec.rank, world_size=spec.world_size,
                                           master_addr=spec.master_addr, master_port=spec.master_port, on_stuck=fail_now,
-                                          hang=HangReport(hang_dir, spec.rank))
+                                          hang=HangReport(hang_dir, spec.rank), round_=elastic_round())
         self._step = 0
         self._saved: dict[str, Any] | None = None
         self._saver = (BackgroundSaver(timeout_s=self._save_limit_s) if config.async_save and config.save_dir is not None

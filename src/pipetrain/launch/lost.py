@@ -23,7 +23,15 @@ from pipetrain.errors import RankFailedError
 from pipetrain.launch.env import elastic_restarts_left, elastic_round
 from pipetrain.launch.failures import error_text
 from pipetrain.launch.spawn import RankSpec, fail_now
-from pipetrain.launch.watchdog import HEARTBEAT_PREFIX, STORE_TIMEOUT_S, beat_period, bounded
+from pipetrain.launch.watchdog import (
+    HEARTBEAT_PREFIX,
+    REPORT_WAIT_S,
+    STORE_TIMEOUT_S,
+    await_report,
+    beat_period,
+    bounded,
+    fired_key,
+)
 
 __all__ = ["LOST_CONNECTION", "lost_hint", "lost_ranks_message", "report_lost_connection", "silent_ranks"]
 
@@ -46,12 +54,28 @@ def report_lost_connection(err: BaseException, spec: RankSpec, *, step_timeout_s
     if not any(needle in text for needle in LOST_CONNECTION):
         return None
     period = beat_period(step_timeout_s) if step_timeout_s else 1.0
+    if _watchdog_reports(spec, period):
+        fail_now("")  # the hang was named first; this closed connection is the reporter (or another) ending
     message = lost_ranks_message(me=spec.rank, world_size=spec.world_size, master_addr=spec.master_addr,
                                  master_port=spec.master_port, beat_period_s=period, restart_count=elastic_round())
     if message is None:
         time.sleep(_QUIET_S)
         fail_now("")
     return RankFailedError(message, hint=lost_hint(elastic_restarts_left()))
+
+
+def _watchdog_reports(spec: RankSpec, period_s: float) -> bool:
+    """Whether a step watchdog already names this round's hang (then wait for its message, up to its bound): the
+    connection this rank saw close is then a rank ending after the hang, not a lost one."""
+    def ask() -> bool:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, is_master=False,
+                              timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        if not store.check([fired_key(elastic_round())]):
+            return False
+        await_report(store, elastic_round(), period_s)
+        return True
+
+    return bool(bounded(ask, REPORT_WAIT_S + 3 * STORE_TIMEOUT_S))
 
 
 def lost_hint(restarts_left: int | None) -> str:

@@ -38,12 +38,20 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _REPORT: tuple[Connection, int] | None = None
 
 
+#: Seconds a rank ending quietly under `spawn` waits for the launcher to stop it (after another's report).
+_QUIET_END_S = 30.0
+
+
 def fail_now(message: str, *, code: int = 1) -> NoReturn:
     """End this rank at once from any thread, reporting `message` once (an empty message stays silent).
 
     Under `spawn` the message goes to the launcher, which stops every rank and raises it; under torchrun or
-    srun it is printed, and the launcher ends the other ranks when this one exits.
+    srun it is printed, and the launcher ends the other ranks when this one exits. A rank ending quietly under
+    `spawn` leaves that to the launcher (for up to `_QUIET_END_S`): dead first and without a report, it would be
+    taken for the cause.
     """
+    if not message and _REPORT is not None:
+        time.sleep(_QUIET_END_S)
     if message:
         if _REPORT is not None:
             try:

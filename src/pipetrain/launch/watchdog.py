@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from pipetrain.launch.hangs import DUMP_SIGNAL, HangReport, decode, encode, hang_message
 
-__all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "Allowance", "StepWatchdog", "beat_period", "bounded", "waited_text",
-           "stuck_message"]
+__all__ = ["HEARTBEAT_PREFIX", "STORE_TIMEOUT_S", "Allowance", "StepWatchdog", "beat_period", "bounded", "fired_key",
+           "await_report", "REPORT_WAIT_S", "waited_text", "stuck_message"]
 
 T = TypeVar("T")
 
@@ -33,6 +33,32 @@ _PREFIX = "pipetrain/watchdog/"
 HEARTBEAT_PREFIX = _PREFIX + "beat/"
 #: Seconds a store read may take; longer means the rank holding the store (rank 0) is frozen.
 STORE_TIMEOUT_S = _STORE_TIMEOUT_S = 5.0
+
+
+#: Seconds a rank whose watchdog fired after another's waits for that rank's report before it ends quietly.
+REPORT_WAIT_S = 30.0
+
+
+def _round_prefix(round_: int) -> str:
+    """The keys of one report (the claim, who is alive, where each rank is, "reported"): torchrun's agent store
+    outlives a restart, and a claim left by an earlier round must not silence the next round's report."""
+    return f"{_PREFIX}round-{round_}/"
+
+
+def fired_key(round_: int) -> str:
+    """The store key a rank claims when its watchdog fires first in torchrun's round `round_` (its rank)."""
+    return _round_prefix(round_) + "fired"
+
+
+def await_report(store: dist.TCPStore, round_: int, period_s: float, seconds: float = REPORT_WAIT_S) -> None:
+    """Return once the rank reporting round `round_`'s hang has said its message (or within `seconds`, or when the
+    store no longer answers: its host, rank 0's, ended)."""
+    deadline = time.monotonic() + seconds
+    key = _round_prefix(round_) + "reported"
+    while time.monotonic() < deadline:
+        if bounded(lambda: store.check([key]), 2 * _STORE_TIMEOUT_S) is not False:
+            return
+        time.sleep(period_s)
 
 
 def beat_period(timeout_s: float) -> float:
@@ -79,17 +105,18 @@ class StepWatchdog:
     """Publishes this rank's finished step and a heartbeat to the job's TCP store; fires `on_stuck(message)`
     when `progress` has not been called for `timeout_s` seconds.
 
-    The first rank to fire wins the right to report (one message per job); the others stay quiet and are
-    ended by the launcher. When the store itself does not answer, the rank hosting it (rank 0) is frozen, or
+    The first rank to fire wins the right to report (one message per job); the others say where they are and end
+    quietly once it has reported (a launcher that ends them sooner is welcome). When the store itself does not answer, the rank hosting it (rank 0) is frozen, or
     the link to its host is down.
     """
 
     def __init__(self, *, timeout_s: float, rank: int, world_size: int, master_addr: str, master_port: int,
-                 on_stuck: Callable[[str], None], hang: HangReport | None = None) -> None:
+                 on_stuck: Callable[[str], None], hang: HangReport | None = None, round_: int = 0) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
         self.world_size = world_size
         self._on_stuck = on_stuck
+        self._round = round_  # torchrun's restart count: the report's keys are this round's
         self._hang = hang
         self._store = dist.TCPStore(master_addr, master_port, is_master=False,
                                     timeout=timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
@@ -190,15 +217,16 @@ class StepWatchdog:
         except (RuntimeError, dist.DistStoreError):
             pass
 
-    def _read(self, kind: str) -> dict[int, str]:
-        keys = {r: f"{_PREFIX}{kind}/{r}" for r in range(self.world_size)}
+    def _read(self, kind: str, *, per_round: bool = False) -> dict[int, str]:
+        prefix = _round_prefix(self._round) if per_round else _PREFIX
+        keys = {r: f"{prefix}{kind}/{r}" for r in range(self.world_size)}
         return {r: self._store.get(key).decode() for r, key in keys.items() if self._store.check([key])}
 
     def _fire(self) -> None:
         # say "alive" (a rank whose watchdog fires has stopped beating, but is no stopped process), then claim
         def claim_report() -> list[str]:
-            self._store.set(f"{_PREFIX}alive/{self.rank}", "1")
-            return [self._store.compare_set(f"{_PREFIX}fired", "", str(self.rank)).decode()]
+            self._store.set(f"{_round_prefix(self._round)}alive/{self.rank}", "1")
+            return [self._store.compare_set(fired_key(self._round), "", str(self.rank)).decode()]
 
         claim = bounded(claim_report, 2 * _STORE_TIMEOUT_S)
         answer = None
@@ -214,15 +242,16 @@ class StepWatchdog:
         else:
             winner, message = answer
         if winner:
+            self._set(f"{_round_prefix(self._round)}reported", "1")  # the others may end now
             self._on_stuck(message)
-        else:
-            time.sleep(30.0)  # the winner reports and the launcher ends this rank; leave quietly if it does not
+        else:  # the winner reports (it needs this rank's gloo connections open until then), then this one ends
+            await_report(self._store, self._round, self._period)
             self._on_stuck("")
 
     def _answer(self) -> None:
         """Write this rank's stacks, and where it is to the store (for the reporting rank)."""
         if self._hang is not None:
-            self._set(f"{_PREFIX}where/{self.rank}", encode(self._hang.dump()))
+            self._set(f"{_round_prefix(self._round)}where/{self.rank}", encode(self._hang.dump()))
 
     def _survey(self) -> tuple[bool, str]:
         """This rank reports: tell the silent ranks from the live ones, gather where each is: (True, message)."""
@@ -232,7 +261,7 @@ class StepWatchdog:
         time.sleep(max(0.0, 3 * self._period - (time.monotonic() - start)))  # live ranks beat; stopped ones do not
         after = self._read("beat")
         now = time.time()
-        fired = set(self._read("alive"))
+        fired = set(self._read("alive", per_round=True))
         silent = {r: now - float(after[r]) if r in after else math.inf for r in range(self.world_size)
                   if r != self.rank and before.get(r) == after.get(r) and r not in fired}
         steps = {r: int(value) for r, value in self._read("step").items()}
@@ -242,7 +271,7 @@ class StepWatchdog:
             return True, message
         live = set(range(self.world_size)) - set(silent)
         for _ in range(5):  # the live ranks fire within a period or two of this one: wait for their answers
-            wheres = {r: decode(text) for r, text in self._read("where").items()}
+            wheres = {r: decode(text) for r, text in self._read("where", per_round=True).items()}
             if live <= set(wheres):
                 break
             time.sleep(self._period)
