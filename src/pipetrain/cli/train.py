@@ -19,6 +19,7 @@ from pipetrain.cli.recipe_args import DEFAULTS as RECIPE_DEFAULTS
 from pipetrain.cli.recipe_args import add_recipe_arguments, recipe_config
 from pipetrain.config.choices import PRECISION_NAMES, check_precision
 from pipetrain.launch.env import detect
+from pipetrain.lazy import lazy_exports
 from pipetrain.plan.hardware import Calibration
 from pipetrain.train.counts import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, check_counts
 from pipetrain.workloads.classifier.presets import PRESETS, REAL_EPOCHS
@@ -132,9 +133,4 @@ def run(args: argparse.Namespace) -> int:
     return run_job(args, calibrate=_calibrate)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "check_trace":  # torch: loaded on first use
-        from pipetrain.train.prepare import check_trace
-
-        return check_trace
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, {"check_trace": "pipetrain.train.prepare"})  # torch: on first use
