@@ -31,7 +31,7 @@ JOB = ["-m", "pipetrain", "train", "--preset", "tiny", "--data", "synthetic", "-
 
 def import_seconds() -> float:
     start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import pipetrain.cli.train"], env=environ(), check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", "import pipetrain.cli.train_run"], env=environ(), check=True, timeout=300)
     return time.monotonic() - start
 
 
@@ -72,7 +72,7 @@ def main() -> None:
         finally:
             cluster.down()
     print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores; "
-          f"`import pipetrain.cli.train` alone (before the jobs): {alone:.1f} s")
+          f"`import pipetrain.cli.train_run` alone (before the jobs): {alone:.1f} s")
     print("| ranks (over 2 hosts) | layout | launch → first step (s) | per rank (s) |")
     print("| --- | --- | --- | --- |")
     for n, (seconds, _) in rows:

@@ -19,7 +19,7 @@ import pytest
 
 from pipetrain.cli import bench as bench_cli
 from pipetrain.cli import main as cli_main
-from pipetrain.cli import train as train_cli
+from pipetrain.cli import train_run as train_cli
 from pipetrain.launch.env import START_METHOD_VARIABLE
 
 #: a job on real data (the tests below name the data), and a small job on the synthetic corpus

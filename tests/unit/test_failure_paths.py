@@ -117,7 +117,7 @@ def test_a_peer_lost_during_a_save_is_named_as_lost_not_as_a_failed_save(monkeyp
     ranks, the others stay quiet (it was two "the save of checkpoint ... failed" lines, one per surviving rank, and
     no lost rank named: the multihost kill test's flake). Any other save failure keeps its own message."""
     from pipetrain.checkpoint.state import save_failed
-    from pipetrain.cli import train as train_cli
+    from pipetrain.cli import train_run as train_cli
     from pipetrain.errors import RankFailedError
 
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.213.7.2]:19081")

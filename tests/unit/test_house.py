@@ -13,7 +13,7 @@ PACKAGE = SRC / "pipetrain"
 #: The rooms of pipetrain, bottom floor first: a room may import its own floor's modules of its own room, and
 #: any room of a lower floor. The top-level `pipetrain` package (the lazy public API) and `__main__` stand above.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "lazy"),
     ("compat",),
     ("blocks", "config", "batchnorm"),
     ("partition",),

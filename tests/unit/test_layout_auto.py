@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main as cli_main
-from pipetrain.cli import train as train_cli
+from pipetrain.cli import train_run as train_cli
 from pipetrain.logs.predicted import PredictionSink
 from pipetrain.logs.records import StepRecord
 from pipetrain.partition.profile import load_profile

@@ -72,7 +72,7 @@ def test_ep_on_a_dense_model_is_one_line_and_exit_2(cli):
 def test_layout_auto_chooses_or_keeps_the_expert_parallel_degree(folder, monkeypatch, capsys, tmp_path):
     """`--layout auto` on a MoE folder: a given --ep is kept (and the layout chosen around it), else ep is searched."""
     from pipetrain.cli import main as cli_main
-    from pipetrain.cli import train as train_cli
+    from pipetrain.cli import train_run as train_cli
 
     spawned = []
     monkeypatch.setattr(train_cli, "spawn", lambda *a, **k: spawned.append(k["args"][0]))
@@ -90,7 +90,7 @@ def test_a_moe_folder_is_split_by_its_priced_cost_by_default(folder, monkeypatch
     """Without --partition a MoE folder's stages balance the planner's FLOPs (dense embedding and head weigh unlike
     MoE layers); --partition uniform keeps the count split."""
     from pipetrain.cli import main as cli_main
-    from pipetrain.cli import train as train_cli
+    from pipetrain.cli import train_run as train_cli
     from pipetrain.plan.transformer import load_sizes
     from pipetrain.partition.solver import solve_balance, uniform_balance
 

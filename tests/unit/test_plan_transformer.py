@@ -156,7 +156,7 @@ def test_layout_auto_prices_an_hf_folder_from_its_config(tmp_path, monkeypatch, 
     pytest.importorskip("transformers")
     from pathlib import Path
 
-    from pipetrain.cli import train as train_cli
+    from pipetrain.cli import train_run as train_cli
     from tests.hf_folders import tiny_model_folder
 
     folder = tiny_model_folder(tmp_path / "model", "llama")

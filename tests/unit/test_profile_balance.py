@@ -11,7 +11,7 @@ from torch import nn
 from pipetrain.blocks import ModuleListModel
 from pipetrain.cli import bench as bench_cli
 from pipetrain.cli import main as cli_main
-from pipetrain.cli import train as train_cli
+from pipetrain.cli import train_run as train_cli
 from pipetrain.config import PipelineConfig
 from pipetrain.errors import ConfigError
 from pipetrain.partition import cost_balance, resolve_balance

@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipetrain.blocks import BlockModel
 from pipetrain.checkpoint.folders import probe_writable, read_meta
-from pipetrain.checkpoint.keys import fingerprint
-from pipetrain.checkpoint.meta import check_compatible, find_checkpoint
 from pipetrain.errors import ConfigError
-from pipetrain.pipeline import PipelineEngine
+
+if TYPE_CHECKING:
+    from pipetrain.blocks import BlockModel
+    from pipetrain.pipeline import PipelineEngine
 
 __all__ = ["DurableConfig", "DEFAULT_STEP_TIMEOUT_S", "DEFAULT_KEEP", "DEFAULT_SAVE_TIMEOUT_S", "SAVE_RATE_BYTES_S",
            "state_bytes"]
@@ -102,6 +102,9 @@ class DurableConfig:
     def check(self, *, model_name: str, model: BlockModel, batch_size: int | None = None) -> None:
         """Before any rank starts: the save folder is writable and, with --resume, holds a checkpoint of `model`
         (saved inside an epoch: by a job of the same global `batch_size`, when given)."""
+        from pipetrain.checkpoint.keys import fingerprint  # torch: not at import (the flags are checked before it)
+        from pipetrain.checkpoint.meta import check_compatible, find_checkpoint
+
         if self.save_dir is None:
             return
         probe_writable(self.save_dir)

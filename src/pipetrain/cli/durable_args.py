@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipetrain.checkpoint.durable import (
+from pipetrain.checkpoint.durable_config import (
     DEFAULT_KEEP,
     DEFAULT_SAVE_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,

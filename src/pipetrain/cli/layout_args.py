@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipetrain.cli.parallel_args import parallel_config
+from pipetrain.config import ParallelConfig
 from pipetrain.errors import ConfigError
 from pipetrain.plan.auto import Fixed
 from pipetrain.plan.hardware import default_calibration_path
 from pipetrain.plan.resize import RESIZE_POLICIES, check_fixed_world
 
-__all__ = ["add_layout_arguments", "explicit_layout", "on_resize", "one_rank", "mark_defaults", "is_default",
-           "LAYOUT_DESTS"]
+__all__ = ["add_layout_arguments", "explicit_layout", "on_resize", "one_rank", "flag_layout", "mark_defaults",
+           "is_default", "LAYOUT_DESTS"]
 
 #: The flags --layout auto chooses (dest names); given on the command line (or in --config), they fix that choice.
 LAYOUT_DESTS = ("pp", "dp", "dp_mode", "schedule", "chunks", "checkpoint", "stages_per_rank", "balance", "partition",
@@ -109,3 +111,11 @@ def one_rank(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "pp": 1, "dp": 1, "dp_mode": "ddp", "schedule": "gpipe", "chunks": 1,
                                  "checkpoint": "never", "stages_per_rank": None, "ep": 1, "cp": 1, "balance": None, "partition": None,
                                  "dp_shard": None, "mem_cap": None, "profile": None, "moe_overlap": "off"})
+
+
+def flag_layout(args: argparse.Namespace) -> tuple[ParallelConfig, Fixed, str]:
+    """The layout the flags ask, validated (no torch): its `ParallelConfig` (with `--layout auto`, a one-rank
+    placeholder until the planner chooses), the choices they fix for the planner, and the `--on-resize` policy."""
+    auto, resize = args.layout == "auto", on_resize(args)
+    fixed = explicit_layout(args) if auto or resize == "auto" else Fixed()
+    return parallel_config(one_rank(args) if auto else args), fixed, resize

@@ -8,7 +8,6 @@ import argparse
 from pathlib import Path
 
 from pipetrain.logs.config import LogConfig, default_run_dir
-from pipetrain.workloads.loader import workload_label
 
 __all__ = ["add_log_arguments", "log_config"]
 
@@ -45,6 +44,8 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
 def log_config(args: argparse.Namespace) -> LogConfig:
     """The validated `LogConfig` of parsed arguments (with the training group's `--metrics` and the layout group's
     `--layout-prediction`); its `config_text` is written from the whole job description (cli/train_args.py)."""
+    from pipetrain.workloads.loader import workload_label  # torch: not at import (bad flags are said before it)
+
     return LogConfig(run_dir=args.run_dir if args.run_dir is not None else default_run_dir(workload_label(args.workload)),
                      log_every=args.log_every, tensorboard=args.tensorboard, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, peak_tflops=args.peak_tflops, metrics=args.metrics,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pipetrain.errors import ConfigError
-from pipetrain.lora import LoraSettings
+from pipetrain.lora.config import LoraSettings
 
 __all__ = ["add_lora_arguments", "lora_settings"]
 

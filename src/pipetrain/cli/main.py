@@ -27,6 +27,9 @@ SPAWNING_VERBS = ("train", "check", "bench", "generate", "eval")
 HF_VERBS = ("generate", "eval")
 #: the verbs whose --workload names a registered workload (checked before their module imports torch)
 WORKLOAD_VERBS = ("train", "check", "profile")
+#: the verbs whose module imports no torch and whose `check_flags(args)` refuses bad flags before `run` imports it:
+#: their rank server starts after that check (a refused command starts none)
+FLAG_CHECKED_VERBS = ("train",)
 #: what `pipetrain --help` says above the verbs
 DESCRIPTION = (
     "Train a PyTorch model over several devices with pipeline, data and tensor parallelism, on one machine or many: "
@@ -109,7 +112,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     verb = _verb(argv or [])
     for name in VERBS if verb not in VERBS else (verb,):
         module = importlib.import_module(f"pipetrain.cli.{name}")
-        module.add_parser(_Verbs(sub)).set_defaults(run=module.run)
+        module.add_parser(_Verbs(sub)).set_defaults(run=module.run, check_flags=getattr(module, "check_flags", None))
     return parser
 
 
@@ -119,13 +122,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     mark_command_start()  # a job's start-up counts from here when this process ran one before
     try:
         _check_workload(argv)  # before the imports of torch
-        _start_rank_server(argv)
+        checked = _verb(argv) in FLAG_CHECKED_VERBS
+        if not checked:  # the verb's module imports torch: the server's imports run beside it
+            _start_rank_server(argv)
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         logging.basicConfig(
             level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
         )
         args = apply_config_file(parser, argv, args)  # --config FILE: its values under the flags given
+        if args.check_flags is not None:  # what the flags alone get wrong, before the imports of torch
+            args.check_flags(args)
+        if checked:
+            _start_rank_server(argv)
         return int(args.run(args) or 0)
     except PipetrainError as err:
         print(f"pipetrain: error: {err}", file=sys.stderr)

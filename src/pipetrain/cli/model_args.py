@@ -5,15 +5,15 @@ the pretrained-model ones (`--model DIR`, `--pack`) and the fields of data rows 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-from pipetrain.data.fields import TRUNCATE, RowFormat
-from pipetrain.data.packing import PACK_MODES, pack_mode
+from pipetrain.data.fields import PACK_MODES, TRUNCATE, RowFormat, pack_mode
 from pipetrain.errors import ConfigError
-from pipetrain.train.config import SYNTHETIC
-from pipetrain.workloads.registry import workload_names
+from pipetrain.train.counts import SYNTHETIC
+from pipetrain.workloads.names import BUILTIN
 
 __all__ = ["add_workload_arguments", "data_path", "add_model_arguments", "add_pack_arguments", "add_row_arguments",
            "add_moe_arguments", "row_format", "model_fields"]
@@ -24,10 +24,17 @@ def data_path(text: str) -> Path | str:
     return SYNTHETIC if text == SYNTHETIC else Path(text)
 
 
+def _workload_names() -> tuple[str, ...]:
+    """The workload names `--workload` accepts: the built-in ones, and those registered in this process (the registry
+    imports torch: it is read only once imported)."""
+    registry = sys.modules.get("pipetrain.workloads.registry")
+    return tuple(BUILTIN) if registry is None else registry.workload_names()
+
+
 def add_workload_arguments(group: argparse._ArgumentGroup, *, data_default: Path | str | None, data_help: str) -> None:
     """`--workload`, `--preset` and `--data` (default `data_default`, said by `data_help`) in `group`."""
     group.add_argument("--workload", default="classifier",
-                       help=f"what to train: {' | '.join(workload_names())}, or your own as MODULE:NAME or "
+                       help=f"what to train: {' | '.join(_workload_names())}, or your own as MODULE:NAME or "
                             "path/to/file.py:NAME (default: classifier)")
     group.add_argument("--preset", default="cpu", help="model size of the workload: tiny | cpu | ... (default: cpu)")
     group.add_argument("--data", type=data_path, default=data_default, metavar="DIR|FILE|synthetic", help=data_help)

@@ -6,11 +6,15 @@ the next-token objective)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from pipetrain.errors import ConfigError
-from pipetrain.objectives import DPO_LOSSES, GRPO_LOSSES, DPOSettings, GRPOLossSettings, GRPOSettings
+from pipetrain.objectives.names import DPO_LOSSES, GRPO_LOSSES
 
-__all__ = ["OBJECTIVES", "add_objective_arguments", "objective_settings"]
+if TYPE_CHECKING:
+    from pipetrain.objectives import DPOSettings, GRPOSettings
+
+__all__ = ["OBJECTIVES", "add_objective_arguments", "objective_settings", "check_objective_flags"]
 
 #: `--objective`: the workload's own loss (next-token for a language model), or DPO on preference pairs
 OBJECTIVES = ("next-token", "dpo", "grpo")
@@ -63,13 +67,22 @@ def _refuse(args: argparse.Namespace, flags: tuple, objective: str, what: str) -
                           hint=f"pass --objective {objective} with {given[0]}, or drop {given[0]}")
 
 
-def objective_settings(args: argparse.Namespace) -> DPOSettings | GRPOSettings | None:
-    """The objective of the parsed flags; a DPO or GRPO flag without its `--objective` is refused."""
+def check_objective_flags(args: argparse.Namespace) -> str:
+    """The objective of the parsed flags (a word of `OBJECTIVES`); a DPO or GRPO flag without its `--objective` is
+    refused (no torch: the command line says it before its heavy imports)."""
     objective = getattr(args, "objective", None) or "next-token"
     if objective != "dpo":
         _refuse(args, _DPO_FLAGS, "dpo", "preference pairs")
     if objective != "grpo":
         _refuse(args, _GRPO_FLAGS, "grpo", "GRPO's rollouts")
+    return objective
+
+
+def objective_settings(args: argparse.Namespace) -> DPOSettings | GRPOSettings | None:
+    """The objective of the parsed flags; a DPO or GRPO flag without its `--objective` is refused."""
+    from pipetrain.objectives import DPOSettings, GRPOLossSettings, GRPOSettings  # torch: not at import
+
+    objective = check_objective_flags(args)
     if objective == "next-token":
         return None
     if objective == "grpo":

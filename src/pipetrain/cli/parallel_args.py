@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipetrain.cli.device_args import device_choice
 from pipetrain.config import (CHECKPOINT_POLICIES, CP_ATTENTIONS, DP_MODES, FSDP_RESHARD, PARTITION_METHODS,
                               RECOMPUTE_UNITS, SCHEDULES, SELECTIVE_MATMULS, ParallelConfig, PipelineConfig)
 from pipetrain.errors import ConfigError
 from pipetrain.plan.transformer import load_sizes
-from pipetrain.train.config import TrainConfig
-from pipetrain.train.layout import balanced
+
+if TYPE_CHECKING:
+    from pipetrain.train.config import TrainConfig
 
 __all__ = ["add_parallel_arguments", "parallel_config", "cost_balanced", "reshard_value", "recomputation"]
 
@@ -162,6 +164,8 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 def cost_balanced(config: TrainConfig, args: argparse.Namespace, *, launched: bool, say: bool = True) -> TrainConfig:
     """`config` with the balance `--partition time|memory` (and `--mem-cap`) chooses from measured block costs: the
     costs of `--profile`, else measured on the job's device (see `pipetrain.train.layout.balanced`)."""
+    from pipetrain.train.layout import balanced  # torch: not at import (bad flags are said before it)
+
     request = replace(config.layout, profile=args.profile, mem_cap=args.mem_cap)
     device = device_choice(args) if args.profile is None else "cpu"
     return balanced(replace(config, layout=request), device=device, launched=launched, say=say)

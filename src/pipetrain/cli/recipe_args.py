@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pipetrain.cli.layout_args import is_default, mark_defaults
-from pipetrain.recipe import LR_SCHEDULES, WSD_DECAY_FRACTION, RecipeConfig
+from pipetrain.recipe.config import LR_SCHEDULES, WSD_DECAY_FRACTION, RecipeConfig
 
 __all__ = ["add_recipe_arguments", "recipe_config", "left_open", "OPEN_DESTS"]
 

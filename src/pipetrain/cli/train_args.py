@@ -11,14 +11,13 @@ from typing import Any
 from pipetrain.cli.config_file import effective_config
 from pipetrain.cli.durable_args import durable_config
 from pipetrain.cli.flag_fields import from_flags
-from pipetrain.cli.layout_args import explicit_layout, on_resize, one_rank
+from pipetrain.cli.layout_args import flag_layout
 from pipetrain.cli.log_args import log_config
 from pipetrain.cli.lora_args import lora_settings
 from pipetrain.cli.model_args import model_fields
 from pipetrain.cli.objective_args import objective_settings
 from pipetrain.cli.parallel_args import parallel_config
 from pipetrain.cli.recipe_args import left_open, recipe_config
-from pipetrain.plan.auto import Fixed
 from pipetrain.train.config import LayoutRequest, TrainConfig
 
 __all__ = ["describe", "config_text"]
@@ -28,11 +27,10 @@ def describe(args: argparse.Namespace) -> TrainConfig:
     """The job description of `pipetrain train`'s parsed flags (after `--config FILE`), validated as far as it goes
     without the model, the data or the machine (`pipetrain.train.prepare` does the rest). Nothing is written into
     `args`; with `--layout auto` the layout is a one-rank placeholder until `prepare` chooses it."""
-    auto, resize = args.layout == "auto", on_resize(args)
-    request = LayoutRequest(auto=auto, fixed=explicit_layout(args) if auto or resize == "auto" else Fixed(),
-                            on_resize=resize, nproc=args.nproc,
+    parallel, fixed, resize = flag_layout(args)
+    request = LayoutRequest(auto=args.layout == "auto", fixed=fixed, on_resize=resize, nproc=args.nproc,
                             calibration=args.calibration, profile=args.profile, mem_cap=args.mem_cap)
-    config = from_flags(TrainConfig, args, parallel=parallel_config(one_rank(args) if auto else args), layout=request,
+    config = from_flags(TrainConfig, args, parallel=parallel, layout=request,
                         recipe=recipe_config(args), progress=not args.no_progress and sys.stderr.isatty(),
                         durable=durable_config(args), logs=log_config(args), lora=lora_settings(args),
                         objective=objective_settings(args),

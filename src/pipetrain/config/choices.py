@@ -7,7 +7,7 @@ from pipetrain.errors import ConfigError
 
 __all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "CHECKPOINT_POLICIES", "CP_ATTENTIONS", "DP_MODES",
            "SHARDED_DP_MODES", "RECOMPUTE_UNITS", "SELECTIVE_MATMULS", "FSDP_RESHARD", "PARTITION_METHODS",
-           "schedule_is_multi_stage"]
+           "schedule_is_multi_stage", "PRECISION_NAMES", "check_precision"]
 
 #: Schedule name -> number of stages each pipeline rank holds by default.
 SCHEDULES: dict[str, int] = {
@@ -36,6 +36,13 @@ SELECTIVE_MATMULS = ("all", "alternate")
 #: `--fsdp-reshard` words (an integer N >= 2 is also accepted: reshard to groups of N ranks after forward)
 FSDP_RESHARD = ("never", "always", "auto")
 PARTITION_METHODS = ("parameters", "uniform", "time", "memory", "priced")
+#: `--precision` (each one's dtype: `pipetrain.pipeline.precision.PRECISIONS`)
+PRECISION_NAMES = ("fp32", "fp32-strict", "bf16")
+#: precisions pipetrain does not run, and why
+_UNSUPPORTED_PRECISIONS = {
+    "fp16": "fp16 needs loss scaling coordinated across stages, which pipetrain does not implement; "
+    "use bf16 (same speed on recent GPUs, no loss scaling needed)",
+}
 
 
 def schedule_is_multi_stage(schedule: str) -> bool:
@@ -53,3 +60,14 @@ def _choice(name: str, value: str, allowed: tuple[str, ...] | dict[str, int]) ->
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}", hint=f"pass {name} >= 1")
+
+
+def check_precision(precision: str) -> str:
+    """Return `precision` if pipetrain supports it, else raise one ConfigError naming the supported values."""
+    if precision in PRECISION_NAMES:
+        return precision
+    why = _UNSUPPORTED_PRECISIONS.get(precision, "")
+    raise ConfigError(
+        f"precision {precision!r} is not supported" + (f": {why}" if why else ""),
+        hint=f"pass --precision {', '.join(PRECISION_NAMES[:-1])} or {PRECISION_NAMES[-1]} (default fp32)",
+    )

@@ -1,6 +1,6 @@
 """Which fields of a row hold the text (`--text-field`, `--prompt-field`, `--answer-field`, a `messages` chat) and
 what a row longer than the window does (`--truncate drop|left`): `RowFormat`, and `row_kind` that reads it against
-the fields a dataset has."""
+the fields a dataset has; how rows fill windows (`--pack`, `pack_mode`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["RowFormat", "TRUNCATE", "KINDS", "row_kind"]
+__all__ = ["RowFormat", "TRUNCATE", "KINDS", "row_kind", "PACK_MODES", "pack_mode"]
 
 #: what a row longer than the window does: `drop` it, or cut its prompt from the `left` (the answer is kept whole;
 #: a row whose answer alone is longer than the window is dropped)
@@ -17,6 +17,18 @@ TRUNCATE = ("drop", "left")
 #: the kinds of rows: plain `text` (every token trains), `instruction` (prompt + answer, the answer trains) and
 #: `chat` (`messages` rendered with the tokenizer's chat template, the assistant turns train)
 KINDS = ("text", "instruction", "chat")
+#: `--pack`: none (one document per row, padded), windows (a stream cut into windows: attention crosses documents),
+#: documents (whole documents per window, attention and positions per document)
+PACK_MODES = ("none", "windows", "documents")
+
+
+def pack_mode(value: str | bool) -> str:
+    """`value` as one of `PACK_MODES` (True is "windows", False "none", the old `--pack/--no-pack`)."""
+    if isinstance(value, bool):
+        return "windows" if value else "none"
+    if value not in PACK_MODES:
+        raise ConfigError(f"--pack {value!r} is not a packing", hint=f"pass --pack {'|'.join(PACK_MODES)}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,24 +25,12 @@ from typing import Any
 
 import torch
 
-from pipetrain.errors import ConfigError
+from pipetrain.data.fields import PACK_MODES, pack_mode
 
 __all__ = ["PACK_MODES", "PackedDocuments", "pack_documents", "pack_lengths", "pack_mode"]
 
-#: `--pack`: none (one document per row, padded), windows (a stream cut into windows: attention crosses documents),
-#: documents (whole documents per window, attention and positions per document)
-PACK_MODES = ("none", "windows", "documents")
 #: the target of a token that does not train (`pipetrain.pipeline.loss.IGNORE_INDEX`, which data does not import)
 IGNORE = -100
-
-
-def pack_mode(value: str | bool) -> str:
-    """`value` as one of `PACK_MODES` (True is "windows", False "none", the old `--pack/--no-pack`)."""
-    if isinstance(value, bool):
-        return "windows" if value else "none"
-    if value not in PACK_MODES:
-        raise ConfigError(f"--pack {value!r} is not a packing", hint=f"pass --pack {'|'.join(PACK_MODES)}")
-    return value
 
 
 def pack_lengths(sizes: list[int], capacity: int) -> list[list[int]]:

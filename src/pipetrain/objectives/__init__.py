@@ -6,12 +6,31 @@ the user's reward functions. See docs/alignment.md."""
 
 from __future__ import annotations
 
-from pipetrain.objectives.dpo_loss import DPO_LOSSES, DPOSettings, PreferenceLoss, pair_terms
-from pipetrain.objectives.pairs import PreferencePairs, read_pairs
-from pipetrain.objectives.grpo_loss import GRPO_LOSSES, GRPOLossSettings, SurrogateLoss
-from pipetrain.objectives.preference import PreferenceWorkload
-from pipetrain.objectives.prompt_rows import GRPOSettings
-from pipetrain.objectives.rollout import GRPOWorkload
+from typing import TYPE_CHECKING
+
+from pipetrain.lazy import lazy_exports
+
+#: public name -> the module that defines it (loaded on first use: the loss names need no torch)
+_EXPORTS = {
+    **dict.fromkeys(("DPO_LOSSES", "GRPO_LOSSES"), "pipetrain.objectives.names"),
+    **dict.fromkeys(("DPOSettings", "PreferenceLoss", "pair_terms"), "pipetrain.objectives.dpo_loss"),
+    **dict.fromkeys(("PreferencePairs", "read_pairs"), "pipetrain.objectives.pairs"),
+    **dict.fromkeys(("GRPOLossSettings", "SurrogateLoss"), "pipetrain.objectives.grpo_loss"),
+    "PreferenceWorkload": "pipetrain.objectives.preference",
+    "GRPOSettings": "pipetrain.objectives.prompt_rows",
+    "GRPOWorkload": "pipetrain.objectives.rollout",
+}
 
 __all__ = ["DPO_LOSSES", "DPOSettings", "PreferenceLoss", "pair_terms", "PreferencePairs", "read_pairs",
            "PreferenceWorkload", "GRPO_LOSSES", "GRPOLossSettings", "SurrogateLoss", "GRPOSettings", "GRPOWorkload"]
+
+if TYPE_CHECKING:
+    from pipetrain.objectives.names import DPO_LOSSES, GRPO_LOSSES
+    from pipetrain.objectives.dpo_loss import DPOSettings, PreferenceLoss, pair_terms
+    from pipetrain.objectives.pairs import PreferencePairs, read_pairs
+    from pipetrain.objectives.grpo_loss import GRPOLossSettings, SurrogateLoss
+    from pipetrain.objectives.preference import PreferenceWorkload
+    from pipetrain.objectives.prompt_rows import GRPOSettings
+    from pipetrain.objectives.rollout import GRPOWorkload
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

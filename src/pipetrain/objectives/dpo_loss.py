@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from pipetrain.errors import ConfigError
 from pipetrain.objectives.columns import split_columns
 from pipetrain.objectives.logps import sequence_logps
+from pipetrain.objectives.names import DPO_LOSSES
 
 __all__ = ["DPO_LOSSES", "DPOSettings", "PairTerms", "pair_terms", "PreferenceLoss", "REWARD_METRICS"]
 
-#: the loss types pipetrain trains (`--dpo-loss`)
-DPO_LOSSES = ("sigmoid", "robust", "ipo", "simpo")
 #: the metrics of a preference step, named as TRL logs them
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                   "logps/rejected")

@@ -20,12 +20,10 @@ import torch
 from pipetrain.errors import ConfigError
 from pipetrain.objectives.columns import split_columns
 from pipetrain.objectives.logps import token_logps
+from pipetrain.objectives.names import GRPO_LOSSES
 from pipetrain.pipeline.loss import IGNORE_INDEX
 
 __all__ = ["GRPO_LOSSES", "GRPOLossSettings", "surrogate", "SurrogateLoss", "grpo_columns"]
-
-#: the loss types pipetrain trains (`--grpo-loss`)
-GRPO_LOSSES = ("dapo", "grpo")
 
 
 @dataclass(frozen=True, kw_only=True)

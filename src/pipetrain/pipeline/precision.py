@@ -9,29 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.config.choices import PRECISION_NAMES, check_precision
 from pipetrain.errors import ConfigError
 
 __all__ = ["PRECISIONS", "check_precision", "compute_dtype", "AutocastStage", "autocast", "set_fp32_matmuls",
            "to_fp32"]
 
 #: Precision name -> dtype of the autocast region (None: plain fp32, no autocast).
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "fp32-strict": None, "bf16": torch.bfloat16}
-
-_UNSUPPORTED = {
-    "fp16": "fp16 needs loss scaling coordinated across stages, which pipetrain does not implement; "
-    "use bf16 (same speed on recent GPUs, no loss scaling needed)",
-}
-
-
-def check_precision(precision: str) -> str:
-    """Return `precision` if pipetrain supports it, else raise one ConfigError naming the supported values."""
-    if precision in PRECISIONS:
-        return precision
-    why = _UNSUPPORTED.get(precision, "")
-    raise ConfigError(
-        f"precision {precision!r} is not supported" + (f": {why}" if why else ""),
-        hint=f"pass --precision {', '.join(list(PRECISIONS)[:-1])} or {list(PRECISIONS)[-1]} (default fp32)",
-    )
+PRECISIONS: dict[str, torch.dtype | None] = {name: {"bf16": torch.bfloat16}.get(name) for name in PRECISION_NAMES}
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

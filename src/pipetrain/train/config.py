@@ -28,14 +28,10 @@ from pipetrain.pipeline.compiled import dynamic_shapes
 from pipetrain.pipeline.precision import check_precision
 from pipetrain.plan.auto import Fixed
 from pipetrain.recipe import RecipeConfig
+from pipetrain.train.counts import SYNTHETIC, SYNTHETIC_TEST, SYNTHETIC_TRAIN, check_counts
 from pipetrain.workloads.registry import Dataset, DataRequest, Workload, get_workload
 
 __all__ = ["SYNTHETIC", "SYNTHETIC_TRAIN", "SYNTHETIC_TEST", "LayoutRequest", "TrainConfig", "load_data"]
-
-#: `TrainConfig.data` (`--data`) naming the workload's synthetic corpus, and the corpus's default sizes.
-SYNTHETIC = "synthetic"
-SYNTHETIC_TRAIN, SYNTHETIC_TEST = 6000, 2000
-
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutRequest:
@@ -125,12 +121,8 @@ class TrainConfig:
         if self.bucket and not workload.buckets:
             raise ConfigError(f"workload {self.workload!r} has samples of one length: --bucket does not apply",
                               hint="drop --bucket")
-        for name in ("batch_size", "epochs", "train_samples", "test_samples", "seq_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be positive, got {value}", hint=f"pass a {name} of 1 or more")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be positive, got {self.max_steps}", hint="pass --max-steps 1 or more")
+        check_counts(batch_size=self.batch_size, epochs=self.epochs, train_samples=self.train_samples,
+                     test_samples=self.test_samples, seq_len=self.seq_len, max_steps=self.max_steps)
         self._check_trace()
         self.parallel.check_global_batch(self.batch_size)
         if isinstance(self.objective, DPOSettings):

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["TransformerConfig", "PRESETS"]
+__all__ = ["TransformerConfig", "PRESETS", "REAL_EPOCHS"]
+
+#: Epochs of a job on real reviews that does not say (--epochs).
+REAL_EPOCHS = 1
 
 
 def _positive_int(name: str, value: int) -> None:
