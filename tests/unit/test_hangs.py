@@ -133,3 +133,42 @@ def test_a_silent_rank_ends_long_work_after_the_step_timeout():
     assert len(said) == 1 and said[0].startswith("rank 1 (last finished step 0, silent for "), said
     assert said[0].endswith("stopped responding (stopped or frozen process?); rank 0 waited 0.5 s (--step-timeout) "
                             "for the save of checkpoint step 4 to finish"), said
+
+
+def test_the_second_rank_to_fire_ends_once_the_first_has_reported_and_an_earlier_round_silences_none():
+    """Two ranks stuck together (both wait on a dead host gloo did not report): one names the hang, the other ends
+    quietly as soon as that is said, not 30 s later (torchrun's SIGTERM cannot reach a rank blocked in a collective).
+    A claim left in the store by torchrun's earlier round does not keep this round's watchdog quiet."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipetrain.launch.watchdog import REPORT_WAIT_S, StepWatchdog, fired_key
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set(fired_key(0), "3")  # round 0's report (by its rank 3, of 4), made before torchrun restarted the job
+    said: dict[int, str] = {}
+    both = threading.Barrier(3)
+
+    def ended(rank: int):
+        def on_stuck(message: str) -> None:
+            said[rank] = message
+            both.wait(timeout=REPORT_WAIT_S)
+        return on_stuck
+
+    dogs = [StepWatchdog(timeout_s=0.5, rank=r, world_size=2, master_addr="127.0.0.1", master_port=store.port,
+                         on_stuck=ended(r), round_=1) for r in (0, 1)]
+    start = time.monotonic()
+    for dog in dogs:
+        dog.start()
+    try:
+        both.wait(timeout=REPORT_WAIT_S)  # both ended: the quiet one well before REPORT_WAIT_S
+        took = time.monotonic() - start
+    finally:
+        for dog in dogs:
+            dog.stop()
+    messages = sorted(said.values())
+    assert messages[0] == "" and messages[1].startswith("every rank is stuck in step 1"), said
+    assert took < REPORT_WAIT_S / 2, took
