@@ -32,6 +32,7 @@ import statistics
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -132,6 +133,11 @@ def _worker(spec: RankSpec, args: argparse.Namespace, out: str) -> None:
         close_session()
 
 
+def _share(with_: float, without: float) -> str:
+    """The all-to-alls' seconds and share of a planned step."""
+    return f"{with_ - without:.3f} s of the step ({100 * (with_ - without) / with_:.0f} %)"
+
+
 @contextmanager
 def _nothing():
     yield
@@ -161,10 +167,15 @@ def calibrations(args: argparse.Namespace) -> list:
     return [load_calibration(path) for path in args.calibration]
 
 
-def planned(args: argparse.Namespace, variant: tuple[int, str, bool, bool], calibration, hides: bool = False) -> float:
+def planned(args: argparse.Namespace, variant: tuple[int, str, bool, bool], calibration, hides: bool = False,
+            fixed: bool = True) -> float:
     """The planner's step seconds of one variant (dp 2 x pp 2 as `_parallel` lays it out) on `calibration`;
-    `hides`: with the GPU's rule (each fused pair hides min(X, C) per side) in place of the CPU's (nothing hidden)."""
+    `hides`: with the GPU's rule (each fused pair hides min(X, C) per side) in place of the CPU's (nothing hidden);
+    not `fixed`: without the calibrated fixed cost per all-to-all call (`Network.ep_all_to_all_s` 0, as before it
+    was measured)."""
     ep, schedule, overlap, bare = variant
+    if not fixed:
+        calibration = replace(calibration, network=replace(calibration.network, ep_all_to_all_s=0.0))
     with tempfile.TemporaryDirectory() as folder:
         _model(args).config.save_pretrained(folder)
         blocks = load_sizes(folder).blocks(args.seq, element=4)
@@ -210,7 +221,17 @@ def main() -> None:
     for with_, without in (("ep2", "ep2 no all-to-all"), ("dualpipev ep2", "dualpipev ep2 no all-to-all")):
         if with_ in times:
             a, b = statistics.median(times[with_]), statistics.median(times[without])
-            print(f"all-to-alls ({with_}): {a - b:.3f} s of the step ({100 * (a - b) / a:.0f} %)")
+            shares = [(x - y) / x for x, y in zip(times[with_], times[without])]
+            print(f"all-to-alls ({with_}): {a - b:.3f} s of the step ({100 * (a - b) / a:.0f} %; paired per repeat: "
+                  f"median {100 * statistics.median(shares):.0f} %, min {100 * min(shares):.0f} %, max "
+                  f"{100 * max(shares):.0f} %)" + (f" | planned {_share(plans[with_], plans[without])}" if plans else ""))
+            if plans:
+                variants = _variants(args.schedules)
+                old = [statistics.median(planned(args, variants[n], c, fixed=False) for c in calibs)
+                       for n in (with_, without)]
+                fixed = statistics.median(c.network.ep_all_to_all_s for c in calibs)
+                print(f"  planned without the calibrated fixed cost per call ({1e3 * fixed:.2f} ms a call and peer): "
+                      f"{_share(*old)}; ep2 step {old[0]:.3f} s, error {100 * (old[0] - a) / a:+.1f}%")
     for a, b in RATIOS:  # paired within each repeat: less of the drift
         if a in times and b in times:
             ratios = [x / y for x, y in zip(times[a], times[b])]
