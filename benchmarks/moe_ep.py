@@ -15,11 +15,14 @@ runs both sets.
 `pipetrain.moe.dispatch`'s `all_to_all_single` is replaced by a copy of the rank's own rows (the counts a rank
 sends stand for those it receives, so every exchanged tensor keeps its size and the experts do the same work on
 other rows). The difference between ep 2 and ep 2 without the all-to-all is what the all-to-alls cost in the step:
-what an overlap could at most hide.
+what an overlap could at most hide. The steps with the all-to-all also clock each `all_to_all_single` call (the
+seconds a rank spends inside them, waiting for its peers included, and the calls a step): a direct figure, far less
+moved by the machine's drift than the difference of two step times.
 
 `--calibration FILE...` prints the planner's step time for each layout beside the measured one (`plan.predict` on
 the model's config.json, the median over the files' predictions; "no all-to-all": the same layout with every expert
-exchange free; overlapped: `Layout.moe_overlap`, plan/overlap.py) and its ratios beside the paired ones;
+exchange free; overlapped: `Layout.moe_overlap`, plan/overlap.py) and its ratios beside the paired ones, and the
+all-to-alls' planned seconds a step with and without the calibrated fixed cost per call (`Network.ep_all_to_all_s`);
 `--calibrate` first measures each file not there yet at the model's width.
 Run: `PYTHONPATH=src .venv/bin/python benchmarks/moe_ep.py [--schedules dualpipev] [--repeats 5] [--steps 4]
 [--calibrate --calibration A.json]`.
@@ -32,6 +35,7 @@ import statistics
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
@@ -45,7 +49,7 @@ from pipetrain.launch.spawn import RankSpec, spawn
 from pipetrain.moe import dispatch as moe_dispatch
 from pipetrain.plan import experts as plan_experts
 from pipetrain.plan.hardware import load_calibration, save_calibration
-from pipetrain.plan import predict as plan_predict
+from pipetrain.plan import stage_costs as plan_stage_costs
 from pipetrain.plan.predict import Layout, predict
 from pipetrain.plan.transformer import load_sizes
 from pipetrain.session import build_session, close_session, join_job
@@ -97,6 +101,30 @@ def _without_all_to_all():
         moe_dispatch.dist = real
 
 
+class _Clocked:
+    """The measurement's clock on the all-to-alls: the seconds each `all_to_all_single` call of `moe.dispatch` takes
+    on this rank (waiting for its peers included), one entry a call (appends are safe from two threads)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.spans = real, []
+        self.get_world_size = real.get_world_size
+
+    def all_to_all_single(self, *args, **kwargs) -> None:
+        start = time.perf_counter()
+        self.real.all_to_all_single(*args, **kwargs)
+        self.spans.append(time.perf_counter() - start)
+
+
+@contextmanager
+def _clocked(clock: _Clocked):
+    real = moe_dispatch.dist
+    moe_dispatch.dist = clock
+    try:
+        yield
+    finally:
+        moe_dispatch.dist = real
+
+
 def _parallel(ep: int, schedule: str, overlap: bool, chunks: int) -> ParallelConfig:
     pipeline = PipelineConfig(pp=2, schedule=schedule, n_microbatches=chunks if schedule == "dualpipev" else 2,
                               moe_overlap=overlap)
@@ -115,9 +143,11 @@ def _worker(spec: RankSpec, args: argparse.Namespace, out: str) -> None:
         gen = torch.Generator().manual_seed(dp_rank)
         ids = torch.randint(0, args.vocab, (args.batch // 2, args.seq), generator=gen)
         times: dict[str, list[float]] = {name: [] for name in variants}
+        inside: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}  # (s, calls) a step
         for repeat in range(args.repeats + 1):  # the first round warms up
             for name, session in sessions.items():
-                knob = _without_all_to_all() if variants[name][3] else _nothing()
+                clock = _Clocked(moe_dispatch.dist)
+                knob = _without_all_to_all() if variants[name][3] else _clocked(clock)
                 dist.barrier()
                 start = time.perf_counter()
                 with knob:
@@ -126,10 +156,29 @@ def _worker(spec: RankSpec, args: argparse.Namespace, out: str) -> None:
                 dist.barrier()
                 if repeat:
                     times[name].append((time.perf_counter() - start) / args.steps)
+                    inside[name].append((sum(clock.spans) / args.steps, len(clock.spans) / args.steps))
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, inside)
         if spec.rank == 0:
-            torch.save(times, Path(out) / "times.pt")
+            torch.save({"times": times, "inside": ranks}, Path(out) / "times.pt")
     finally:
         close_session()
+
+
+def _print_inside(name: str, inside: list, planned_s: float) -> None:
+    """The seconds a rank spent inside the all-to-all calls per step (the mean over the ranks; the median over the
+    repeats, min-max), the calls a step and the seconds a call, beside the planned all-to-all seconds a step."""
+    per_repeat = [statistics.fmean(rank[name][r][0] for rank in inside) for r in range(len(inside[0][name]))]
+    calls = statistics.fmean(rank[name][0][1] for rank in inside)
+    middle = statistics.median(per_repeat)
+    print(f"  inside the all-to-all calls ({name}): {middle:.3f} s a step per rank (min {min(per_repeat):.3f}, max "
+          f"{max(per_repeat):.3f}), {calls:.0f} calls a step, {1e3 * middle / calls:.2f} ms a call"
+          + (f" | planned {planned_s:.3f} s a step" if planned_s else ""))
+
+
+def _share(with_: float, without: float) -> str:
+    """The all-to-alls' seconds and share of a planned step."""
+    return f"{with_ - without:.3f} s of the step ({100 * (with_ - without) / with_:.0f} %)"
 
 
 @contextmanager
@@ -161,10 +210,15 @@ def calibrations(args: argparse.Namespace) -> list:
     return [load_calibration(path) for path in args.calibration]
 
 
-def planned(args: argparse.Namespace, variant: tuple[int, str, bool, bool], calibration, hides: bool = False) -> float:
+def planned(args: argparse.Namespace, variant: tuple[int, str, bool, bool], calibration, hides: bool = False,
+            fixed: bool = True) -> float:
     """The planner's step seconds of one variant (dp 2 x pp 2 as `_parallel` lays it out) on `calibration`;
-    `hides`: with the GPU's rule (each fused pair hides min(X, C) per side) in place of the CPU's (nothing hidden)."""
+    `hides`: with the GPU's rule (each fused pair hides min(X, C) per side) in place of the CPU's (nothing hidden);
+    not `fixed`: without the calibrated fixed cost per all-to-all call (`Network.ep_all_to_all_s` 0, as before it
+    was measured)."""
     ep, schedule, overlap, bare = variant
+    if not fixed:
+        calibration = replace(calibration, network=replace(calibration.network, ep_all_to_all_s=0.0))
     with tempfile.TemporaryDirectory() as folder:
         _model(args).config.save_pretrained(folder)
         blocks = load_sizes(folder).blocks(args.seq, element=4)
@@ -173,7 +227,7 @@ def planned(args: argparse.Namespace, variant: tuple[int, str, bool, bool], cali
                     schedule=schedule, virtual=2 if dualpipev else 1, dp_mode="fsdp" if dualpipev else "ddp", ep=ep,
                     moe_overlap=overlap)
     with patch.object(plan_experts, "_a2a_s", lambda *_: 0.0) if bare else _nothing(), \
-            patch.object(plan_predict, "overlap_hides", lambda _: True) if hides else _nothing():
+            patch.object(plan_stage_costs, "overlap_hides", lambda _: True) if hides else _nothing():
         return predict(blocks, layout, calibration.device, calibration.network).step_s
 
 
@@ -192,7 +246,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         spawn(_worker, ranks=range(4), world_size=4, master_addr="127.0.0.1", master_port=free_port(),
               args=(args, out), timeout_s=3600)
-        times = torch.load(Path(out) / "times.pt")
+        saved = torch.load(Path(out) / "times.pt")
+    times, inside = saved["times"], saved["inside"]
     tokens = args.batch * args.seq
     print(f"Qwen3-MoE hidden {args.hidden}, {args.experts} experts top-2, {args.layers} layers, vocab {args.vocab}; "
           f"dp 2 x pp 2 (1F1B: DDP, 2 micro-batches; DualPipeV: FSDP2, {args.dualpipev_chunks} micro-batches), "
@@ -210,7 +265,19 @@ def main() -> None:
     for with_, without in (("ep2", "ep2 no all-to-all"), ("dualpipev ep2", "dualpipev ep2 no all-to-all")):
         if with_ in times:
             a, b = statistics.median(times[with_]), statistics.median(times[without])
-            print(f"all-to-alls ({with_}): {a - b:.3f} s of the step ({100 * (a - b) / a:.0f} %)")
+            shares = [(x - y) / x for x, y in zip(times[with_], times[without])]
+            print(f"all-to-alls ({with_}): {a - b:.3f} s of the step ({100 * (a - b) / a:.0f} %; paired per repeat: "
+                  f"median {100 * statistics.median(shares):.0f} %, min {100 * min(shares):.0f} %, max "
+                  f"{100 * max(shares):.0f} %)"
+                  + (f" | planned {_share(plans[with_], plans[without])}" if plans else ""))
+            _print_inside(with_, inside, plans.get(with_, 0.0) - plans.get(without, 0.0))
+            if plans:
+                variants = _variants(args.schedules)
+                old = [statistics.median(planned(args, variants[n], c, fixed=False) for c in calibs)
+                       for n in (with_, without)]
+                fixed = statistics.median(c.network.ep_all_to_all_s for c in calibs)
+                print(f"  planned without the calibrated fixed cost per call ({1e3 * fixed:.2f} ms a call and peer): "
+                      f"{_share(*old)}; {with_} step {old[0]:.3f} s, error {100 * (old[0] - a) / a:+.1f}%")
     for a, b in RATIOS:  # paired within each repeat: less of the drift
         if a in times and b in times:
             ratios = [x / y for x, y in zip(times[a], times[b])]

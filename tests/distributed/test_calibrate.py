@@ -13,7 +13,7 @@ def test_calibration_measures_every_figure(tmp_path):
     measured = calibrate(dict(seq_len=8, emsize=16, nhead=2, nhid=32), samples=4, repeats=2, timeout_s=240)
     # differences of two timings, clamped at 0 when noise hides them; the rest is measured and positive
     clamped = ("kernel_overhead_s", "action_overhead_s", "optimizer_s_per_tensor", "contention", "pipeline_slowdown",
-               "tp_collective_s", "fsdp_group_s", "optimizer_s_per_dtensor", "step_overhead_s")
+               "tp_collective_s", "fsdp_group_s", "optimizer_s_per_dtensor", "step_overhead_s", "ep_all_to_all_s")
     # collectives across nodes: measured only in a job that spans nodes (bench/internode.py); 0 on one node
     assert (measured.network.inter_collective_latency_s, measured.network.inter_collective_bytes_per_s) == (0.0, 0.0)
     clamped += ("inter_collective_latency_s", "inter_collective_bytes_per_s")

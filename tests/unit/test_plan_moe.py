@@ -14,8 +14,8 @@ import pytest
 from pipetrain.cli.main import build_parser, main
 from pipetrain.cli.plan import engine_has
 from pipetrain.errors import ConfigError
-from pipetrain.plan.experts import ep_cp_problem, ep_extra_s, ep_problem, expert_layout, rank_parts
-from pipetrain.plan.hardware import named_gpu
+from pipetrain.plan.experts import ep_cp_problem, ep_exchange_s, ep_extra_s, ep_problem, expert_layout, rank_parts
+from pipetrain.plan.hardware import load_calibration, named_gpu, save_calibration
 from pipetrain.plan.predict import Layout, predict, static_bytes
 from pipetrain.plan.search import SearchSpace, enumerate_layouts
 from pipetrain.plan.transformer import load_sizes, sizes_from_config
@@ -92,6 +92,28 @@ def test_all_to_alls_and_the_busiest_expert_cost_time_only_when_experts_are_spli
     assert max(two.memory_bytes) < max(one.memory_bytes)
     assert busy.step_s > two.step_s
     assert predict(blocks, _layout(moe_imbalance=1.5), device, network).step_s == pytest.approx(one.step_s)
+
+
+def test_each_all_to_all_call_pays_the_calibrated_fixed_cost_per_peer(tmp_path):
+    """A MoE block's forward makes three all-to-all calls (counts, tokens, outputs back), its backward two; each pays
+    `Network.ep_all_to_all_s` per peer beyond the ring (exact to 1e-12 s); ep 1 pays nothing; an older calibration
+    file (no such field) loads with 0 and a measured one round-trips."""
+    blocks = sizes_from_config(_tiny().to_dict()).blocks(32)
+    block = next(b for b in blocks if b.experts)
+    device, network = named_gpu("h100-sxm", "bf16")
+    fixed = replace(network, ep_all_to_all_s=1e-3)
+    layout = _layout(ep=4)
+    (forward, backward), (f_fixed, b_fixed) = (ep_exchange_s(block, 2, layout, n) for n in (network, fixed))
+    assert f_fixed - forward == pytest.approx(3 * 3 * 1e-3, abs=1e-12)  # 3 calls x (ep - 1) peers
+    assert b_fixed - backward == pytest.approx(2 * 3 * 1e-3, abs=1e-12)
+    assert forward > backward > 0  # the counts' call is forward only
+    assert ep_exchange_s(block, 2, _layout(), fixed) == (0.0, 0.0)
+    assert predict(blocks, layout, device, fixed).step_s > predict(blocks, layout, device, network).step_s
+    assert predict(blocks, _layout(), device, fixed).step_s == predict(blocks, _layout(), device, network).step_s
+    old = load_calibration(ROOT / "tests" / "fixtures" / "cpu-calibration.json")
+    assert old.network.ep_all_to_all_s == 0.0
+    save_calibration(replace(old, network=replace(old.network, ep_all_to_all_s=4e-3)), tmp_path / "c.json")
+    assert load_calibration(tmp_path / "c.json").network.ep_all_to_all_s == 4e-3
 
 
 def test_hsdp_shards_the_experts_over_the_shard_group_divided_by_ep():

@@ -41,21 +41,23 @@ def test_overlap_hides_per_fused_pair_min_of_each_exchange_and_the_other_halfs_c
     device, network = named_gpu("h100-sxm", "bf16")
     off, on = _layout(), _layout(moe_overlap=True)
     # by hand: a MoE block sends each sequence's top-8 hidden states (dispatch) and takes them back (combine), 15/16
-    # of them to other ranks; ep 16 spans both nodes, so over the link across them
+    # of them to other ranks, after a call of the 128 experts' int64 counts (forward only); ep 16 spans both nodes,
+    # so over the link across them
     latency, bandwidth = network.across_collective()
-    per_block = 2 * (blocks[1].experts.dispatch_bytes * 15 / 16 / bandwidth + 15 * latency)
+    per_block = 2 * (blocks[1].experts.dispatch_bytes * 15 / 16 / bandwidth + 15 * latency)  # backward
     assert per_block == pytest.approx(2 * (SEQ * 8 * 2048 * 2 * 15 / 16 / 40e9 + 15 * 5e-6))
+    counts = 128 * 8 * 15 / 16 / bandwidth + 15 * latency
     planned = predict(blocks, off, device, network)
     assert planned.balance == (25, 25)  # stage 0: the embedding and 24 MoE layers; stage 1: 24 and the head
-    exchange = [24 * per_block, 24 * per_block]
+    ex_forward, ex_backward = [24 * (per_block + counts)] * 2, [24 * per_block] * 2
     costs = stage_costs(blocks, off, device, network, [(0, 25), (25, 50)])
     costs[-1] = last_stage(costs[-1], blocks[-1], 1, 1)
-    forward = [c.forward_s - x for c, x in zip(costs, exchange)]  # what the other half's exchange hides behind
-    backward = [c.backward_s - x for c, x in zip(costs, exchange)]
+    forward = [c.forward_s - x for c, x in zip(costs, ex_forward)]  # what the other half's exchange hides behind
+    backward = [c.backward_s - x for c, x in zip(costs, ex_backward)]
     order = order_of("dualpipev", 1, 4, 2)[0]
     pairs = [(a.stage, b.stage) for a, b in zip(order, order[1:]) if a.fused]
     assert pairs == [(1, 0), (0, 1), (1, 0), (0, 1), (1, 0)]  # the steady state; warm-up and cool-down unfused
-    hidden = sum(min(exchange[f], backward[b]) + min(exchange[b], forward[f]) for f, b in pairs)
+    hidden = sum(min(ex_forward[f], backward[b]) + min(ex_backward[b], forward[f]) for f, b in pairs)
     assert hidden > 0.1 * planned.step_s  # across nodes the exchange outlasts the compute: all compute is hidden
     # one rank runs every action in turn: the step is shorter by exactly what the pairs hide
     assert planned.step_s - predict(blocks, on, device, network).step_s == pytest.approx(hidden, rel=1e-9)

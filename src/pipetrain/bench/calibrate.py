@@ -13,7 +13,8 @@ Two ranks are spawned (on the same node) and measure:
   machine (`contention`; on CPU the planner also knows the cores, so it can share them among more ranks);
 - a DTensor all-reduce beyond the bare one, and AdamW over one layer split by the TP plan beyond the
   unsplit layer, per DTensor (`calibrate_tp.py`); one layer sharded by FSDP2: its
-  fixed cost per parameter group beyond the ring (`calibrate_fsdp.py`);
+  fixed cost per parameter group beyond the ring (`calibrate_fsdp.py`); pipetrain's expert dispatch and combine
+  of one sequence: the fixed cost per all-to-all call beyond the ring (`calibrate_ep.py`);
 - AdamW's time per parameter (one large tensor) and per parameter tensor (many small ones);
 - a 2-stage pipeline of 4 such layers against the simulator (`calibrate_pipeline.py`): the slowdown of work handed
   from rank to rank, the host cost of one schedule action and the engine's fixed cost per step (its 1- and
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.bench.calibrate_device import compute_figures, network_figures
+from pipetrain.bench.calibrate_ep import ep_figures
 from pipetrain.bench.calibrate_fsdp import fsdp_figures
 from pipetrain.bench.calibrate_pipeline import pipeline_figures
 from pipetrain.bench.calibrate_timing import LayerShape
@@ -65,6 +67,7 @@ def _rank(spec: RankSpec, shape: LayerShape, samples: int, repeats: int, out: st
                    "baseline_bytes": baseline}
         figures.update(tp_figures(shape, device, repeats))
         figures.update(fsdp_figures(shape, device, figures, repeats))
+        figures.update(ep_figures(shape, device, figures, repeats))
         figures.update(pipeline_figures(shape, device, figures["rate_by_samples"], repeats, precision))
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, figures)
@@ -141,7 +144,8 @@ def measured_network(m: dict[str, float], inter: dict[str, float] | None = None)
                    collective_latency_s=m["collective_latency_s"], collective_bytes_per_s=m["collective_bytes_per_s"],
                    inter_collective_latency_s=across.get("inter_collective_latency_s", 0.0),
                    inter_collective_bytes_per_s=across.get("inter_collective_bytes_per_s", 0.0),
-                   tp_collective_s=m.get("tp_collective_s", 0.0), fsdp_group_s=m.get("fsdp_group_s", 0.0))
+                   tp_collective_s=m.get("tp_collective_s", 0.0), fsdp_group_s=m.get("fsdp_group_s", 0.0),
+                   ep_all_to_all_s=m.get("ep_all_to_all_s", 0.0))
 
 
 def _host_memory() -> int:

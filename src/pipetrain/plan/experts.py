@@ -7,7 +7,9 @@ holds the block's dense part (`dense_part`: attention, norms, router, shared exp
 FSDP shards are cut over those ranks (`expert_layout`; under HSDP the EP group lies in one shard group, so the
 experts shard over dp_shard / ep ranks and are replicated across the dp / dp_shard groups, as torchtitan's
 "efsdp"). Per forward, each MoE block sends every token's hidden state to its top-k experts and back (two
-all-to-alls: dispatch and combine, `(ep - 1) / ep` of the bytes leave the rank), as much again in backward; the
+all-to-alls: dispatch and combine, `(ep - 1) / ep` of the bytes leave the rank, after a third of the counts per
+expert), as much again in backward (the counts have no gradient); each call also pays a fixed cost per peer that
+the calibration measures (`Network.ep_all_to_all_s`: on gloo, far above the ring's latency); the
 busiest expert works `imbalance` times the mean (1.0: a perfectly balanced router), which stretches the experts'
 share of the compute. The EP group spans ep consecutive data-parallel replicas of a
 stage (pipetrain's mesh puts dp outermost): within a node when ep · pp · tp ranks fit in one, else across nodes.
@@ -124,34 +126,37 @@ def expert_layout(layout):
 
 
 def _a2a_s(nbytes: float, ep: int, layout: _Layout, network: Network) -> float:
-    """One all-to-all in which a rank sends `nbytes` spread evenly over the `ep` ranks of its group."""
+    """One all-to-all call in which a rank sends `nbytes` spread evenly over the `ep` ranks of its group: the ring's
+    latency and bandwidth, and the call's fixed cost per peer (`Network.ep_all_to_all_s`, calibrated)."""
     if ep == 1 or nbytes <= 0:
         return 0.0
     span = ep * layout.cp * layout.pp * layout.tp  # an EP group's ranks are a replica (cp · pp · tp ranks) apart
     across = layout.gpus_per_node > 0 and span > layout.gpus_per_node
     latency, bandwidth = (network.across_collective() if across
                           else (network.collective_latency_s, network.collective_bytes_per_s))
-    return nbytes * (ep - 1) / ep / bandwidth + (ep - 1) * latency
+    return nbytes * (ep - 1) / ep / bandwidth + (ep - 1) * (latency + network.ep_all_to_all_s)
 
 
-def ep_exchange_s(block: BlockCost, samples: int, layout: _Layout, network: Network) -> float:
-    """Seconds of one MoE block's dispatch and combine all-to-alls on a micro-batch of `samples` (as many again in
-    backward; 0 for a block without experts or at ep = 1)."""
+def ep_exchange_s(block: BlockCost, samples: int, layout: _Layout, network: Network) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE block's all-to-alls on a micro-batch of `samples`: in forward the
+    counts per expert (int64), the tokens and the outputs back (`moe.dispatch`), in backward the outputs' and the
+    tokens' gradients ((0, 0) for a block without experts or at ep = 1)."""
     if block.experts is None:
-        return 0.0
+        return 0.0, 0.0
     tokens = samples * block.experts.dispatch_bytes / (layout.tp if layout.sequence_parallel else 1)
-    return 2 * _a2a_s(tokens, layout.ep, layout, network)
+    exchange = 2 * _a2a_s(tokens, layout.ep, layout, network)
+    return exchange + _a2a_s(8.0 * block.experts.experts, layout.ep, layout, network), exchange
 
 
 def ep_extra_s(block: BlockCost, samples: int, layout: _Layout, network: Network,
                device: Device) -> tuple[float, float]:
-    """(forward, backward) seconds an MoE block adds on one rank beyond its dense compute: the dispatch and combine
-    all-to-alls (as many in backward) and, at ep > 1, the busiest rank's excess work (`layout.moe_imbalance` - 1
+    """(forward, backward) seconds an MoE block adds on one rank beyond its dense compute: its all-to-alls
+    (`ep_exchange_s`) and, at ep > 1, the busiest rank's excess work (`layout.moe_imbalance` - 1
     of the experts' compute; twice that in backward)."""
     if block.experts is None:
         return 0.0, 0.0
-    exchange = ep_exchange_s(block, samples, layout, network)
+    forward, backward = ep_exchange_s(block, samples, layout, network)
     # at ep = 1 a rank runs every expert: how tokens spread over them does not change its work
     excess = 0.0 if layout.ep == 1 else \
         max(0.0, layout.moe_imbalance - 1.0) * samples * block.experts.flops / device.flops_per_s
-    return exchange + excess, exchange + 2 * excess
+    return forward + excess, backward + 2 * excess

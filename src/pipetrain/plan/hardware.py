@@ -94,6 +94,10 @@ class Network:
     #: fixed seconds per FSDP2 parameter group and step beyond the ring (copy-in/out, hooks, the slower peer;
     #: bench/calibrate_fsdp.py); 0 where not measured
     fsdp_group_s: float = 0.0
+    #: fixed seconds one expert all-to-all call costs beyond the ring's latency and bandwidth, per peer (the split
+    #: sizes' host sync, gloo's pairwise sends, the wait for the slower peer; bench/calibrate_ep.py); 0 where not
+    #: measured (older calibration files, the data-sheet GPUs)
+    ep_all_to_all_s: float = 0.0
     inter_collective_latency_s: float = 0.0
     inter_collective_bytes_per_s: float = 0.0
 

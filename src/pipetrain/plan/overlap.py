@@ -11,8 +11,8 @@ The rule for a device whose ranks share CPU cores (`Device.cores` > 0, gloo on t
 gloo's all-to-all runs in the calling thread on the same cores as the other half's compute, and the ranks of a node
 already keep every core busy, so the exchange takes core time from the compute instead of idle time beside it
 (`benchmarks/moe_ep.py` prints it beside the plan, docs/planning.md: in four runs of five the overlapped step was
-slower; the second thread's own cost, 10-63 % there, is not priced). A GPU (`cores` 0) runs its collectives on their
-own stream, beside the compute.
+slower; the second thread's own cost, 12-63 % of the step in five runs, is not priced: docs/planning.md says why).
+A GPU (`cores` 0) runs its collectives on their own stream, beside the compute.
 """
 
 from __future__ import annotations

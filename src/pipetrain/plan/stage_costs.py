@@ -48,8 +48,9 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
         moe = [ep_extra_s(b, samples, layout, network, device) for b in part] \
             + [context_comm_s(b, sequences, layout, network, device) for b in part]
         moe_forward, moe_backward = sum(m[0] for m in moe), sum(m[1] for m in moe)
-        hideable = sum(ep_exchange_s(b, samples, layout, network) for b in part) if layout.moe_overlap and \
-            can_overlap(layout) and overlap_hides(device) else 0.0
+        hides = layout.moe_overlap and can_overlap(layout) and overlap_hides(device)
+        exchanges = [ep_exchange_s(b, samples, layout, network) for b in part] if hides else []
+        hide_forward, hide_backward = sum(x[0] for x in exchanges), sum(x[1] for x in exchanges)
         dense, shares = rank_parts(part, layout.ep)
         out_bytes = tp_output_bytes(part[-1], tp, sp) * samples
         across = _crosses_node(stage, layout)
@@ -100,6 +101,6 @@ def stage_costs(blocks: Sequence[BlockCost], layout: Layout, device: Device, net
                         groups=len(shares)) if shares else 0.0),
             weight_share=0.5 * backward / (backward + comm) if comm else 0.5,  # the weight half has no collective
             held_bytes=held, recompute_bytes=again, recompute_s=redo + comm,
-            exchange_forward_s=hideable, exchange_backward_s=hideable,
+            exchange_forward_s=hide_forward, exchange_backward_s=hide_backward,
         ))
     return costs
