@@ -172,3 +172,55 @@ def test_the_second_rank_to_fire_ends_once_the_first_has_reported_and_an_earlier
     messages = sorted(said.values())
     assert messages[0] == "" and messages[1].startswith("every rank is stuck in step 1"), said
     assert took < REPORT_WAIT_S / 2, took
+
+
+_FROZEN_CHILD = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from pipetrain.launch.watchdog import StepWatchdog
+def spin(n):  # a step's work: a fixed amount of it, so that a step stopped halfway still has work left when resumed
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+start, n = time.perf_counter(), 200_000
+spin(n)
+n = int(n * 0.3 / max(time.perf_counter() - start, 1e-6))  # about 0.3 s of work per step
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+def fired(message):
+    print("FIRED", message, flush=True)
+    sys.exit(3)
+dog = StepWatchdog(timeout_s=2.0, rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
+                   on_stuck=fired)
+dog.start()
+print("READY", flush=True)
+for step in range(1, 5):
+    spin(n)
+    dog.progress(step)
+dog.stop()
+print("DONE", flush=True)
+"""
+
+
+def test_a_process_stopped_and_resumed_is_no_hang(tmp_path):
+    """A job suspended as a whole (SIGSTOP, Slurm's `scontrol suspend`) and resumed goes on: its watchdog counts the
+    time the process stood still as its own freeze, not as a step that took 3.5 s against a 2 s --step-timeout."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", _FROZEN_CHILD], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        time.sleep(0.2)  # within the first step
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(3.5)
+        child.send_signal(signal.SIGCONT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out.strip() == "DONE", (child.returncode, out)

@@ -35,6 +35,9 @@ HEARTBEAT_PREFIX = _PREFIX + "beat/"
 STORE_TIMEOUT_S = _STORE_TIMEOUT_S = 5.0
 
 
+#: A watchdog thread that wakes this many seconds after its period counts the gap as the process's own freeze (the
+#: whole process stopped: SIGSTOP, `scontrol suspend`), not as time its step took: a job resumed is not a hang.
+_FROZEN_S = 2.0
 #: Seconds a rank whose watchdog fired after another's waits for that rank's report before it ends quietly.
 REPORT_WAIT_S = 30.0
 
@@ -189,9 +192,13 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         looked = 0.0  # when the heartbeats of the others were last read during long work
+        woke = time.monotonic()
         while not self._stop.wait(self._period):
-            self._beat()
             now = time.monotonic()
+            late, woke = now - woke - self._period, now
+            if late > _FROZEN_S:  # this process was stopped (SIGSTOP, a suspended Slurm job): not its step's time
+                self._last += late
+            self._beat()
             if now - self._last > self.limit_s:
                 self._fire()
                 return
