@@ -98,12 +98,18 @@ def test_a_killed_host_and_the_survivor_relays_itself_out_then_grows_back(cluste
     resumed = re.compile(r"pipetrain: resumed from \S+/step-(\d+) ")
     assert wait_for(lambda: resumed.search(cluster.output("node0.log")), RECOVERY_BOUND_S + 30.0, 0.05), show()
     resumed_s = time.monotonic() - killed_at
-    assert wait_for(lambda: len(_records(run_dir)) > at_kill, 60.0, 0.05), show()
+    saved = int(resumed.search(cluster.output("node0.log")).group(1))
+
+    def restarted() -> bool:  # the restarted run's first record is in (a step the killed run finished as host 1
+        records = _records(run_dir)  # died may be recorded after `at_kill`: it is not the restarted run's)
+        start = _restart(records, at_kill)
+        return start < len(records) and records[start]["step"] == saved + 1
+
+    assert wait_for(restarted, 60.0, 0.05), show()
     recovery_s = time.monotonic() - killed_at
     records = _records(run_dir)
     start = _restart(records, at_kill)
     first, done_before = records[start], records[start - 1]["step"]
-    saved = int(resumed.search(cluster.output("node0.log")).group(1))
     lost = done_before - saved
     print(f"host 1 killed after step {done_before}: the survivor resumed step {saved} {resumed_s:.1f} s after the "
           f"kill and trained its first new step (step {first['step']}) {recovery_s:.1f} s after it; steps lost "
